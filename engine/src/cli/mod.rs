@@ -1,0 +1,3 @@
+//! Implementations of the `shardline` command line's subcommands. Each
+//! subcommand lives in its own module; `src/bin/shardline.rs` only parses and
+//! dispatches.

@@ -1,0 +1,3 @@
+//! # shardline-journal
+//!
+//! Append-only, memory-mapped segment journal.

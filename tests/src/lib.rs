@@ -1,0 +1,1 @@
+//! Shardline's deterministic simulation and integration-test helpers.
