@@ -1,0 +1,181 @@
+//! Identity newtypes shared by the sharding and cluster state machines.
+//!
+//! Time is never read here: every state machine takes `now: Duration`, the
+//! time elapsed since an origin chosen by the runtime (the node's start, or
+//! zero in the simulation).
+
+use std::fmt;
+
+use thiserror::Error;
+
+/// Errors from building an identity from untrusted input.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum IdError {
+    /// The id was empty; ids are 1 to 255 bytes.
+    #[error("{kind} is empty; it must be 1 to 255 bytes of UTF-8")]
+    Empty {
+        /// Which kind of id ("entity id", "type name").
+        kind: &'static str,
+    },
+    /// The id was longer than 255 bytes.
+    #[error("{kind} is {len_bytes} bytes; at most 255 bytes are allowed")]
+    TooLong {
+        /// Which kind of id.
+        kind: &'static str,
+        /// The length that was given, in bytes.
+        len_bytes: usize,
+    },
+    /// The id was not valid UTF-8.
+    #[error("{kind} is not valid UTF-8")]
+    NotUtf8 {
+        /// Which kind of id.
+        kind: &'static str,
+    },
+}
+
+/// Maximum length of an [`EntityId`] or [`TypeName`], in bytes.
+pub const MAX_ID_LEN_BYTES: usize = 255;
+
+fn check(kind: &'static str, s: &str) -> Result<(), IdError> {
+    if s.is_empty() {
+        return Err(IdError::Empty { kind });
+    }
+    if s.len() > MAX_ID_LEN_BYTES {
+        return Err(IdError::TooLong {
+            kind,
+            len_bytes: s.len(),
+        });
+    }
+    Ok(())
+}
+
+macro_rules! string_id {
+    ($(#[$doc:meta])* $name:ident, $kind:literal) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub struct $name(String);
+
+        impl $name {
+            /// Builds the id from a string.
+            ///
+            /// # Errors
+            /// [`IdError::Empty`] for an empty string, [`IdError::TooLong`]
+            /// above 255 bytes.
+            pub fn new(s: impl Into<String>) -> Result<Self, IdError> {
+                let s = s.into();
+                check($kind, &s)?;
+                Ok(Self(s))
+            }
+
+            /// Builds the id from untrusted bytes.
+            ///
+            /// # Errors
+            /// [`IdError::NotUtf8`] when the bytes are not UTF-8, and the
+            /// errors of [`Self::new`].
+            pub fn from_bytes(b: &[u8]) -> Result<Self, IdError> {
+                if b.len() > MAX_ID_LEN_BYTES {
+                    return Err(IdError::TooLong { kind: $kind, len_bytes: b.len() });
+                }
+                let s = std::str::from_utf8(b).map_err(|_| IdError::NotUtf8 { kind: $kind })?;
+                Self::new(s)
+            }
+
+            /// The id as a string slice.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+    };
+}
+
+string_id!(
+    /// The name of an entity type (`type_name`), 1 to 255 bytes of UTF-8.
+    TypeName,
+    "type name"
+);
+string_id!(
+    /// The id of an entity within its type, 1 to 255 bytes of UTF-8.
+    EntityId,
+    "entity id"
+);
+
+/// A shard number in `0..number_of_shards`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ShardId(pub u32);
+
+impl fmt::Display for ShardId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// A member's network address, `host:port` (the cluster address).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Address(pub String);
+
+impl fmt::Display for Address {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A random number drawn by a node at each start (one per incarnation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct MemberUid(pub u64);
+
+/// A member: its address plus the uid of this incarnation. A node restarted
+/// at the same address is a different `UniqueAddress`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct UniqueAddress {
+    /// The member's cluster address.
+    pub address: Address,
+    /// The incarnation's uid.
+    pub uid: MemberUid,
+}
+
+impl fmt::Display for UniqueAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}#{}", self.address, self.uid.0)
+    }
+}
+
+/// A ShardRegion: one per data core per member.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RegionId {
+    /// The member hosting the region.
+    pub member: UniqueAddress,
+    /// The data core index on that member (0-based).
+    pub core: u16,
+}
+
+impl fmt::Display for RegionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/core-{}", self.member, self.core)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entity_id_bounds() {
+        assert!(matches!(EntityId::new(""), Err(IdError::Empty { .. })));
+        assert!(EntityId::new("a".repeat(255)).is_ok());
+        assert!(matches!(
+            EntityId::new("a".repeat(256)),
+            Err(IdError::TooLong { len_bytes: 256, .. })
+        ));
+        assert!(matches!(
+            EntityId::from_bytes(&[0xff, 0xfe]),
+            Err(IdError::NotUtf8 { .. })
+        ));
+    }
+}
