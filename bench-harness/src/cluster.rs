@@ -1,0 +1,558 @@
+//! A local cluster of `shardline node` child processes (`--spawn N`).
+//!
+//! Configs are generated into a temporary directory with loopback ports
+//! that were free when allocated; every node lists the initial nodes as seed
+//! nodes. A node counts as ready when it printed `shardline: ready` and then
+//! answered an echo request. Children are stopped with SIGTERM, then
+//! SIGKILL after a bound, at the end of the run and when the cluster is
+//! dropped (also on panic); on Linux they also get SIGKILL if the harness
+//! dies (`PR_SET_PDEATHSIG`), so a killed harness leaves no node behind.
+//! Nodes must be started from the main thread (the death signal follows the
+//! thread that spawned the child).
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::transport::Connector;
+use crate::workload::{COUNTER_TYPE, ECHO_TYPE};
+
+/// Durability of persistent entities, as the node config's `durability`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum Durability {
+    /// No journal (`"none"`).
+    None,
+    /// Fsync before acknowledging (`"always"`).
+    Always,
+    /// Group commit every N ms (`{ interval_ms = N }`).
+    IntervalMs(u64),
+}
+
+impl Durability {
+    /// Parses `none`, `always` or `interval:MS`.
+    ///
+    /// # Errors
+    /// Anything else.
+    pub fn parse(text: &str) -> Result<Durability, String> {
+        match text {
+            "none" => Ok(Durability::None),
+            "always" => Ok(Durability::Always),
+            _ => match text.strip_prefix("interval:").map(str::parse::<u64>) {
+                Some(Ok(ms)) if ms > 0 => Ok(Durability::IntervalMs(ms)),
+                _ => Err(format!(
+                    "unknown durability `{text}` (use none, always or interval:MS)"
+                )),
+            },
+        }
+    }
+
+    fn toml(&self) -> String {
+        match self {
+            Durability::None => "\"none\"".into(),
+            Durability::Always => "\"always\"".into(),
+            Durability::IntervalMs(ms) => format!("{{ interval_ms = {ms} }}"),
+        }
+    }
+}
+
+/// What every spawned node is configured with.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct NodeSpec {
+    /// Data executors (regions) per node (count).
+    pub data_cores: u16,
+    /// Pin executors to cores.
+    pub pin_cores: bool,
+    /// Shards of each entity type (count).
+    pub number_of_shards: u32,
+    /// Journal durability.
+    pub durability: Durability,
+    /// Idle passivation timeout (ms, 0 disables).
+    pub idle_timeout_ms: u64,
+    /// Active entities per region before LRU passivation (count, 0 = no limit).
+    pub active_entity_limit: u64,
+}
+
+fn toml_string(text: &str) -> String {
+    let mut out = String::from("\"");
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// The TOML config of one node (format in `notes/INTERFACES.md`: node config).
+pub fn node_config(
+    spec: &NodeSpec,
+    cluster: SocketAddr,
+    client: SocketAddr,
+    seeds: &[SocketAddr],
+    data_dir: &Path,
+) -> String {
+    let seeds: Vec<String> = seeds.iter().map(|s| toml_string(&s.to_string())).collect();
+    let mut text = format!(
+        "cluster_address = {}\nclient_address = {}\nseed_nodes = [{}]\ndata_cores = {}\npin_cores = {}\n\
+         data_dir = {}\nnumber_of_shards = {}\ndurability = {}\n",
+        toml_string(&cluster.to_string()),
+        toml_string(&client.to_string()),
+        seeds.join(", "),
+        spec.data_cores,
+        spec.pin_cores,
+        toml_string(&data_dir.to_string_lossy()),
+        spec.number_of_shards,
+        spec.durability.toml(),
+    );
+    for (name, kind) in [(COUNTER_TYPE, "counter"), (ECHO_TYPE, "echo")] {
+        text.push_str(&format!(
+            "\n[[entity_types]]\nname = {}\nkind = {}\nidle_timeout_ms = {}\nactive_entity_limit = {}\n",
+            toml_string(name),
+            toml_string(kind),
+            spec.idle_timeout_ms,
+            spec.active_entity_limit
+        ));
+    }
+    text
+}
+
+/// `count` distinct loopback addresses whose ports were free a moment ago.
+///
+/// # Errors
+/// When no port can be bound.
+pub fn free_addresses(count: usize) -> Result<Vec<SocketAddr>> {
+    let listeners: Vec<TcpListener> = (0..count)
+        .map(|_| TcpListener::bind("127.0.0.1:0").context("cannot bind a loopback port"))
+        .collect::<Result<_>>()?;
+    listeners
+        .iter()
+        .map(|l| l.local_addr().context("local address"))
+        .collect()
+}
+
+/// Finds the `shardline` binary: `$SHARDLINE_BIN`, else next to the running
+/// executable (the same `target/<profile>` directory). When it is missing
+/// there, builds it with `cargo build -p shardline --bin shardline` (with
+/// `--release` when running from a `release` directory) into the same
+/// target directory, from the workspace this harness was compiled in.
+///
+/// # Errors
+/// When the binary is missing and the build fails.
+pub fn node_binary() -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os("SHARDLINE_BIN") {
+        return Ok(PathBuf::from(path));
+    }
+    let exe = std::env::current_exe().context("cannot locate the running executable")?;
+    let mut dir = exe
+        .parent()
+        .context("executable has no directory")?
+        .to_path_buf();
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.pop();
+    }
+    let candidate = dir.join("shardline");
+    if candidate.is_file() {
+        return Ok(candidate);
+    }
+    let profile = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("debug")
+        .to_string();
+    let target_dir = dir.parent().context("target directory")?;
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    eprintln!(
+        "shardline-bench: building the node binary ({profile}) into {} ...",
+        target_dir.display()
+    );
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut command = Command::new(cargo);
+    command
+        .current_dir(&workspace)
+        .args([
+            "build",
+            "-p",
+            "shardline",
+            "--bin",
+            "shardline",
+            "--target-dir",
+        ])
+        .arg(target_dir);
+    if profile == "release" {
+        command.arg("--release");
+    } else if profile != "debug" {
+        command.args(["--profile", &profile]);
+    }
+    let status = command
+        .status()
+        .context("cannot run cargo to build the node binary")?;
+    if !status.success() || !candidate.is_file() {
+        bail!("building the node binary failed ({status}); build it with `cargo build --release -p shardline` or set SHARDLINE_BIN");
+    }
+    Ok(candidate)
+}
+
+/// One node of the local cluster.
+pub struct LocalNode {
+    /// `node-1`, `node-2`, ...
+    pub name: String,
+    /// Node-to-node address.
+    pub cluster_address: SocketAddr,
+    /// Native-protocol address.
+    pub client_address: SocketAddr,
+    /// Its config file.
+    pub config_path: PathBuf,
+    /// stdout and stderr of every incarnation, appended.
+    pub log_path: PathBuf,
+    child: Option<Child>,
+    ready: Option<mpsc::Receiver<()>>,
+}
+
+/// A local cluster of node processes.
+pub struct LocalCluster {
+    binary: PathBuf,
+    /// Nodes: the initial ones first, then the spares (started on demand).
+    pub nodes: Vec<LocalNode>,
+    initial: usize,
+    dir: tempfile::TempDir,
+}
+
+impl LocalCluster {
+    /// Writes the configs of `initial + spare` nodes (the spares join later,
+    /// e.g. in the rebalance scenario) without starting any.
+    ///
+    /// # Errors
+    /// When the temporary directory, a port or a config file cannot be had.
+    pub fn prepare(
+        binary: PathBuf,
+        initial: usize,
+        spare: usize,
+        spec: &NodeSpec,
+    ) -> Result<LocalCluster> {
+        let dir = tempfile::Builder::new()
+            .prefix("shardline-bench-")
+            .tempdir()
+            .context("temporary directory")?;
+        let total = initial + spare;
+        let addrs = free_addresses(2 * total)?;
+        let (cluster, client) = addrs.split_at(total);
+        let seeds = &cluster[..initial];
+        let mut nodes = Vec::new();
+        for i in 0..total {
+            let name = format!("node-{}", i + 1);
+            let data_dir = dir.path().join(&name);
+            std::fs::create_dir_all(&data_dir)?;
+            let config_path = dir.path().join(format!("{name}.toml"));
+            std::fs::write(
+                &config_path,
+                node_config(spec, cluster[i], client[i], seeds, &data_dir),
+            )?;
+            nodes.push(LocalNode {
+                log_path: dir.path().join(format!("{name}.log")),
+                name,
+                cluster_address: cluster[i],
+                client_address: client[i],
+                config_path,
+                child: None,
+                ready: None,
+            });
+        }
+        Ok(LocalCluster {
+            binary,
+            nodes,
+            initial,
+            dir,
+        })
+    }
+
+    /// The temporary directory holding configs, data and logs.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Client addresses of the initial nodes.
+    pub fn client_addresses(&self) -> Vec<SocketAddr> {
+        self.nodes[..self.initial]
+            .iter()
+            .map(|n| n.client_address)
+            .collect()
+    }
+
+    /// Starts node `i` (must not be running). Call from the main thread.
+    ///
+    /// # Errors
+    /// When the process cannot be started.
+    pub fn start(&mut self, i: usize) -> Result<()> {
+        let node = &mut self.nodes[i];
+        if node.child.is_some() {
+            bail!("{} is already running", node.name);
+        }
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&node.log_path)?;
+        let mut command = Command::new(&self.binary);
+        command
+            .arg("node")
+            .arg("--config")
+            .arg(&node.config_path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log.try_clone()?));
+        // SAFETY: prctl is async-signal-safe and touches no memory of the
+        // parent; it only asks the kernel to SIGKILL this child when the
+        // spawning thread exits.
+        unsafe {
+            command.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child = command
+            .spawn()
+            .with_context(|| format!("cannot start {} ({})", node.name, self.binary.display()))?;
+        let stdout = child.stdout.take().context("child stdout")?;
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || forward_stdout(stdout, log, tx));
+        node.child = Some(child);
+        node.ready = Some(rx);
+        Ok(())
+    }
+
+    /// Waits until node `i` printed its ready line and answered an echo
+    /// request; returns how long that took.
+    ///
+    /// # Errors
+    /// When the node exits or is not ready within `timeout`; the message
+    /// holds the end of its log.
+    pub fn wait_ready(
+        &mut self,
+        i: usize,
+        connector: &dyn Connector,
+        timeout: Duration,
+    ) -> Result<Duration> {
+        let started = Instant::now();
+        let deadline = started + timeout;
+        let mut saw_line = false;
+        loop {
+            let node = &mut self.nodes[i];
+            if let Some(child) = node.child.as_mut() {
+                if let Some(status) = child.try_wait()? {
+                    node.child = None;
+                    bail!(
+                        "{} exited ({status}) before it was ready:\n{}",
+                        node.name,
+                        log_tail(&node.log_path)
+                    );
+                }
+            } else {
+                bail!("{} is not running", node.name);
+            }
+            if !saw_line {
+                if let Some(rx) = node.ready.as_ref() {
+                    saw_line = rx.recv_timeout(Duration::from_millis(100)).is_ok();
+                }
+            } else {
+                let probe = connector.ask(
+                    node.client_address,
+                    ECHO_TYPE,
+                    &format!("ready-probe-{}", i + 1),
+                    b"ping",
+                    Duration::from_secs(2),
+                );
+                if matches!(probe, Ok(ref reply) if reply.error.is_none()) {
+                    return Ok(started.elapsed());
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            if Instant::now() > deadline {
+                let what = if saw_line {
+                    "did not answer a request"
+                } else {
+                    "did not print `shardline: ready`"
+                };
+                bail!(
+                    "{} {what} within {:?}; log {}:\n{}",
+                    node.name,
+                    timeout,
+                    node.log_path.display(),
+                    log_tail(&node.log_path)
+                );
+            }
+        }
+    }
+
+    /// Starts the initial nodes together and waits until all are ready.
+    ///
+    /// # Errors
+    /// As [`LocalCluster::start`] and [`LocalCluster::wait_ready`].
+    pub fn start_initial(&mut self, connector: &dyn Connector, timeout: Duration) -> Result<()> {
+        for i in 0..self.initial {
+            self.start(i)?;
+        }
+        for i in 0..self.initial {
+            self.wait_ready(i, connector, timeout)?;
+        }
+        Ok(())
+    }
+
+    /// Kills node `i` with SIGKILL and reaps it.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut child) = self.nodes[i].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Stops node `i`: SIGTERM (graceful leave), then SIGKILL if it has not
+    /// exited within `bound`. Returns whether it exited on its own.
+    pub fn terminate(&mut self, i: usize, bound: Duration) -> bool {
+        let Some(mut child) = self.nodes[i].child.take() else {
+            return true;
+        };
+        // SAFETY: plain kill(2) on the pid of a child we have not reaped yet.
+        unsafe {
+            libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + bound;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        false
+    }
+
+    /// Whether node `i` is running.
+    pub fn is_running(&self, i: usize) -> bool {
+        self.nodes[i].child.is_some()
+    }
+
+    /// Stops every running node (SIGTERM, SIGKILL after `bound`), all at once.
+    pub fn stop_all(&mut self, bound: Duration) {
+        for node in &self.nodes {
+            if let Some(child) = node.child.as_ref() {
+                // SAFETY: kill(2) on an unreaped child's pid.
+                unsafe {
+                    libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+                }
+            }
+        }
+        for i in 0..self.nodes.len() {
+            self.terminate(i, bound);
+        }
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        self.stop_all(Duration::from_secs(5));
+    }
+}
+
+fn forward_stdout(stdout: std::process::ChildStdout, mut log: File, ready: mpsc::Sender<()>) {
+    let mut reader = BufReader::new(stdout);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        match reader.read_line(&mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {
+                if line.starts_with("shardline: ready") {
+                    let _ = ready.send(());
+                }
+                let _ = log.write_all(line.as_bytes());
+            }
+        }
+    }
+}
+
+/// The last 20 lines of a log file.
+pub fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> NodeSpec {
+        NodeSpec {
+            data_cores: 2,
+            pin_cores: false,
+            number_of_shards: 100,
+            durability: Durability::IntervalMs(5),
+            idle_timeout_ms: 0,
+            active_entity_limit: 1000,
+        }
+    }
+
+    #[test]
+    fn configs_hold_every_key_of_the_contract() {
+        let a: SocketAddr = "127.0.0.1:7101".parse().unwrap();
+        let b: SocketAddr = "127.0.0.1:7201".parse().unwrap();
+        let text = node_config(&spec(), a, b, &[a], Path::new("/tmp/x\"y"));
+        for key in [
+            "cluster_address = \"127.0.0.1:7101\"",
+            "client_address = \"127.0.0.1:7201\"",
+            "seed_nodes = [\"127.0.0.1:7101\"]",
+            "data_cores = 2",
+            "pin_cores = false",
+            "data_dir = \"/tmp/x\\\"y\"",
+            "number_of_shards = 100",
+            "durability = { interval_ms = 5 }",
+            "name = \"counter\"",
+            "kind = \"echo\"",
+            "active_entity_limit = 1000",
+            "idle_timeout_ms = 0",
+        ] {
+            assert!(text.contains(key), "missing `{key}` in\n{text}");
+        }
+        assert_eq!(text.matches("[[entity_types]]").count(), 2);
+    }
+
+    #[test]
+    fn durability_parses() {
+        assert_eq!(Durability::parse("none").unwrap(), Durability::None);
+        assert_eq!(Durability::parse("always").unwrap(), Durability::Always);
+        assert_eq!(
+            Durability::parse("interval:2").unwrap(),
+            Durability::IntervalMs(2)
+        );
+        assert!(Durability::parse("interval:0").is_err());
+        assert!(Durability::parse("sometimes").is_err());
+    }
+
+    #[test]
+    fn free_addresses_are_distinct_loopback() {
+        let addrs = free_addresses(6).unwrap();
+        let set: std::collections::HashSet<_> = addrs.iter().collect();
+        assert_eq!(set.len(), 6);
+        assert!(addrs.iter().all(|a| a.ip().is_loopback()));
+    }
+
+    #[test]
+    fn prepared_cluster_has_configs_and_no_process() {
+        let c =
+            LocalCluster::prepare(PathBuf::from("/nonexistent/shardline"), 2, 1, &spec()).unwrap();
+        assert_eq!(c.nodes.len(), 3);
+        assert_eq!(c.client_addresses().len(), 2);
+        let spare = std::fs::read_to_string(&c.nodes[2].config_path).unwrap();
+        assert!(spare.contains(&c.nodes[0].cluster_address.to_string()));
+        assert!(!c.is_running(0));
+    }
+}
