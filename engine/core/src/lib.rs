@@ -5,3 +5,4 @@
 //! arrives with the current time, every effect leaves as a value.
 
 pub mod ids;
+pub mod sharding;

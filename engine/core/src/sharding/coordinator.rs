@@ -1,0 +1,662 @@
+//! The ShardCoordinator: decides shard homes, runs hand-offs and rebalances.
+//!
+//! Protocol after Akka's `ShardCoordinator` (Akka Cluster Sharding docs,
+//! "Shard location", "Shard rebalancing"):
+//! - `Register` → `RegisterAck` (+ `ShardHomes` of what the region owns);
+//! - `GetShardHome` → allocation through the [`ShardAllocationStrategy`] →
+//!   `Persist(ShardHomeAllocated)` → `ShardHome` to the home and every asker;
+//! - a rebalance round every `rebalance_interval`: for each chosen shard,
+//!   `BeginHandOff` to every region → `BeginHandOffAck` from each (terminated
+//!   regions count as acked) → `HandOff` to the owner → `ShardStopped` →
+//!   `Persist(ShardHomeDeallocated)` → deferred `GetShardHome`s are answered
+//!   with a new allocation. A hand-off not finished within `handoff_timeout`
+//!   is abandoned: the shard stays with its owner under a new generation.
+//!
+//! The state ([`CoordinatorState`]) changes only by applying the events the
+//! coordinator emits, so replaying the journal gives back the same state.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Duration;
+
+use super::strategy::ShardAllocationStrategy;
+use super::{CoordinatorMsg, Generation, MemberStatus, MembershipEvent, RegionMsg};
+use crate::ids::{RegionId, ShardId, UniqueAddress};
+
+/// A persisted coordinator event (past tense, as in Akka's
+/// `ShardCoordinator.Internal.DomainEvent`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CoordinatorEvent {
+    /// A region registered.
+    ShardRegionRegistered {
+        /// The region.
+        region: RegionId,
+    },
+    /// A proxy registered.
+    ShardRegionProxyRegistered {
+        /// The proxy.
+        proxy: RegionId,
+    },
+    /// A region terminated; its shards were deallocated by the events before.
+    ShardRegionTerminated {
+        /// The region.
+        region: RegionId,
+    },
+    /// A proxy terminated.
+    ShardRegionProxyTerminated {
+        /// The proxy.
+        proxy: RegionId,
+    },
+    /// A shard got a home.
+    ShardHomeAllocated {
+        /// The shard.
+        shard: ShardId,
+        /// Its home.
+        region: RegionId,
+        /// The allocation's generation (larger than every earlier one).
+        generation: Generation,
+    },
+    /// A shard lost its home (handed off, or its region terminated).
+    ShardHomeDeallocated {
+        /// The shard.
+        shard: ShardId,
+        /// The generation of the allocation that ended.
+        generation: Generation,
+    },
+}
+
+/// The coordinator's durable state: a fold over [`CoordinatorEvent`]s.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CoordinatorState {
+    /// Each allocated shard's home and generation.
+    pub shards: BTreeMap<ShardId, (RegionId, Generation)>,
+    /// Each registered region and the shards it hosts.
+    pub regions: BTreeMap<RegionId, BTreeSet<ShardId>>,
+    /// Registered proxies.
+    pub proxies: BTreeSet<RegionId>,
+    /// The largest generation ever allocated (0 = none yet).
+    pub last_generation: Generation,
+}
+
+impl CoordinatorState {
+    /// Applies one event.
+    pub fn apply(&mut self, event: &CoordinatorEvent) {
+        match event {
+            CoordinatorEvent::ShardRegionRegistered { region } => {
+                self.regions.entry(region.clone()).or_default();
+            }
+            CoordinatorEvent::ShardRegionProxyRegistered { proxy } => {
+                self.proxies.insert(proxy.clone());
+            }
+            CoordinatorEvent::ShardRegionTerminated { region } => {
+                if let Some(shards) = self.regions.remove(region) {
+                    for s in shards {
+                        self.shards.remove(&s);
+                    }
+                }
+            }
+            CoordinatorEvent::ShardRegionProxyTerminated { proxy } => {
+                self.proxies.remove(proxy);
+            }
+            CoordinatorEvent::ShardHomeAllocated {
+                shard,
+                region,
+                generation,
+            } => {
+                if let Some((old, _)) = self.shards.remove(shard) {
+                    if let Some(set) = self.regions.get_mut(&old) {
+                        set.remove(shard);
+                    }
+                }
+                self.shards.insert(*shard, (region.clone(), *generation));
+                self.regions
+                    .entry(region.clone())
+                    .or_default()
+                    .insert(*shard);
+                self.last_generation = self.last_generation.max(*generation);
+            }
+            CoordinatorEvent::ShardHomeDeallocated { shard, .. } => {
+                if let Some((old, _)) = self.shards.remove(shard) {
+                    if let Some(set) = self.regions.get_mut(&old) {
+                        set.remove(shard);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The state after applying `events` in order to the empty state.
+    pub fn from_events<'a>(events: impl IntoIterator<Item = &'a CoordinatorEvent>) -> Self {
+        let mut s = Self::default();
+        for e in events {
+            s.apply(e);
+        }
+        s
+    }
+}
+
+/// Coordinator settings (Akka's `akka.cluster.sharding` keys of the same
+/// meaning).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CoordinatorSettings {
+    /// Up members needed before the first allocation (count). Default 1.
+    pub min_nr_of_members: usize,
+    /// Time between rebalance rounds. Default 10 s.
+    pub rebalance_interval: Duration,
+    /// How long one shard's hand-off may take before it is abandoned.
+    /// Default 60 s.
+    pub handoff_timeout: Duration,
+}
+
+impl Default for CoordinatorSettings {
+    fn default() -> Self {
+        Self {
+            min_nr_of_members: 1,
+            rebalance_interval: Duration::from_secs(10),
+            handoff_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// An effect for the runtime to carry out, in order.
+#[must_use]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CoordinatorEffect {
+    /// Send a control message to a region.
+    Send {
+        /// The destination region.
+        to: RegionId,
+        /// The message.
+        msg: RegionMsg,
+    },
+    /// Append the event to the coordinator's journal; it must be durable
+    /// before any later effect is carried out.
+    Persist(CoordinatorEvent),
+}
+
+#[derive(Debug, Clone)]
+struct HandOffState {
+    generation: Generation,
+    owner: RegionId,
+    waiting_acks: BTreeSet<RegionId>,
+    handoff_sent: bool,
+    deadline: Duration,
+}
+
+/// The shard coordinator state machine (one per cluster, on the oldest
+/// member).
+///
+/// Order of calls: construct with [`ShardCoordinator::new`] (fresh) or
+/// [`ShardCoordinator::recover`] (from the journal); feed the membership
+/// view with [`handle_membership`](Self::handle_membership); then
+/// [`handle_message`](Self::handle_message) for every region message and
+/// [`handle_timeout`](Self::handle_timeout) when
+/// [`poll_timeout`](Self::poll_timeout) has passed; after each call drain
+/// [`poll_effect`](Self::poll_effect) until `None`.
+pub struct ShardCoordinator {
+    settings: CoordinatorSettings,
+    strategy: Box<dyn ShardAllocationStrategy + Send>,
+    state: CoordinatorState,
+    members: BTreeMap<UniqueAddress, MemberStatus>,
+    removed: BTreeSet<UniqueAddress>,
+    shutting_down: BTreeSet<RegionId>,
+    rebalance: BTreeMap<ShardId, HandOffState>,
+    deferred: BTreeMap<ShardId, BTreeSet<RegionId>>,
+    next_rebalance_at: Duration,
+    effects: VecDeque<CoordinatorEffect>,
+    strategy_errors: u64,
+}
+
+impl std::fmt::Debug for ShardCoordinator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardCoordinator")
+            .field("state", &self.state)
+            .field("rebalance", &self.rebalance.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ShardCoordinator {
+    /// A fresh coordinator with an empty journal.
+    pub fn new(
+        settings: CoordinatorSettings,
+        strategy: Box<dyn ShardAllocationStrategy + Send>,
+        now: Duration,
+    ) -> Self {
+        Self::recover(settings, strategy, std::iter::empty(), now)
+    }
+
+    /// A coordinator that takes over from an earlier one: `events` is its
+    /// journal, in order. Regions re-register afterwards and report what they
+    /// host; see [`CoordinatorMsg::Register`].
+    pub fn recover<'a>(
+        settings: CoordinatorSettings,
+        strategy: Box<dyn ShardAllocationStrategy + Send>,
+        events: impl IntoIterator<Item = &'a CoordinatorEvent>,
+        now: Duration,
+    ) -> Self {
+        let next_rebalance_at = now + settings.rebalance_interval;
+        Self {
+            settings,
+            strategy,
+            state: CoordinatorState::from_events(events),
+            members: BTreeMap::new(),
+            removed: BTreeSet::new(),
+            shutting_down: BTreeSet::new(),
+            rebalance: BTreeMap::new(),
+            deferred: BTreeMap::new(),
+            next_rebalance_at,
+            effects: VecDeque::new(),
+            strategy_errors: 0,
+        }
+    }
+
+    /// The current durable state.
+    pub fn state(&self) -> &CoordinatorState {
+        &self.state
+    }
+
+    /// Shards whose hand-off is in progress.
+    pub fn rebalance_in_progress(&self) -> impl Iterator<Item = ShardId> + '_ {
+        self.rebalance.keys().copied()
+    }
+
+    /// How many times the allocation strategy erred or panicked (count).
+    pub fn strategy_errors(&self) -> u64 {
+        self.strategy_errors
+    }
+
+    /// The next effect to carry out, if any.
+    pub fn poll_effect(&mut self) -> Option<CoordinatorEffect> {
+        self.effects.pop_front()
+    }
+
+    /// All pending effects, in order.
+    pub fn drain_effects(&mut self) -> impl Iterator<Item = CoordinatorEffect> + '_ {
+        self.effects.drain(..)
+    }
+
+    /// The earliest time at which [`handle_timeout`](Self::handle_timeout)
+    /// must be called.
+    pub fn poll_timeout(&self) -> Option<Duration> {
+        let d = self.rebalance.values().map(|h| h.deadline).min();
+        Some(match d {
+            Some(d) => d.min(self.next_rebalance_at),
+            None => self.next_rebalance_at,
+        })
+    }
+
+    fn persist(&mut self, e: CoordinatorEvent) {
+        self.state.apply(&e);
+        self.effects.push_back(CoordinatorEffect::Persist(e));
+    }
+
+    fn send(&mut self, to: RegionId, msg: RegionMsg) {
+        self.effects.push_back(CoordinatorEffect::Send { to, msg });
+    }
+
+    fn up_count(&self) -> usize {
+        self.members
+            .values()
+            .filter(|s| **s == MemberStatus::Up)
+            .count()
+    }
+
+    fn eligible(&self) -> BTreeMap<RegionId, Vec<ShardId>> {
+        self.state
+            .regions
+            .iter()
+            .filter(|(r, _)| {
+                self.members.get(&r.member) == Some(&MemberStatus::Up)
+                    && !self.shutting_down.contains(*r)
+            })
+            .map(|(r, s)| (r.clone(), s.iter().copied().collect()))
+            .collect()
+    }
+
+    /// Applies a membership change. A removed member's regions are
+    /// terminated: their shards are deallocated (and re-allocated on demand),
+    /// and they count as having acknowledged every hand-off.
+    pub fn handle_membership(&mut self, now: Duration, event: MembershipEvent) {
+        let _ = now;
+        match event {
+            MembershipEvent::CurrentMembers(list) => {
+                self.members = list.into_iter().collect();
+                let dead: Vec<RegionId> = self
+                    .state
+                    .regions
+                    .keys()
+                    .chain(self.state.proxies.iter())
+                    .filter(|r| !self.members.contains_key(&r.member))
+                    .cloned()
+                    .collect();
+                for r in dead {
+                    self.terminate_region(&r);
+                }
+            }
+            MembershipEvent::MemberUp(m) => {
+                if !self.removed.contains(&m) {
+                    self.members.insert(m, MemberStatus::Up);
+                }
+            }
+            MembershipEvent::MemberLeaving(m) => {
+                if let Some(s) = self.members.get_mut(&m) {
+                    *s = MemberStatus::Leaving;
+                }
+            }
+            MembershipEvent::MemberRemoved(m) => {
+                self.members.remove(&m);
+                let dead: Vec<RegionId> = self
+                    .state
+                    .regions
+                    .keys()
+                    .chain(self.state.proxies.iter())
+                    .chain(self.rebalance.values().flat_map(|h| h.waiting_acks.iter()))
+                    .filter(|r| r.member == m)
+                    .cloned()
+                    .collect();
+                self.removed.insert(m);
+                for r in dead {
+                    self.terminate_region(&r);
+                }
+            }
+            MembershipEvent::RegionTerminated(r) => self.terminate_region(&r),
+        }
+    }
+
+    fn terminate_region(&mut self, r: &RegionId) {
+        self.shutting_down.remove(r);
+        let mut freed = Vec::new();
+        if let Some(shards) = self.state.regions.get(r).cloned() {
+            for s in shards {
+                let generation = self.state.shards[&s].1;
+                self.persist(CoordinatorEvent::ShardHomeDeallocated {
+                    shard: s,
+                    generation,
+                });
+                self.rebalance.remove(&s);
+                freed.push(s);
+            }
+            self.persist(CoordinatorEvent::ShardRegionTerminated { region: r.clone() });
+        }
+        if self.state.proxies.contains(r) {
+            self.persist(CoordinatorEvent::ShardRegionProxyTerminated { proxy: r.clone() });
+        }
+        for d in self.deferred.values_mut() {
+            d.remove(r);
+        }
+        let acked: Vec<ShardId> = self
+            .rebalance
+            .iter_mut()
+            .filter_map(|(s, h)| h.waiting_acks.remove(r).then_some(*s))
+            .collect();
+        for s in acked {
+            self.maybe_send_handoff(s);
+        }
+        for s in freed {
+            self.answer_deferred(s);
+        }
+    }
+
+    /// Handles a message from a region.
+    pub fn handle_message(&mut self, now: Duration, msg: CoordinatorMsg) {
+        match msg {
+            CoordinatorMsg::Register { region, hosted } => {
+                if self.removed.contains(&region.member) {
+                    return;
+                }
+                if !self.state.regions.contains_key(&region) {
+                    self.persist(CoordinatorEvent::ShardRegionRegistered {
+                        region: region.clone(),
+                    });
+                }
+                self.send(region.clone(), RegionMsg::RegisterAck);
+                for (s, g) in hosted {
+                    let agrees = matches!(self.state.shards.get(&s), Some((r, g2)) if *r == region && *g2 == g);
+                    if !agrees {
+                        // A stale copy: the region must stop it.
+                        self.send(
+                            region.clone(),
+                            RegionMsg::HandOff {
+                                shard: s,
+                                generation: g,
+                            },
+                        );
+                    }
+                }
+                let homes: Vec<(ShardId, RegionId, Generation)> = self.state.regions[&region]
+                    .iter()
+                    .filter(|s| !self.rebalance.contains_key(s))
+                    .map(|s| (*s, region.clone(), self.state.shards[s].1))
+                    .collect();
+                if !homes.is_empty() {
+                    self.send(region, RegionMsg::ShardHomes { homes });
+                }
+            }
+            CoordinatorMsg::RegisterProxy { proxy } => {
+                if self.removed.contains(&proxy.member) {
+                    return;
+                }
+                if !self.state.proxies.contains(&proxy) {
+                    self.persist(CoordinatorEvent::ShardRegionProxyRegistered {
+                        proxy: proxy.clone(),
+                    });
+                }
+                self.send(proxy, RegionMsg::RegisterAck);
+            }
+            CoordinatorMsg::GetShardHome { region, shard } => {
+                if self.removed.contains(&region.member) {
+                    return;
+                }
+                if self.rebalance.contains_key(&shard) {
+                    self.deferred.entry(shard).or_default().insert(region);
+                } else if let Some((home, generation)) = self.state.shards.get(&shard).cloned() {
+                    self.send(
+                        region,
+                        RegionMsg::ShardHome {
+                            shard,
+                            region: home,
+                            generation,
+                        },
+                    );
+                } else {
+                    self.deferred.entry(shard).or_default().insert(region);
+                    self.answer_deferred(shard);
+                }
+            }
+            CoordinatorMsg::BeginHandOffAck {
+                shard,
+                generation,
+                region,
+            } => {
+                if let Some(h) = self.rebalance.get_mut(&shard) {
+                    if h.generation == generation {
+                        h.waiting_acks.remove(&region);
+                        self.maybe_send_handoff(shard);
+                    }
+                }
+            }
+            CoordinatorMsg::ShardStopped {
+                shard,
+                generation,
+                region,
+            } => {
+                let done = matches!(self.rebalance.get(&shard),
+                    Some(h) if h.handoff_sent && h.generation == generation && h.owner == region);
+                if done {
+                    self.rebalance.remove(&shard);
+                    self.persist(CoordinatorEvent::ShardHomeDeallocated { shard, generation });
+                    self.answer_deferred(shard);
+                }
+            }
+            CoordinatorMsg::GracefulShutdownReq { region } => {
+                if let Some(shards) = self.state.regions.get(&region).cloned() {
+                    self.shutting_down.insert(region);
+                    for s in shards {
+                        if !self.rebalance.contains_key(&s) {
+                            self.start_handoff(now, s);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn start_handoff(&mut self, now: Duration, shard: ShardId) {
+        let Some((owner, generation)) = self.state.shards.get(&shard).cloned() else {
+            return;
+        };
+        let waiting: BTreeSet<RegionId> = self
+            .state
+            .regions
+            .keys()
+            .chain(self.state.proxies.iter())
+            .filter(|r| !self.removed.contains(&r.member))
+            .cloned()
+            .collect();
+        for r in &waiting {
+            self.send(
+                r.clone(),
+                RegionMsg::BeginHandOff {
+                    shard,
+                    generation,
+                    owner: owner.clone(),
+                },
+            );
+        }
+        self.rebalance.insert(
+            shard,
+            HandOffState {
+                generation,
+                owner,
+                waiting_acks: waiting,
+                handoff_sent: false,
+                deadline: now + self.settings.handoff_timeout,
+            },
+        );
+        self.maybe_send_handoff(shard);
+    }
+
+    fn maybe_send_handoff(&mut self, shard: ShardId) {
+        let Some(h) = self.rebalance.get_mut(&shard) else {
+            return;
+        };
+        if h.waiting_acks.is_empty() && !h.handoff_sent {
+            h.handoff_sent = true;
+            let (to, generation) = (h.owner.clone(), h.generation);
+            self.send(to, RegionMsg::HandOff { shard, generation });
+        }
+    }
+
+    /// Allocates `shard` if it has no home and someone waits for it, then
+    /// answers everyone waiting.
+    fn answer_deferred(&mut self, shard: ShardId) {
+        let Some(waiting) = self.deferred.get(&shard) else {
+            return;
+        };
+        let Some(requester) = waiting.iter().next().cloned() else {
+            self.deferred.remove(&shard);
+            return;
+        };
+        if !self.state.shards.contains_key(&shard) {
+            if self.up_count() < self.settings.min_nr_of_members.max(1) {
+                return;
+            }
+            let current = self.eligible();
+            if current.is_empty() {
+                return;
+            }
+            let chosen = catch_unwind(AssertUnwindSafe(|| {
+                self.strategy.allocate_shard(&requester, shard, &current)
+            }));
+            let home = match chosen {
+                Ok(Ok(r)) if current.contains_key(&r) => r,
+                _ => {
+                    self.strategy_errors += 1;
+                    return;
+                }
+            };
+            let generation = Generation(self.state.last_generation.0 + 1);
+            self.persist(CoordinatorEvent::ShardHomeAllocated {
+                shard,
+                region: home.clone(),
+                generation,
+            });
+            self.send(
+                home.clone(),
+                RegionMsg::ShardHome {
+                    shard,
+                    region: home,
+                    generation,
+                },
+            );
+        }
+        let (home, generation) = self.state.shards[&shard].clone();
+        let waiting = self.deferred.remove(&shard).unwrap_or_default();
+        for r in waiting {
+            self.send(
+                r,
+                RegionMsg::ShardHome {
+                    shard,
+                    region: home.clone(),
+                    generation,
+                },
+            );
+        }
+    }
+
+    /// Runs the timers that are due: the rebalance round and abandoned
+    /// hand-offs.
+    pub fn handle_timeout(&mut self, now: Duration) {
+        let expired: Vec<ShardId> = self
+            .rebalance
+            .iter()
+            .filter(|(_, h)| h.deadline <= now)
+            .map(|(s, _)| *s)
+            .collect();
+        for s in expired {
+            let h = self.rebalance.remove(&s).expect("present");
+            // Abandon: the shard keeps its owner, under a new generation so
+            // that a late ShardStopped or ack of this round changes nothing.
+            if self.state.shards.get(&s).map(|(r, _)| r) == Some(&h.owner) {
+                let generation = Generation(self.state.last_generation.0 + 1);
+                self.persist(CoordinatorEvent::ShardHomeAllocated {
+                    shard: s,
+                    region: h.owner.clone(),
+                    generation,
+                });
+                self.send(
+                    h.owner.clone(),
+                    RegionMsg::ShardHome {
+                        shard: s,
+                        region: h.owner.clone(),
+                        generation,
+                    },
+                );
+            }
+            self.answer_deferred(s);
+        }
+        if now >= self.next_rebalance_at {
+            self.next_rebalance_at = now + self.settings.rebalance_interval;
+            if self.up_count() >= self.settings.min_nr_of_members.max(1) {
+                let current = self.eligible();
+                let in_progress: BTreeSet<ShardId> = self.rebalance.keys().copied().collect();
+                let chosen = catch_unwind(AssertUnwindSafe(|| {
+                    self.strategy.rebalance(&current, &in_progress)
+                }));
+                match chosen {
+                    Ok(Ok(shards)) => {
+                        for s in shards {
+                            if self.state.shards.contains_key(&s)
+                                && !self.rebalance.contains_key(&s)
+                            {
+                                self.start_handoff(now, s);
+                            }
+                        }
+                    }
+                    _ => self.strategy_errors += 1,
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,1139 @@
+//! The ShardRegion (one per data core) and the shards it hosts.
+//!
+//! After Akka's `ShardRegion` and `Shard` (Akka Cluster Sharding docs,
+//! "Shard location", "Passivation", "Remembering Entities"):
+//! - a cache of shard homes; an unknown home means: buffer (bounded), ask the
+//!   coordinator, then deliver or forward;
+//! - on `BeginHandOff`: stop routing to that shard, buffer, acknowledge
+//!   through the owner (FIFO links then guarantee that the owner has every
+//!   message forwarded to it before it is told to hand off);
+//! - on `HandOff` (owner): stop each entity after the messages already queued
+//!   for it, then send `ShardStopped`;
+//! - passivation: `Passivate`, idle timeout, active-entity limit with a
+//!   [`ReplacementPolicy`];
+//! - remember entities: `EntityStarted`/`EntityStopped` events, restarted when
+//!   the shard starts (all at once or at a constant pace).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+use super::passivation::{PassivationSettings, ReplacementPolicy};
+use super::{
+    CoordinatorMsg, EntityKey, Envelope, FailureReason, Generation, MembershipEvent, RegionMsg,
+};
+use crate::ids::{EntityId, RegionId, ShardId};
+
+/// How remembered entities are restarted when their shard starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RememberEntitiesPace {
+    /// All at once (default).
+    AllAtOnce,
+    /// At most `per_interval` entities (count) every `interval`.
+    Constant {
+        /// Entities started per interval (count, at least 1).
+        per_interval: usize,
+        /// The interval.
+        interval: Duration,
+    },
+}
+
+/// Region settings (Akka's `akka.cluster.sharding` keys of the same meaning).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionSettings {
+    /// Most messages buffered in the region (count), waiting for a shard
+    /// home, a hand-off or a passivation. Default 100,000.
+    pub buffer_size: usize,
+    /// Retry interval of `Register` and `GetShardHome` (Akka's
+    /// `retry-interval`). Default 2 s.
+    pub retry_interval: Duration,
+    /// Passivation settings.
+    pub passivation: PassivationSettings,
+    /// Whether to emit `EntityStarted`/`EntityStopped` and restart
+    /// remembered entities when a shard starts. Default false.
+    pub remember_entities: bool,
+    /// How remembered entities are restarted. Default all at once.
+    pub remember_entities_pace: RememberEntitiesPace,
+}
+
+impl Default for RegionSettings {
+    fn default() -> Self {
+        Self {
+            buffer_size: 100_000,
+            retry_interval: Duration::from_secs(2),
+            passivation: PassivationSettings::default(),
+            remember_entities: false,
+            remember_entities_pace: RememberEntitiesPace::AllAtOnce,
+        }
+    }
+}
+
+/// Why an entity is being stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The entity asked (`Passivate`).
+    Passivate,
+    /// No message for `idle_timeout`.
+    IdleTimeout,
+    /// The active-entity limit was reached and the policy chose it.
+    ActiveEntityLimit,
+    /// Its shard is handed off.
+    HandOff,
+}
+
+/// A persisted shard event (remember entities).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShardEvent {
+    /// The entity was started.
+    EntityStarted {
+        /// Its shard.
+        shard: ShardId,
+        /// The entity.
+        entity: EntityId,
+    },
+    /// The entity passivated itself for good.
+    EntityStopped {
+        /// Its shard.
+        shard: ShardId,
+        /// The entity.
+        entity: EntityId,
+    },
+}
+
+/// An effect for the runtime to carry out, in order.
+#[must_use]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RegionEffect<M, S> {
+    /// Send to the current coordinator (dropped by the runtime when there is
+    /// none; the region retries).
+    SendToCoordinator(CoordinatorMsg),
+    /// Send a control message to another region.
+    SendToRegion {
+        /// Destination.
+        to: RegionId,
+        /// The message.
+        msg: RegionMsg,
+    },
+    /// Forward a user message to its home region (which calls
+    /// [`ShardRegion::handle_message`] with it).
+    Forward {
+        /// Destination.
+        to: RegionId,
+        /// The message.
+        envelope: Envelope<M, S>,
+    },
+    /// Enqueue the message in the local entity's mailbox, creating the entity
+    /// first when `new_incarnation` is true.
+    Deliver {
+        /// The message.
+        envelope: Envelope<M, S>,
+        /// The entity must be created before the message is enqueued.
+        new_incarnation: bool,
+    },
+    /// Create the local entity without a message (remember entities,
+    /// `StartEntity`).
+    StartEntity {
+        /// Its shard.
+        shard: ShardId,
+        /// The entity.
+        entity: EntityId,
+    },
+    /// Enqueue the stop message after the messages already queued for the
+    /// entity; once it is processed and the entity is gone, call
+    /// [`ShardRegion::handle_entity_stopped`].
+    StopEntity {
+        /// Its shard.
+        shard: ShardId,
+        /// The entity.
+        entity: EntityId,
+        /// The entity's own stop message (from `Passivate`), or `None` for the
+        /// entity type's configured stop message.
+        stop_message: Option<M>,
+        /// Why.
+        reason: StopReason,
+    },
+    /// Append a remember-entities event to the shard's journal.
+    Persist(ShardEvent),
+    /// Read the shard's remembered entities and call
+    /// [`ShardRegion::handle_remembered_entities`] (messages wait meanwhile).
+    RecoverRememberedEntities {
+        /// The shard.
+        shard: ShardId,
+    },
+    /// Give the message back to its sender with a failure.
+    Fail {
+        /// The message.
+        envelope: Envelope<M, S>,
+        /// Why.
+        reason: FailureReason,
+    },
+}
+
+/// `GetShardRegionState` answer: the shards and entity ids hosted here.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ShardRegionState {
+    /// Shard → ids of its live entities (active or stopping).
+    pub shards: BTreeMap<ShardId, BTreeSet<EntityId>>,
+}
+
+/// One region's part of `GetClusterShardingStats`: entity count per shard.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ShardRegionStats {
+    /// Shard → number of live entities (count).
+    pub shards: BTreeMap<ShardId, usize>,
+}
+
+/// `GetClusterShardingStats` answer: the stats of every region.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClusterShardingStats {
+    /// Region → its stats.
+    pub regions: BTreeMap<RegionId, ShardRegionStats>,
+}
+
+impl ClusterShardingStats {
+    /// Collects the stats of the given regions (the runtime asks each region
+    /// for [`ShardRegion::shard_region_stats`]).
+    pub fn from_regions(regions: impl IntoIterator<Item = (RegionId, ShardRegionStats)>) -> Self {
+        Self {
+            regions: regions.into_iter().collect(),
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Entity<M, S> {
+    Active {
+        last_message_at: Duration,
+    },
+    /// Stop requested; new messages wait here until it has stopped.
+    Passivating {
+        buffer: VecDeque<Envelope<M, S>>,
+    },
+}
+
+#[derive(Debug)]
+enum ShardState<M, S> {
+    /// Waiting for remembered entities; messages wait in `pending`.
+    Recovering {
+        pending: VecDeque<Envelope<M, S>>,
+    },
+    Running,
+    /// Handing off: entities are stopping; nothing new goes in.
+    Stopping,
+}
+
+#[derive(Debug)]
+struct Shard<M, S> {
+    generation: Generation,
+    state: ShardState<M, S>,
+    entities: HashMap<EntityId, Entity<M, S>>,
+}
+
+/// The region state machine: routes messages of one entity type on one core
+/// and hosts shards.
+///
+/// Order of calls: construct with [`ShardRegion::new`] or
+/// [`ShardRegion::new_proxy`] (which queue a `Register`); then feed
+/// [`handle_message`](Self::handle_message) (user messages from local
+/// senders or forwarded by other regions),
+/// [`handle_region_msg`](Self::handle_region_msg) (control messages),
+/// [`handle_entity_stopped`](Self::handle_entity_stopped),
+/// [`handle_passivate`](Self::handle_passivate),
+/// [`handle_membership`](Self::handle_membership),
+/// [`handle_coordinator_moved`](Self::handle_coordinator_moved), and
+/// [`handle_timeout`](Self::handle_timeout) once
+/// [`poll_timeout`](Self::poll_timeout) has passed; after each call drain
+/// [`poll_effect`](Self::poll_effect) until `None`.
+pub struct ShardRegion<M, S> {
+    id: RegionId,
+    settings: RegionSettings,
+    proxy: bool,
+    registered: bool,
+    shutting_down: bool,
+    homes: HashMap<ShardId, (RegionId, Generation)>,
+    floors: HashMap<ShardId, Generation>,
+    buffers: HashMap<ShardId, VecDeque<Envelope<M, S>>>,
+    pending_start: HashMap<ShardId, Vec<EntityId>>,
+    buffered_total: usize,
+    shards: HashMap<ShardId, Shard<M, S>>,
+    policy: Box<dyn ReplacementPolicy + Send>,
+    active_count: usize,
+    dead_letters: u64,
+    dead_regions: HashSet<RegionId>,
+    next_retry_at: Duration,
+    next_idle_check_at: Option<Duration>,
+    paced_starts: VecDeque<EntityKey>,
+    next_paced_start_at: Option<Duration>,
+    effects: VecDeque<RegionEffect<M, S>>,
+}
+
+impl<M, S> std::fmt::Debug for ShardRegion<M, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardRegion")
+            .field("id", &self.id)
+            .field("proxy", &self.proxy)
+            .field("registered", &self.registered)
+            .field("hosted", &self.shards.len())
+            .field("buffered_total", &self.buffered_total)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<M, S> ShardRegion<M, S> {
+    /// A region that hosts shards; queues its `Register`.
+    pub fn new(
+        id: RegionId,
+        settings: RegionSettings,
+        policy: Box<dyn ReplacementPolicy + Send>,
+        now: Duration,
+    ) -> Self {
+        Self::build(id, settings, policy, false, now)
+    }
+
+    /// A proxy: routes, hosts nothing; queues its `RegisterProxy`.
+    pub fn new_proxy(id: RegionId, settings: RegionSettings, now: Duration) -> Self {
+        Self::build(
+            id,
+            settings,
+            Box::new(super::passivation::LruPolicy::new()),
+            true,
+            now,
+        )
+    }
+
+    fn build(
+        id: RegionId,
+        settings: RegionSettings,
+        policy: Box<dyn ReplacementPolicy + Send>,
+        proxy: bool,
+        now: Duration,
+    ) -> Self {
+        let next_idle_check_at = settings.passivation.idle_timeout.map(|t| now + t / 2);
+        let mut r = Self {
+            id,
+            next_retry_at: now + settings.retry_interval,
+            settings,
+            proxy,
+            registered: false,
+            shutting_down: false,
+            homes: HashMap::new(),
+            floors: HashMap::new(),
+            buffers: HashMap::new(),
+            pending_start: HashMap::new(),
+            buffered_total: 0,
+            shards: HashMap::new(),
+            policy,
+            active_count: 0,
+            dead_letters: 0,
+            dead_regions: HashSet::new(),
+            next_idle_check_at: if proxy { None } else { next_idle_check_at },
+            paced_starts: VecDeque::new(),
+            next_paced_start_at: None,
+            effects: VecDeque::new(),
+        };
+        r.send_register();
+        r
+    }
+
+    /// This region's id.
+    pub fn id(&self) -> &RegionId {
+        &self.id
+    }
+
+    /// Whether this region is a proxy.
+    pub fn is_proxy(&self) -> bool {
+        self.proxy
+    }
+
+    /// Whether the current coordinator acknowledged the registration.
+    pub fn is_registered(&self) -> bool {
+        self.registered
+    }
+
+    /// Messages refused with a failure so far (count).
+    pub fn dead_letters(&self) -> u64 {
+        self.dead_letters
+    }
+
+    /// Messages waiting in this region's buffers (count).
+    pub fn buffered(&self) -> usize {
+        self.buffered_total
+    }
+
+    /// Active (not stopping) entities (count).
+    pub fn active_entities(&self) -> usize {
+        self.active_count
+    }
+
+    /// The cached home of a shard.
+    pub fn home_of(&self, shard: ShardId) -> Option<&(RegionId, Generation)> {
+        self.homes.get(&shard)
+    }
+
+    /// The shards hosted here: (shard, generation, stopping).
+    pub fn hosted_shards(&self) -> impl Iterator<Item = (ShardId, Generation, bool)> + '_ {
+        self.shards
+            .iter()
+            .map(|(s, sh)| (*s, sh.generation, matches!(sh.state, ShardState::Stopping)))
+    }
+
+    /// `GetShardRegionState`: the shards and entity ids hosted here.
+    pub fn shard_region_state(&self) -> ShardRegionState {
+        ShardRegionState {
+            shards: self
+                .shards
+                .iter()
+                .map(|(s, sh)| (*s, sh.entities.keys().cloned().collect()))
+                .collect(),
+        }
+    }
+
+    /// This region's part of `GetClusterShardingStats`.
+    pub fn shard_region_stats(&self) -> ShardRegionStats {
+        ShardRegionStats {
+            shards: self
+                .shards
+                .iter()
+                .map(|(s, sh)| (*s, sh.entities.len()))
+                .collect(),
+        }
+    }
+
+    /// Whether a graceful shutdown finished: no shard hosted, nothing buffered.
+    pub fn is_shutdown_complete(&self) -> bool {
+        self.shutting_down && self.shards.is_empty() && self.buffered_total == 0
+    }
+
+    /// The next effect to carry out, if any.
+    pub fn poll_effect(&mut self) -> Option<RegionEffect<M, S>> {
+        self.effects.pop_front()
+    }
+
+    /// All pending effects, in order.
+    pub fn drain_effects(&mut self) -> impl Iterator<Item = RegionEffect<M, S>> + '_ {
+        self.effects.drain(..)
+    }
+
+    /// The earliest time at which [`handle_timeout`](Self::handle_timeout)
+    /// must be called.
+    pub fn poll_timeout(&self) -> Option<Duration> {
+        [
+            Some(self.next_retry_at),
+            self.next_idle_check_at,
+            self.next_paced_start_at,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    fn send_register(&mut self) {
+        let msg = if self.proxy {
+            CoordinatorMsg::RegisterProxy {
+                proxy: self.id.clone(),
+            }
+        } else {
+            CoordinatorMsg::Register {
+                region: self.id.clone(),
+                hosted: self
+                    .shards
+                    .iter()
+                    .map(|(s, sh)| (*s, sh.generation))
+                    .collect(),
+            }
+        };
+        self.effects.push_back(RegionEffect::SendToCoordinator(msg));
+    }
+
+    fn ask_home(&mut self, shard: ShardId) {
+        if self.registered {
+            self.effects.push_back(RegionEffect::SendToCoordinator(
+                CoordinatorMsg::GetShardHome {
+                    region: self.id.clone(),
+                    shard,
+                },
+            ));
+        }
+    }
+
+    /// The coordinator moved (or this region must register again): drops the
+    /// registration and queues a new `Register` reporting the hosted shards.
+    pub fn handle_coordinator_moved(&mut self, now: Duration) {
+        self.registered = false;
+        self.send_register();
+        self.next_retry_at = now + self.settings.retry_interval;
+    }
+
+    /// Starts a graceful shutdown (Akka's `GracefulShutdown`): asks the
+    /// coordinator to hand off every shard hosted here. Complete when
+    /// [`is_shutdown_complete`](Self::is_shutdown_complete).
+    pub fn start_graceful_shutdown(&mut self, now: Duration) {
+        let _ = now;
+        self.shutting_down = true;
+        if self.registered {
+            self.effects.push_back(RegionEffect::SendToCoordinator(
+                CoordinatorMsg::GracefulShutdownReq {
+                    region: self.id.clone(),
+                },
+            ));
+        }
+    }
+
+    /// A user message, from a local sender or forwarded by another region.
+    /// Delivered, forwarded, buffered, or handed back with
+    /// [`RegionEffect::Fail`] when the buffer is full.
+    pub fn handle_message(&mut self, now: Duration, envelope: Envelope<M, S>) {
+        self.route(now, envelope);
+    }
+
+    fn route(&mut self, now: Duration, envelope: Envelope<M, S>) {
+        let s = envelope.shard;
+        if let Some(shard) = self.shards.get_mut(&s) {
+            match &mut shard.state {
+                ShardState::Running => return self.deliver_local(now, envelope),
+                ShardState::Recovering { pending } => {
+                    if self.buffered_total >= self.settings.buffer_size {
+                        return self.fail(envelope, FailureReason::BufferFull);
+                    }
+                    self.buffered_total += 1;
+                    pending.push_back(envelope);
+                    return;
+                }
+                ShardState::Stopping => return self.buffer(envelope),
+            }
+        }
+        match self.homes.get(&s) {
+            Some((home, g)) if *home == self.id => {
+                if self.proxy {
+                    return self.fail(envelope, FailureReason::NotHosted);
+                }
+                let g = *g;
+                self.start_shard(s, g);
+                self.route(now, envelope);
+            }
+            Some((home, _)) => {
+                let to = home.clone();
+                self.effects
+                    .push_back(RegionEffect::Forward { to, envelope });
+            }
+            None => self.buffer(envelope),
+        }
+    }
+
+    fn fail(&mut self, envelope: Envelope<M, S>, reason: FailureReason) {
+        self.dead_letters += 1;
+        self.effects
+            .push_back(RegionEffect::Fail { envelope, reason });
+    }
+
+    fn buffer(&mut self, envelope: Envelope<M, S>) {
+        if self.buffered_total >= self.settings.buffer_size {
+            return self.fail(envelope, FailureReason::BufferFull);
+        }
+        let s = envelope.shard;
+        let q = self.buffers.entry(s).or_default();
+        let first = q.is_empty();
+        q.push_back(envelope);
+        self.buffered_total += 1;
+        let stopping_here = self.shards.contains_key(&s);
+        if first && !stopping_here && !self.homes.contains_key(&s) {
+            self.ask_home(s);
+        }
+    }
+
+    fn start_shard(&mut self, s: ShardId, generation: Generation) {
+        let state = if self.settings.remember_entities {
+            self.effects
+                .push_back(RegionEffect::RecoverRememberedEntities { shard: s });
+            ShardState::Recovering {
+                pending: VecDeque::new(),
+            }
+        } else {
+            ShardState::Running
+        };
+        self.shards.insert(
+            s,
+            Shard {
+                generation,
+                state,
+                entities: HashMap::new(),
+            },
+        );
+    }
+
+    /// Makes room under the active-entity limit for one more entity.
+    fn make_room(&mut self) {
+        let Some(limit) = self.settings.passivation.active_entity_limit else {
+            return;
+        };
+        let mut guard = self.active_count + 1;
+        while self.active_count >= limit.max(1) && guard > 0 {
+            guard -= 1;
+            let Some((vs, ve)) = self.policy.select_victim() else {
+                break;
+            };
+            if !self.passivate(&vs, &ve, None, StopReason::ActiveEntityLimit) {
+                // Not active: stale in the policy.
+                self.policy.on_remove(&(vs, ve));
+            }
+        }
+    }
+
+    /// Activates an entity (new incarnation) in a running shard.
+    fn activate(&mut self, now: Duration, s: ShardId, entity: &EntityId) {
+        self.make_room();
+        let shard = self.shards.get_mut(&s).expect("hosted");
+        shard.entities.insert(
+            entity.clone(),
+            Entity::Active {
+                last_message_at: now,
+            },
+        );
+        self.active_count += 1;
+        self.policy.on_activate(&(s, entity.clone()));
+        if self.settings.remember_entities {
+            self.effects
+                .push_back(RegionEffect::Persist(ShardEvent::EntityStarted {
+                    shard: s,
+                    entity: entity.clone(),
+                }));
+        }
+    }
+
+    fn deliver_local(&mut self, now: Duration, envelope: Envelope<M, S>) {
+        let s = envelope.shard;
+        let shard = self.shards.get_mut(&s).expect("hosted");
+        match shard.entities.get_mut(&envelope.entity) {
+            Some(Entity::Active { last_message_at }) => {
+                *last_message_at = now;
+                self.policy.on_access(&(s, envelope.entity.clone()));
+                self.effects.push_back(RegionEffect::Deliver {
+                    envelope,
+                    new_incarnation: false,
+                });
+            }
+            Some(Entity::Passivating { buffer }) => {
+                if self.buffered_total >= self.settings.buffer_size {
+                    return self.fail(envelope, FailureReason::BufferFull);
+                }
+                buffer.push_back(envelope);
+                self.buffered_total += 1;
+            }
+            None => {
+                let entity = envelope.entity.clone();
+                self.activate(now, s, &entity);
+                self.effects.push_back(RegionEffect::Deliver {
+                    envelope,
+                    new_incarnation: true,
+                });
+            }
+        }
+    }
+
+    /// Stops an active entity; returns whether it was active.
+    fn passivate(
+        &mut self,
+        s: &ShardId,
+        entity: &EntityId,
+        stop_message: Option<M>,
+        reason: StopReason,
+    ) -> bool {
+        let Some(shard) = self.shards.get_mut(s) else {
+            return false;
+        };
+        let Some(e) = shard.entities.get_mut(entity) else {
+            return false;
+        };
+        if !matches!(e, Entity::Active { .. }) {
+            return false;
+        }
+        *e = Entity::Passivating {
+            buffer: VecDeque::new(),
+        };
+        self.active_count -= 1;
+        self.policy.on_remove(&(*s, entity.clone()));
+        if self.settings.remember_entities && reason != StopReason::HandOff {
+            self.effects
+                .push_back(RegionEffect::Persist(ShardEvent::EntityStopped {
+                    shard: *s,
+                    entity: entity.clone(),
+                }));
+        }
+        self.effects.push_back(RegionEffect::StopEntity {
+            shard: *s,
+            entity: entity.clone(),
+            stop_message,
+            reason,
+        });
+        true
+    }
+
+    /// The entity asked to stop (`Passivate(stop_message)`): it gets
+    /// `stop_message` after its queued messages; messages arriving meanwhile
+    /// wait and go to its next incarnation. Ignored unless the entity is
+    /// active.
+    pub fn handle_passivate(
+        &mut self,
+        now: Duration,
+        shard: ShardId,
+        entity: &EntityId,
+        stop_message: Option<M>,
+    ) {
+        let _ = now;
+        self.passivate(&shard, entity, stop_message, StopReason::Passivate);
+    }
+
+    /// `StartEntity`: makes sure the entity runs, at its shard's home
+    /// (forwarded there as [`RegionMsg::StartEntity`] when it is elsewhere).
+    pub fn handle_start_entity(&mut self, now: Duration, shard: ShardId, entity: EntityId) {
+        if let Some(sh) = self.shards.get(&shard) {
+            if matches!(sh.state, ShardState::Running) {
+                if !sh.entities.contains_key(&entity) {
+                    self.activate(now, shard, &entity);
+                    self.effects
+                        .push_back(RegionEffect::StartEntity { shard, entity });
+                }
+                return;
+            }
+        }
+        match self.homes.get(&shard) {
+            Some((home, g)) if *home == self.id && !self.proxy => {
+                if !self.shards.contains_key(&shard) {
+                    let g = *g;
+                    self.start_shard(shard, g);
+                }
+                if matches!(self.shards[&shard].state, ShardState::Running) {
+                    self.handle_start_entity(now, shard, entity);
+                } else {
+                    self.pending_start.entry(shard).or_default().push(entity);
+                }
+            }
+            Some((home, _)) if *home != self.id => {
+                let to = home.clone();
+                self.effects.push_back(RegionEffect::SendToRegion {
+                    to,
+                    msg: RegionMsg::StartEntity { shard, entity },
+                });
+            }
+            _ => {
+                let v = self.pending_start.entry(shard).or_default();
+                let first = v.is_empty();
+                if v.len() < self.settings.buffer_size {
+                    v.push(entity);
+                }
+                if first && !self.homes.contains_key(&shard) {
+                    self.ask_home(shard);
+                }
+            }
+        }
+    }
+
+    /// The entity processed its stop message and is gone (or died). Its
+    /// waiting messages start a new incarnation; during a hand-off they wait
+    /// for the shard's new home.
+    pub fn handle_entity_stopped(&mut self, now: Duration, shard: ShardId, entity: &EntityId) {
+        let Some(sh) = self.shards.get_mut(&shard) else {
+            return;
+        };
+        let Some(e) = sh.entities.remove(entity) else {
+            return;
+        };
+        let stopping = matches!(sh.state, ShardState::Stopping);
+        match e {
+            Entity::Active { .. } => {
+                self.active_count -= 1;
+                self.policy.on_remove(&(shard, entity.clone()));
+            }
+            Entity::Passivating { buffer } => {
+                if stopping {
+                    // Older than anything in the region buffer for this shard.
+                    let q = self.buffers.entry(shard).or_default();
+                    for env in buffer.into_iter().rev() {
+                        q.push_front(env);
+                    }
+                } else {
+                    self.buffered_total -= buffer.len();
+                    for env in buffer {
+                        self.route(now, env);
+                    }
+                }
+            }
+        }
+        if stopping && self.shards[&shard].entities.is_empty() {
+            self.finish_stop(now, shard);
+        }
+    }
+
+    fn finish_stop(&mut self, now: Duration, s: ShardId) {
+        let sh = self.shards.remove(&s).expect("hosted");
+        self.effects.push_back(RegionEffect::SendToCoordinator(
+            CoordinatorMsg::ShardStopped {
+                shard: s,
+                generation: sh.generation,
+                region: self.id.clone(),
+            },
+        ));
+        match self.homes.get(&s) {
+            Some((home, g)) if *home == self.id => {
+                // The coordinator kept the shard here (abandoned hand-off).
+                let g = *g;
+                self.start_shard(s, g);
+                self.flush(now, s);
+            }
+            Some(_) => self.flush(now, s),
+            None => {
+                if self.buffers.get(&s).is_some_and(|q| !q.is_empty())
+                    || self.pending_start.contains_key(&s)
+                {
+                    self.ask_home(s);
+                }
+            }
+        }
+    }
+
+    fn flush(&mut self, now: Duration, s: ShardId) {
+        if let Some(q) = self.buffers.remove(&s) {
+            self.buffered_total -= q.len();
+            for env in q {
+                self.route(now, env);
+            }
+        }
+        if let Some(v) = self.pending_start.remove(&s) {
+            for e in v {
+                self.handle_start_entity(now, s, e);
+            }
+        }
+    }
+
+    fn floor(&self, s: ShardId) -> Generation {
+        self.floors.get(&s).copied().unwrap_or(Generation(0))
+    }
+
+    fn raise_floor(&mut self, s: ShardId, g: Generation) {
+        let f = self.floors.entry(s).or_insert(g);
+        *f = (*f).max(g);
+    }
+
+    fn handle_shard_home(&mut self, now: Duration, s: ShardId, home: RegionId, g: Generation) {
+        if g < self.floor(s) {
+            return; // stale
+        }
+        self.raise_floor(s, g);
+        if self.dead_regions.contains(&home) {
+            return;
+        }
+        self.homes.insert(s, (home.clone(), g));
+        if home == self.id && !self.proxy {
+            match self.shards.get_mut(&s) {
+                Some(sh) => {
+                    if !matches!(sh.state, ShardState::Stopping) {
+                        sh.generation = sh.generation.max(g);
+                    }
+                }
+                None => self.start_shard(s, g),
+            }
+        }
+        self.flush(now, s);
+    }
+
+    /// A control message from the coordinator or another region.
+    pub fn handle_region_msg(&mut self, now: Duration, msg: RegionMsg) {
+        match msg {
+            RegionMsg::RegisterAck => {
+                if self.registered {
+                    return;
+                }
+                self.registered = true;
+                let waiting: Vec<ShardId> = self
+                    .buffers
+                    .iter()
+                    .filter(|(s, q)| !q.is_empty() && !self.homes.contains_key(s))
+                    .map(|(s, _)| *s)
+                    .chain(self.pending_start.keys().copied())
+                    .collect::<BTreeSet<_>>()
+                    .into_iter()
+                    .filter(|s| !self.shards.contains_key(s))
+                    .collect();
+                for s in waiting {
+                    self.ask_home(s);
+                }
+                if self.shutting_down {
+                    self.start_graceful_shutdown(now);
+                }
+            }
+            RegionMsg::ShardHome {
+                shard,
+                region,
+                generation,
+            } => self.handle_shard_home(now, shard, region, generation),
+            RegionMsg::ShardHomes { homes } => {
+                for (s, r, g) in homes {
+                    self.handle_shard_home(now, s, r, g);
+                }
+            }
+            RegionMsg::BeginHandOff {
+                shard,
+                generation,
+                owner,
+            } => {
+                if generation < self.floor(shard) {
+                    return;
+                }
+                self.raise_floor(shard, generation);
+                if owner == self.id {
+                    // Keep delivering into the running shard until HandOff.
+                    self.effects.push_back(RegionEffect::SendToCoordinator(
+                        CoordinatorMsg::BeginHandOffAck {
+                            shard,
+                            generation,
+                            region: self.id.clone(),
+                        },
+                    ));
+                    return;
+                }
+                if self
+                    .homes
+                    .get(&shard)
+                    .is_some_and(|(_, g)| *g <= generation)
+                {
+                    self.homes.remove(&shard);
+                }
+                let ack = CoordinatorMsg::BeginHandOffAck {
+                    shard,
+                    generation,
+                    region: self.id.clone(),
+                };
+                if self.dead_regions.contains(&owner) {
+                    self.effects.push_back(RegionEffect::SendToCoordinator(ack));
+                } else {
+                    // Through the owner, behind what we forwarded to it.
+                    self.effects.push_back(RegionEffect::SendToRegion {
+                        to: owner,
+                        msg: RegionMsg::BeginHandOffAck {
+                            shard,
+                            generation,
+                            region: self.id.clone(),
+                        },
+                    });
+                }
+            }
+            RegionMsg::BeginHandOffAck {
+                shard,
+                generation,
+                region,
+            } => {
+                self.effects.push_back(RegionEffect::SendToCoordinator(
+                    CoordinatorMsg::BeginHandOffAck {
+                        shard,
+                        generation,
+                        region,
+                    },
+                ));
+            }
+            RegionMsg::HandOff { shard, generation } => self.handle_handoff(now, shard, generation),
+            RegionMsg::StartEntity { shard, entity } => {
+                self.handle_start_entity(now, shard, entity)
+            }
+        }
+    }
+
+    fn handle_handoff(&mut self, now: Duration, s: ShardId, g: Generation) {
+        if self.homes.get(&s).is_some_and(|(_, hg)| *hg <= g) {
+            self.homes.remove(&s);
+        }
+        self.raise_floor(s, g);
+        let Some(sh) = self.shards.get_mut(&s) else {
+            // Not hosted (any more): nothing to stop.
+            self.effects.push_back(RegionEffect::SendToCoordinator(
+                CoordinatorMsg::ShardStopped {
+                    shard: s,
+                    generation: g,
+                    region: self.id.clone(),
+                },
+            ));
+            return;
+        };
+        if sh.generation > g || matches!(sh.state, ShardState::Stopping) {
+            return; // stale, or already stopping
+        }
+        let old = std::mem::replace(&mut sh.state, ShardState::Stopping);
+        if let ShardState::Recovering { pending } = old {
+            let q = self.buffers.entry(s).or_default();
+            for env in pending.into_iter().rev() {
+                q.push_front(env);
+            }
+        }
+        let active: Vec<EntityId> = sh
+            .entities
+            .iter()
+            .filter(|(_, e)| matches!(e, Entity::Active { .. }))
+            .map(|(id, _)| id.clone())
+            .collect();
+        let mut active = active;
+        active.sort();
+        for e in active {
+            self.passivate(&s, &e, None, StopReason::HandOff);
+        }
+        self.paced_starts.retain(|(ps, _)| *ps != s);
+        if self.shards[&s].entities.is_empty() {
+            self.finish_stop(now, s);
+        }
+    }
+
+    /// Remembered entities of a shard that started here (answer to
+    /// [`RegionEffect::RecoverRememberedEntities`]): starts them (all at once
+    /// or paced), then delivers the messages that waited.
+    pub fn handle_remembered_entities(
+        &mut self,
+        now: Duration,
+        shard: ShardId,
+        entities: Vec<EntityId>,
+    ) {
+        let Some(sh) = self.shards.get_mut(&shard) else {
+            return;
+        };
+        let ShardState::Recovering { .. } = sh.state else {
+            return;
+        };
+        let ShardState::Recovering { pending } =
+            std::mem::replace(&mut sh.state, ShardState::Running)
+        else {
+            unreachable!("checked above")
+        };
+        match self.settings.remember_entities_pace {
+            RememberEntitiesPace::AllAtOnce => {
+                for e in entities {
+                    self.handle_start_entity(now, shard, e);
+                }
+            }
+            RememberEntitiesPace::Constant { .. } => {
+                self.paced_starts
+                    .extend(entities.into_iter().map(|e| (shard, e)));
+                if self.next_paced_start_at.is_none() {
+                    self.next_paced_start_at = Some(now);
+                }
+            }
+        }
+        self.buffered_total -= pending.len();
+        for env in pending {
+            self.route(now, env);
+        }
+        if let Some(v) = self.pending_start.remove(&shard) {
+            for e in v {
+                self.handle_start_entity(now, shard, e);
+            }
+        }
+    }
+
+    /// Membership changes: forgets homes in terminated regions (their shards
+    /// are re-allocated by the coordinator and asked for again).
+    pub fn handle_membership(&mut self, now: Duration, event: &MembershipEvent) {
+        let _ = now;
+        let dead: Box<dyn Fn(&RegionId) -> bool + '_> = match event {
+            MembershipEvent::MemberRemoved(m) => Box::new(move |r: &RegionId| r.member == *m),
+            MembershipEvent::RegionTerminated(t) => Box::new(move |r: &RegionId| r == t),
+            MembershipEvent::CurrentMembers(list) => {
+                Box::new(move |r: &RegionId| !list.iter().any(|(m, _)| *m == r.member))
+            }
+            MembershipEvent::MemberUp(_) | MembershipEvent::MemberLeaving(_) => return,
+        };
+        let gone: Vec<ShardId> = self
+            .homes
+            .iter()
+            .filter(|(_, (r, _))| *r != self.id && dead(r))
+            .map(|(s, _)| *s)
+            .collect();
+        let dead_now: Vec<RegionId> = self
+            .homes
+            .values()
+            .map(|(r, _)| r.clone())
+            .filter(|r| *r != self.id && dead(r))
+            .collect();
+        if let MembershipEvent::RegionTerminated(t) = event {
+            self.dead_regions.insert(t.clone());
+        }
+        drop(dead);
+        self.dead_regions.extend(dead_now);
+        for s in gone {
+            self.homes.remove(&s);
+            if self.buffers.get(&s).is_some_and(|q| !q.is_empty()) {
+                self.ask_home(s);
+            }
+        }
+    }
+
+    /// Runs due timers: registration and `GetShardHome` retries, the idle
+    /// check, paced starts of remembered entities.
+    pub fn handle_timeout(&mut self, now: Duration) {
+        if now >= self.next_retry_at {
+            self.next_retry_at = now + self.settings.retry_interval;
+            if !self.registered {
+                self.send_register();
+            } else {
+                let mut waiting: Vec<ShardId> = self
+                    .buffers
+                    .iter()
+                    .filter(|(s, q)| {
+                        !q.is_empty() && !self.homes.contains_key(s) && !self.shards.contains_key(s)
+                    })
+                    .map(|(s, _)| *s)
+                    .collect();
+                waiting.sort();
+                for s in waiting {
+                    self.ask_home(s);
+                }
+                if self.shutting_down && !self.shards.is_empty() {
+                    self.effects.push_back(RegionEffect::SendToCoordinator(
+                        CoordinatorMsg::GracefulShutdownReq {
+                            region: self.id.clone(),
+                        },
+                    ));
+                }
+            }
+        }
+        if let (Some(at), Some(idle)) = (
+            self.next_idle_check_at,
+            self.settings.passivation.idle_timeout,
+        ) {
+            if now >= at {
+                self.next_idle_check_at = Some(now + idle / 2);
+                let mut idle_entities: Vec<EntityKey> = Vec::new();
+                for (s, sh) in &self.shards {
+                    if !matches!(sh.state, ShardState::Running) {
+                        continue;
+                    }
+                    for (id, e) in &sh.entities {
+                        if let Entity::Active { last_message_at } = e {
+                            if *last_message_at + idle <= now {
+                                idle_entities.push((*s, id.clone()));
+                            }
+                        }
+                    }
+                }
+                idle_entities.sort();
+                for (s, e) in idle_entities {
+                    self.passivate(&s, &e, None, StopReason::IdleTimeout);
+                }
+            }
+        }
+        if let Some(at) = self.next_paced_start_at {
+            if now >= at {
+                if let RememberEntitiesPace::Constant {
+                    per_interval,
+                    interval,
+                } = self.settings.remember_entities_pace
+                {
+                    for _ in 0..per_interval.max(1) {
+                        let Some((s, e)) = self.paced_starts.pop_front() else {
+                            break;
+                        };
+                        self.handle_start_entity(now, s, e);
+                    }
+                    self.next_paced_start_at =
+                        (!self.paced_starts.is_empty()).then_some(now + interval);
+                } else {
+                    self.next_paced_start_at = None;
+                }
+            }
+        }
+    }
+}
