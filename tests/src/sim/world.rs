@@ -1,0 +1,1310 @@
+//! The simulated world: nodes, network, entities, the ledger of messages, and
+//! the invariant checks.
+
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use shardline_core::ids::{Address, EntityId, MemberUid, RegionId, ShardId, UniqueAddress};
+use shardline_core::sharding::{
+    shard_id_of, CoordinatorEffect, CoordinatorEvent, CoordinatorMsg, Envelope, FailureReason,
+    Generation, LeastShardAllocationStrategy, LruPolicy, MemberStatus, MembershipEvent,
+    RegionEffect, RegionMsg, ShardCoordinator, ShardEvent, ShardRegion,
+};
+
+use super::scenario::{Action, Params, Scenario};
+
+/// The size of the simulated world.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimConfig {
+    /// Nodes at the start (count). Default 3.
+    pub nodes: usize,
+    /// Data cores (regions) per node (count). Default 2.
+    pub cores: usize,
+    /// number_of_shards. Default 24.
+    pub shards: u32,
+    /// Distinct entity ids in the workload (count). Default 150.
+    pub entities: usize,
+    /// Most steps in one run (count); exceeding it is a violation (livelock).
+    /// Default 1,000,000.
+    pub max_steps: u64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            nodes: 3,
+            cores: 2,
+            shards: 24,
+            entities: 150,
+            max_steps: 1_000_000,
+        }
+    }
+}
+
+/// A broken invariant.
+#[derive(Debug, Clone)]
+pub struct Violation {
+    /// The invariant's name.
+    pub invariant: &'static str,
+    /// What was seen.
+    pub detail: String,
+    /// Virtual time of the step.
+    pub at: Duration,
+}
+
+/// Counters of one run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunStats {
+    /// Messages accepted from senders (count).
+    pub sent: u64,
+    /// Messages processed by entities (count).
+    pub delivered: u64,
+    /// Messages answered with BufferFull (count).
+    pub buffer_full: u64,
+    /// Messages lost with a crashed or removed node (sender told) (count).
+    pub lost_with_node: u64,
+    /// Shard allocations (count).
+    pub allocations: u64,
+    /// Entity incarnations started (count).
+    pub incarnations: u64,
+    /// Shard deallocations: hand-offs and terminated regions (count).
+    pub deallocations: u64,
+    /// Entity stops requested by regions (count).
+    pub stops: u64,
+    /// Coordinator starts, the first included (count).
+    pub coordinator_starts: u64,
+    /// Steps run (count).
+    pub steps: u64,
+}
+
+/// The result of one run.
+#[derive(Debug, Clone)]
+pub struct RunOutcome {
+    /// The first violation, if any.
+    pub violation: Option<Violation>,
+    /// Counters.
+    pub stats: RunStats,
+    /// The last events (when tracing was on).
+    pub last_events: Vec<String>,
+}
+
+/// The user payload in the simulation: the id of the message in the ledger.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimMsg(pub u64);
+
+/// The sender token: which simulated client sent the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SimSender(pub u32);
+
+type Region = ShardRegion<SimMsg, SimSender>;
+type Env = Envelope<SimMsg, SimSender>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Loc {
+    Region(usize),
+    Link(usize, usize),
+    Mailbox(usize),
+    Done,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Pending,
+    Delivered,
+    Failed(&'static str),
+}
+
+#[derive(Debug)]
+struct Rec {
+    sender: u32,
+    entity: u32,
+    seq: u64,
+    loc: Loc,
+    outcome: Outcome,
+}
+
+#[derive(Debug)]
+enum Item {
+    Msg(u64),
+    Stop(ShardId),
+}
+
+#[derive(Debug)]
+struct Actor {
+    incarnation: u64,
+    mailbox: VecDeque<Item>,
+    scheduled: bool,
+    stop_queued: bool,
+}
+
+struct Node {
+    addr: Address,
+    uid: MemberUid,
+    alive: bool,
+    leaving: Option<Duration>,
+    join_seq: u64,
+    sender_base: u32,
+    regions: Vec<Region>,
+    actors: Vec<HashMap<EntityId, Actor>>,
+    coordinator: Option<ShardCoordinator>,
+}
+
+impl Node {
+    fn member(&self) -> UniqueAddress {
+        UniqueAddress {
+            address: self.addr.clone(),
+            uid: self.uid,
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Body {
+    Coord(CoordinatorMsg),
+    Ctl(RegionId, RegionMsg),
+    User(RegionId, Env),
+}
+
+#[derive(Debug)]
+struct Packet {
+    from: usize,
+    from_uid: MemberUid,
+    to: usize,
+    to_uid: MemberUid,
+    body: Body,
+}
+
+#[derive(Debug)]
+enum Ev {
+    Arrive(Packet),
+    Process {
+        slot: usize,
+        uid: MemberUid,
+        core: usize,
+        entity: EntityId,
+        incarnation: u64,
+    },
+    Script(usize),
+    Detect(usize, UniqueAddress),
+    WorkloadTick,
+    DupToCoordinator(CoordinatorMsg),
+    LeaveCheck(usize, MemberUid),
+}
+
+struct Scheduled {
+    at: Duration,
+    seq: u64,
+    ev: Ev,
+}
+
+impl PartialEq for Scheduled {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at, self.seq) == (o.at, o.seq)
+    }
+}
+impl Eq for Scheduled {}
+impl PartialOrd for Scheduled {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Scheduled {
+    fn cmp(&self, o: &Self) -> Ordering {
+        // Min-heap on (at, seq).
+        (o.at, o.seq).cmp(&(self.at, self.seq))
+    }
+}
+
+/// The world of one run.
+pub struct World {
+    p: Params,
+    cfg: SimConfig,
+    scenario: &'static str,
+    now: Duration,
+    rng: ChaCha8Rng,
+    queue: BinaryHeap<Scheduled>,
+    seq: u64,
+    script: Vec<(Duration, Action)>,
+    nodes: Vec<Node>,
+    slot_of: HashMap<Address, usize>,
+    members: BTreeMap<UniqueAddress, MemberStatus>,
+    coord_at: Option<(usize, MemberUid)>,
+    journal: Vec<CoordinatorEvent>,
+    latest_alloc: HashMap<ShardId, Option<(RegionId, Generation)>>,
+    remembered: HashMap<ShardId, std::collections::BTreeSet<EntityId>>,
+    isolated: HashSet<usize>,
+    held: BTreeMap<(usize, usize), VecDeque<Packet>>,
+    link_last: HashMap<(usize, usize), Duration>,
+    ledger: Vec<Rec>,
+    entity_ids: Vec<EntityId>,
+    next_seq: HashMap<(u32, u32), u64>,
+    last_seq: HashMap<(u32, u32), u64>,
+    live: HashMap<EntityId, (usize, usize, u64)>,
+    next_incarnation: u64,
+    next_join_seq: u64,
+    next_sender_base: u32,
+    last_crashed: Option<usize>,
+    workload_on: bool,
+    violation: Option<Violation>,
+    stats: RunStats,
+    trace: Option<VecDeque<String>>,
+}
+
+const TRACE_LINES: usize = 60;
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+impl World {
+    /// Builds the world of `scenario` for `seed`.
+    pub fn new(scenario: &Scenario, seed: u64, cfg: &SimConfig, trace: bool) -> Self {
+        // One RNG for everything, seeded from the seed and the scenario name.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in scenario.name.bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ h.rotate_left(17));
+        let (p, mut script) = (scenario.build)(&mut rng, cfg);
+        script.sort_by_key(|(t, _)| *t);
+        let entity_ids: Vec<EntityId> = (0..cfg.entities)
+            .map(|i| EntityId::new(format!("e{i}")).expect("valid id"))
+            .collect();
+        let mut w = Self {
+            p,
+            cfg: cfg.clone(),
+            scenario: scenario.name,
+            now: Duration::ZERO,
+            rng,
+            queue: BinaryHeap::new(),
+            seq: 0,
+            script,
+            nodes: Vec::new(),
+            slot_of: HashMap::new(),
+            members: BTreeMap::new(),
+            coord_at: None,
+            journal: Vec::new(),
+            latest_alloc: HashMap::new(),
+            remembered: HashMap::new(),
+            isolated: HashSet::new(),
+            held: BTreeMap::new(),
+            link_last: HashMap::new(),
+            ledger: Vec::new(),
+            entity_ids,
+            next_seq: HashMap::new(),
+            last_seq: HashMap::new(),
+            live: HashMap::new(),
+            next_incarnation: 1,
+            next_join_seq: 0,
+            next_sender_base: 0,
+            last_crashed: None,
+            workload_on: true,
+            violation: None,
+            stats: RunStats::default(),
+            trace: trace.then(VecDeque::new),
+        };
+        for i in 0..w.script.len() {
+            let at = w.script[i].0;
+            w.schedule(at, Ev::Script(i));
+        }
+        for slot in 0..cfg.nodes {
+            w.start_node(slot);
+        }
+        w.move_coordinator();
+        w.schedule(Duration::ZERO, Ev::WorkloadTick);
+        w
+    }
+
+    fn log(&mut self, f: impl FnOnce() -> String) {
+        if let Some(t) = &mut self.trace {
+            if t.len() == TRACE_LINES {
+                t.pop_front();
+            }
+            let line = format!("{:>9.3}s {}", self.now.as_secs_f64(), f());
+            t.push_back(line);
+        }
+    }
+
+    fn violate(&mut self, invariant: &'static str, detail: String) {
+        if self.violation.is_none() {
+            self.log(|| format!("VIOLATION {invariant}: {detail}"));
+            self.violation = Some(Violation {
+                invariant,
+                detail,
+                at: self.now,
+            });
+        }
+    }
+
+    fn schedule(&mut self, at: Duration, ev: Ev) {
+        self.seq += 1;
+        self.queue.push(Scheduled {
+            at,
+            seq: self.seq,
+            ev,
+        });
+    }
+
+    fn region_id(&self, slot: usize, core: usize) -> RegionId {
+        RegionId {
+            member: self.nodes[slot].member(),
+            core: core as u16,
+        }
+    }
+
+    // ---- membership -------------------------------------------------------
+
+    fn start_node(&mut self, slot: usize) {
+        let addr = Address(format!("10.0.0.{}:7101", slot + 1));
+        let uid = MemberUid(self.rng.gen());
+        let join_seq = self.next_join_seq;
+        self.next_join_seq += 1;
+        let sender_base = self.next_sender_base;
+        self.next_sender_base += self.cfg.cores as u32;
+        let node = Node {
+            addr: addr.clone(),
+            uid,
+            alive: true,
+            leaving: None,
+            join_seq,
+            sender_base,
+            regions: Vec::new(),
+            actors: (0..self.cfg.cores).map(|_| HashMap::new()).collect(),
+            coordinator: None,
+        };
+        if slot == self.nodes.len() {
+            self.nodes.push(node);
+        } else {
+            self.nodes[slot] = node;
+        }
+        self.slot_of.insert(addr, slot);
+        let member = self.nodes[slot].member();
+        self.log(|| format!("node {slot} up as {member}"));
+        self.members.insert(member.clone(), MemberStatus::Up);
+        self.notify(MembershipEvent::MemberUp(member));
+        for core in 0..self.cfg.cores {
+            let id = self.region_id(slot, core);
+            let r = Region::new(
+                id,
+                self.p.region.clone(),
+                Box::new(LruPolicy::new()),
+                self.now,
+            );
+            self.nodes[slot].regions.push(r);
+            self.drain_region(slot, core);
+        }
+    }
+
+    fn notify(&mut self, ev: MembershipEvent) {
+        for slot in 0..self.nodes.len() {
+            if !self.nodes[slot].alive {
+                continue;
+            }
+            for core in 0..self.nodes[slot].regions.len() {
+                let now = self.now;
+                self.nodes[slot].regions[core].handle_membership(now, &ev);
+                self.drain_region(slot, core);
+            }
+            if let Some(c) = self.nodes[slot].coordinator.as_mut() {
+                c.handle_membership(self.now, ev.clone());
+                self.drain_coordinator(slot);
+            }
+        }
+    }
+
+    /// Places the coordinator on the oldest Up member that is alive, taking
+    /// the journal over when it moves.
+    fn move_coordinator(&mut self) {
+        let oldest = (0..self.nodes.len())
+            .filter(|s| self.nodes[*s].alive && self.nodes[*s].leaving.is_none())
+            .filter(|s| self.members.contains_key(&self.nodes[*s].member()))
+            .min_by_key(|s| self.nodes[*s].join_seq);
+        let Some(new) = oldest else {
+            self.coord_at = None;
+            return;
+        };
+        let new_at = (new, self.nodes[new].uid);
+        if self.coord_at == Some(new_at) && self.nodes[new].coordinator.is_some() {
+            return;
+        }
+        if let Some((old, uid)) = self.coord_at {
+            if self.nodes[old].uid == uid {
+                self.nodes[old].coordinator = None;
+            }
+        }
+        self.log(|| format!("coordinator starts on node {new}"));
+        self.stats.coordinator_starts += 1;
+        let mut c = ShardCoordinator::recover(
+            self.p.coordinator.clone(),
+            Box::new(LeastShardAllocationStrategy::default()),
+            self.journal.iter(),
+            self.now,
+        );
+        c.handle_membership(
+            self.now,
+            MembershipEvent::CurrentMembers(
+                self.members.iter().map(|(m, s)| (m.clone(), *s)).collect(),
+            ),
+        );
+        self.nodes[new].coordinator = Some(c);
+        self.coord_at = Some(new_at);
+        self.drain_coordinator(new);
+        for slot in 0..self.nodes.len() {
+            if !self.nodes[slot].alive {
+                continue;
+            }
+            for core in 0..self.nodes[slot].regions.len() {
+                let now = self.now;
+                self.nodes[slot].regions[core].handle_coordinator_moved(now);
+                self.drain_region(slot, core);
+            }
+        }
+    }
+
+    fn crash(&mut self, slot: usize) {
+        if !self.nodes[slot].alive {
+            return;
+        }
+        let member = self.nodes[slot].member();
+        self.log(|| format!("node {slot} ({member}) crashes"));
+        self.nodes[slot].alive = false;
+        self.nodes[slot].coordinator = None;
+        self.last_crashed = Some(slot);
+        self.lose_everything_at(slot, "node crashed");
+        let d = self.rng.gen_range(self.p.detect.0..=self.p.detect.1);
+        self.schedule(self.now + d, Ev::Detect(slot, member));
+    }
+
+    /// Everything held by or in flight to or from `slot` is lost; the
+    /// senders are told (the runtime's ask times out).
+    fn lose_everything_at(&mut self, slot: usize, why: &'static str) {
+        for r in &mut self.ledger {
+            if r.outcome != Outcome::Pending {
+                continue;
+            }
+            let here = match r.loc {
+                Loc::Region(s) | Loc::Mailbox(s) => s == slot,
+                Loc::Link(a, b) => a == slot || b == slot,
+                Loc::Done => false,
+            };
+            if here {
+                r.outcome = Outcome::Failed(why);
+                r.loc = Loc::Done;
+                self.stats.lost_with_node += 1;
+            }
+        }
+        for core in 0..self.nodes[slot].actors.len() {
+            for (e, _) in self.nodes[slot].actors[core].drain() {
+                self.live.remove(&e);
+            }
+        }
+        self.held.retain(|(a, b), _| *a != slot && *b != slot);
+    }
+
+    fn remove_member(&mut self, member: UniqueAddress) {
+        if self.members.remove(&member).is_some() {
+            self.log(|| format!("{member} removed"));
+            self.notify(MembershipEvent::MemberRemoved(member));
+        }
+        let coord_ok = matches!(self.coord_at, Some((s, u)) if self.nodes[s].alive && self.nodes[s].uid == u && self.nodes[s].coordinator.is_some());
+        if !coord_ok {
+            self.move_coordinator();
+        }
+    }
+
+    fn leave(&mut self, slot: usize) {
+        let active = (0..self.nodes.len())
+            .filter(|s| self.nodes[*s].alive && self.nodes[*s].leaving.is_none())
+            .count();
+        if !self.nodes[slot].alive || self.nodes[slot].leaving.is_some() || active < 2 {
+            return;
+        }
+        let member = self.nodes[slot].member();
+        self.log(|| format!("node {slot} ({member}) leaves"));
+        self.nodes[slot].leaving = Some(self.now);
+        self.members.insert(member.clone(), MemberStatus::Leaving);
+        self.notify(MembershipEvent::MemberLeaving(member));
+        if matches!(self.coord_at, Some((s, _)) if s == slot) {
+            self.move_coordinator();
+        }
+        for core in 0..self.nodes[slot].regions.len() {
+            let now = self.now;
+            self.nodes[slot].regions[core].start_graceful_shutdown(now);
+            self.drain_region(slot, core);
+        }
+        let uid = self.nodes[slot].uid;
+        self.schedule(self.now + ms(100), Ev::LeaveCheck(slot, uid));
+    }
+
+    fn leave_check(&mut self, slot: usize, uid: MemberUid) {
+        let n = &self.nodes[slot];
+        if !n.alive || n.uid != uid {
+            return;
+        }
+        let started = n.leaving.expect("leaving");
+        let done = n.regions.iter().all(|r| r.is_shutdown_complete())
+            && n.actors.iter().all(|a| a.is_empty());
+        if done {
+            let member = n.member();
+            self.log(|| format!("node {slot} finished leaving"));
+            self.nodes[slot].alive = false;
+            self.lose_everything_at(slot, "node left");
+            self.remove_member(member);
+        } else if self.now > started + Duration::from_secs(30) {
+            let detail = format!(
+                "node {slot} still hosts {:?} and buffers {:?} after 30 s",
+                n.regions
+                    .iter()
+                    .map(|r| r.hosted_shards().count())
+                    .collect::<Vec<_>>(),
+                n.regions.iter().map(|r| r.buffered()).collect::<Vec<_>>()
+            );
+            self.violate("left", detail);
+        } else {
+            self.schedule(self.now + ms(100), Ev::LeaveCheck(slot, uid));
+        }
+    }
+
+    fn coordinator_slot(&self) -> Option<usize> {
+        self.coord_at.map(|(s, _)| s)
+    }
+
+    fn run_action(&mut self, a: Action) {
+        self.log(|| format!("script: {a:?}"));
+        match a {
+            Action::Crash(s) => self.crash(s),
+            Action::CrashCoordinatorNode => {
+                if let Some(s) = self.coordinator_slot() {
+                    self.crash(s);
+                }
+            }
+            Action::CrashOther => {
+                let c = self.coordinator_slot();
+                let cands: Vec<usize> = (0..self.nodes.len())
+                    .filter(|s| self.nodes[*s].alive && Some(*s) != c)
+                    .collect();
+                if !cands.is_empty() {
+                    let s = cands[self.rng.gen_range(0..cands.len())];
+                    self.crash(s);
+                }
+            }
+            Action::Restart(s) => {
+                if s < self.nodes.len() {
+                    if self.nodes[s].alive {
+                        self.crash(s);
+                    }
+                    self.start_node(s);
+                    if self.coord_at.is_none() {
+                        self.move_coordinator();
+                    }
+                }
+            }
+            Action::RestartCrashed => {
+                if let Some(s) = self.last_crashed {
+                    if !self.nodes[s].alive {
+                        self.start_node(s);
+                        if self.coord_at.is_none() {
+                            self.move_coordinator();
+                        }
+                    }
+                }
+            }
+            Action::Join => {
+                let s = self.nodes.len();
+                self.start_node(s);
+            }
+            Action::Leave(s) => {
+                if s < self.nodes.len() {
+                    self.leave(s);
+                }
+            }
+            Action::LeaveCoordinatorNode => {
+                if let Some(s) = self.coordinator_slot() {
+                    self.leave(s);
+                }
+            }
+            Action::Partition(set) => {
+                self.isolated = set.into_iter().collect();
+            }
+            Action::PartitionCoordinatorNode => {
+                self.isolated = self.coordinator_slot().into_iter().collect();
+            }
+            Action::Heal => {
+                self.isolated.clear();
+                let held = std::mem::take(&mut self.held);
+                for (_, q) in held {
+                    for p in q {
+                        self.transmit(p);
+                    }
+                }
+            }
+            Action::CheckBalanced => self.check_balanced(),
+        }
+    }
+
+    // ---- network ----------------------------------------------------------
+
+    fn send(&mut self, from: usize, to: usize, to_uid: MemberUid, body: Body) {
+        let p = Packet {
+            from,
+            from_uid: self.nodes[from].uid,
+            to,
+            to_uid,
+            body,
+        };
+        let blocked = self.isolated.contains(&from) != self.isolated.contains(&to);
+        if blocked {
+            self.held.entry((from, to)).or_default().push_back(p);
+        } else {
+            self.transmit(p);
+        }
+    }
+
+    fn transmit(&mut self, p: Packet) {
+        let lat = if p.from == p.to {
+            Duration::from_micros(self.rng.gen_range(10..=100))
+        } else {
+            Duration::from_micros(self.rng.gen_range(500..=20_000))
+        };
+        let link = (p.from, p.to);
+        let last = self.link_last.get(&link).copied().unwrap_or_default();
+        let at = (self.now + lat).max(last + Duration::from_nanos(1));
+        self.link_last.insert(link, at);
+        self.schedule(at, Ev::Arrive(p));
+    }
+
+    fn send_to_coordinator(&mut self, from: usize, msg: CoordinatorMsg) {
+        if self.p.dup_shard_stopped && matches!(msg, CoordinatorMsg::ShardStopped { .. }) {
+            let d = ms(self.rng.gen_range(3000..=20_000));
+            self.schedule(self.now + d, Ev::DupToCoordinator(msg.clone()));
+        }
+        if let Some((s, uid)) = self.coord_at {
+            self.send(from, s, uid, Body::Coord(msg));
+        }
+    }
+
+    fn arrive(&mut self, p: Packet) {
+        let from_ok = self.nodes[p.from].alive && self.nodes[p.from].uid == p.from_uid;
+        let to_ok = self.nodes[p.to].alive && self.nodes[p.to].uid == p.to_uid;
+        if !from_ok || !to_ok {
+            if let Body::User(_, env) = &p.body {
+                let r = &mut self.ledger[env.payload.0 as usize];
+                if r.outcome == Outcome::Pending {
+                    r.outcome = Outcome::Failed("node crashed");
+                    r.loc = Loc::Done;
+                    self.stats.lost_with_node += 1;
+                }
+            }
+            return;
+        }
+        let slot = p.to;
+        match p.body {
+            Body::Coord(msg) => {
+                if self.coord_at == Some((slot, p.to_uid)) {
+                    if let Some(c) = self.nodes[slot].coordinator.as_mut() {
+                        c.handle_message(self.now, msg);
+                        self.drain_coordinator(slot);
+                    }
+                }
+            }
+            Body::Ctl(rid, msg) => {
+                let core = rid.core as usize;
+                let now = self.now;
+                self.nodes[slot].regions[core].handle_region_msg(now, msg);
+                self.drain_region(slot, core);
+            }
+            Body::User(rid, env) => {
+                let core = rid.core as usize;
+                self.ledger[env.payload.0 as usize].loc = Loc::Region(slot);
+                let now = self.now;
+                self.nodes[slot].regions[core].handle_message(now, env);
+                self.drain_region(slot, core);
+            }
+        }
+    }
+
+    // ---- effects ----------------------------------------------------------
+
+    fn drain_coordinator(&mut self, slot: usize) {
+        loop {
+            let Some(c) = self.nodes[slot].coordinator.as_mut() else {
+                return;
+            };
+            let Some(e) = c.poll_effect() else {
+                return;
+            };
+            self.log(|| format!("coordinator@{slot} -> {e:?}"));
+            match e {
+                CoordinatorEffect::Persist(ev) => {
+                    match &ev {
+                        CoordinatorEvent::ShardHomeAllocated {
+                            shard,
+                            region,
+                            generation,
+                        } => {
+                            self.stats.allocations += 1;
+                            self.latest_alloc
+                                .insert(*shard, Some((region.clone(), *generation)));
+                        }
+                        CoordinatorEvent::ShardHomeDeallocated { shard, .. } => {
+                            self.stats.deallocations += 1;
+                            self.latest_alloc.insert(*shard, None);
+                        }
+                        _ => {}
+                    }
+                    self.journal.push(ev);
+                }
+                CoordinatorEffect::Send { to, msg } => {
+                    if let Some(&ts) = self.slot_of.get(&to.member.address) {
+                        self.send(slot, ts, to.member.uid, Body::Ctl(to, msg));
+                    }
+                }
+            }
+        }
+    }
+
+    fn drain_region(&mut self, slot: usize, core: usize) {
+        while let Some(e) = self.nodes[slot].regions[core].poll_effect() {
+            self.log(|| format!("region {slot}/{core} -> {e:?}"));
+            match e {
+                RegionEffect::SendToCoordinator(m) => self.send_to_coordinator(slot, m),
+                RegionEffect::SendToRegion { to, msg } => {
+                    if let Some(&ts) = self.slot_of.get(&to.member.address) {
+                        self.send(slot, ts, to.member.uid, Body::Ctl(to, msg));
+                    }
+                }
+                RegionEffect::Forward { to, envelope } => {
+                    let id = envelope.payload.0 as usize;
+                    match self.slot_of.get(&to.member.address) {
+                        Some(&ts) => {
+                            self.ledger[id].loc = Loc::Link(slot, ts);
+                            self.send(slot, ts, to.member.uid, Body::User(to, envelope));
+                        }
+                        None => self.violate(
+                            "exactly once",
+                            format!("message {id} forwarded to unknown region {to}"),
+                        ),
+                    }
+                }
+                RegionEffect::Deliver {
+                    envelope,
+                    new_incarnation,
+                } => self.deliver(slot, core, envelope, new_incarnation),
+                RegionEffect::StartEntity { shard: _, entity } => {
+                    if !self.nodes[slot].actors[core].contains_key(&entity) {
+                        self.create_actor(slot, core, &entity);
+                    }
+                }
+                RegionEffect::StopEntity { shard, entity, .. } => {
+                    match self.nodes[slot].actors[core].get_mut(&entity) {
+                        Some(a) if !a.stop_queued => {
+                            self.stats.stops += 1;
+                            a.stop_queued = true;
+                            a.mailbox.push_back(Item::Stop(shard));
+                            self.kick(slot, core, &entity);
+                        }
+                        _ => self.violate(
+                            "single incarnation",
+                            format!(
+                                "stop for entity {entity} that is not running on {slot}/{core}"
+                            ),
+                        ),
+                    }
+                }
+                RegionEffect::Persist(ev) => match ev {
+                    ShardEvent::EntityStarted { shard, entity } => {
+                        self.remembered.entry(shard).or_default().insert(entity);
+                    }
+                    ShardEvent::EntityStopped { shard, entity } => {
+                        self.remembered.entry(shard).or_default().remove(&entity);
+                    }
+                },
+                RegionEffect::RecoverRememberedEntities { shard } => {
+                    let ids: Vec<EntityId> = self
+                        .remembered
+                        .get(&shard)
+                        .map(|s| s.iter().cloned().collect())
+                        .unwrap_or_default();
+                    let now = self.now;
+                    self.nodes[slot].regions[core].handle_remembered_entities(now, shard, ids);
+                }
+                RegionEffect::Fail { envelope, reason } => {
+                    let r = &mut self.ledger[envelope.payload.0 as usize];
+                    if r.outcome == Outcome::Pending {
+                        r.outcome = Outcome::Failed(match reason {
+                            FailureReason::BufferFull => "buffer full",
+                            _ => "other",
+                        });
+                        r.loc = Loc::Done;
+                    }
+                    if reason == FailureReason::BufferFull {
+                        self.stats.buffer_full += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    fn create_actor(&mut self, slot: usize, core: usize, entity: &EntityId) {
+        if let Some((s, c, inc)) = self.live.get(entity) {
+            let detail = format!(
+                "entity {entity} started on {slot}/{core} while incarnation {inc} lives on {s}/{c}"
+            );
+            self.violate("single incarnation", detail);
+        }
+        let inc = self.next_incarnation;
+        self.next_incarnation += 1;
+        self.stats.incarnations += 1;
+        self.live.insert(entity.clone(), (slot, core, inc));
+        self.nodes[slot].actors[core].insert(
+            entity.clone(),
+            Actor {
+                incarnation: inc,
+                mailbox: VecDeque::new(),
+                scheduled: false,
+                stop_queued: false,
+            },
+        );
+    }
+
+    fn deliver(&mut self, slot: usize, core: usize, env: Env, new_incarnation: bool) {
+        let id = env.payload.0;
+        let entity = env.entity;
+        match self.nodes[slot].actors[core].get(&entity) {
+            None => {
+                if !new_incarnation {
+                    self.violate(
+                        "single incarnation",
+                        format!("message {id} delivered to {entity}, which is not running on {slot}/{core}"),
+                    );
+                }
+                self.create_actor(slot, core, &entity);
+            }
+            Some(a) => {
+                let stop_queued = a.stop_queued;
+                if new_incarnation {
+                    self.violate(
+                        "single incarnation",
+                        format!("second local incarnation of {entity} on {slot}/{core}"),
+                    );
+                }
+                if stop_queued {
+                    self.violate(
+                        "exactly once",
+                        format!("message {id} queued behind the stop message of {entity} on {slot}/{core}: it would be lost"),
+                    );
+                }
+            }
+        }
+        self.ledger[id as usize].loc = Loc::Mailbox(slot);
+        let a = self.nodes[slot].actors[core]
+            .get_mut(&entity)
+            .expect("created above");
+        a.mailbox.push_back(Item::Msg(id));
+        self.kick(slot, core, &entity);
+    }
+
+    fn kick(&mut self, slot: usize, core: usize, entity: &EntityId) {
+        let a = self.nodes[slot].actors[core]
+            .get_mut(entity)
+            .expect("actor exists");
+        if a.scheduled || a.mailbox.is_empty() {
+            return;
+        }
+        a.scheduled = true;
+        let inc = a.incarnation;
+        let d = match a.mailbox.front() {
+            Some(Item::Stop(_)) => self.rng.gen_range(self.p.stop_time.0..=self.p.stop_time.1),
+            _ => Duration::from_micros(self.rng.gen_range(100..=2000)),
+        };
+        let uid = self.nodes[slot].uid;
+        self.schedule(
+            self.now + d,
+            Ev::Process {
+                slot,
+                uid,
+                core,
+                entity: entity.clone(),
+                incarnation: inc,
+            },
+        );
+    }
+
+    fn process(&mut self, slot: usize, uid: MemberUid, core: usize, entity: EntityId, inc: u64) {
+        if !self.nodes[slot].alive || self.nodes[slot].uid != uid {
+            return;
+        }
+        let Some(a) = self.nodes[slot].actors[core].get_mut(&entity) else {
+            return;
+        };
+        if a.incarnation != inc {
+            return;
+        }
+        a.scheduled = false;
+        let Some(item) = a.mailbox.pop_front() else {
+            return;
+        };
+        match item {
+            Item::Msg(id) => {
+                self.process_msg(slot, core, &entity, id);
+                if self.nodes[slot].actors[core].contains_key(&entity) {
+                    self.kick(slot, core, &entity);
+                }
+            }
+            Item::Stop(shard) => {
+                let a = self.nodes[slot].actors[core]
+                    .remove(&entity)
+                    .expect("present");
+                self.live.remove(&entity);
+                self.log(|| format!("entity {entity} on {slot}/{core} stopped"));
+                if !a.mailbox.is_empty() {
+                    self.violate(
+                        "exactly once",
+                        format!(
+                            "{} messages left in the mailbox of {entity} after its stop",
+                            a.mailbox.len()
+                        ),
+                    );
+                }
+                let now = self.now;
+                self.nodes[slot].regions[core].handle_entity_stopped(now, shard, &entity);
+                self.drain_region(slot, core);
+            }
+        }
+    }
+
+    fn process_msg(&mut self, slot: usize, core: usize, entity: &EntityId, id: u64) {
+        let r = &mut self.ledger[id as usize];
+        match r.outcome {
+            Outcome::Pending => {}
+            Outcome::Delivered => {
+                let d = format!("message {id} to {entity} processed twice");
+                return self.violate("exactly once", d);
+            }
+            Outcome::Failed(why) => {
+                let d =
+                    format!("message {id} to {entity} processed after its sender was told: {why}");
+                return self.violate("exactly once", d);
+            }
+        }
+        r.outcome = Outcome::Delivered;
+        r.loc = Loc::Done;
+        let key = (r.sender, r.entity);
+        let seq = r.seq;
+        if self.entity_ids[r.entity as usize] != *entity {
+            let d = format!(
+                "message {id} for {} processed by {entity}",
+                self.entity_ids[r.entity as usize]
+            );
+            return self.violate("exactly once", d);
+        }
+        self.stats.delivered += 1;
+        let last = self.last_seq.insert(key, seq);
+        if let Some(last) = last {
+            if last >= seq {
+                let d = format!(
+                    "sender {} to {entity}: seq {seq} processed after seq {last}",
+                    key.0
+                );
+                return self.violate("order", d);
+            }
+        }
+        if self.p.p_passivate > 0.0 && self.rng.gen_bool(self.p.p_passivate) {
+            let shard = shard_id_of(entity.as_str(), self.cfg.shards);
+            let now = self.now;
+            self.nodes[slot].regions[core].handle_passivate(now, shard, entity, None);
+            self.drain_region(slot, core);
+        }
+    }
+
+    // ---- workload ---------------------------------------------------------
+
+    fn workload_tick(&mut self) {
+        if !self.workload_on || self.now >= self.p.workload_until {
+            return;
+        }
+        let mean_us = 1e6 / self.p.rate_per_s;
+        let u: f64 = self.rng.gen_range(f64::EPSILON..1.0);
+        let gap = Duration::from_micros((-u.ln() * mean_us) as u64 + 1);
+        self.schedule(self.now + gap, Ev::WorkloadTick);
+        let cands: Vec<usize> = (0..self.nodes.len())
+            .filter(|s| self.nodes[*s].alive && self.nodes[*s].leaving.is_none())
+            .collect();
+        if cands.is_empty() {
+            return;
+        }
+        let slot = cands[self.rng.gen_range(0..cands.len())];
+        let core = self.rng.gen_range(0..self.cfg.cores);
+        let n = self.entity_ids.len();
+        let e = if self.p.skewed && self.rng.gen_bool(0.8) {
+            self.rng.gen_range(0..(n / 10).max(1))
+        } else {
+            self.rng.gen_range(0..n)
+        } as u32;
+        let sender = self.nodes[slot].sender_base + core as u32;
+        let seq = {
+            let s = self.next_seq.entry((sender, e)).or_insert(0);
+            *s += 1;
+            *s
+        };
+        let id = self.ledger.len() as u64;
+        self.ledger.push(Rec {
+            sender,
+            entity: e,
+            seq,
+            loc: Loc::Region(slot),
+            outcome: Outcome::Pending,
+        });
+        self.stats.sent += 1;
+        let entity = self.entity_ids[e as usize].clone();
+        let env = Envelope {
+            shard: shard_id_of(entity.as_str(), self.cfg.shards),
+            entity,
+            sender: SimSender(sender),
+            payload: SimMsg(id),
+        };
+        let now = self.now;
+        self.nodes[slot].regions[core].handle_message(now, env);
+        self.drain_region(slot, core);
+    }
+
+    // ---- invariants ------------------------------------------------------
+
+    fn check_homes(&mut self) {
+        let mut hosts: HashMap<ShardId, (usize, usize)> = HashMap::new();
+        let mut bad: Option<(&'static str, String)> = None;
+        'outer: for slot in 0..self.nodes.len() {
+            let n = &self.nodes[slot];
+            if !n.alive {
+                continue;
+            }
+            for (core, r) in n.regions.iter().enumerate() {
+                for (s, g, stopping) in r.hosted_shards() {
+                    if let Some((os, oc)) = hosts.insert(s, (slot, core)) {
+                        bad = Some((
+                            "one home",
+                            format!("shard {s} hosted by {os}/{oc} and {slot}/{core}"),
+                        ));
+                        break 'outer;
+                    }
+                    if stopping {
+                        continue;
+                    }
+                    match self.latest_alloc.get(&s) {
+                        Some(Some((home, ag))) if home == r.id() && g <= *ag => {}
+                        other => {
+                            bad = Some((
+                                "one home",
+                                format!(
+                                    "{slot}/{core} runs shard {s} at {g} but the journal says {other:?}"
+                                ),
+                            ));
+                            break 'outer;
+                        }
+                    }
+                }
+            }
+        }
+        if let Some((inv, d)) = bad {
+            self.violate(inv, d);
+        }
+    }
+
+    fn check_balanced(&mut self) {
+        let Some((cs, _)) = self.coord_at else {
+            return self.violate("balanced", "no coordinator".into());
+        };
+        let Some(c) = self.nodes[cs].coordinator.as_ref() else {
+            return self.violate("balanced", "no coordinator".into());
+        };
+        let counts: Vec<usize> = c
+            .state()
+            .regions
+            .iter()
+            .filter(|(r, _)| {
+                self.slot_of.get(&r.member.address).is_some_and(|s| {
+                    let n = &self.nodes[*s];
+                    n.alive && n.uid == r.member.uid && n.leaving.is_none()
+                })
+            })
+            .map(|(_, s)| s.len())
+            .collect();
+        let (min, max) = (
+            counts.iter().min().copied().unwrap_or(0),
+            counts.iter().max().copied().unwrap_or(0),
+        );
+        if max > min + 1 {
+            self.violate(
+                "balanced",
+                format!("shard counts per region {counts:?} differ by more than 1"),
+            );
+        }
+    }
+
+    fn check_drained(&mut self) {
+        let pending: Vec<(usize, Loc)> = self
+            .ledger
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.outcome == Outcome::Pending)
+            .map(|(i, r)| (i, r.loc))
+            .take(5)
+            .collect();
+        if !pending.is_empty() {
+            let n = self
+                .ledger
+                .iter()
+                .filter(|r| r.outcome == Outcome::Pending)
+                .count();
+            return self.violate(
+                "drained",
+                format!("{n} messages neither processed nor failed at the end, e.g. {pending:?}"),
+            );
+        }
+        for slot in 0..self.nodes.len() {
+            if !self.nodes[slot].alive {
+                continue;
+            }
+            for (core, r) in self.nodes[slot].regions.iter().enumerate() {
+                if r.buffered() > 0 {
+                    let d = format!("region {slot}/{core} still buffers {}", r.buffered());
+                    return self.violate("drained", d);
+                }
+            }
+        }
+    }
+
+    // ---- the loop --------------------------------------------------------
+
+    fn next_timer(&self) -> Option<Duration> {
+        let mut t: Option<Duration> = None;
+        for n in self.nodes.iter().filter(|n| n.alive) {
+            for r in &n.regions {
+                t = min_opt(t, r.poll_timeout());
+            }
+            if let Some(c) = &n.coordinator {
+                t = min_opt(t, c.poll_timeout());
+            }
+        }
+        t
+    }
+
+    fn fire_timers(&mut self) {
+        let now = self.now;
+        for slot in 0..self.nodes.len() {
+            if !self.nodes[slot].alive {
+                continue;
+            }
+            for core in 0..self.nodes[slot].regions.len() {
+                if self.nodes[slot].regions[core]
+                    .poll_timeout()
+                    .is_some_and(|t| t <= now)
+                {
+                    self.nodes[slot].regions[core].handle_timeout(now);
+                    self.drain_region(slot, core);
+                }
+            }
+            if let Some(c) = self.nodes[slot].coordinator.as_mut() {
+                if c.poll_timeout().is_some_and(|t| t <= now) {
+                    c.handle_timeout(now);
+                    self.drain_coordinator(slot);
+                }
+            }
+        }
+    }
+
+    /// Runs the scenario to its end (or to the first violation).
+    pub fn run(&mut self) {
+        let end = self.p.run_until;
+        while self.violation.is_none() {
+            self.stats.steps += 1;
+            if self.stats.steps > self.cfg.max_steps {
+                let d = format!("more than {} steps", self.cfg.max_steps);
+                self.violate("bounded", d);
+                break;
+            }
+            let ev_at = self.queue.peek().map(|s| s.at);
+            let timer_at = self.next_timer();
+            let next = min_opt(ev_at, timer_at);
+            let Some(next) = next else { break };
+            if next > end {
+                break;
+            }
+            self.now = self.now.max(next);
+            if timer_at.is_some_and(|t| t <= next) && ev_at.is_none_or(|e| e >= next) {
+                self.fire_timers();
+            } else {
+                let s = self.queue.pop().expect("peeked");
+                self.step(s.ev);
+            }
+            self.check_homes();
+        }
+        if self.violation.is_none() {
+            self.now = end;
+            self.check_drained();
+        }
+    }
+
+    fn step(&mut self, ev: Ev) {
+        match ev {
+            Ev::Arrive(p) => {
+                self.log(|| format!("arrive {}->{}: {:?}", p.from, p.to, p.body));
+                self.arrive(p)
+            }
+            Ev::Process {
+                slot,
+                uid,
+                core,
+                entity,
+                incarnation,
+            } => self.process(slot, uid, core, entity, incarnation),
+            Ev::Script(i) => {
+                let a = self.script[i].1.clone();
+                self.run_action(a);
+            }
+            Ev::Detect(_slot, member) => self.remove_member(member),
+            Ev::WorkloadTick => self.workload_tick(),
+            Ev::DupToCoordinator(msg) => {
+                if let Some((s, uid)) = self.coord_at {
+                    if self.nodes[s].alive && self.nodes[s].uid == uid {
+                        self.log(|| format!("late duplicate to coordinator: {msg:?}"));
+                        if let Some(c) = self.nodes[s].coordinator.as_mut() {
+                            c.handle_message(self.now, msg);
+                            self.drain_coordinator(s);
+                        }
+                    }
+                }
+            }
+            Ev::LeaveCheck(slot, uid) => self.leave_check(slot, uid),
+        }
+    }
+
+    /// The outcome so far.
+    pub fn outcome(&self) -> RunOutcome {
+        RunOutcome {
+            violation: self.violation.clone(),
+            stats: self.stats.clone(),
+            last_events: self
+                .trace
+                .as_ref()
+                .map(|t| t.iter().cloned().collect())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// The scenario's name.
+    pub fn scenario(&self) -> &'static str {
+        self.scenario
+    }
+}
+
+fn min_opt(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, None) => a,
+        (None, b) => b,
+    }
+}
