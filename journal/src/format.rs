@@ -1,0 +1,1002 @@
+//! The pure byte codec of the journal: segment headers, records, index
+//! files, the state checkpoint and snapshot files. No I/O happens here; every
+//! decoder takes arbitrary bytes, checks every length against the bytes it
+//! has before using it, and never panics. `journal/FORMAT.md` is the
+//! specification; this module is its implementation.
+
+use crate::ids::{Lsn, PersistenceId, SequenceNr, WriterEpoch, MAX_PERSISTENCE_ID_LEN_BYTES};
+
+/// Magic bytes at offset 0 of every segment file.
+pub const SEGMENT_MAGIC: [u8; 8] = *b"SHLJSEG\0";
+/// Magic bytes at offset 0 of every index file.
+pub const INDEX_MAGIC: [u8; 8] = *b"SHLJIDX\0";
+/// Magic bytes at offset 0 of the state checkpoint file.
+pub const CHECKPOINT_MAGIC: [u8; 8] = *b"SHLJCHK\0";
+/// Magic bytes at offset 0 of every snapshot file.
+pub const SNAPSHOT_MAGIC: [u8; 8] = *b"SHLJSNP\0";
+/// The format version this crate writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// Length of the segment file header, in bytes.
+pub const SEGMENT_HEADER_LEN_BYTES: usize = 64;
+/// Length of the fixed part of a record header, in bytes (the persistence id
+/// and the payload follow it).
+pub const RECORD_HEADER_LEN_BYTES: usize = 44;
+/// File name suffix of segment files.
+pub const SEGMENT_SUFFIX: &str = ".seg";
+/// File name suffix of index files.
+pub const INDEX_SUFFIX: &str = ".idx";
+/// File name suffix of snapshot files.
+pub const SNAPSHOT_SUFFIX: &str = ".snap";
+/// File name suffix of temporary files (removed on open).
+pub const TMP_SUFFIX: &str = ".tmp";
+/// File name of the state checkpoint.
+pub const CHECKPOINT_NAME: &str = "journal.state";
+
+/// The kind of a record (byte 42 of the record header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RecordKind {
+    /// An event appended by the caller (kind byte 0).
+    Event,
+    /// A deletion marker: every event of the persistence id with a sequence
+    /// number at most the record's sequence number is deleted (kind byte 1).
+    Deletion,
+}
+
+impl RecordKind {
+    fn to_byte(self) -> u8 {
+        match self {
+            RecordKind::Event => 0,
+            RecordKind::Deletion => 1,
+        }
+    }
+
+    fn from_byte(b: u8) -> Option<Self> {
+        match b {
+            0 => Some(RecordKind::Event),
+            1 => Some(RecordKind::Deletion),
+            _ => None,
+        }
+    }
+}
+
+fn u16_at(b: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_le_bytes(b.get(at..at + 2)?.try_into().ok()?))
+}
+fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
+}
+
+/// File name of the segment whose first record has LSN `first_lsn`.
+pub fn segment_name(first_lsn: Lsn) -> String {
+    format!("{:020}{SEGMENT_SUFFIX}", first_lsn.0)
+}
+
+/// File name of the index of segment `first_lsn`.
+pub fn index_name(first_lsn: Lsn) -> String {
+    format!("{:020}{INDEX_SUFFIX}", first_lsn.0)
+}
+
+/// Parses a segment or index file name back to the segment id; `None` for
+/// other names.
+pub fn parse_numbered_name(name: &str, suffix: &str) -> Option<Lsn> {
+    let stem = name.strip_suffix(suffix)?;
+    if stem.len() != 20 || !stem.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    stem.parse().ok().map(Lsn)
+}
+
+/// The decoded segment file header (FORMAT.md, "Segment header").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentHeader {
+    /// Segment id: the LSN of the segment's first record.
+    pub segment_id: Lsn,
+    /// The epoch of the writer that created the segment.
+    pub writer_epoch: WriterEpoch,
+    /// The size the segment was created with, in bytes.
+    pub segment_size_bytes: u64,
+    /// Creation time, milliseconds since the Unix epoch.
+    pub created_ms: u64,
+}
+
+/// Why a segment header was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HeaderError {
+    /// The file is shorter than the 64-byte header.
+    #[error("file is {len_bytes} bytes, shorter than the 64-byte header")]
+    TooShort {
+        /// The file's length, in bytes.
+        len_bytes: u64,
+    },
+    /// The header is all zero bytes (a segment whose header never reached
+    /// the disk).
+    #[error("header is all zero bytes")]
+    Zeroed,
+    /// The first 8 bytes are not the segment magic.
+    #[error("wrong magic bytes")]
+    BadMagic,
+    /// The format version is not one this crate reads.
+    #[error("unsupported format version {version} (this build reads version 1)")]
+    UnsupportedVersion {
+        /// The version found in the header.
+        version: u32,
+    },
+    /// The header's CRC32C does not match its bytes.
+    #[error("header checksum mismatch")]
+    BadChecksum,
+    /// The header's length field is not 64.
+    #[error("header length field is {len_bytes}, expected 64")]
+    BadLength {
+        /// The header length found, in bytes.
+        len_bytes: u32,
+    },
+}
+
+impl SegmentHeader {
+    /// Encodes the header into its 64 bytes.
+    pub fn encode(&self) -> [u8; SEGMENT_HEADER_LEN_BYTES] {
+        let mut b = [0u8; SEGMENT_HEADER_LEN_BYTES];
+        b[0..8].copy_from_slice(&SEGMENT_MAGIC);
+        b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b[12..16].copy_from_slice(&(SEGMENT_HEADER_LEN_BYTES as u32).to_le_bytes());
+        b[16..24].copy_from_slice(&self.segment_id.0.to_le_bytes());
+        b[24..32].copy_from_slice(&self.writer_epoch.0.to_le_bytes());
+        b[32..40].copy_from_slice(&self.segment_size_bytes.to_le_bytes());
+        b[40..48].copy_from_slice(&self.created_ms.to_le_bytes());
+        let crc = crc32c::crc32c(&b[0..60]);
+        b[60..64].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// Decodes the header at the start of `bytes`.
+    ///
+    /// # Errors
+    /// A [`HeaderError`] naming the first check that failed, in the order
+    /// length, all-zero, magic, version, length field, checksum.
+    pub fn decode(bytes: &[u8]) -> Result<Self, HeaderError> {
+        let Some(b) = bytes.get(..SEGMENT_HEADER_LEN_BYTES) else {
+            return Err(HeaderError::TooShort {
+                len_bytes: bytes.len() as u64,
+            });
+        };
+        if b.iter().all(|&x| x == 0) {
+            return Err(HeaderError::Zeroed);
+        }
+        if b[0..8] != SEGMENT_MAGIC {
+            return Err(HeaderError::BadMagic);
+        }
+        let version = u32_at(b, 8).unwrap_or(0);
+        if version != FORMAT_VERSION {
+            return Err(HeaderError::UnsupportedVersion { version });
+        }
+        let len = u32_at(b, 12).unwrap_or(0);
+        if len as usize != SEGMENT_HEADER_LEN_BYTES {
+            return Err(HeaderError::BadLength { len_bytes: len });
+        }
+        let crc = u32_at(b, 60).unwrap_or(0);
+        if crc32c::crc32c(&b[0..60]) != crc {
+            return Err(HeaderError::BadChecksum);
+        }
+        Ok(SegmentHeader {
+            segment_id: Lsn(u64_at(b, 16).unwrap_or(0)),
+            writer_epoch: WriterEpoch(u64_at(b, 24).unwrap_or(0)),
+            segment_size_bytes: u64_at(b, 32).unwrap_or(0),
+            created_ms: u64_at(b, 40).unwrap_or(0),
+        })
+    }
+}
+
+/// The fields of a record to encode.
+#[derive(Debug, Clone, Copy)]
+pub struct RecordFields<'a> {
+    /// The record's LSN.
+    pub lsn: Lsn,
+    /// Event: its sequence number; deletion marker: delete up to this.
+    pub sequence_nr: SequenceNr,
+    /// The writer epoch the record was appended with.
+    pub writer_epoch: WriterEpoch,
+    /// Append time, milliseconds since the Unix epoch.
+    pub timestamp_ms: u64,
+    /// Event or deletion marker.
+    pub kind: RecordKind,
+    /// The persistence id's UTF-8 bytes (1..=1024).
+    pub persistence_id: &'a [u8],
+}
+
+/// Total encoded length of a record, in bytes.
+pub fn record_len_bytes(persistence_id_len: usize, payload_len: usize) -> u64 {
+    (RECORD_HEADER_LEN_BYTES + persistence_id_len) as u64 + payload_len as u64
+}
+
+/// Encodes the record header and the persistence id into `out` (cleared
+/// first) and returns the CRC32C over header, id and `payload`; the payload
+/// itself is not copied. The CRC is already stored in `out[4..8]`.
+pub fn encode_record_head(fields: &RecordFields<'_>, payload: &[u8], out: &mut Vec<u8>) {
+    out.clear();
+    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(&[0u8; 4]);
+    out.extend_from_slice(&fields.lsn.0.to_le_bytes());
+    out.extend_from_slice(&fields.sequence_nr.0.to_le_bytes());
+    out.extend_from_slice(&fields.writer_epoch.0.to_le_bytes());
+    out.extend_from_slice(&fields.timestamp_ms.to_le_bytes());
+    out.extend_from_slice(&(fields.persistence_id.len() as u16).to_le_bytes());
+    out.push(fields.kind.to_byte());
+    out.push(0);
+    out.extend_from_slice(fields.persistence_id);
+    let crc = crc32c::crc32c(&out[0..4]);
+    let crc = crc32c::crc32c_append(crc, &out[8..]);
+    let crc = crc32c::crc32c_append(crc, payload);
+    out[4..8].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// One record, borrowed from the segment bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordView<'a> {
+    /// Offset of the record's first byte in its segment.
+    pub offset: u64,
+    /// Encoded length (header + id + payload), in bytes.
+    pub len_bytes: u64,
+    /// The record's LSN.
+    pub lsn: Lsn,
+    /// Event: its sequence number; deletion marker: deleted up to this.
+    pub sequence_nr: SequenceNr,
+    /// The writer epoch it was appended with.
+    pub writer_epoch: WriterEpoch,
+    /// Append time, milliseconds since the Unix epoch.
+    pub timestamp_ms: u64,
+    /// Event or deletion marker.
+    pub kind: RecordKind,
+    /// The persistence id's bytes (validated UTF-8, 1..=1024 bytes).
+    pub persistence_id: &'a [u8],
+    /// The payload.
+    pub payload: &'a [u8],
+}
+
+/// Why the bytes at an offset are not a valid record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RecordError {
+    /// Fewer bytes remain than a record header, and they are not all zero.
+    #[error("partial record header")]
+    PartialHeader,
+    /// The header's lengths point past the end of the segment.
+    #[error("record length runs past the end of the segment")]
+    PastEnd,
+    /// The persistence id length is 0 or above 1024.
+    #[error("persistence id length out of range")]
+    BadIdLength,
+    /// The kind byte or the reserved byte has an unknown value.
+    #[error("unknown record kind")]
+    BadKind,
+    /// The CRC32C does not match.
+    #[error("record checksum mismatch")]
+    BadChecksum,
+    /// The persistence id is not UTF-8.
+    #[error("persistence id is not UTF-8")]
+    BadId,
+}
+
+/// The outcome of decoding at one offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decoded<'a> {
+    /// A valid record.
+    Record(RecordView<'a>),
+    /// Unwritten space: the header (or whatever is left) is all zeros.
+    End,
+    /// Not a valid record.
+    Invalid(RecordError),
+}
+
+/// Decodes the record starting at `offset` in `seg` (a whole segment's
+/// bytes). Never panics; never reads beyond `seg`.
+pub fn decode_record(seg: &[u8], offset: u64) -> Decoded<'_> {
+    let Ok(start) = usize::try_from(offset) else {
+        return Decoded::Invalid(RecordError::PastEnd);
+    };
+    let Some(rest) = seg.get(start..) else {
+        return Decoded::Invalid(RecordError::PastEnd);
+    };
+    let Some(h) = rest.get(..RECORD_HEADER_LEN_BYTES) else {
+        if rest.iter().all(|&b| b == 0) {
+            return Decoded::End;
+        }
+        return Decoded::Invalid(RecordError::PartialHeader);
+    };
+    if h.iter().all(|&b| b == 0) {
+        return Decoded::End;
+    }
+    let payload_len = u32_at(h, 0).unwrap_or(0) as usize;
+    let crc = u32_at(h, 4).unwrap_or(0);
+    let id_len = u16_at(h, 40).unwrap_or(0) as usize;
+    if id_len == 0 || id_len > MAX_PERSISTENCE_ID_LEN_BYTES {
+        return Decoded::Invalid(RecordError::BadIdLength);
+    }
+    let Some(kind) = RecordKind::from_byte(h[42]) else {
+        return Decoded::Invalid(RecordError::BadKind);
+    };
+    if h[43] != 0 {
+        return Decoded::Invalid(RecordError::BadKind);
+    }
+    let total = RECORD_HEADER_LEN_BYTES + id_len + payload_len;
+    let Some(whole) = rest.get(..total) else {
+        return Decoded::Invalid(RecordError::PastEnd);
+    };
+    let c = crc32c::crc32c(&whole[0..4]);
+    let c = crc32c::crc32c_append(c, &whole[8..]);
+    if c != crc {
+        return Decoded::Invalid(RecordError::BadChecksum);
+    }
+    let id = &whole[RECORD_HEADER_LEN_BYTES..RECORD_HEADER_LEN_BYTES + id_len];
+    if std::str::from_utf8(id).is_err() {
+        return Decoded::Invalid(RecordError::BadId);
+    }
+    Decoded::Record(RecordView {
+        offset,
+        len_bytes: total as u64,
+        lsn: Lsn(u64_at(h, 8).unwrap_or(0)),
+        sequence_nr: SequenceNr(u64_at(h, 16).unwrap_or(0)),
+        writer_epoch: WriterEpoch(u64_at(h, 24).unwrap_or(0)),
+        timestamp_ms: u64_at(h, 32).unwrap_or(0),
+        kind,
+        persistence_id: id,
+        payload: &whole[RECORD_HEADER_LEN_BYTES + id_len..],
+    })
+}
+
+/// Where and why a segment scan stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScanStop {
+    /// The segment ends cleanly: unwritten (zero) space or its exact end.
+    Clean,
+    /// An invalid record at `offset`.
+    Invalid {
+        /// Offset of the invalid bytes in the segment.
+        offset: u64,
+        /// Why they are invalid.
+        reason: RecordError,
+        /// Whether a valid record with a higher LSN follows later in the
+        /// same segment (then this is corruption, not a torn tail).
+        valid_record_after: bool,
+        /// Offset just past the last non-zero byte of the segment.
+        last_nonzero_end: u64,
+    },
+    /// A record whose LSN is not the expected next one.
+    LsnGap {
+        /// Offset of the record.
+        offset: u64,
+        /// The LSN expected.
+        expected: Lsn,
+        /// The LSN found.
+        found: Lsn,
+    },
+}
+
+/// The result of scanning a segment's records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScanSummary {
+    /// Offset just past the last valid record (where appends continue).
+    pub end_offset: u64,
+    /// The LSN of the last valid record, if any.
+    pub last_lsn: Option<Lsn>,
+    /// How many valid records were read.
+    pub records: u64,
+    /// Why the scan stopped.
+    pub stop: ScanStop,
+}
+
+/// Scans the records of a segment whose header decoded to `first_lsn`,
+/// calling `on_record` for each valid one in order. Stops at the first
+/// invalid record, at unwritten space, or at an LSN that does not follow
+/// its predecessor. Never panics; runs in time linear in `seg.len()` plus,
+/// after an invalid record, a search for a later valid record that checks
+/// at most one candidate per byte offset (a candidate must have a plausible
+/// LSN before its checksum is computed).
+pub fn scan_records<'a>(
+    seg: &'a [u8],
+    first_lsn: Lsn,
+    mut on_record: impl FnMut(&RecordView<'a>),
+) -> ScanSummary {
+    let mut offset = SEGMENT_HEADER_LEN_BYTES as u64;
+    let mut expected = first_lsn;
+    let mut records = 0u64;
+    let mut last_lsn = None;
+    loop {
+        match decode_record(seg, offset) {
+            Decoded::Record(r) => {
+                if r.lsn != expected {
+                    return ScanSummary {
+                        end_offset: offset,
+                        last_lsn,
+                        records,
+                        stop: ScanStop::LsnGap {
+                            offset,
+                            expected,
+                            found: r.lsn,
+                        },
+                    };
+                }
+                on_record(&r);
+                records += 1;
+                last_lsn = Some(r.lsn);
+                expected = Lsn(r.lsn.0.saturating_add(1));
+                offset += r.len_bytes;
+            }
+            Decoded::End => {
+                let last_nonzero_end = last_nonzero_end(seg);
+                if last_nonzero_end <= offset {
+                    return ScanSummary {
+                        end_offset: offset,
+                        last_lsn,
+                        records,
+                        stop: ScanStop::Clean,
+                    };
+                }
+                // Zeros here but bytes later: a hole (e.g. a zeroed page).
+                return ScanSummary {
+                    end_offset: offset,
+                    last_lsn,
+                    records,
+                    stop: ScanStop::Invalid {
+                        offset,
+                        reason: RecordError::PartialHeader,
+                        valid_record_after: valid_record_after(seg, offset, expected),
+                        last_nonzero_end,
+                    },
+                };
+            }
+            Decoded::Invalid(reason) => {
+                return ScanSummary {
+                    end_offset: offset,
+                    last_lsn,
+                    records,
+                    stop: ScanStop::Invalid {
+                        offset,
+                        reason,
+                        valid_record_after: valid_record_after(seg, offset, expected),
+                        last_nonzero_end: last_nonzero_end(seg),
+                    },
+                };
+            }
+        }
+    }
+}
+
+/// Offset just past the last non-zero byte of `seg` (at least the header
+/// length).
+pub fn last_nonzero_end(seg: &[u8]) -> u64 {
+    let end = seg.iter().rposition(|&b| b != 0).map_or(0, |p| p + 1);
+    end.max(SEGMENT_HEADER_LEN_BYTES.min(seg.len())) as u64
+}
+
+/// Whether some offset after `from` holds a valid record with an LSN at
+/// least `min_lsn` (and not absurdly far beyond it).
+fn valid_record_after(seg: &[u8], from: u64, min_lsn: Lsn) -> bool {
+    let Ok(from) = usize::try_from(from) else {
+        return false;
+    };
+    // A record takes at least RECORD_HEADER_LEN_BYTES + 1 bytes, so no more
+    // than this many records fit after `from`.
+    let max_records = (seg.len() / (RECORD_HEADER_LEN_BYTES + 1)) as u64 + 1;
+    let max_lsn = min_lsn.0.saturating_add(max_records);
+    let mut at = from + 1;
+    while at + RECORD_HEADER_LEN_BYTES <= seg.len() {
+        let lsn = u64_at(seg, at + 8).unwrap_or(0);
+        if lsn >= min_lsn.0 && lsn <= max_lsn {
+            if let Decoded::Record(_) = decode_record(seg, at as u64) {
+                return true;
+            }
+        }
+        at += 1;
+    }
+    false
+}
+
+/// Per persistence id summary of one sealed segment, stored in its index.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct IndexEntry {
+    /// Highest writer epoch among this id's records in the segment.
+    pub max_epoch: WriterEpoch,
+    /// Highest event sequence number in the segment (0 when none).
+    pub last_event_seq: SequenceNr,
+    /// Highest deletion marker in the segment (0 when none).
+    pub deleted_to: SequenceNr,
+    /// The id's events in the segment, in order: (sequence number, offset).
+    pub events: Vec<(SequenceNr, u32)>,
+}
+
+/// The decoded index file of a sealed segment.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SegmentIndexFile {
+    /// The segment's id (first LSN).
+    pub segment_id: Lsn,
+    /// The writer epoch from the segment header.
+    pub writer_epoch: WriterEpoch,
+    /// Offset just past the segment's last record.
+    pub end_offset: u64,
+    /// LSN of the last record (segment id - 1 when the segment is empty).
+    pub last_lsn: Lsn,
+    /// Number of records (events and deletion markers).
+    pub records: u64,
+    /// Per persistence id entries, sorted by id.
+    pub entries: Vec<(PersistenceId, IndexEntry)>,
+}
+
+/// Why an index, checkpoint or snapshot file was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FileDecodeError {
+    /// Wrong magic bytes.
+    #[error("wrong magic bytes")]
+    BadMagic,
+    /// Unsupported format version.
+    #[error("unsupported format version {0}")]
+    UnsupportedVersion(u32),
+    /// The CRC32C over the file does not match.
+    #[error("checksum mismatch")]
+    BadChecksum,
+    /// A length field points past the end of the file, or fields are
+    /// missing.
+    #[error("truncated or malformed at byte {0}")]
+    Malformed(u64),
+}
+
+struct Cursor<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], FileDecodeError> {
+        let end = self
+            .at
+            .checked_add(n)
+            .ok_or(FileDecodeError::Malformed(self.at as u64))?;
+        let s = self
+            .b
+            .get(self.at..end)
+            .ok_or(FileDecodeError::Malformed(self.at as u64))?;
+        self.at = end;
+        Ok(s)
+    }
+    fn u16(&mut self) -> Result<u16, FileDecodeError> {
+        let s = self.take(2)?;
+        Ok(u16::from_le_bytes([s[0], s[1]]))
+    }
+    fn u32(&mut self) -> Result<u32, FileDecodeError> {
+        let s = self.take(4)?;
+        Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+    }
+    fn u64(&mut self) -> Result<u64, FileDecodeError> {
+        let s = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(s);
+        Ok(u64::from_le_bytes(a))
+    }
+    fn pid(&mut self) -> Result<PersistenceId, FileDecodeError> {
+        let at = self.at as u64;
+        let n = self.u16()? as usize;
+        let s = self.take(n)?;
+        PersistenceId::from_bytes(s).map_err(|_| FileDecodeError::Malformed(at))
+    }
+    fn remaining(&self) -> usize {
+        self.b.len().saturating_sub(self.at)
+    }
+}
+
+/// Checks magic, version and the trailing CRC32C of a small file and returns
+/// the body between the 16-byte preamble and the CRC.
+fn open_checked<'a>(bytes: &'a [u8], magic: &[u8; 8]) -> Result<&'a [u8], FileDecodeError> {
+    if bytes.len() < 20 {
+        return Err(FileDecodeError::Malformed(bytes.len() as u64));
+    }
+    if bytes[0..8] != *magic {
+        return Err(FileDecodeError::BadMagic);
+    }
+    let version = u32_at(bytes, 8).unwrap_or(0);
+    if version != FORMAT_VERSION {
+        return Err(FileDecodeError::UnsupportedVersion(version));
+    }
+    let crc_at = bytes.len() - 4;
+    let crc = u32_at(bytes, crc_at).unwrap_or(0);
+    if crc32c::crc32c(&bytes[..crc_at]) != crc {
+        return Err(FileDecodeError::BadChecksum);
+    }
+    Ok(&bytes[16..crc_at])
+}
+
+fn preamble(magic: &[u8; 8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64);
+    out.extend_from_slice(magic);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    out
+}
+
+fn seal(mut out: Vec<u8>) -> Vec<u8> {
+    let crc = crc32c::crc32c(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+fn put_pid(out: &mut Vec<u8>, pid: &PersistenceId) {
+    out.extend_from_slice(&(pid.as_bytes().len() as u16).to_le_bytes());
+    out.extend_from_slice(pid.as_bytes());
+}
+
+impl SegmentIndexFile {
+    /// Encodes the index file (FORMAT.md, "Index file").
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = preamble(&INDEX_MAGIC);
+        out.extend_from_slice(&self.segment_id.0.to_le_bytes());
+        out.extend_from_slice(&self.writer_epoch.0.to_le_bytes());
+        out.extend_from_slice(&self.end_offset.to_le_bytes());
+        out.extend_from_slice(&self.last_lsn.0.to_le_bytes());
+        out.extend_from_slice(&self.records.to_le_bytes());
+        out.extend_from_slice(&(self.entries.len() as u32).to_le_bytes());
+        for (pid, e) in &self.entries {
+            put_pid(&mut out, pid);
+            out.extend_from_slice(&e.max_epoch.0.to_le_bytes());
+            out.extend_from_slice(&e.last_event_seq.0.to_le_bytes());
+            out.extend_from_slice(&e.deleted_to.0.to_le_bytes());
+            out.extend_from_slice(&(e.events.len() as u32).to_le_bytes());
+            for (seq, off) in &e.events {
+                out.extend_from_slice(&seq.0.to_le_bytes());
+                out.extend_from_slice(&off.to_le_bytes());
+            }
+        }
+        seal(out)
+    }
+
+    /// Decodes an index file.
+    ///
+    /// # Errors
+    /// A [`FileDecodeError`] for a wrong magic, version, checksum or a
+    /// length that runs past the end. Counts are checked against the bytes
+    /// left before anything is allocated.
+    pub fn decode(bytes: &[u8]) -> Result<Self, FileDecodeError> {
+        let body = open_checked(bytes, &INDEX_MAGIC)?;
+        let mut c = Cursor { b: body, at: 0 };
+        let segment_id = Lsn(c.u64()?);
+        let writer_epoch = WriterEpoch(c.u64()?);
+        let end_offset = c.u64()?;
+        let last_lsn = Lsn(c.u64()?);
+        let records = c.u64()?;
+        let n = c.u32()? as usize;
+        // Each entry takes at least 2 + 1 + 8 + 8 + 8 + 4 bytes.
+        if n > c.remaining() / 31 {
+            return Err(FileDecodeError::Malformed(c.at as u64));
+        }
+        let mut entries = Vec::with_capacity(n);
+        for _ in 0..n {
+            let pid = c.pid()?;
+            let max_epoch = WriterEpoch(c.u64()?);
+            let last_event_seq = SequenceNr(c.u64()?);
+            let deleted_to = SequenceNr(c.u64()?);
+            let k = c.u32()? as usize;
+            if k > c.remaining() / 12 {
+                return Err(FileDecodeError::Malformed(c.at as u64));
+            }
+            let mut events = Vec::with_capacity(k);
+            for _ in 0..k {
+                events.push((SequenceNr(c.u64()?), c.u32()?));
+            }
+            entries.push((
+                pid,
+                IndexEntry {
+                    max_epoch,
+                    last_event_seq,
+                    deleted_to,
+                    events,
+                },
+            ));
+        }
+        if c.remaining() != 0 {
+            return Err(FileDecodeError::Malformed(c.at as u64));
+        }
+        Ok(SegmentIndexFile {
+            segment_id,
+            writer_epoch,
+            end_offset,
+            last_lsn,
+            records,
+            entries,
+        })
+    }
+}
+
+/// Per persistence id state kept in the checkpoint (survives removal of the
+/// segments that held it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PidCheckpoint {
+    /// Highest event sequence number ever appended.
+    pub last_seq: SequenceNr,
+    /// Highest writer epoch ever recorded.
+    pub max_epoch: WriterEpoch,
+    /// Events up to this sequence number are deleted.
+    pub deleted_to: SequenceNr,
+}
+
+/// The state checkpoint file (FORMAT.md, "Checkpoint").
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Checkpoint {
+    /// Highest segment writer epoch seen in the directory.
+    pub max_segment_epoch: WriterEpoch,
+    /// Highest LSN of any removed segment (the next LSN is above it).
+    pub removed_up_to_lsn: Lsn,
+    /// Per persistence id state, sorted by id.
+    pub pids: Vec<(PersistenceId, PidCheckpoint)>,
+}
+
+impl Checkpoint {
+    /// Encodes the checkpoint.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = preamble(&CHECKPOINT_MAGIC);
+        out.extend_from_slice(&self.max_segment_epoch.0.to_le_bytes());
+        out.extend_from_slice(&self.removed_up_to_lsn.0.to_le_bytes());
+        out.extend_from_slice(&(self.pids.len() as u32).to_le_bytes());
+        for (pid, p) in &self.pids {
+            put_pid(&mut out, pid);
+            out.extend_from_slice(&p.last_seq.0.to_le_bytes());
+            out.extend_from_slice(&p.max_epoch.0.to_le_bytes());
+            out.extend_from_slice(&p.deleted_to.0.to_le_bytes());
+        }
+        seal(out)
+    }
+
+    /// Decodes the checkpoint.
+    ///
+    /// # Errors
+    /// A [`FileDecodeError`] as for [`SegmentIndexFile::decode`].
+    pub fn decode(bytes: &[u8]) -> Result<Self, FileDecodeError> {
+        let body = open_checked(bytes, &CHECKPOINT_MAGIC)?;
+        let mut c = Cursor { b: body, at: 0 };
+        let max_segment_epoch = WriterEpoch(c.u64()?);
+        let removed_up_to_lsn = Lsn(c.u64()?);
+        let n = c.u32()? as usize;
+        if n > c.remaining() / 27 {
+            return Err(FileDecodeError::Malformed(c.at as u64));
+        }
+        let mut pids = Vec::with_capacity(n);
+        for _ in 0..n {
+            let pid = c.pid()?;
+            pids.push((
+                pid,
+                PidCheckpoint {
+                    last_seq: SequenceNr(c.u64()?),
+                    max_epoch: WriterEpoch(c.u64()?),
+                    deleted_to: SequenceNr(c.u64()?),
+                },
+            ));
+        }
+        if c.remaining() != 0 {
+            return Err(FileDecodeError::Malformed(c.at as u64));
+        }
+        Ok(Checkpoint {
+            max_segment_epoch,
+            removed_up_to_lsn,
+            pids,
+        })
+    }
+}
+
+/// A snapshot of one persistence id's state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    /// The persistence id.
+    pub persistence_id: PersistenceId,
+    /// The sequence number of the last event the snapshot includes; replay
+    /// resumes after it.
+    pub sequence_nr: SequenceNr,
+    /// The writer epoch that saved it.
+    pub writer_epoch: WriterEpoch,
+    /// Save time, milliseconds since the Unix epoch.
+    pub timestamp_ms: u64,
+    /// The snapshot's bytes (opaque to the journal).
+    pub data: Vec<u8>,
+}
+
+impl Snapshot {
+    /// Encodes the snapshot file (FORMAT.md, "Snapshot file").
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = preamble(&SNAPSHOT_MAGIC);
+        put_pid(&mut out, &self.persistence_id);
+        out.extend_from_slice(&self.sequence_nr.0.to_le_bytes());
+        out.extend_from_slice(&self.writer_epoch.0.to_le_bytes());
+        out.extend_from_slice(&self.timestamp_ms.to_le_bytes());
+        out.extend_from_slice(&(self.data.len() as u64).to_le_bytes());
+        out.extend_from_slice(&self.data);
+        seal(out)
+    }
+
+    /// Decodes a snapshot file.
+    ///
+    /// # Errors
+    /// A [`FileDecodeError`] as for [`SegmentIndexFile::decode`].
+    pub fn decode(bytes: &[u8]) -> Result<Self, FileDecodeError> {
+        let body = open_checked(bytes, &SNAPSHOT_MAGIC)?;
+        let mut c = Cursor { b: body, at: 0 };
+        let persistence_id = c.pid()?;
+        let sequence_nr = SequenceNr(c.u64()?);
+        let writer_epoch = WriterEpoch(c.u64()?);
+        let timestamp_ms = c.u64()?;
+        let len = c.u64()?;
+        if len != c.remaining() as u64 {
+            return Err(FileDecodeError::Malformed(c.at as u64));
+        }
+        let data = c.take(c.remaining())?.to_vec();
+        Ok(Snapshot {
+            persistence_id,
+            sequence_nr,
+            writer_epoch,
+            timestamp_ms,
+            data,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seg_with(records: &[(&str, u64, &[u8])], size: usize) -> Vec<u8> {
+        let mut seg = vec![0u8; size];
+        let h = SegmentHeader {
+            segment_id: Lsn(1),
+            writer_epoch: WriterEpoch(1),
+            segment_size_bytes: size as u64,
+            created_ms: 0,
+        };
+        seg[..64].copy_from_slice(&h.encode());
+        let mut at = 64;
+        let mut head = Vec::new();
+        for (i, (pid, seq, payload)) in records.iter().enumerate() {
+            let f = RecordFields {
+                lsn: Lsn(i as u64 + 1),
+                sequence_nr: SequenceNr(*seq),
+                writer_epoch: WriterEpoch(1),
+                timestamp_ms: 5,
+                kind: RecordKind::Event,
+                persistence_id: pid.as_bytes(),
+            };
+            encode_record_head(&f, payload, &mut head);
+            seg[at..at + head.len()].copy_from_slice(&head);
+            at += head.len();
+            seg[at..at + payload.len()].copy_from_slice(payload);
+            at += payload.len();
+        }
+        seg
+    }
+
+    #[test]
+    fn header_roundtrip_and_checks() {
+        let h = SegmentHeader {
+            segment_id: Lsn(42),
+            writer_epoch: WriterEpoch(7),
+            segment_size_bytes: 4096,
+            created_ms: 99,
+        };
+        let b = h.encode();
+        assert_eq!(SegmentHeader::decode(&b), Ok(h));
+        assert_eq!(
+            SegmentHeader::decode(&b[..10]),
+            Err(HeaderError::TooShort { len_bytes: 10 })
+        );
+        let mut bad = b;
+        bad[0] = b'X';
+        assert_eq!(SegmentHeader::decode(&bad), Err(HeaderError::BadMagic));
+        let mut bad = b;
+        bad[8] = 2;
+        assert_eq!(
+            SegmentHeader::decode(&bad),
+            Err(HeaderError::UnsupportedVersion { version: 2 })
+        );
+        let mut bad = b;
+        bad[20] ^= 1;
+        assert_eq!(SegmentHeader::decode(&bad), Err(HeaderError::BadChecksum));
+        assert_eq!(SegmentHeader::decode(&[0u8; 64]), Err(HeaderError::Zeroed));
+    }
+
+    #[test]
+    fn scan_reads_records_and_stops_clean() {
+        let seg = seg_with(&[("a", 1, b"x"), ("b", 1, b""), ("a", 2, b"yz")], 1024);
+        let mut seen = Vec::new();
+        let s = scan_records(&seg, Lsn(1), |r| {
+            seen.push((
+                r.persistence_id.to_vec(),
+                r.sequence_nr.0,
+                r.payload.to_vec(),
+            ))
+        });
+        assert_eq!(s.records, 3);
+        assert_eq!(s.stop, ScanStop::Clean);
+        assert_eq!(s.last_lsn, Some(Lsn(3)));
+        assert_eq!(seen[2], (b"a".to_vec(), 2, b"yz".to_vec()));
+    }
+
+    #[test]
+    fn scan_flags_corruption_with_valid_records_after() {
+        let mut seg = seg_with(
+            &[("a", 1, b"xxxx"), ("a", 2, b"yyyy"), ("a", 3, b"z")],
+            1024,
+        );
+        // Flip a payload byte of the first record.
+        seg[64 + RECORD_HEADER_LEN_BYTES + 1] ^= 0x10;
+        let s = scan_records(&seg, Lsn(1), |_| {});
+        match s.stop {
+            ScanStop::Invalid {
+                offset,
+                reason,
+                valid_record_after,
+                ..
+            } => {
+                assert_eq!(offset, 64);
+                assert_eq!(reason, RecordError::BadChecksum);
+                assert!(valid_record_after);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn scan_of_torn_last_record_is_tail() {
+        let mut seg = seg_with(&[("a", 1, b"xxxx"), ("a", 2, b"yyyy")], 1024);
+        let second = 64 + RECORD_HEADER_LEN_BYTES + 1 + 4;
+        seg[second + RECORD_HEADER_LEN_BYTES + 2] = 0; // torn payload
+        seg[second + RECORD_HEADER_LEN_BYTES + 3] = 0;
+        let s = scan_records(&seg, Lsn(1), |_| {});
+        assert_eq!(s.records, 1);
+        assert!(matches!(
+            s.stop,
+            ScanStop::Invalid {
+                valid_record_after: false,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn index_checkpoint_snapshot_roundtrip() {
+        let pid = PersistenceId::new("p").unwrap();
+        let idx = SegmentIndexFile {
+            segment_id: Lsn(1),
+            writer_epoch: WriterEpoch(3),
+            end_offset: 500,
+            last_lsn: Lsn(9),
+            records: 9,
+            entries: vec![(
+                pid.clone(),
+                IndexEntry {
+                    max_epoch: WriterEpoch(3),
+                    last_event_seq: SequenceNr(9),
+                    deleted_to: SequenceNr(2),
+                    events: vec![(SequenceNr(1), 64), (SequenceNr(2), 100)],
+                },
+            )],
+        };
+        assert_eq!(SegmentIndexFile::decode(&idx.encode()), Ok(idx.clone()));
+        let mut bad = idx.encode();
+        bad[30] ^= 1;
+        assert_eq!(
+            SegmentIndexFile::decode(&bad),
+            Err(FileDecodeError::BadChecksum)
+        );
+        let chk = Checkpoint {
+            max_segment_epoch: WriterEpoch(2),
+            removed_up_to_lsn: Lsn(7),
+            pids: vec![(pid.clone(), PidCheckpoint::default())],
+        };
+        assert_eq!(Checkpoint::decode(&chk.encode()), Ok(chk));
+        let snap = Snapshot {
+            persistence_id: pid,
+            sequence_nr: SequenceNr(4),
+            writer_epoch: WriterEpoch(1),
+            timestamp_ms: 3,
+            data: b"state".to_vec(),
+        };
+        assert_eq!(Snapshot::decode(&snap.encode()), Ok(snap));
+    }
+}

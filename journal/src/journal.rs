@@ -1,0 +1,1174 @@
+//! The journal: one writer per directory, and read-only readers.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crossbeam_channel::Sender;
+
+use crate::error::{
+    AppendError, CloseError, CorruptionKind, OpenError, ReplayError, SnapshotError,
+};
+use crate::format::{
+    self, decode_record, encode_record_head, index_name, record_len_bytes, segment_name,
+    Checkpoint, Decoded, PidCheckpoint, RecordFields, RecordKind, RecordView, SegmentHeader,
+    Snapshot, SNAPSHOT_SUFFIX, TMP_SUFFIX,
+};
+use crate::ids::{Lsn, PersistenceId, SequenceNr, WriterEpoch};
+use crate::recovery::{recover, PidState, RecoveryReport, SealedSegment, SegmentIndex};
+use crate::storage::{MmapStorage, SegmentFile, Storage};
+use crate::sync::{self, DurabilityError, DurabilityWatcher, Shared, SyncMsg};
+
+/// When appended records become durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// The journal never flushes on its own (the OS writes pages back when
+    /// it likes); records are made durable when a segment is sealed, on
+    /// close, and when someone waits for an LSN.
+    None,
+    /// One `fdatasync` per interval for everything appended since the last
+    /// one (group commit).
+    Interval(Duration),
+    /// Every append rings the sync thread at once; appends that arrive
+    /// while a flush runs share the next one (group commit). An append
+    /// "completes" when [`Journal::wait_durable`] (or a
+    /// [`DurabilityWatcher`]) says its LSN is durable.
+    Always,
+}
+
+/// What recovery does with corruption before the tail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RecoveryMode {
+    /// Refuse to open, naming segment and offset (default).
+    #[default]
+    Strict,
+    /// Cut the journal at the first corruption (losing every record after
+    /// it) and report what was cut. Stale segments are removed.
+    Repair,
+}
+
+/// Options for [`Journal::open`].
+#[derive(Debug, Clone)]
+pub struct JournalOptions {
+    /// Size of each segment file, in bytes. Default 64 MiB; at least 4 KiB.
+    pub segment_size_bytes: u64,
+    /// Durability policy. Default [`Durability::Interval`] of 1 ms.
+    pub durability: Durability,
+    /// This writer's epoch; opening fails when the directory holds a
+    /// segment of a higher epoch. Default 0.
+    pub writer_epoch: WriterEpoch,
+    /// What to do with corruption before the tail. Default strict.
+    pub recovery: RecoveryMode,
+    /// Scan every segment on open, even those with an index file (slower;
+    /// finds bit rot in sealed segments at open instead of on replay).
+    /// Default false.
+    pub verify_all_on_open: bool,
+}
+
+impl Default for JournalOptions {
+    fn default() -> Self {
+        Self {
+            segment_size_bytes: 64 << 20,
+            durability: Durability::Interval(Duration::from_millis(1)),
+            writer_epoch: WriterEpoch(0),
+            recovery: RecoveryMode::Strict,
+            verify_all_on_open: false,
+        }
+    }
+}
+
+/// One replayed record, owned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// Its LSN.
+    pub lsn: Lsn,
+    /// Its persistence id.
+    pub persistence_id: PersistenceId,
+    /// Its sequence number.
+    pub sequence_nr: SequenceNr,
+    /// The writer epoch it was appended with.
+    pub writer_epoch: WriterEpoch,
+    /// Append time, milliseconds since the Unix epoch.
+    pub timestamp_ms: u64,
+    /// The payload.
+    pub payload: Vec<u8>,
+}
+
+impl Record {
+    fn from_view(v: &RecordView<'_>, pid: &PersistenceId) -> Self {
+        Record {
+            lsn: v.lsn,
+            persistence_id: pid.clone(),
+            sequence_nr: v.sequence_nr,
+            writer_epoch: v.writer_epoch,
+            timestamp_ms: v.timestamp_ms,
+            payload: v.payload.to_vec(),
+        }
+    }
+}
+
+/// What a persistence id recovers from: its latest snapshot and the events
+/// after it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recovery {
+    /// The latest snapshot, if any.
+    pub snapshot: Option<Snapshot>,
+    /// The events after the snapshot (or after the deleted ones), in order.
+    pub events: Vec<Record>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+// ----------------------------------------------------------- shared reads
+
+/// Segments, per persistence id state and snapshot file names: what a
+/// writer and a reader both read from.
+struct Catalog {
+    storage: Arc<dyn Storage>,
+    sealed: BTreeMap<Lsn, SealedSegment>,
+    pids: HashMap<PersistenceId, PidState>,
+    snapshot_files: Vec<String>,
+    snapshot_names: std::sync::Mutex<HashMap<PersistenceId, String>>,
+}
+
+fn snapshot_hash(pid: &PersistenceId) -> String {
+    format!("{:08x}", crc32c::crc32c(pid.as_bytes()))
+}
+
+impl Catalog {
+    fn segment_file<'a>(&self, s: &'a SealedSegment) -> Result<&'a dyn SegmentFile, ReplayError> {
+        if s.file.get().is_none() {
+            let f = self
+                .storage
+                .open_segment(&s.name, false)
+                .map_err(|source| ReplayError::Io {
+                    op: format!("opening {}", s.name),
+                    source,
+                })?;
+            let _ = s.file.set(f);
+        }
+        s.file.get().map(|b| &**b).ok_or_else(|| ReplayError::Io {
+            op: format!("opening {}", s.name),
+            source: io::Error::other("segment handle missing"),
+        })
+    }
+
+    fn replay_segment(
+        name: &str,
+        index: &SegmentIndex,
+        bytes: &[u8],
+        pid: &PersistenceId,
+        from: SequenceNr,
+        f: &mut dyn FnMut(&RecordView<'_>),
+    ) -> Result<u64, ReplayError> {
+        let Some(e) = index.pids.get(pid.as_str()) else {
+            return Ok(0);
+        };
+        if e.last_event_seq < from {
+            return Ok(0);
+        }
+        let start = e.events.partition_point(|(s, _)| *s < from);
+        let mut n = 0;
+        for &(seq, off) in &e.events[start..] {
+            let corrupt = |kind| ReplayError::Corrupt {
+                segment: index.id,
+                file: name.to_string(),
+                offset: off as u64,
+                kind,
+            };
+            match decode_record(bytes, off as u64) {
+                Decoded::Record(r) => {
+                    if r.persistence_id != pid.as_bytes()
+                        || r.sequence_nr != seq
+                        || r.kind != RecordKind::Event
+                    {
+                        return Err(corrupt(CorruptionKind::IndexMismatch));
+                    }
+                    f(&r);
+                    n += 1;
+                }
+                Decoded::End => {
+                    return Err(corrupt(CorruptionKind::Record(
+                        format::RecordError::PartialHeader,
+                    )))
+                }
+                Decoded::Invalid(reason) => return Err(corrupt(CorruptionKind::Record(reason))),
+            }
+        }
+        Ok(n)
+    }
+
+    fn replay_sealed(
+        &self,
+        pid: &PersistenceId,
+        from: SequenceNr,
+        f: &mut dyn FnMut(&RecordView<'_>),
+    ) -> Result<u64, ReplayError> {
+        let mut n = 0;
+        for s in self.sealed.values() {
+            let Some(e) = s.index.pids.get(pid.as_str()) else {
+                continue;
+            };
+            if e.last_event_seq < from || e.events.is_empty() {
+                continue;
+            }
+            let file = self.segment_file(s)?;
+            let view = file.view();
+            n += Self::replay_segment(&s.name, &s.index, &view, pid, from, f)?;
+        }
+        Ok(n)
+    }
+
+    fn start_seq(&self, pid: &PersistenceId, from: SequenceNr) -> Option<SequenceNr> {
+        let st = self.pids.get(pid.as_str())?;
+        Some(from.max(SequenceNr(st.deleted_to.0 + 1)))
+    }
+
+    fn snapshot_candidates(&self, pid: &PersistenceId) -> Vec<String> {
+        let prefix = format!("{}-", snapshot_hash(pid));
+        self.snapshot_files
+            .iter()
+            .filter(|n| n.starts_with(&prefix))
+            .cloned()
+            .collect()
+    }
+
+    fn load_snapshot(&self, pid: &PersistenceId) -> Result<Option<Snapshot>, SnapshotError> {
+        let known = self
+            .snapshot_names
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(pid.as_str())
+            .cloned();
+        let candidates = match known {
+            Some(n) => vec![n],
+            None => self.snapshot_candidates(pid),
+        };
+        for name in candidates {
+            let bytes = match self.storage.read_file(&name) {
+                Ok(b) => b,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(source) => {
+                    return Err(SnapshotError::Io {
+                        op: format!("reading {name}"),
+                        source,
+                    })
+                }
+            };
+            let snap = Snapshot::decode(&bytes).map_err(|reason| SnapshotError::Corrupt {
+                file: name.clone(),
+                reason,
+            })?;
+            if snap.persistence_id == *pid {
+                self.snapshot_names
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(pid.clone(), name);
+                return Ok(Some(snap));
+            }
+        }
+        Ok(None)
+    }
+}
+
+// ----------------------------------------------------------- the writer
+
+struct Active {
+    name: String,
+    file: Box<dyn SegmentFile>,
+    size_bytes: u64,
+    index: SegmentIndex,
+}
+
+type SpareJob = JoinHandle<io::Result<(String, Box<dyn SegmentFile>)>>;
+
+/// The single writer of one journal directory.
+///
+/// ```text
+///  appending thread                      sync thread
+///  ---------------                       -----------
+///  append(): encode, CRC32C, memcpy      fdatasync(segment) per tick / doorbell
+///  into the mmap'd segment,     --LSN-->  publish durable_lsn, wake waiters,
+///  store written_lsn                      run on_durable callbacks
+///  roll: take the spare segment --Roll--> sync sealed segment, write its .idx
+///        (preallocated+prefaulted
+///         by a helper thread)
+/// ```
+///
+/// Threading: `Journal` is `Send`; all mutation takes `&mut self`, so
+/// there is one appending thread. Durability is observed through
+/// [`Journal::watcher`], which is `Send + Sync` and never blocks unless
+/// asked to.
+///
+/// Invariants: LSNs are contiguous from 1; per persistence id, sequence
+/// numbers strictly increase and epochs never decrease; nothing past the
+/// last durable LSN is acknowledged; after any write or flush error every
+/// append fails with [`AppendError::Poisoned`].
+pub struct Journal {
+    catalog: Catalog,
+    options: JournalOptions,
+    active: Active,
+    next_lsn: Lsn,
+    removed_up_to: Lsn,
+    max_segment_epoch: WriterEpoch,
+    checkpoint_state: HashMap<PersistenceId, PidCheckpoint>,
+    snapshot_seqs: HashMap<PersistenceId, SequenceNr>,
+    shared: Arc<Shared>,
+    tx: Sender<SyncMsg>,
+    sync_thread: Option<JoinHandle<()>>,
+    spare: Option<SpareJob>,
+    head: Vec<u8>,
+    poisoned: Option<String>,
+}
+
+impl std::fmt::Debug for Journal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Journal")
+            .field("storage", &self.catalog.storage)
+            .field("next_lsn", &self.next_lsn)
+            .field("segments", &(self.catalog.sealed.len() + 1))
+            .finish()
+    }
+}
+
+fn open_io(op: impl Into<String>) -> impl FnOnce(io::Error) -> OpenError {
+    let op = op.into();
+    move |source| OpenError::Io { op, source }
+}
+
+impl Journal {
+    /// Opens (creating when missing) the journal in `dir` with memory-mapped
+    /// storage, recovers it, and starts a new segment.
+    ///
+    /// # Errors
+    /// [`OpenError::Recovery`] when the directory is corrupt (strict mode),
+    /// [`OpenError::Fenced`] when it holds segments of a higher writer
+    /// epoch, [`OpenError::Io`] for I/O errors (including `ENOSPC` while
+    /// preallocating the first segment), [`OpenError::InvalidOptions`].
+    pub fn open(
+        dir: impl AsRef<Path>,
+        options: JournalOptions,
+    ) -> Result<(Journal, RecoveryReport), OpenError> {
+        let storage = MmapStorage::new(dir.as_ref())
+            .map_err(open_io(format!("creating {}", dir.as_ref().display())))?;
+        Self::open_with_storage(Arc::new(storage), options)
+    }
+
+    /// As [`Journal::open`], on any [`Storage`].
+    ///
+    /// # Errors
+    /// As [`Journal::open`].
+    pub fn open_with_storage(
+        storage: Arc<dyn Storage>,
+        options: JournalOptions,
+    ) -> Result<(Journal, RecoveryReport), OpenError> {
+        if options.segment_size_bytes < 4096 || options.segment_size_bytes > u32::MAX as u64 {
+            return Err(OpenError::InvalidOptions(format!(
+                "segment_size_bytes {} is outside 4096..=4294967295",
+                options.segment_size_bytes
+            )));
+        }
+        let full_scan = options.verify_all_on_open || options.recovery == RecoveryMode::Repair;
+        let rec = recover(&*storage, options.recovery, full_scan, true)?;
+        if options.writer_epoch < rec.max_segment_epoch {
+            return Err(OpenError::Fenced {
+                epoch: options.writer_epoch,
+                highest: rec.max_segment_epoch,
+            });
+        }
+        let mut report = rec.report;
+        // Seal what recovery scanned: trim unused space, write the index,
+        // drop empty segments (an empty one is always the last).
+        let mut sealed = BTreeMap::new();
+        for mut s in rec.segments {
+            if s.has_index_file {
+                sealed.insert(s.index.id, s);
+                continue;
+            }
+            let len = s.file.get().map_or(0, |f| f.len_bytes());
+            s.file = OnceLock::new();
+            if s.index.records == 0 {
+                storage
+                    .remove(&s.name)
+                    .map_err(open_io(format!("removing empty {}", s.name)))?;
+                report.removed_files.push(s.name.clone());
+                report.segments = report.segments.saturating_sub(1);
+                continue;
+            }
+            if len > s.index.end_offset {
+                storage
+                    .truncate(&s.name, s.index.end_offset)
+                    .map_err(open_io(format!("trimming {}", s.name)))?;
+            }
+            storage
+                .write_file_durable(&index_name(s.index.id), &s.index.to_file().encode())
+                .map_err(open_io(format!("writing the index of {}", s.name)))?;
+            s.has_index_file = true;
+            sealed.insert(s.index.id, s);
+        }
+        storage
+            .sync_dir()
+            .map_err(open_io("syncing the journal directory"))?;
+
+        let next_lsn = rec.next_lsn;
+        let name = segment_name(next_lsn);
+        let file = storage
+            .create_segment(&name, options.segment_size_bytes)
+            .map_err(open_io(format!("creating segment {name}")))?;
+        let mut active = Active {
+            name,
+            file,
+            size_bytes: options.segment_size_bytes,
+            index: SegmentIndex::new(next_lsn, options.writer_epoch),
+        };
+        write_header(&mut active, options.writer_epoch)
+            .map_err(open_io(format!("writing the header of {}", active.name)))?;
+
+        let durable = Lsn(next_lsn.0 - 1);
+        let shared = Arc::new(Shared::new(durable));
+        let (tx, rx) = crossbeam_channel::bounded(64);
+        let thread = {
+            let shared = shared.clone();
+            let storage = storage.clone();
+            let policy = options.durability;
+            let current = active.file.syncer();
+            std::thread::Builder::new()
+                .name("journal-sync".into())
+                .spawn(move || sync::run(rx, shared, storage, policy, current))
+                .map_err(open_io("starting the sync thread"))?
+        };
+        let mut journal = Journal {
+            catalog: Catalog {
+                storage,
+                sealed,
+                pids: rec.pids,
+                snapshot_files: rec.snapshot_files,
+                snapshot_names: Default::default(),
+            },
+            max_segment_epoch: rec.max_segment_epoch.max(options.writer_epoch),
+            options,
+            active,
+            next_lsn,
+            removed_up_to: rec.removed_up_to,
+            checkpoint_state: rec.checkpoint_state,
+            snapshot_seqs: HashMap::new(),
+            shared,
+            tx,
+            sync_thread: Some(thread),
+            spare: None,
+            head: Vec::with_capacity(128),
+            poisoned: None,
+        };
+        journal.start_spare();
+        Ok((journal, report))
+    }
+
+    fn start_spare(&mut self) {
+        let storage = self.catalog.storage.clone();
+        let name = format!("spare-{:020}{TMP_SUFFIX}", self.active.index.id.0);
+        let size = self.options.segment_size_bytes;
+        self.spare = std::thread::Builder::new()
+            .name("journal-prealloc".into())
+            .spawn(move || storage.create_segment(&name, size).map(|f| (name, f)))
+            .ok();
+    }
+
+    /// The policy this journal was opened with.
+    pub fn durability(&self) -> Durability {
+        self.options.durability
+    }
+
+    /// A handle to observe durability (poll, block, or callback).
+    pub fn watcher(&self) -> DurabilityWatcher {
+        DurabilityWatcher::new(
+            self.shared.clone(),
+            self.tx.clone(),
+            self.options.durability,
+        )
+    }
+
+    /// The highest durable LSN. Never blocks.
+    pub fn durable_lsn(&self) -> Lsn {
+        Lsn(self.shared.durable_lsn.load(Ordering::SeqCst))
+    }
+
+    /// The LSN the next append gets.
+    pub fn next_lsn(&self) -> Lsn {
+        self.next_lsn
+    }
+
+    /// Blocks until `lsn` is durable (asking for a flush under
+    /// [`Durability::None`]).
+    ///
+    /// # Errors
+    /// [`DurabilityError::Poisoned`] when a flush failed first.
+    pub fn wait_durable(&self, lsn: Lsn) -> Result<(), DurabilityError> {
+        if lsn.0 >= self.next_lsn.0 {
+            return Err(DurabilityError::Closed { lsn });
+        }
+        self.watcher().wait_durable(lsn)
+    }
+
+    /// Asks the sync thread to flush everything appended so far, without
+    /// waiting.
+    pub fn request_flush(&self) {
+        sync::ring(&self.shared, &self.tx);
+    }
+
+    /// The highest event sequence number of `pid` (0 when none).
+    pub fn highest_sequence_nr(&self, pid: &PersistenceId) -> SequenceNr {
+        self.catalog
+            .pids
+            .get(pid.as_str())
+            .map_or(SequenceNr(0), |s| s.last_seq)
+    }
+
+    /// The highest writer epoch recorded for `pid` (0 when none).
+    pub fn writer_epoch_of(&self, pid: &PersistenceId) -> WriterEpoch {
+        self.catalog
+            .pids
+            .get(pid.as_str())
+            .map_or(WriterEpoch(0), |s| s.max_epoch)
+    }
+
+    fn check_poison(&mut self) -> Result<(), String> {
+        if let Some(r) = &self.poisoned {
+            return Err(r.clone());
+        }
+        if self.shared.poisoned.load(Ordering::SeqCst) {
+            let r = self
+                .shared
+                .poison_reason()
+                .unwrap_or_else(|| "flush failed".into());
+            self.poisoned = Some(r.clone());
+            return Err(r);
+        }
+        Ok(())
+    }
+
+    fn poison(&mut self, reason: String) {
+        self.poisoned = Some(reason.clone());
+        self.shared.poison(reason);
+    }
+
+    /// Appends one event and returns its LSN. Never blocks on a flush; it
+    /// blocks only when a segment fills and the next one is not prepared
+    /// yet.
+    ///
+    /// # Errors
+    /// [`AppendError::Poisoned`] after any earlier write or flush error;
+    /// [`AppendError::Fenced`] when `epoch` is below the id's highest;
+    /// [`AppendError::SequenceNotIncreasing`] when `sequence_nr` is 0 or
+    /// not above the id's last; [`AppendError::TooLarge`];
+    /// [`AppendError::SegmentAllocation`] when a new segment cannot be
+    /// preallocated (not poisoned); [`AppendError::Io`] when the write
+    /// fails (poisoned).
+    pub fn append(
+        &mut self,
+        pid: &PersistenceId,
+        sequence_nr: SequenceNr,
+        epoch: WriterEpoch,
+        payload: &[u8],
+    ) -> Result<Lsn, AppendError> {
+        let (last, highest) = self
+            .catalog
+            .pids
+            .get(pid.as_str())
+            .map_or((SequenceNr(0), WriterEpoch(0)), |s| {
+                (s.last_seq, s.max_epoch)
+            });
+        if epoch < highest {
+            return Err(AppendError::Fenced {
+                persistence_id: pid.clone(),
+                epoch,
+                highest,
+            });
+        }
+        if sequence_nr <= last {
+            return Err(AppendError::SequenceNotIncreasing {
+                persistence_id: pid.clone(),
+                sequence_nr,
+                last,
+            });
+        }
+        self.write_record(pid, sequence_nr, epoch, RecordKind::Event, payload)
+    }
+
+    /// Deletes `pid`'s events up to `to` (capped at its last sequence
+    /// number) by appending a deletion marker. Returns the marker's LSN, or
+    /// `None` when nothing new is deleted. Segments whose records are all
+    /// deleted or covered by snapshots are removed by the sync thread.
+    ///
+    /// # Errors
+    /// As [`Journal::append`] (except `SequenceNotIncreasing`).
+    pub fn delete_to(
+        &mut self,
+        pid: &PersistenceId,
+        to: SequenceNr,
+        epoch: WriterEpoch,
+    ) -> Result<Option<Lsn>, AppendError> {
+        let Some(st) = self.catalog.pids.get(pid.as_str()).copied() else {
+            return Ok(None);
+        };
+        if epoch < st.max_epoch {
+            return Err(AppendError::Fenced {
+                persistence_id: pid.clone(),
+                epoch,
+                highest: st.max_epoch,
+            });
+        }
+        let to = to.min(st.last_seq);
+        if to <= st.deleted_to {
+            return Ok(None);
+        }
+        let lsn = self.write_record(pid, to, epoch, RecordKind::Deletion, &[])?;
+        self.remove_obsolete_segments(Some(pid))?;
+        Ok(Some(lsn))
+    }
+
+    fn write_record(
+        &mut self,
+        pid: &PersistenceId,
+        seq: SequenceNr,
+        epoch: WriterEpoch,
+        kind: RecordKind,
+        payload: &[u8],
+    ) -> Result<Lsn, AppendError> {
+        self.check_poison()
+            .map_err(|reason| AppendError::Poisoned { reason })?;
+        let len = record_len_bytes(pid.as_bytes().len(), payload.len());
+        let max = self.active.size_bytes - format::SEGMENT_HEADER_LEN_BYTES as u64;
+        if len > max {
+            return Err(AppendError::TooLarge {
+                len_bytes: len,
+                max_bytes: max,
+            });
+        }
+        if self.active.index.end_offset + len > self.active.size_bytes {
+            self.roll()?;
+        }
+        let lsn = self.next_lsn;
+        let fields = RecordFields {
+            lsn,
+            sequence_nr: seq,
+            writer_epoch: epoch,
+            timestamp_ms: now_ms(),
+            kind,
+            persistence_id: pid.as_bytes(),
+        };
+        encode_record_head(&fields, payload, &mut self.head);
+        let off = self.active.index.end_offset;
+        let r = self.active.file.write_at(off, &self.head).and_then(|()| {
+            self.active
+                .file
+                .write_at(off + self.head.len() as u64, payload)
+        });
+        if let Err(source) = r {
+            self.poison(format!("write to {} failed: {source}", self.active.name));
+            return Err(AppendError::Io { source });
+        }
+        self.active
+            .index
+            .add(pid.as_str(), kind, seq, epoch, lsn, off, len);
+        let st = match self.catalog.pids.get_mut(pid.as_str()) {
+            Some(s) => s,
+            None => self.catalog.pids.entry(pid.clone()).or_default(),
+        };
+        st.max_epoch = st.max_epoch.max(epoch);
+        match kind {
+            RecordKind::Event => st.last_seq = seq,
+            RecordKind::Deletion => st.deleted_to = st.deleted_to.max(seq),
+        }
+        self.next_lsn = Lsn(lsn.0 + 1);
+        self.shared.written_lsn.store(lsn.0, Ordering::SeqCst);
+        if self.options.durability == Durability::Always {
+            sync::ring(&self.shared, &self.tx);
+        }
+        Ok(lsn)
+    }
+
+    fn roll(&mut self) -> Result<(), AppendError> {
+        let spare = match self.spare.take() {
+            Some(job) => job
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("preallocation thread panicked"))),
+            None => Err(io::Error::other("no spare segment")),
+        };
+        let (spare_name, spare) = match spare {
+            Ok(f) => f,
+            Err(source) => {
+                self.start_spare();
+                return Err(AppendError::SegmentAllocation { source });
+            }
+        };
+        let id = self.next_lsn;
+        let name = segment_name(id);
+        let mut next = Active {
+            name: name.clone(),
+            file: spare,
+            size_bytes: self.options.segment_size_bytes,
+            index: SegmentIndex::new(id, self.options.writer_epoch),
+        };
+        let r = write_header(&mut next, self.options.writer_epoch)
+            .and_then(|()| self.catalog.storage.rename(&spare_name, &name));
+        if let Err(source) = r {
+            self.poison(format!("creating segment {name} failed: {source}"));
+            return Err(AppendError::Io { source });
+        }
+        let old = std::mem::replace(&mut self.active, next);
+        let index = Arc::new(old.index);
+        let msg = SyncMsg::Roll {
+            sealed: old.file.syncer(),
+            index_name: index_name(index.id),
+            index: index.clone(),
+            next: self.active.file.syncer(),
+        };
+        if self.tx.send(msg).is_err() {
+            let reason = self
+                .shared
+                .poison_reason()
+                .unwrap_or_else(|| "sync thread stopped".into());
+            self.poison(reason.clone());
+            return Err(AppendError::Poisoned { reason });
+        }
+        for (p, e) in &index.pids {
+            let c = self.checkpoint_state.entry(p.clone()).or_default();
+            c.last_seq = c.last_seq.max(e.last_event_seq);
+            c.max_epoch = c.max_epoch.max(e.max_epoch);
+            c.deleted_to = c.deleted_to.max(e.deleted_to);
+        }
+        let sealed = SealedSegment {
+            name: old.name,
+            index,
+            has_index_file: true,
+            file: OnceLock::from(old.file),
+        };
+        self.catalog.sealed.insert(sealed.index.id, sealed);
+        self.start_spare();
+        self.remove_obsolete_segments(None)?;
+        Ok(())
+    }
+
+    /// Removes sealed segments whose every event is deleted or covered by
+    /// a snapshot (considering only segments holding `only` when given).
+    fn remove_obsolete_segments(
+        &mut self,
+        only: Option<&PersistenceId>,
+    ) -> Result<(), AppendError> {
+        let mut doomed = Vec::new();
+        for (id, s) in &self.catalog.sealed {
+            if let Some(p) = only {
+                if !s.index.pids.contains_key(p.as_str()) {
+                    continue;
+                }
+            }
+            let obsolete = s.index.pids.iter().all(|(p, e)| {
+                if e.events.is_empty() {
+                    return true;
+                }
+                let st = self
+                    .catalog
+                    .pids
+                    .get(p.as_str())
+                    .copied()
+                    .unwrap_or_default();
+                let snap = self
+                    .snapshot_seqs
+                    .get(p.as_str())
+                    .copied()
+                    .unwrap_or_default();
+                e.last_event_seq <= st.deleted_to.max(snap)
+            });
+            if obsolete {
+                doomed.push(*id);
+            }
+        }
+        if doomed.is_empty() {
+            return Ok(());
+        }
+        let mut names = Vec::new();
+        for id in doomed {
+            if let Some(s) = self.catalog.sealed.remove(&id) {
+                self.removed_up_to = self.removed_up_to.max(s.index.last_lsn);
+                names.push(s.name.clone());
+                names.push(index_name(id));
+            }
+        }
+        let mut pids: Vec<(PersistenceId, PidCheckpoint)> = self
+            .checkpoint_state
+            .iter()
+            .map(|(p, c)| {
+                let mut c = *c;
+                if let Some(st) = self.catalog.pids.get(p.as_str()) {
+                    c.deleted_to = c.deleted_to.max(st.deleted_to.min(c.last_seq));
+                }
+                (p.clone(), c)
+            })
+            .collect();
+        pids.sort_by(|a, b| a.0.cmp(&b.0));
+        let checkpoint = Checkpoint {
+            max_segment_epoch: self.max_segment_epoch,
+            removed_up_to_lsn: self.removed_up_to,
+            pids,
+        }
+        .encode();
+        if self.tx.send(SyncMsg::Remove { checkpoint, names }).is_err() {
+            let reason = "sync thread stopped".to_string();
+            self.poison(reason.clone());
+            return Err(AppendError::Poisoned { reason });
+        }
+        Ok(())
+    }
+
+    /// Calls `f` for each event of `pid` with a sequence number at least
+    /// `from`, in order, skipping deleted events. Uses the segment indexes:
+    /// only segments holding `pid` are read. Returns the number of events.
+    ///
+    /// # Errors
+    /// [`ReplayError::Corrupt`] naming segment and offset when a record on
+    /// the way fails its checks; [`ReplayError::Io`].
+    pub fn replay_with(
+        &self,
+        pid: &PersistenceId,
+        from: SequenceNr,
+        mut f: impl FnMut(&RecordView<'_>),
+    ) -> Result<u64, ReplayError> {
+        let Some(from) = self.catalog.start_seq(pid, from) else {
+            return Ok(0);
+        };
+        let mut n = self.catalog.replay_sealed(pid, from, &mut f)?;
+        let view = self.active.file.view();
+        n += Catalog::replay_segment(
+            &self.active.name,
+            &self.active.index,
+            &view,
+            pid,
+            from,
+            &mut f,
+        )?;
+        Ok(n)
+    }
+
+    /// As [`Journal::replay_with`], collecting owned records.
+    ///
+    /// # Errors
+    /// As [`Journal::replay_with`].
+    pub fn replay(
+        &self,
+        pid: &PersistenceId,
+        from: SequenceNr,
+    ) -> Result<Vec<Record>, ReplayError> {
+        let mut out = Vec::new();
+        self.replay_with(pid, from, |r| out.push(Record::from_view(r, pid)))?;
+        Ok(out)
+    }
+
+    /// The latest snapshot of `pid` and the events after it.
+    ///
+    /// # Errors
+    /// [`ReplayError`] from replaying; a snapshot that cannot be loaded is
+    /// reported as [`ReplayError::Io`] with kind `InvalidData`.
+    pub fn recover(&self, pid: &PersistenceId) -> Result<Recovery, ReplayError> {
+        let snapshot = self.load_snapshot(pid).map_err(snapshot_to_replay)?;
+        let from = snapshot
+            .as_ref()
+            .map_or(SequenceNr(1), |s| SequenceNr(s.sequence_nr.0 + 1));
+        let events = self.replay(pid, from)?;
+        Ok(Recovery { snapshot, events })
+    }
+
+    /// Saves `data` as the latest snapshot of `pid` at `sequence_nr`,
+    /// replacing any older one. Blocks for the file write and its
+    /// `fsync`; call it off a latency-critical thread.
+    ///
+    /// # Errors
+    /// [`SnapshotError::Fenced`] for a stale epoch;
+    /// [`SnapshotError::BadSequenceNr`] when `sequence_nr` is above the id's
+    /// last event or below the saved snapshot's; [`SnapshotError::Poisoned`];
+    /// [`SnapshotError::Io`].
+    pub fn save_snapshot(
+        &mut self,
+        pid: &PersistenceId,
+        sequence_nr: SequenceNr,
+        epoch: WriterEpoch,
+        data: &[u8],
+    ) -> Result<(), SnapshotError> {
+        self.check_poison()
+            .map_err(|reason| SnapshotError::Poisoned { reason })?;
+        let st = self
+            .catalog
+            .pids
+            .get(pid.as_str())
+            .copied()
+            .unwrap_or_default();
+        if epoch < st.max_epoch {
+            return Err(SnapshotError::Fenced {
+                persistence_id: pid.clone(),
+                epoch,
+                highest: st.max_epoch,
+            });
+        }
+        if sequence_nr > st.last_seq {
+            return Err(SnapshotError::BadSequenceNr {
+                persistence_id: pid.clone(),
+                sequence_nr,
+                reason: "above the last event's sequence number",
+            });
+        }
+        let existing = self.catalog.load_snapshot(pid)?;
+        if let Some(old) = &existing {
+            if old.sequence_nr > sequence_nr {
+                return Err(SnapshotError::BadSequenceNr {
+                    persistence_id: pid.clone(),
+                    sequence_nr,
+                    reason: "below the saved snapshot's sequence number",
+                });
+            }
+        }
+        let name = match self
+            .catalog
+            .snapshot_names
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(pid.as_str())
+        {
+            Some(n) => n.clone(),
+            None => {
+                let hash = snapshot_hash(pid);
+                let mut k = 0u32;
+                loop {
+                    let n = format!("{hash}-{k}{SNAPSHOT_SUFFIX}");
+                    if !self.catalog.snapshot_files.contains(&n) {
+                        break n;
+                    }
+                    k += 1;
+                }
+            }
+        };
+        let snap = Snapshot {
+            persistence_id: pid.clone(),
+            sequence_nr,
+            writer_epoch: epoch,
+            timestamp_ms: now_ms(),
+            data: data.to_vec(),
+        };
+        self.catalog
+            .storage
+            .write_file_durable(&name, &snap.encode())
+            .map_err(|source| SnapshotError::Io {
+                op: format!("writing {name}"),
+                source,
+            })?;
+        if !self.catalog.snapshot_files.contains(&name) {
+            self.catalog.snapshot_files.push(name.clone());
+        }
+        self.catalog
+            .snapshot_names
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(pid.clone(), name);
+        self.snapshot_seqs.insert(pid.clone(), sequence_nr);
+        self.remove_obsolete_segments(Some(pid))
+            .map_err(|e| SnapshotError::Poisoned {
+                reason: e.to_string(),
+            })?;
+        Ok(())
+    }
+
+    /// Loads the latest snapshot of `pid`.
+    ///
+    /// # Errors
+    /// [`SnapshotError::Corrupt`] for a damaged file; [`SnapshotError::Io`].
+    pub fn load_snapshot(&self, pid: &PersistenceId) -> Result<Option<Snapshot>, SnapshotError> {
+        self.catalog.load_snapshot(pid)
+    }
+
+    /// Number of segment files (sealed plus the open one).
+    pub fn segment_count(&self) -> usize {
+        self.catalog.sealed.len() + 1
+    }
+
+    /// Flushes everything appended, stops the sync thread and closes.
+    ///
+    /// # Errors
+    /// [`CloseError::Poisoned`] when the journal is poisoned or the final
+    /// flush failed: records after [`Journal::durable_lsn`] may be lost.
+    pub fn close(mut self) -> Result<(), CloseError> {
+        self.shutdown();
+        match self.check_poison() {
+            Ok(()) => Ok(()),
+            Err(reason) => Err(CloseError::Poisoned { reason }),
+        }
+    }
+
+    fn shutdown(&mut self) {
+        if let Some(t) = self.sync_thread.take() {
+            let _ = self.tx.send(SyncMsg::Shutdown);
+            let _ = t.join();
+        }
+        if let Some(job) = self.spare.take() {
+            if let Ok(Ok((name, f))) = job.join() {
+                drop(f);
+                let _ = self.catalog.storage.remove(&name);
+            }
+        }
+    }
+}
+
+impl Drop for Journal {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn snapshot_to_replay(e: SnapshotError) -> ReplayError {
+    match e {
+        SnapshotError::Io { op, source } => ReplayError::Io { op, source },
+        other => ReplayError::Io {
+            op: "loading the snapshot".into(),
+            source: io::Error::new(io::ErrorKind::InvalidData, other.to_string()),
+        },
+    }
+}
+
+fn write_header(active: &mut Active, epoch: WriterEpoch) -> io::Result<()> {
+    let h = SegmentHeader {
+        segment_id: active.index.id,
+        writer_epoch: epoch,
+        segment_size_bytes: active.size_bytes,
+        created_ms: now_ms(),
+    };
+    active.file.write_at(0, &h.encode())
+}
+
+// ----------------------------------------------------------- the reader
+
+/// A read-only view of a journal directory, possibly one another writer is
+/// appending to (for example when a shard moves between cores). It sees
+/// the records present when it was opened; nothing is changed on disk: a
+/// torn tail is reported, not cut.
+pub struct JournalReader {
+    catalog: Catalog,
+    report: RecoveryReport,
+}
+
+impl std::fmt::Debug for JournalReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JournalReader")
+            .field("storage", &self.catalog.storage)
+            .field("segments", &self.catalog.sealed.len())
+            .finish()
+    }
+}
+
+impl JournalReader {
+    /// Opens `dir` read-only with memory-mapped storage.
+    ///
+    /// # Errors
+    /// [`OpenError::Recovery`] when the directory is corrupt;
+    /// [`OpenError::Io`] when it does not exist or cannot be read.
+    pub fn open(dir: impl AsRef<Path>) -> Result<JournalReader, OpenError> {
+        let storage = MmapStorage::existing(dir.as_ref())
+            .map_err(open_io(format!("opening {}", dir.as_ref().display())))?;
+        Self::open_with_storage(Arc::new(storage))
+    }
+
+    /// As [`JournalReader::open`], on any [`Storage`].
+    ///
+    /// # Errors
+    /// As [`JournalReader::open`].
+    pub fn open_with_storage(storage: Arc<dyn Storage>) -> Result<JournalReader, OpenError> {
+        let rec = recover(&*storage, RecoveryMode::Strict, false, false)?;
+        let sealed = rec.segments.into_iter().map(|s| (s.index.id, s)).collect();
+        Ok(JournalReader {
+            catalog: Catalog {
+                storage,
+                sealed,
+                pids: rec.pids,
+                snapshot_files: rec.snapshot_files,
+                snapshot_names: Default::default(),
+            },
+            report: rec.report,
+        })
+    }
+
+    /// What recovery found.
+    pub fn report(&self) -> &RecoveryReport {
+        &self.report
+    }
+
+    /// The persistence ids known, sorted.
+    pub fn persistence_ids(&self) -> Vec<PersistenceId> {
+        let mut v: Vec<_> = self.catalog.pids.keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// The highest event sequence number of `pid` (0 when none).
+    pub fn highest_sequence_nr(&self, pid: &PersistenceId) -> SequenceNr {
+        self.catalog
+            .pids
+            .get(pid.as_str())
+            .map_or(SequenceNr(0), |s| s.last_seq)
+    }
+
+    /// As [`Journal::replay_with`].
+    ///
+    /// # Errors
+    /// As [`Journal::replay_with`].
+    pub fn replay_with(
+        &self,
+        pid: &PersistenceId,
+        from: SequenceNr,
+        mut f: impl FnMut(&RecordView<'_>),
+    ) -> Result<u64, ReplayError> {
+        let Some(from) = self.catalog.start_seq(pid, from) else {
+            return Ok(0);
+        };
+        self.catalog.replay_sealed(pid, from, &mut f)
+    }
+
+    /// As [`Journal::replay`].
+    ///
+    /// # Errors
+    /// As [`Journal::replay_with`].
+    pub fn replay(
+        &self,
+        pid: &PersistenceId,
+        from: SequenceNr,
+    ) -> Result<Vec<Record>, ReplayError> {
+        let mut out = Vec::new();
+        self.replay_with(pid, from, |r| out.push(Record::from_view(r, pid)))?;
+        Ok(out)
+    }
+
+    /// As [`Journal::load_snapshot`].
+    ///
+    /// # Errors
+    /// As [`Journal::load_snapshot`].
+    pub fn load_snapshot(&self, pid: &PersistenceId) -> Result<Option<Snapshot>, SnapshotError> {
+        self.catalog.load_snapshot(pid)
+    }
+
+    /// As [`Journal::recover`].
+    ///
+    /// # Errors
+    /// As [`Journal::recover`].
+    pub fn recover(&self, pid: &PersistenceId) -> Result<Recovery, ReplayError> {
+        let snapshot = self.load_snapshot(pid).map_err(snapshot_to_replay)?;
+        let from = snapshot
+            .as_ref()
+            .map_or(SequenceNr(1), |s| SequenceNr(s.sequence_nr.0 + 1));
+        let events = self.replay(pid, from)?;
+        Ok(Recovery { snapshot, events })
+    }
+}

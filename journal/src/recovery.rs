@@ -1,0 +1,605 @@
+//! Recovery: turning a directory into segment indexes and per persistence
+//! id state, following the decision table in FORMAT.md ("Recovery").
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::OnceLock;
+
+use crate::error::{CorruptionKind, RecoveryError};
+use crate::format::{
+    self, decode_record, index_name, parse_numbered_name, scan_records, Checkpoint, Decoded,
+    HeaderError, IndexEntry, PidCheckpoint, RecordKind, RecordView, ScanStop, SegmentHeader,
+    SegmentIndexFile, CHECKPOINT_NAME, INDEX_SUFFIX, SEGMENT_SUFFIX, TMP_SUFFIX,
+};
+use crate::ids::{Lsn, PersistenceId, SequenceNr, WriterEpoch};
+use crate::storage::{SegmentFile, Storage};
+use crate::RecoveryMode;
+
+/// The in-memory index of one segment: per persistence id, its events'
+/// sequence numbers and offsets, and summary fields.
+#[derive(Debug, Clone)]
+pub struct SegmentIndex {
+    pub(crate) id: Lsn,
+    pub(crate) epoch: WriterEpoch,
+    pub(crate) end_offset: u64,
+    pub(crate) last_lsn: Lsn,
+    pub(crate) records: u64,
+    pub(crate) pids: HashMap<PersistenceId, IndexEntry>,
+}
+
+impl SegmentIndex {
+    pub(crate) fn new(id: Lsn, epoch: WriterEpoch) -> Self {
+        SegmentIndex {
+            id,
+            epoch,
+            end_offset: format::SEGMENT_HEADER_LEN_BYTES as u64,
+            last_lsn: Lsn(id.0.saturating_sub(1)),
+            records: 0,
+            pids: HashMap::new(),
+        }
+    }
+
+    /// Adds a record that was validated (by scan) or just written.
+    pub(crate) fn add(
+        &mut self,
+        pid: &str,
+        kind: RecordKind,
+        seq: SequenceNr,
+        epoch: WriterEpoch,
+        lsn: Lsn,
+        offset: u64,
+        len_bytes: u64,
+    ) {
+        let e = match self.pids.get_mut(pid) {
+            Some(e) => e,
+            None => {
+                let Ok(p) = PersistenceId::new(pid) else {
+                    return;
+                };
+                self.pids.entry(p).or_default()
+            }
+        };
+        e.max_epoch = e.max_epoch.max(epoch);
+        match kind {
+            RecordKind::Event => {
+                e.last_event_seq = e.last_event_seq.max(seq);
+                e.events.push((seq, offset as u32));
+            }
+            RecordKind::Deletion => e.deleted_to = e.deleted_to.max(seq),
+        }
+        self.records += 1;
+        self.last_lsn = lsn;
+        self.end_offset = offset + len_bytes;
+    }
+
+    fn add_view(&mut self, r: &RecordView<'_>) {
+        let pid = std::str::from_utf8(r.persistence_id).unwrap_or("");
+        self.add(
+            pid,
+            r.kind,
+            r.sequence_nr,
+            r.writer_epoch,
+            r.lsn,
+            r.offset,
+            r.len_bytes,
+        );
+    }
+
+    pub(crate) fn to_file(&self) -> SegmentIndexFile {
+        let mut entries: Vec<_> = self
+            .pids
+            .iter()
+            .map(|(p, e)| (p.clone(), e.clone()))
+            .collect();
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        SegmentIndexFile {
+            segment_id: self.id,
+            writer_epoch: self.epoch,
+            end_offset: self.end_offset,
+            last_lsn: self.last_lsn,
+            records: self.records,
+            entries,
+        }
+    }
+
+    fn from_file(f: SegmentIndexFile) -> Self {
+        SegmentIndex {
+            id: f.segment_id,
+            epoch: f.writer_epoch,
+            end_offset: f.end_offset,
+            last_lsn: f.last_lsn,
+            records: f.records,
+            pids: f.entries.into_iter().collect(),
+        }
+    }
+}
+
+/// A segment that is no longer appended to (by this process).
+pub(crate) struct SealedSegment {
+    pub(crate) name: String,
+    pub(crate) index: std::sync::Arc<SegmentIndex>,
+    pub(crate) has_index_file: bool,
+    pub(crate) file: OnceLock<Box<dyn SegmentFile>>,
+}
+
+/// Per persistence id state.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct PidState {
+    pub(crate) last_seq: SequenceNr,
+    pub(crate) max_epoch: WriterEpoch,
+    pub(crate) deleted_to: SequenceNr,
+}
+
+impl PidState {
+    pub(crate) fn merge_checkpoint(&mut self, c: &PidCheckpoint) {
+        self.last_seq = self.last_seq.max(c.last_seq);
+        self.max_epoch = self.max_epoch.max(c.max_epoch);
+        self.deleted_to = self.deleted_to.max(c.deleted_to);
+    }
+    pub(crate) fn merge_entry(&mut self, e: &IndexEntry) {
+        self.last_seq = self.last_seq.max(e.last_event_seq);
+        self.max_epoch = self.max_epoch.max(e.max_epoch);
+        self.deleted_to = self.deleted_to.max(e.deleted_to);
+    }
+    pub(crate) fn to_checkpoint(self) -> PidCheckpoint {
+        PidCheckpoint {
+            last_seq: self.last_seq,
+            max_epoch: self.max_epoch,
+            deleted_to: self.deleted_to,
+        }
+    }
+}
+
+/// A torn tail that recovery cut (or, read-only, would cut).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TornTail {
+    /// The segment id.
+    pub segment: Lsn,
+    /// The segment's file name.
+    pub file: String,
+    /// Offset where the valid records end (the file is cut there).
+    pub offset: u64,
+    /// Non-zero bytes after `offset` that were cut (0 when only a segment
+    /// with a zeroed header was dropped), in bytes.
+    pub bytes_cut: u64,
+    /// What the first invalid bytes were.
+    pub reason: String,
+}
+
+/// A cut made in [`RecoveryMode::Repair`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Repair {
+    /// The segment id.
+    pub segment: Lsn,
+    /// The segment's file name.
+    pub file: String,
+    /// Offset of the corruption.
+    pub offset: u64,
+    /// What was wrong.
+    pub problem: String,
+    /// Whether the whole file was removed (else it was cut at `offset`).
+    pub removed_file: bool,
+}
+
+/// What recovery found and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Segments kept.
+    pub segments: u64,
+    /// Records (events and deletion markers) in them.
+    pub records: u64,
+    /// Bytes of records (headers included) in them.
+    pub record_bytes: u64,
+    /// Distinct persistence ids known.
+    pub persistence_ids: u64,
+    /// Segments whose records were scanned (those without an index file).
+    pub scanned_segments: u64,
+    /// The torn tail cut, if any.
+    pub torn_tail: Option<TornTail>,
+    /// Cuts made in repair mode.
+    pub repairs: Vec<Repair>,
+    /// Leftover files removed (temporary files, empty segments).
+    pub removed_files: Vec<String>,
+}
+
+pub(crate) struct Recovered {
+    pub(crate) segments: Vec<SealedSegment>,
+    pub(crate) pids: HashMap<PersistenceId, PidState>,
+    /// Merge of the checkpoint and every sealed segment (no deletions
+    /// beyond those).
+    pub(crate) checkpoint_state: HashMap<PersistenceId, PidCheckpoint>,
+    pub(crate) next_lsn: Lsn,
+    pub(crate) max_segment_epoch: WriterEpoch,
+    pub(crate) removed_up_to: Lsn,
+    pub(crate) report: RecoveryReport,
+    pub(crate) snapshot_files: Vec<String>,
+}
+
+fn io_err(op: impl Into<String>) -> impl FnOnce(std::io::Error) -> RecoveryError {
+    let op = op.into();
+    move |source| RecoveryError::Io { op, source }
+}
+
+/// Whether any of `later` segments holds a valid first record.
+fn later_has_records(storage: &dyn Storage, later: &[(Lsn, String)]) -> bool {
+    later.iter().any(|(_, name)| {
+        let Ok(f) = storage.open_segment(name, false) else {
+            return false;
+        };
+        let v = f.view();
+        SegmentHeader::decode(&v).is_ok()
+            && matches!(
+                decode_record(&v, format::SEGMENT_HEADER_LEN_BYTES as u64),
+                Decoded::Record(_)
+            )
+    })
+}
+
+/// Recovers `storage`. With `writable`, torn tails are cut, leftovers
+/// removed and index files written for scanned segments; otherwise nothing
+/// is changed. With `full_scan`, every segment is scanned even when it has
+/// an index file.
+pub(crate) fn recover(
+    storage: &dyn Storage,
+    mode: RecoveryMode,
+    full_scan: bool,
+    writable: bool,
+) -> Result<Recovered, RecoveryError> {
+    let names = storage
+        .list()
+        .map_err(io_err("listing the journal directory"))?;
+    let mut report = RecoveryReport::default();
+    let mut snapshot_files = Vec::new();
+    let mut segs: Vec<(Lsn, String)> = Vec::new();
+    let mut idx: BTreeSet<Lsn> = BTreeSet::new();
+    for n in &names {
+        if n.ends_with(TMP_SUFFIX) {
+            if writable {
+                storage.remove(n).map_err(io_err(format!("removing {n}")))?;
+                report.removed_files.push(n.clone());
+            }
+        } else if let Some(id) = parse_numbered_name(n, SEGMENT_SUFFIX) {
+            segs.push((id, n.clone()));
+        } else if let Some(id) = parse_numbered_name(n, INDEX_SUFFIX) {
+            idx.insert(id);
+        } else if n.ends_with(format::SNAPSHOT_SUFFIX) {
+            snapshot_files.push(n.clone());
+        }
+    }
+    segs.sort();
+    let checkpoint = if names.iter().any(|n| n == CHECKPOINT_NAME) {
+        let b = storage
+            .read_file(CHECKPOINT_NAME)
+            .map_err(io_err("reading the checkpoint"))?;
+        match Checkpoint::decode(&b) {
+            Ok(c) => c,
+            Err(format::FileDecodeError::UnsupportedVersion(version)) => {
+                return Err(RecoveryError::UnsupportedVersion {
+                    file: CHECKPOINT_NAME.to_string(),
+                    version,
+                })
+            }
+            Err(reason) => {
+                return Err(RecoveryError::BadFile {
+                    file: CHECKPOINT_NAME.to_string(),
+                    reason,
+                })
+            }
+        }
+    } else {
+        Checkpoint::default()
+    };
+
+    let mut prev_epoch = checkpoint.max_segment_epoch;
+    let mut next_expected = Lsn(checkpoint.removed_up_to_lsn.0 + 1);
+    let mut out: Vec<SealedSegment> = Vec::new();
+    let mut i = 0;
+    while i < segs.len() {
+        let (id, name) = segs[i].clone();
+        let later = &segs[i + 1..];
+        let idx_exists = idx.contains(&id);
+        let file = storage
+            .open_segment(&name, false)
+            .map_err(io_err(format!("opening {name}")))?;
+        let len = file.len_bytes();
+
+        // Trusted path: a segment with a valid index file is not scanned.
+        if idx_exists && !full_scan {
+            let decoded = storage
+                .read_file(&index_name(id))
+                .ok()
+                .and_then(|b| SegmentIndexFile::decode(&b).ok());
+            // The header is still checked (64 bytes): a damaged header
+            // sends the segment down the scanning path, which names it.
+            let header_ok = SegmentHeader::decode(&file.view()).is_ok_and(|h| {
+                h.segment_id == id
+                    && decoded
+                        .as_ref()
+                        .is_some_and(|f| f.writer_epoch == h.writer_epoch)
+            });
+            if let Some(f) = decoded.filter(|_| header_ok) {
+                if f.segment_id == id && f.writer_epoch >= prev_epoch && id >= next_expected {
+                    if len < f.end_offset && mode == RecoveryMode::Strict {
+                        return Err(RecoveryError::Corrupt {
+                            segment: id,
+                            file: name,
+                            offset: len,
+                            kind: CorruptionKind::Truncated {
+                                len_bytes: len,
+                                end_offset: f.end_offset,
+                            },
+                        });
+                    }
+                    if len >= f.end_offset {
+                        prev_epoch = prev_epoch.max(f.writer_epoch);
+                        next_expected = Lsn(f.last_lsn.0 + 1);
+                        let index = SegmentIndex::from_file(f);
+                        out.push(SealedSegment {
+                            name,
+                            index: std::sync::Arc::new(index),
+                            has_index_file: true,
+                            file: OnceLock::from(file),
+                        });
+                        i += 1;
+                        continue;
+                    }
+                }
+            }
+        }
+
+        report.scanned_segments += 1;
+        let view = file.view();
+        let header = match SegmentHeader::decode(&view) {
+            Ok(h) => h,
+            Err(HeaderError::UnsupportedVersion { version }) => {
+                return Err(RecoveryError::UnsupportedVersion {
+                    file: name,
+                    version,
+                })
+            }
+            Err(e) => {
+                let all_zero = view.iter().all(|&b| b == 0);
+                drop(view);
+                drop(file);
+                if e == HeaderError::Zeroed && all_zero && !later_has_records(storage, later) {
+                    // A segment created just before a crash whose header
+                    // never reached the disk: nothing in it was ever
+                    // acknowledged. Drop it and everything after it.
+                    report.torn_tail = Some(TornTail {
+                        segment: id,
+                        file: name.clone(),
+                        offset: 0,
+                        bytes_cut: 0,
+                        reason: e.to_string(),
+                    });
+                    drop_from(storage, &segs[i..], writable, &mut report)?;
+                    break;
+                }
+                if mode == RecoveryMode::Strict {
+                    return Err(RecoveryError::Corrupt {
+                        segment: id,
+                        file: name,
+                        offset: 0,
+                        kind: CorruptionKind::Header(e),
+                    });
+                }
+                report.repairs.push(Repair {
+                    segment: id,
+                    file: name,
+                    offset: 0,
+                    problem: CorruptionKind::Header(e).to_string(),
+                    removed_file: true,
+                });
+                drop_from(storage, &segs[i..], writable, &mut report)?;
+                break;
+            }
+        };
+        if header.segment_id != id {
+            let kind = CorruptionKind::NameMismatch {
+                found: header.segment_id,
+            };
+            if mode == RecoveryMode::Strict {
+                return Err(RecoveryError::Corrupt {
+                    segment: id,
+                    file: name,
+                    offset: 16,
+                    kind,
+                });
+            }
+            drop(view);
+            drop(file);
+            report.repairs.push(Repair {
+                segment: id,
+                file: name,
+                offset: 16,
+                problem: kind.to_string(),
+                removed_file: true,
+            });
+            drop_from(storage, &segs[i..], writable, &mut report)?;
+            break;
+        }
+        if header.writer_epoch < prev_epoch || id < next_expected {
+            let err = if header.writer_epoch < prev_epoch {
+                RecoveryError::StaleSegment {
+                    segment: id,
+                    file: name.clone(),
+                    epoch: header.writer_epoch,
+                    newer_epoch: prev_epoch,
+                }
+            } else {
+                RecoveryError::Overlap {
+                    segment: id,
+                    file: name.clone(),
+                    expected: next_expected,
+                }
+            };
+            if mode == RecoveryMode::Strict {
+                return Err(err);
+            }
+            drop(view);
+            drop(file);
+            report.repairs.push(Repair {
+                segment: id,
+                file: name.clone(),
+                offset: 0,
+                problem: err.to_string(),
+                removed_file: true,
+            });
+            if writable {
+                storage
+                    .remove(&name)
+                    .map_err(io_err(format!("removing {name}")))?;
+                let _ = storage.remove(&index_name(id));
+            }
+            i += 1;
+            continue;
+        }
+        let mut index = SegmentIndex::new(id, header.writer_epoch);
+        let summary = scan_records(&view, id, |r| index.add_view(r));
+        let problem = match summary.stop {
+            ScanStop::Clean => None,
+            ScanStop::Invalid {
+                offset,
+                reason,
+                valid_record_after,
+                last_nonzero_end,
+            } => Some((
+                offset,
+                CorruptionKind::Record(reason),
+                valid_record_after,
+                last_nonzero_end,
+            )),
+            ScanStop::LsnGap {
+                offset,
+                expected,
+                found,
+            } => Some((
+                offset,
+                CorruptionKind::LsnGap { expected, found },
+                true,
+                format::last_nonzero_end(&view),
+            )),
+        };
+        drop(view);
+        prev_epoch = prev_epoch.max(header.writer_epoch);
+        let Some((offset, kind, valid_after, last_nonzero_end)) = problem else {
+            next_expected = Lsn(index.last_lsn.0 + 1);
+            out.push(SealedSegment {
+                name,
+                index: std::sync::Arc::new(index),
+                has_index_file: false,
+                file: OnceLock::from(file),
+            });
+            i += 1;
+            continue;
+        };
+        drop(file);
+        // Records after the bad bytes in this segment, or in a later
+        // segment when this one has an index file (it was sealed durably,
+        // so later records may have been acknowledged), make it corruption.
+        // Without an index file this segment was never sealed durably and
+        // no later record was ever acknowledged (FORMAT.md, "Durability").
+        let corrupt = valid_after || (idx_exists && later_has_records(storage, later));
+        if corrupt && mode == RecoveryMode::Strict {
+            return Err(RecoveryError::Corrupt {
+                segment: id,
+                file: name,
+                offset,
+                kind,
+            });
+        }
+        if corrupt {
+            report.repairs.push(Repair {
+                segment: id,
+                file: name.clone(),
+                offset,
+                problem: kind.to_string(),
+                removed_file: false,
+            });
+        } else {
+            report.torn_tail = Some(TornTail {
+                segment: id,
+                file: name.clone(),
+                offset,
+                bytes_cut: last_nonzero_end.saturating_sub(offset),
+                reason: kind.to_string(),
+            });
+        }
+        if writable {
+            storage
+                .truncate(&name, offset)
+                .map_err(io_err(format!("truncating {name}")))?;
+            if idx_exists {
+                let _ = storage.remove(&index_name(id));
+            }
+        }
+        let file = storage
+            .open_segment(&name, false)
+            .map_err(io_err(format!("opening {name}")))?;
+        out.push(SealedSegment {
+            name,
+            index: std::sync::Arc::new(index),
+            has_index_file: false,
+            file: OnceLock::from(file),
+        });
+        drop_from(storage, &segs[i + 1..], writable, &mut report)?;
+        break;
+    }
+
+    let mut pids: HashMap<PersistenceId, PidState> = HashMap::new();
+    for (p, c) in &checkpoint.pids {
+        pids.entry(p.clone()).or_default().merge_checkpoint(c);
+    }
+    let mut next_lsn = next_expected;
+    for s in &out {
+        for (p, e) in &s.index.pids {
+            pids.entry(p.clone()).or_default().merge_entry(e);
+        }
+        next_lsn = next_lsn.max(Lsn(s.index.last_lsn.0 + 1));
+        report.records += s.index.records;
+        report.record_bytes += s
+            .index
+            .end_offset
+            .saturating_sub(format::SEGMENT_HEADER_LEN_BYTES as u64);
+    }
+    report.segments = out.len() as u64;
+    report.persistence_ids = pids.len() as u64;
+    let checkpoint_state = pids
+        .iter()
+        .map(|(p, s)| (p.clone(), s.to_checkpoint()))
+        .collect();
+    Ok(Recovered {
+        segments: out,
+        pids,
+        checkpoint_state,
+        next_lsn,
+        max_segment_epoch: prev_epoch,
+        removed_up_to: checkpoint.removed_up_to_lsn,
+        report,
+        snapshot_files,
+    })
+}
+
+/// Removes `segs` (and their index files) when writable; records them in
+/// the report either way.
+fn drop_from(
+    storage: &dyn Storage,
+    segs: &[(Lsn, String)],
+    writable: bool,
+    report: &mut RecoveryReport,
+) -> Result<(), RecoveryError> {
+    for (id, name) in segs {
+        if writable {
+            storage
+                .remove(name)
+                .map_err(io_err(format!("removing {name}")))?;
+            let _ = storage.remove(&index_name(*id));
+        }
+        report.removed_files.push(name.clone());
+    }
+    if writable && !segs.is_empty() {
+        storage
+            .sync_dir()
+            .map_err(io_err("syncing the journal directory"))?;
+    }
+    Ok(())
+}

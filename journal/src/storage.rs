@@ -1,0 +1,654 @@
+//! File access behind a small trait, so the journal's logic does not depend
+//! on how bytes reach the disk. Three implementations:
+//!
+//! - [`MmapStorage`]: a directory of files; segments are preallocated with
+//!   `posix_fallocate`, zero-filled, made durable, then memory-mapped with
+//!   `MAP_POPULATE` (prefaulted). Durability is `fdatasync` of the file.
+//! - [`MemoryStorage`]: files in memory, shared by clones (a "directory"
+//!   that survives closing and reopening a journal within one process).
+//! - [`FaultyStorage`]: wraps another storage and injects `EIO` on write or
+//!   sync and `ENOSPC` on segment preallocation, for tests.
+//!
+//! A direct-I/O implementation could replace `MmapStorage` behind the same
+//! trait.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::ops::Deref;
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use memmap2::{Mmap, MmapMut, MmapOptions};
+
+/// Makes a segment's written bytes durable. Shared with the sync thread,
+/// which calls it while the writer keeps writing.
+pub trait SegmentSync: Send + Sync {
+    /// Blocks until every byte written to the segment before the call is
+    /// durable.
+    ///
+    /// # Errors
+    /// The I/O error of the flush; the journal poisons itself on any.
+    fn sync(&self) -> io::Result<()>;
+}
+
+/// A borrowed read view of a segment's bytes.
+pub type SegmentView<'a> = Box<dyn Deref<Target = [u8]> + 'a>;
+
+/// One segment file, open for reading, or for reading and writing.
+pub trait SegmentFile: Send + Sync {
+    /// The file's length, in bytes.
+    fn len_bytes(&self) -> u64;
+    /// A view of the file's bytes. For a file that another writer is
+    /// appending to, bytes past the last complete record may change.
+    fn view(&self) -> SegmentView<'_>;
+    /// Copies `data` to `offset`.
+    ///
+    /// # Errors
+    /// `InvalidInput` past the end; `PermissionDenied` on a read-only file;
+    /// injected faults in [`FaultyStorage`].
+    fn write_at(&mut self, offset: u64, data: &[u8]) -> io::Result<()>;
+    /// A handle that makes this file's writes durable, for the sync thread.
+    fn syncer(&self) -> Arc<dyn SegmentSync>;
+}
+
+/// A journal directory.
+pub trait Storage: Send + Sync + std::fmt::Debug {
+    /// Names of the files in the directory.
+    ///
+    /// # Errors
+    /// The I/O error of listing the directory.
+    fn list(&self) -> io::Result<Vec<String>>;
+    /// Creates `name` with `size_bytes` bytes, preallocated, zeroed and
+    /// prefaulted, open for writing. An existing file is replaced.
+    ///
+    /// # Errors
+    /// `ENOSPC` (`StorageFull`) when the space cannot be preallocated, or
+    /// another I/O error.
+    fn create_segment(&self, name: &str, size_bytes: u64) -> io::Result<Box<dyn SegmentFile>>;
+    /// Opens an existing segment; writable when `writable`.
+    ///
+    /// # Errors
+    /// `NotFound`, or another I/O error.
+    fn open_segment(&self, name: &str, writable: bool) -> io::Result<Box<dyn SegmentFile>>;
+    /// Shortens `name` to `len_bytes` and makes that durable.
+    ///
+    /// # Errors
+    /// The I/O error.
+    fn truncate(&self, name: &str, len_bytes: u64) -> io::Result<()>;
+    /// Reads a whole (small) file.
+    ///
+    /// # Errors
+    /// `NotFound`, or another I/O error.
+    fn read_file(&self, name: &str) -> io::Result<Vec<u8>>;
+    /// Replaces `name` with `bytes` atomically and durably (write a
+    /// temporary file, sync it, rename it, sync the directory).
+    ///
+    /// # Errors
+    /// The I/O error; the old contents are then still in place.
+    fn write_file_durable(&self, name: &str, bytes: &[u8]) -> io::Result<()>;
+    /// Renames `from` to `to` (replacing `to`). Durable after
+    /// [`Storage::sync_dir`].
+    ///
+    /// # Errors
+    /// The I/O error.
+    fn rename(&self, from: &str, to: &str) -> io::Result<()>;
+    /// Removes `name`. Durable after [`Storage::sync_dir`].
+    ///
+    /// # Errors
+    /// The I/O error.
+    fn remove(&self, name: &str) -> io::Result<()>;
+    /// Makes creations, renames and removals in the directory durable.
+    ///
+    /// # Errors
+    /// The I/O error.
+    fn sync_dir(&self) -> io::Result<()>;
+}
+
+// ---------------------------------------------------------------- mmap
+
+/// The production storage: a directory of memory-mapped files.
+#[derive(Debug, Clone)]
+pub struct MmapStorage {
+    dir: PathBuf,
+}
+
+impl MmapStorage {
+    /// Uses `dir`, creating it when missing.
+    ///
+    /// # Errors
+    /// The I/O error of creating the directory.
+    pub fn new(dir: impl AsRef<Path>) -> io::Result<Self> {
+        std::fs::create_dir_all(dir.as_ref())?;
+        Ok(Self {
+            dir: dir.as_ref().to_path_buf(),
+        })
+    }
+
+    /// Uses an existing `dir` without creating anything (for read-only
+    /// access).
+    ///
+    /// # Errors
+    /// `NotFound` when `dir` is not a directory.
+    pub fn existing(dir: impl AsRef<Path>) -> io::Result<Self> {
+        if !dir.as_ref().is_dir() {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{} is not a directory", dir.as_ref().display()),
+            ));
+        }
+        Ok(Self {
+            dir: dir.as_ref().to_path_buf(),
+        })
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+}
+
+/// Preallocates `size_bytes` for `file` with `posix_fallocate`.
+///
+/// # Errors
+/// `ENOSPC` when the file system has not enough space, or another errno.
+pub fn preallocate(file: &File, size_bytes: u64) -> io::Result<()> {
+    let len = libc::off_t::try_from(size_bytes)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "size too large"))?;
+    // SAFETY: plain syscall on a valid, open file descriptor.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) };
+    if rc != 0 {
+        return Err(io::Error::from_raw_os_error(rc));
+    }
+    Ok(())
+}
+
+/// Writes zeros over the first `size_bytes` of `file` (1 MiB at a time) and
+/// `fdatasync`s it, so that later writes through a mapping hit already
+/// allocated, written blocks and a later `fdatasync` has no extent
+/// conversion to commit.
+///
+/// # Errors
+/// The I/O error of writing or syncing.
+pub fn zero_fill(file: &File, size_bytes: u64) -> io::Result<()> {
+    let chunk = vec![0u8; 1 << 20];
+    let mut at = 0u64;
+    while at < size_bytes {
+        let n = (size_bytes - at).min(chunk.len() as u64) as usize;
+        file.write_all_at(&chunk[..n], at)?;
+        at += n as u64;
+    }
+    file.sync_data()
+}
+
+struct FileSync(Arc<File>);
+
+impl SegmentSync for FileSync {
+    fn sync(&self) -> io::Result<()> {
+        self.0.sync_data()
+    }
+}
+
+enum Map {
+    Rw(MmapMut),
+    Ro(Mmap),
+    Empty,
+}
+
+struct MmapSegment {
+    file: Arc<File>,
+    map: Map,
+}
+
+impl SegmentFile for MmapSegment {
+    fn len_bytes(&self) -> u64 {
+        self.view().len() as u64
+    }
+    fn view(&self) -> SegmentView<'_> {
+        match &self.map {
+            Map::Rw(m) => Box::new(&m[..]),
+            Map::Ro(m) => Box::new(&m[..]),
+            Map::Empty => Box::new(&[][..]),
+        }
+    }
+    fn write_at(&mut self, offset: u64, data: &[u8]) -> io::Result<()> {
+        let Map::Rw(m) = &mut self.map else {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "segment is open read-only",
+            ));
+        };
+        let start = usize::try_from(offset).map_err(|_| past_end())?;
+        let end = start.checked_add(data.len()).ok_or_else(past_end)?;
+        m.get_mut(start..end)
+            .ok_or_else(past_end)?
+            .copy_from_slice(data);
+        Ok(())
+    }
+    fn syncer(&self) -> Arc<dyn SegmentSync> {
+        Arc::new(FileSync(self.file.clone()))
+    }
+}
+
+fn past_end() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        "write past the end of the segment",
+    )
+}
+
+fn map_file(file: File, writable: bool, populate: bool) -> io::Result<MmapSegment> {
+    let len = file.metadata()?.len();
+    let file = Arc::new(file);
+    if len == 0 {
+        return Ok(MmapSegment {
+            file,
+            map: Map::Empty,
+        });
+    }
+    let len = usize::try_from(len)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "file too large to map"))?;
+    let mut opts = MmapOptions::new();
+    opts.len(len);
+    if populate {
+        opts.populate();
+    }
+    // SAFETY: the journal is the only writer of its directory (one writer
+    // per directory, enforced by the caller); readers of another writer's
+    // directory only interpret bytes up to the last complete record and
+    // validate every record's CRC, so concurrent appends past that point do
+    // not change what they read. The file is never truncated while mapped
+    // by this process.
+    let map = unsafe {
+        if writable {
+            Map::Rw(opts.map_mut(&*file)?)
+        } else {
+            Map::Ro(opts.map(&*file)?)
+        }
+    };
+    Ok(MmapSegment { file, map })
+}
+
+impl Storage for MmapStorage {
+    fn list(&self) -> io::Result<Vec<String>> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(&self.dir)? {
+            let e = e?;
+            if let Some(n) = e.file_name().to_str() {
+                out.push(n.to_string());
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    fn create_segment(&self, name: &str, size_bytes: u64) -> io::Result<Box<dyn SegmentFile>> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(self.path(name))?;
+        preallocate(&file, size_bytes)?;
+        zero_fill(&file, size_bytes)?;
+        Ok(Box::new(map_file(file, true, true)?))
+    }
+
+    fn open_segment(&self, name: &str, writable: bool) -> io::Result<Box<dyn SegmentFile>> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .open(self.path(name))?;
+        Ok(Box::new(map_file(file, writable, false)?))
+    }
+
+    fn truncate(&self, name: &str, len_bytes: u64) -> io::Result<()> {
+        let file = OpenOptions::new().write(true).open(self.path(name))?;
+        file.set_len(len_bytes)?;
+        file.sync_all()
+    }
+
+    fn read_file(&self, name: &str) -> io::Result<Vec<u8>> {
+        std::fs::read(self.path(name))
+    }
+
+    fn write_file_durable(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
+        let tmp = format!("{name}{}", crate::format::TMP_SUFFIX);
+        {
+            let mut f = File::create(self.path(&tmp))?;
+            f.write_all(bytes)?;
+            f.sync_all()?;
+        }
+        std::fs::rename(self.path(&tmp), self.path(name))?;
+        self.sync_dir()
+    }
+
+    fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        std::fs::rename(self.path(from), self.path(to))
+    }
+
+    fn remove(&self, name: &str) -> io::Result<()> {
+        std::fs::remove_file(self.path(name))
+    }
+
+    fn sync_dir(&self) -> io::Result<()> {
+        File::open(&self.dir)?.sync_all()
+    }
+}
+
+// ---------------------------------------------------------------- memory
+
+type MemFile = Arc<Mutex<Vec<u8>>>;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Files in memory. Clones share the same files, so a journal can be closed
+/// and reopened on a clone. Nothing is ever lost: every write is "durable".
+#[derive(Debug, Clone, Default)]
+pub struct MemoryStorage {
+    files: Arc<Mutex<BTreeMap<String, MemFile>>>,
+}
+
+impl MemoryStorage {
+    /// An empty in-memory directory.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Runs `f` on the bytes of `name` (for tests that corrupt files).
+    /// Returns `None` when the file does not exist.
+    pub fn with_file_mut<R>(&self, name: &str, f: impl FnOnce(&mut Vec<u8>) -> R) -> Option<R> {
+        let file = lock(&self.files).get(name).cloned()?;
+        let mut g = lock(&file);
+        Some(f(&mut g))
+    }
+
+    fn get(&self, name: &str) -> io::Result<MemFile> {
+        lock(&self.files)
+            .get(name)
+            .cloned()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, name.to_string()))
+    }
+}
+
+struct MemSegment {
+    file: MemFile,
+    writable: bool,
+}
+
+struct MemView<'a>(MutexGuard<'a, Vec<u8>>);
+
+impl Deref for MemView<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+struct NoopSync;
+
+impl SegmentSync for NoopSync {
+    fn sync(&self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl SegmentFile for MemSegment {
+    fn len_bytes(&self) -> u64 {
+        lock(&self.file).len() as u64
+    }
+    fn view(&self) -> SegmentView<'_> {
+        Box::new(MemView(lock(&self.file)))
+    }
+    fn write_at(&mut self, offset: u64, data: &[u8]) -> io::Result<()> {
+        if !self.writable {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "segment is open read-only",
+            ));
+        }
+        let mut g = lock(&self.file);
+        let start = usize::try_from(offset).map_err(|_| past_end())?;
+        let end = start.checked_add(data.len()).ok_or_else(past_end)?;
+        g.get_mut(start..end)
+            .ok_or_else(past_end)?
+            .copy_from_slice(data);
+        Ok(())
+    }
+    fn syncer(&self) -> Arc<dyn SegmentSync> {
+        Arc::new(NoopSync)
+    }
+}
+
+impl Storage for MemoryStorage {
+    fn list(&self) -> io::Result<Vec<String>> {
+        Ok(lock(&self.files).keys().cloned().collect())
+    }
+    fn create_segment(&self, name: &str, size_bytes: u64) -> io::Result<Box<dyn SegmentFile>> {
+        let len = usize::try_from(size_bytes)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "size too large"))?;
+        let file = Arc::new(Mutex::new(vec![0u8; len]));
+        lock(&self.files).insert(name.to_string(), file.clone());
+        Ok(Box::new(MemSegment {
+            file,
+            writable: true,
+        }))
+    }
+    fn open_segment(&self, name: &str, writable: bool) -> io::Result<Box<dyn SegmentFile>> {
+        Ok(Box::new(MemSegment {
+            file: self.get(name)?,
+            writable,
+        }))
+    }
+    fn truncate(&self, name: &str, len_bytes: u64) -> io::Result<()> {
+        let f = self.get(name)?;
+        let len = usize::try_from(len_bytes)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "size too large"))?;
+        lock(&f).resize(len, 0);
+        Ok(())
+    }
+    fn read_file(&self, name: &str) -> io::Result<Vec<u8>> {
+        let f = self.get(name)?;
+        let bytes = lock(&f).clone();
+        Ok(bytes)
+    }
+    fn write_file_durable(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
+        lock(&self.files).insert(name.to_string(), Arc::new(Mutex::new(bytes.to_vec())));
+        Ok(())
+    }
+    fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        let mut files = lock(&self.files);
+        let f = files
+            .remove(from)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, from.to_string()))?;
+        files.insert(to.to_string(), f);
+        Ok(())
+    }
+    fn remove(&self, name: &str) -> io::Result<()> {
+        lock(&self.files)
+            .remove(name)
+            .map(|_| ())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, name.to_string()))
+    }
+    fn sync_dir(&self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------- faults
+
+/// Switches for [`FaultyStorage`]; shared, so a test can flip them while a
+/// journal runs.
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// Every segment sync fails with `EIO` while set.
+    pub fail_sync: AtomicBool,
+    /// Every segment write fails with `EIO` while set.
+    pub fail_write: AtomicBool,
+    /// Every segment creation fails with `ENOSPC` while set.
+    pub fail_preallocate: AtomicBool,
+    /// Count of syncs that succeeded.
+    pub syncs: AtomicU64,
+}
+
+/// Wraps a storage and injects faults as [`Faults`] says.
+#[derive(Debug, Clone)]
+pub struct FaultyStorage<S> {
+    inner: S,
+    faults: Arc<Faults>,
+}
+
+impl<S: Storage> FaultyStorage<S> {
+    /// Wraps `inner`; no fault is set.
+    pub fn new(inner: S) -> Self {
+        Self {
+            inner,
+            faults: Arc::new(Faults::default()),
+        }
+    }
+
+    /// The shared fault switches.
+    pub fn faults(&self) -> Arc<Faults> {
+        self.faults.clone()
+    }
+}
+
+struct FaultySegment {
+    inner: Box<dyn SegmentFile>,
+    faults: Arc<Faults>,
+}
+
+struct FaultySync {
+    inner: Arc<dyn SegmentSync>,
+    faults: Arc<Faults>,
+}
+
+fn eio() -> io::Error {
+    io::Error::from_raw_os_error(libc::EIO)
+}
+
+impl SegmentSync for FaultySync {
+    fn sync(&self) -> io::Result<()> {
+        if self.faults.fail_sync.load(Ordering::SeqCst) {
+            return Err(eio());
+        }
+        self.inner.sync()?;
+        self.faults.syncs.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+impl SegmentFile for FaultySegment {
+    fn len_bytes(&self) -> u64 {
+        self.inner.len_bytes()
+    }
+    fn view(&self) -> SegmentView<'_> {
+        self.inner.view()
+    }
+    fn write_at(&mut self, offset: u64, data: &[u8]) -> io::Result<()> {
+        if self.faults.fail_write.load(Ordering::SeqCst) {
+            return Err(eio());
+        }
+        self.inner.write_at(offset, data)
+    }
+    fn syncer(&self) -> Arc<dyn SegmentSync> {
+        Arc::new(FaultySync {
+            inner: self.inner.syncer(),
+            faults: self.faults.clone(),
+        })
+    }
+}
+
+impl<S: Storage> Storage for FaultyStorage<S> {
+    fn list(&self) -> io::Result<Vec<String>> {
+        self.inner.list()
+    }
+    fn create_segment(&self, name: &str, size_bytes: u64) -> io::Result<Box<dyn SegmentFile>> {
+        if self.faults.fail_preallocate.load(Ordering::SeqCst) {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        Ok(Box::new(FaultySegment {
+            inner: self.inner.create_segment(name, size_bytes)?,
+            faults: self.faults.clone(),
+        }))
+    }
+    fn open_segment(&self, name: &str, writable: bool) -> io::Result<Box<dyn SegmentFile>> {
+        Ok(Box::new(FaultySegment {
+            inner: self.inner.open_segment(name, writable)?,
+            faults: self.faults.clone(),
+        }))
+    }
+    fn truncate(&self, name: &str, len_bytes: u64) -> io::Result<()> {
+        self.inner.truncate(name, len_bytes)
+    }
+    fn read_file(&self, name: &str) -> io::Result<Vec<u8>> {
+        self.inner.read_file(name)
+    }
+    fn write_file_durable(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
+        if self.faults.fail_sync.load(Ordering::SeqCst) {
+            return Err(eio());
+        }
+        self.inner.write_file_durable(name, bytes)
+    }
+    fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        self.inner.rename(from, to)
+    }
+    fn remove(&self, name: &str) -> io::Result<()> {
+        self.inner.remove(name)
+    }
+    fn sync_dir(&self) -> io::Result<()> {
+        if self.faults.fail_sync.load(Ordering::SeqCst) {
+            return Err(eio());
+        }
+        self.inner.sync_dir()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mmap_segment_write_and_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = MmapStorage::new(dir.path()).unwrap();
+        let mut seg = s.create_segment("a.seg", 8192).unwrap();
+        assert_eq!(seg.len_bytes(), 8192);
+        seg.write_at(100, b"hello").unwrap();
+        assert!(seg.write_at(8190, b"toolong").is_err());
+        seg.syncer().sync().unwrap();
+        drop(seg);
+        let ro = s.open_segment("a.seg", false).unwrap();
+        assert_eq!(&ro.view()[100..105], b"hello");
+        s.truncate("a.seg", 200).unwrap();
+        assert_eq!(s.open_segment("a.seg", false).unwrap().len_bytes(), 200);
+        s.write_file_durable("x", b"abc").unwrap();
+        assert_eq!(s.read_file("x").unwrap(), b"abc");
+        assert_eq!(
+            s.list().unwrap(),
+            vec!["a.seg".to_string(), "x".to_string()]
+        );
+    }
+
+    #[test]
+    fn faulty_storage_injects() {
+        let s = FaultyStorage::new(MemoryStorage::new());
+        let f = s.faults();
+        f.fail_preallocate.store(true, Ordering::SeqCst);
+        let e = s.create_segment("a", 10).err().unwrap();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOSPC));
+        f.fail_preallocate.store(false, Ordering::SeqCst);
+        let mut seg = s.create_segment("a", 10).unwrap();
+        f.fail_write.store(true, Ordering::SeqCst);
+        assert_eq!(
+            seg.write_at(0, b"x").unwrap_err().raw_os_error(),
+            Some(libc::EIO)
+        );
+        f.fail_sync.store(true, Ordering::SeqCst);
+        assert!(seg.syncer().sync().is_err());
+    }
+}

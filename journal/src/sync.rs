@@ -1,0 +1,445 @@
+//! The sync thread and the durability watcher.
+//!
+//! The appending thread never flushes. It publishes the highest LSN it has
+//! written (`written_lsn`) and, under `Always`, rings a doorbell. The sync
+//! thread owns every `fdatasync`: it reads `written_lsn`, then drains its
+//! channel (segment rolls, index files, segment removals, doorbells), then
+//! syncs the current segment and publishes `durable_lsn`. Reading
+//! `written_lsn` *before* draining makes a roll visible before any LSN of
+//! the new segment is declared durable: the writer sends the roll before it
+//! writes the new segment's first record.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+
+use crate::ids::Lsn;
+use crate::storage::{SegmentSync, Storage};
+use crate::Durability;
+
+/// Why an LSN will never become durable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DurabilityError {
+    /// A flush or write failed; the journal is poisoned and nothing after
+    /// the last durable LSN will ever be acknowledged.
+    #[error("journal is poisoned: {reason}")]
+    Poisoned {
+        /// The failed operation and its OS error.
+        reason: String,
+    },
+    /// The journal was closed, or the LSN was never written.
+    #[error("journal closed before LSN {lsn} was written")]
+    Closed {
+        /// The LSN waited for.
+        lsn: Lsn,
+    },
+}
+
+/// A callback run once an LSN is durable or will never be.
+pub type DurableCallback = Box<dyn FnOnce(Result<Lsn, DurabilityError>) + Send + 'static>;
+
+#[derive(Default)]
+struct WaitState {
+    poisoned: Option<String>,
+    closed: bool,
+    callbacks: BTreeMap<u64, Vec<DurableCallback>>,
+}
+
+/// State shared by the writer, the sync thread and watchers.
+pub(crate) struct Shared {
+    pub(crate) written_lsn: AtomicU64,
+    pub(crate) durable_lsn: AtomicU64,
+    doorbell_pending: AtomicBool,
+    pub(crate) poisoned: AtomicBool,
+    state: Mutex<WaitState>,
+    cond: Condvar,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    pub(crate) fn new(durable: Lsn) -> Self {
+        Shared {
+            written_lsn: AtomicU64::new(durable.0),
+            durable_lsn: AtomicU64::new(durable.0),
+            doorbell_pending: AtomicBool::new(false),
+            poisoned: AtomicBool::new(false),
+            state: Mutex::new(WaitState::default()),
+            cond: Condvar::new(),
+        }
+    }
+
+    pub(crate) fn poison_reason(&self) -> Option<String> {
+        lock(&self.state).poisoned.clone()
+    }
+
+    fn publish(&self, durable: u64) {
+        self.durable_lsn.fetch_max(durable, Ordering::SeqCst);
+        let ready = {
+            let mut st = lock(&self.state);
+            let rest = st.callbacks.split_off(&(durable + 1));
+            std::mem::replace(&mut st.callbacks, rest)
+        };
+        self.cond.notify_all();
+        for (lsn, cbs) in ready {
+            for cb in cbs {
+                cb(Ok(Lsn(lsn)));
+            }
+        }
+    }
+
+    pub(crate) fn poison(&self, reason: String) {
+        self.poisoned.store(true, Ordering::SeqCst);
+        let all = {
+            let mut st = lock(&self.state);
+            if st.poisoned.is_none() {
+                st.poisoned = Some(reason);
+            }
+            std::mem::take(&mut st.callbacks)
+        };
+        self.cond.notify_all();
+        let reason = self.poison_reason().unwrap_or_default();
+        for cbs in all.into_values() {
+            for cb in cbs {
+                cb(Err(DurabilityError::Poisoned {
+                    reason: reason.clone(),
+                }));
+            }
+        }
+    }
+
+    fn close(&self) {
+        let durable = self.durable_lsn.load(Ordering::SeqCst);
+        let all = {
+            let mut st = lock(&self.state);
+            st.closed = true;
+            std::mem::take(&mut st.callbacks)
+        };
+        self.cond.notify_all();
+        for (lsn, cbs) in all {
+            for cb in cbs {
+                cb(if lsn <= durable {
+                    Ok(Lsn(lsn))
+                } else {
+                    Err(DurabilityError::Closed { lsn: Lsn(lsn) })
+                });
+            }
+        }
+    }
+}
+
+/// Messages to the sync thread.
+pub(crate) enum SyncMsg {
+    /// Sync now (under `Always`, or on request).
+    Doorbell,
+    /// The writer moved to a new segment: make the old one durable and
+    /// write its index, then sync the new one from now on (and the
+    /// directory, once, for its creation).
+    Roll {
+        sealed: Arc<dyn SegmentSync>,
+        index_name: String,
+        index: Arc<crate::recovery::SegmentIndex>,
+        next: Arc<dyn SegmentSync>,
+    },
+    /// Write the checkpoint, then remove these files.
+    Remove {
+        checkpoint: Vec<u8>,
+        names: Vec<String>,
+    },
+    /// Sync everything written and exit.
+    Shutdown,
+}
+
+/// Handle a runtime uses to learn when LSNs are durable, without blocking
+/// when it does not want to. Cheap to clone; `Send + Sync`.
+#[derive(Clone)]
+pub struct DurabilityWatcher {
+    shared: Arc<Shared>,
+    tx: Sender<SyncMsg>,
+    ring_on_wait: bool,
+}
+
+impl std::fmt::Debug for DurabilityWatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DurabilityWatcher")
+            .field("durable_lsn", &self.durable_lsn())
+            .finish()
+    }
+}
+
+impl DurabilityWatcher {
+    pub(crate) fn new(shared: Arc<Shared>, tx: Sender<SyncMsg>, policy: Durability) -> Self {
+        Self {
+            shared,
+            tx,
+            ring_on_wait: matches!(policy, Durability::None),
+        }
+    }
+
+    /// The highest LSN known durable (every LSN at or below it is durable).
+    /// Never blocks.
+    pub fn durable_lsn(&self) -> Lsn {
+        Lsn(self.shared.durable_lsn.load(Ordering::SeqCst))
+    }
+
+    /// Whether `lsn` is durable. Never blocks.
+    pub fn is_durable(&self, lsn: Lsn) -> bool {
+        self.shared.durable_lsn.load(Ordering::SeqCst) >= lsn.0
+    }
+
+    /// The poisoning reason, if the journal is poisoned. Never blocks.
+    pub fn poisoned(&self) -> Option<String> {
+        if self.shared.poisoned.load(Ordering::SeqCst) {
+            self.shared.poison_reason()
+        } else {
+            None
+        }
+    }
+
+    fn ring(&self) {
+        if self.ring_on_wait {
+            let _ = self.tx.try_send(SyncMsg::Doorbell);
+        }
+    }
+
+    /// Blocks until `lsn` is durable. Under `Durability::None` it first
+    /// asks the sync thread to flush.
+    ///
+    /// # Errors
+    /// [`DurabilityError::Poisoned`] when a flush failed before `lsn` was
+    /// durable; [`DurabilityError::Closed`] when the journal closed first.
+    pub fn wait_durable(&self, lsn: Lsn) -> Result<(), DurabilityError> {
+        self.wait_durable_timeout(lsn, Duration::MAX).map(|_| ())
+    }
+
+    /// Blocks until `lsn` is durable or `timeout` passes; `Ok(false)` on
+    /// timeout.
+    ///
+    /// # Errors
+    /// As [`DurabilityWatcher::wait_durable`].
+    pub fn wait_durable_timeout(
+        &self,
+        lsn: Lsn,
+        timeout: Duration,
+    ) -> Result<bool, DurabilityError> {
+        if self.is_durable(lsn) {
+            return Ok(true);
+        }
+        self.ring();
+        let deadline = Instant::now().checked_add(timeout);
+        let mut st = lock(&self.shared.state);
+        loop {
+            if self.is_durable(lsn) {
+                return Ok(true);
+            }
+            if let Some(reason) = &st.poisoned {
+                return Err(DurabilityError::Poisoned {
+                    reason: reason.clone(),
+                });
+            }
+            if st.closed {
+                return Err(DurabilityError::Closed { lsn });
+            }
+            match deadline {
+                None => st = self.shared.cond.wait(st).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return Ok(false);
+                    }
+                    st = self
+                        .shared
+                        .cond
+                        .wait_timeout(st, d - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+            }
+        }
+    }
+
+    /// Runs `callback` once `lsn` is durable (with `Ok(lsn)`) or will never
+    /// be (with the error). It runs on the calling thread when the outcome is
+    /// already known, else on the journal's sync thread, so it must be short
+    /// and must not block: wake a task (`Waker::wake`), send on a channel,
+    /// set a flag. This is how an executor awaits durability without a
+    /// blocked thread and without depending on any async runtime.
+    pub fn on_durable(
+        &self,
+        lsn: Lsn,
+        callback: impl FnOnce(Result<Lsn, DurabilityError>) + Send + 'static,
+    ) {
+        if self.is_durable(lsn) {
+            callback(Ok(lsn));
+            return;
+        }
+        let mut st = lock(&self.shared.state);
+        // Re-check under the lock: `publish` takes the lock after raising
+        // `durable_lsn`, so either we see the new value or it sees our entry.
+        if self.is_durable(lsn) {
+            drop(st);
+            callback(Ok(lsn));
+            return;
+        }
+        if let Some(reason) = st.poisoned.clone() {
+            drop(st);
+            callback(Err(DurabilityError::Poisoned { reason }));
+            return;
+        }
+        if st.closed {
+            drop(st);
+            callback(Err(DurabilityError::Closed { lsn }));
+            return;
+        }
+        st.callbacks
+            .entry(lsn.0)
+            .or_default()
+            .push(Box::new(callback));
+        drop(st);
+        self.ring();
+    }
+}
+
+/// Rings the doorbell unless one is already pending.
+pub(crate) fn ring(shared: &Shared, tx: &Sender<SyncMsg>) {
+    if !shared.doorbell_pending.swap(true, Ordering::SeqCst) {
+        let _ = tx.try_send(SyncMsg::Doorbell);
+    }
+}
+
+/// The sync thread's body. Returns when told to shut down, when the
+/// channel closes, or after poisoning the journal.
+pub(crate) fn run(
+    rx: Receiver<SyncMsg>,
+    shared: Arc<Shared>,
+    storage: Arc<dyn Storage>,
+    policy: Durability,
+    mut current: Arc<dyn SegmentSync>,
+) {
+    let interval = match policy {
+        Durability::Interval(d) => Some(d.max(Duration::from_micros(1))),
+        _ => None,
+    };
+    let mut next_tick = interval.map(|d| Instant::now() + d);
+    let mut dir_dirty = true;
+    // Set when a doorbell may have been consumed by the drain below after
+    // its LSN was already past `target`: go round again without blocking.
+    let mut again = false;
+    loop {
+        let first = if std::mem::take(&mut again) {
+            Some(SyncMsg::Doorbell)
+        } else {
+            match next_tick {
+                Some(t) => match rx.recv_timeout(t.saturating_duration_since(Instant::now())) {
+                    Ok(m) => Some(m),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => Some(SyncMsg::Shutdown),
+                },
+                None => Some(rx.recv().unwrap_or(SyncMsg::Shutdown)),
+            }
+        };
+        shared.doorbell_pending.store(false, Ordering::SeqCst);
+        let target = shared.written_lsn.load(Ordering::SeqCst);
+        let mut want_sync = false;
+        let mut shutdown = false;
+        let mut pending = first;
+        loop {
+            let Some(msg) = pending.take().or_else(|| rx.try_recv().ok()) else {
+                break;
+            };
+            let result = match msg {
+                SyncMsg::Doorbell => {
+                    want_sync = true;
+                    Ok(())
+                }
+                SyncMsg::Shutdown => {
+                    want_sync = true;
+                    shutdown = true;
+                    Ok(())
+                }
+                SyncMsg::Roll {
+                    sealed,
+                    index_name,
+                    index,
+                    next,
+                } => {
+                    let r = sealed
+                        .sync()
+                        .map_err(|e| format!("fdatasync of a sealed segment failed: {e}"))
+                        .and_then(|()| {
+                            storage
+                                .write_file_durable(&index_name, &index.to_file().encode())
+                                .map_err(|e| format!("writing index {index_name} failed: {e}"))
+                        });
+                    current = next;
+                    dir_dirty = true;
+                    r
+                }
+                SyncMsg::Remove { checkpoint, names } => storage
+                    .write_file_durable(crate::format::CHECKPOINT_NAME, &checkpoint)
+                    .map_err(|e| format!("writing the checkpoint failed: {e}"))
+                    .map(|()| {
+                        for n in &names {
+                            // A file that cannot be removed is only wasted
+                            // space: the checkpoint already covers it, and
+                            // the next open removes it again.
+                            let _ = storage.remove(n);
+                        }
+                        let _ = storage.sync_dir();
+                    }),
+            };
+            if let Err(reason) = result {
+                shared.poison(reason);
+                shared.close();
+                return;
+            }
+        }
+        if let (Some(d), Some(t)) = (interval, next_tick) {
+            let now = Instant::now();
+            if now >= t {
+                want_sync = true;
+                let mut n = t + d;
+                if n <= now {
+                    n = now + d;
+                }
+                next_tick = Some(n);
+            }
+        }
+        if want_sync && target > shared.durable_lsn.load(Ordering::SeqCst) {
+            let r = current
+                .sync()
+                .map_err(|e| format!("fdatasync of the current segment failed: {e}"))
+                .and_then(|()| {
+                    if dir_dirty {
+                        storage
+                            .sync_dir()
+                            .map_err(|e| format!("fsync of the journal directory failed: {e}"))
+                    } else {
+                        Ok(())
+                    }
+                });
+            match r {
+                Ok(()) => {
+                    dir_dirty = false;
+                    shared.publish(target);
+                }
+                Err(reason) => {
+                    shared.poison(reason);
+                    shared.close();
+                    return;
+                }
+            }
+        }
+        if shutdown {
+            shared.close();
+            return;
+        }
+        again = shared.doorbell_pending.load(Ordering::SeqCst);
+    }
+}

@@ -1,0 +1,229 @@
+//! Appending, replaying, reopening, snapshots, deletion, durability and the
+//! read-only reader, through the public API.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{opts, payload, pid};
+use shardline_journal::storage::MemoryStorage;
+use shardline_journal::{
+    AppendError, Durability, Journal, JournalReader, Lsn, SequenceNr, SnapshotError, WriterEpoch,
+};
+
+#[test]
+fn append_replay_reopen_across_segments() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut j, rep) = Journal::open(dir.path(), opts(8192, Durability::Always, 1)).unwrap();
+    assert_eq!(rep.records, 0);
+    let mut lsns = Vec::new();
+    for seq in 1..=200u64 {
+        for p in ["a", "b"] {
+            lsns.push(
+                j.append(&pid(p), SequenceNr(seq), WriterEpoch(1), &payload(p, seq))
+                    .unwrap(),
+            );
+        }
+    }
+    // LSNs are contiguous from 1.
+    assert_eq!(lsns, (1..=400).map(Lsn).collect::<Vec<_>>());
+    assert!(j.segment_count() > 3, "small segments must roll");
+    j.wait_durable(Lsn(400)).unwrap();
+    assert!(j.durable_lsn() >= Lsn(400));
+    let got = j.replay(&pid("a"), SequenceNr(150)).unwrap();
+    assert_eq!(got.len(), 51);
+    assert_eq!(got[0].sequence_nr, SequenceNr(150));
+    assert_eq!(got[0].payload, payload("a", 150));
+    j.close().unwrap();
+
+    let (mut j, rep) = Journal::open(dir.path(), opts(8192, Durability::Always, 1)).unwrap();
+    assert_eq!(rep.records, 400);
+    assert_eq!(rep.persistence_ids, 2);
+    assert_eq!(rep.torn_tail, None);
+    // Sealed segments carry index files: only the segment that was open
+    // is scanned.
+    assert!(rep.segments > 3);
+    assert_eq!(rep.scanned_segments, 1);
+    let all = j.replay(&pid("b"), SequenceNr(1)).unwrap();
+    assert_eq!(all.len(), 200);
+    for (i, r) in all.iter().enumerate() {
+        assert_eq!(r.sequence_nr, SequenceNr(i as u64 + 1));
+        assert_eq!(r.payload, payload("b", i as u64 + 1));
+    }
+    assert_eq!(j.highest_sequence_nr(&pid("a")), SequenceNr(200));
+    assert!(matches!(
+        j.append(&pid("a"), SequenceNr(200), WriterEpoch(1), b"x"),
+        Err(AppendError::SequenceNotIncreasing { .. })
+    ));
+    assert_eq!(
+        j.append(&pid("a"), SequenceNr(201), WriterEpoch(1), b"x")
+            .unwrap(),
+        Lsn(401)
+    );
+    j.close().unwrap();
+}
+
+#[test]
+fn snapshot_then_replay_resumes_after_it() {
+    let storage = MemoryStorage::new();
+    let (mut j, _) =
+        Journal::open_with_storage(Arc::new(storage.clone()), opts(4096, Durability::None, 0))
+            .unwrap();
+    let p = pid("counter|1");
+    for seq in 1..=10 {
+        j.append(&p, SequenceNr(seq), WriterEpoch(0), &payload("c", seq))
+            .unwrap();
+    }
+    assert!(matches!(
+        j.save_snapshot(&p, SequenceNr(11), WriterEpoch(0), b"s"),
+        Err(SnapshotError::BadSequenceNr { .. })
+    ));
+    j.save_snapshot(&p, SequenceNr(6), WriterEpoch(0), b"state@6")
+        .unwrap();
+    assert!(matches!(
+        j.save_snapshot(&p, SequenceNr(5), WriterEpoch(0), b"old"),
+        Err(SnapshotError::BadSequenceNr { .. })
+    ));
+    let r = j.recover(&p).unwrap();
+    assert_eq!(r.snapshot.as_ref().unwrap().data, b"state@6");
+    assert_eq!(
+        r.events.iter().map(|e| e.sequence_nr.0).collect::<Vec<_>>(),
+        vec![7, 8, 9, 10]
+    );
+    j.close().unwrap();
+    let (j, _) =
+        Journal::open_with_storage(Arc::new(storage), opts(4096, Durability::None, 0)).unwrap();
+    let r = j.recover(&p).unwrap();
+    assert_eq!(r.snapshot.unwrap().sequence_nr, SequenceNr(6));
+    assert_eq!(r.events.len(), 4);
+    assert_eq!(j.load_snapshot(&pid("other")).unwrap(), None);
+}
+
+#[test]
+fn delete_removes_fully_deleted_segments() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut j, _) = Journal::open(dir.path(), opts(4096, Durability::Always, 0)).unwrap();
+    let (a, b) = (pid("a"), pid("b"));
+    for seq in 1..=100 {
+        j.append(&a, SequenceNr(seq), WriterEpoch(0), &[7u8; 100])
+            .unwrap();
+    }
+    let last = j
+        .append(&b, SequenceNr(1), WriterEpoch(0), b"keep")
+        .unwrap();
+    j.wait_durable(last).unwrap();
+    let before = common::segment_files(dir.path()).len();
+    assert!(before >= 4);
+    j.delete_to(&a, SequenceNr(90), WriterEpoch(0)).unwrap();
+    assert_eq!(
+        j.delete_to(&a, SequenceNr(50), WriterEpoch(0)).unwrap(),
+        None
+    );
+    let got = j.replay(&a, SequenceNr(1)).unwrap();
+    assert_eq!(got.first().unwrap().sequence_nr, SequenceNr(91));
+    assert_eq!(got.len(), 10);
+    j.close().unwrap();
+    let after = common::segment_files(dir.path()).len();
+    assert!(after < before, "{after} segments left of {before}");
+    let (j, _) = Journal::open(dir.path(), opts(4096, Durability::Always, 0)).unwrap();
+    assert_eq!(j.replay(&a, SequenceNr(1)).unwrap().len(), 10);
+    assert_eq!(j.highest_sequence_nr(&a), SequenceNr(100));
+    assert_eq!(j.replay(&b, SequenceNr(1)).unwrap()[0].payload, b"keep");
+}
+
+#[test]
+fn delete_everything_keeps_sequence_and_epoch() {
+    let storage = MemoryStorage::new();
+    let open = |s: &MemoryStorage| {
+        Journal::open_with_storage(Arc::new(s.clone()), opts(4096, Durability::None, 0))
+            .unwrap()
+            .0
+    };
+    let mut j = open(&storage);
+    let a = pid("a");
+    for seq in 1..=80 {
+        j.append(&a, SequenceNr(seq), WriterEpoch(3), &[1u8; 120])
+            .unwrap();
+    }
+    j.delete_to(&a, SequenceNr(u64::MAX), WriterEpoch(3))
+        .unwrap();
+    // Roll a few more segments with another id so the deleted ones go.
+    for seq in 1..=80 {
+        j.append(&pid("z"), SequenceNr(seq), WriterEpoch(0), &[2u8; 120])
+            .unwrap();
+    }
+    j.close().unwrap();
+    let mut j = open(&storage);
+    assert!(j.replay(&a, SequenceNr(1)).unwrap().is_empty());
+    assert_eq!(j.highest_sequence_nr(&a), SequenceNr(80));
+    assert!(matches!(
+        j.append(&a, SequenceNr(81), WriterEpoch(2), b"x"),
+        Err(AppendError::Fenced { .. })
+    ));
+    j.append(&a, SequenceNr(81), WriterEpoch(3), b"x").unwrap();
+}
+
+#[test]
+fn watcher_callbacks_and_polling() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut j, _) = Journal::open(
+        dir.path(),
+        opts(1 << 20, Durability::Interval(Duration::from_millis(2)), 0),
+    )
+    .unwrap();
+    let w = j.watcher();
+    let hits = Arc::new(AtomicU64::new(0));
+    let mut last = Lsn(0);
+    for seq in 1..=50 {
+        last = j
+            .append(&pid("w"), SequenceNr(seq), WriterEpoch(0), b"e")
+            .unwrap();
+        let h = hits.clone();
+        w.on_durable(last, move |r| {
+            assert!(r.is_ok());
+            h.fetch_add(1, Ordering::SeqCst);
+        });
+    }
+    assert!(w
+        .wait_durable_timeout(last, Duration::from_secs(10))
+        .unwrap());
+    assert!(w.is_durable(last));
+    j.close().unwrap();
+    assert_eq!(hits.load(Ordering::SeqCst), 50);
+    // Under None, waiting asks for a flush.
+    let (mut j, _) = Journal::open(dir.path(), opts(1 << 20, Durability::None, 0)).unwrap();
+    let l = j
+        .append(&pid("w"), SequenceNr(51), WriterEpoch(0), b"e")
+        .unwrap();
+    j.wait_durable(l).unwrap();
+}
+
+#[test]
+fn reader_opens_a_live_writers_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut j, _) = Journal::open(dir.path(), opts(8192, Durability::Always, 0)).unwrap();
+    let mut last = Lsn(0);
+    for seq in 1..=100 {
+        last = j
+            .append(
+                &pid("s"),
+                SequenceNr(seq),
+                WriterEpoch(0),
+                &payload("s", seq),
+            )
+            .unwrap();
+    }
+    j.wait_durable(last).unwrap();
+    let r = JournalReader::open(dir.path()).unwrap();
+    let got = r.replay(&pid("s"), SequenceNr(1)).unwrap();
+    assert_eq!(got.len(), 100);
+    assert_eq!(got[99].payload, payload("s", 100));
+    assert_eq!(r.highest_sequence_nr(&pid("s")), SequenceNr(100));
+    // The writer is not disturbed.
+    j.append(&pid("s"), SequenceNr(101), WriterEpoch(0), b"more")
+        .unwrap();
+    j.close().unwrap();
+    assert_eq!(r.persistence_ids(), vec![pid("s")]);
+}
