@@ -435,11 +435,6 @@ impl LocalCluster {
         false
     }
 
-    /// Whether node `i` is running.
-    pub fn is_running(&self, i: usize) -> bool {
-        self.nodes[i].child.is_some()
-    }
-
     /// Stops every running node (SIGTERM, SIGKILL after `bound`), all at once.
     pub fn stop_all(&mut self, bound: Duration) {
         for node in &self.nodes {
@@ -553,6 +548,6 @@ mod tests {
         assert_eq!(c.client_addresses().len(), 2);
         let spare = std::fs::read_to_string(&c.nodes[2].config_path).unwrap();
         assert!(spare.contains(&c.nodes[0].cluster_address.to_string()));
-        assert!(!c.is_running(0));
+        assert!(c.nodes.iter().all(|n| n.child.is_none()));
     }
 }

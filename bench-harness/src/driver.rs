@@ -63,6 +63,10 @@ pub struct DriverConfig {
     pub capture_values: bool,
 }
 
+/// A writer that could not connect to any address for this long gives up
+/// and fails the run.
+pub const UNREACHABLE_LIMIT: Duration = Duration::from_secs(30);
+
 struct Pending {
     entity: u64,
     op: OpKind,
@@ -75,6 +79,10 @@ struct ConnState {
     pending: HashMap<u64, Pending>,
     recorder: Recorder,
     last_reply_ns: u64,
+    /// The writer sleeps until at most this many requests are in flight
+    /// (`None`: it is not waiting). Waking it once per batch of replies
+    /// rather than once per reply saves a futex call per request.
+    wake_at: Option<usize>,
 }
 
 struct Conn {
@@ -155,6 +163,7 @@ impl Driver {
                     recorder: Recorder::new(measure_start_ns)
                         .capturing_values(config.capture_values),
                     last_reply_ns: 0,
+                    wake_at: None,
                 }),
                 slot_freed: Condvar::new(),
                 completed: AtomicU64::new(0),
@@ -280,13 +289,29 @@ impl Writer {
     }
 
     /// Connects to the next reachable address, starting with `*address`;
-    /// returns `None` when asked to stop or past `give_up_ns` first.
-    fn connect(&self, address: &mut usize, give_up_ns: u64) -> Option<Box<dyn RequestSink>> {
+    /// returns `Ok(None)` when asked to stop or past `give_up_ns` first.
+    ///
+    /// # Errors
+    /// When no address accepted a connection for [`UNREACHABLE_LIMIT`].
+    fn connect(
+        &self,
+        address: &mut usize,
+        give_up_ns: u64,
+    ) -> Result<Option<Box<dyn RequestSink>>> {
         let addresses = &self.config.addresses;
         let mut failures = 0usize;
+        let down_since = Instant::now();
         loop {
             if self.stopping() || self.now() > give_up_ns {
-                return None;
+                return Ok(None);
+            }
+            if down_since.elapsed() > UNREACHABLE_LIMIT {
+                anyhow::bail!(
+                    "connection {}: no node reachable at {:?} for {:?}",
+                    self.index,
+                    addresses,
+                    UNREACHABLE_LIMIT
+                );
             }
             let addr = addresses[*address % addresses.len()];
             match self.connector.connect(addr) {
@@ -318,12 +343,13 @@ impl Writer {
                             }
                         })
                         .expect("spawn reader thread");
-                    return Some(sink);
+                    return Ok(Some(sink));
                 }
                 Err(_) => {
                     *address += 1;
                     failures += 1;
-                    if failures % addresses.len() == 0 {
+                    if failures >= addresses.len() {
+                        failures = 0;
                         std::thread::sleep(Duration::from_millis(50));
                     }
                 }
@@ -360,12 +386,15 @@ impl Writer {
                 kill_locked(&mut state, ErrorKind::NoResponse, now);
                 return Slot::Dead;
             }
+            // Wake when a quarter of the window is free (at least one slot).
+            state.wake_at = Some(window - (window / 4).max(1));
             let (next, _) = self
                 .conn
                 .slot_freed
                 .wait_timeout(state, Duration::from_millis(50))
                 .unwrap_or_else(|e| e.into_inner());
             state = next;
+            state.wake_at = None;
         }
     }
 
@@ -432,8 +461,12 @@ impl Writer {
             let s = loop {
                 if sink.is_none() {
                     match self.connect(&mut address, give_up_ns) {
-                        Some(s) => sink = Some(s),
-                        None => break 'send,
+                        Ok(Some(s)) => sink = Some(s),
+                        Ok(None) => break 'send,
+                        Err(e) => {
+                            self.stop.store(true, Ordering::SeqCst);
+                            return Err(e);
+                        }
                     }
                 }
                 let s = sink.as_mut().expect("connected above");
@@ -504,6 +537,7 @@ impl Writer {
                 kill_locked(&mut state, ErrorKind::NoResponse, now);
                 break;
             }
+            state.wake_at = Some(0);
             state = self
                 .conn
                 .slot_freed
@@ -524,7 +558,10 @@ fn record_reply(conn: &Conn, state: &mut ConnState, reply: Reply, now: u64) {
         return;
     };
     conn.completed.fetch_add(1, Ordering::Relaxed);
-    conn.slot_freed.notify_one();
+    if state.wake_at.is_some_and(|w| state.pending.len() <= w) {
+        state.wake_at = None;
+        conn.slot_freed.notify_one();
+    }
     let error = match reply.error {
         Some(kind) => Some(kind),
         None if reply.payload.starts_with(b"error:") => Some(ErrorKind::EntityError),

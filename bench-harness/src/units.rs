@@ -30,7 +30,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
             ))
         }
     };
-    if !seconds.is_finite() || seconds < 0.0 || seconds > 1e9 {
+    if !(0.0..=1e9).contains(&seconds) {
         return Err(format!("duration `{text}` is out of range"));
     }
     Ok(Duration::from_secs_f64(seconds))

@@ -1,0 +1,63 @@
+//! The harness against real nodes it starts itself: a short counter load
+//! with verification, and the reports it writes.
+
+mod support;
+
+use std::time::Duration;
+
+use support::{node_binary, run_bench};
+
+#[test]
+fn spawned_cluster_counters_verify_and_reports_are_written() {
+    node_binary();
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let hgrm = dir.path().join("r.hgrm");
+    let plot = dir.path().join("r.svg");
+    let out = run_bench(
+        &[
+            "run",
+            "--spawn",
+            "2",
+            "--op",
+            "mix:add=3,get=1",
+            "--verify",
+            "--entities",
+            "500",
+            "--rate",
+            "2000",
+            "--duration",
+            "2s",
+            "--warmup",
+            "500ms",
+            "--no-progress",
+            "--json",
+            json.to_str().unwrap(),
+            "--hgrm",
+            hgrm.to_str().unwrap(),
+            "--plot",
+            plot.to_str().unwrap(),
+        ],
+        Duration::from_secs(180),
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains(", 0 lost, 0 duplicated"), "{stdout}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    // 2000/s for 2 s measured: 4000 requests intended after the warm-up.
+    assert_eq!(
+        report["ok"].as_u64().unwrap() + report["errors"].as_u64().unwrap(),
+        4000
+    );
+    assert!(report["latency"]["p99_us"].as_u64().unwrap() > 0);
+    assert!(report["machine"]["git_revision"].is_string());
+    assert!(std::fs::read_to_string(&hgrm)
+        .unwrap()
+        .starts_with("       Value     Percentile"));
+    assert!(std::fs::read_to_string(&plot).unwrap().starts_with("<svg"));
+}
