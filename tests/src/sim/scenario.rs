@@ -89,7 +89,7 @@ impl Params {
                 remember_entities: false,
                 remember_entities_pace: RememberEntitiesPace::AllAtOnce,
             },
-            rate_per_s: 40.0 * cfg.nodes as f64,
+            rate_per_s: 25.0 * cfg.nodes as f64,
             workload_until: s(20),
             run_until: s(40),
             p_passivate: 0.0,

@@ -25,7 +25,7 @@ pub struct SimConfig {
     pub cores: usize,
     /// number_of_shards. Default 24.
     pub shards: u32,
-    /// Distinct entity ids in the workload (count). Default 150.
+    /// Distinct entity ids in the workload (count). Default 80.
     pub entities: usize,
     /// Most steps in one run (count); exceeding it is a violation (livelock).
     /// Default 1,000,000.
@@ -38,7 +38,7 @@ impl Default for SimConfig {
             nodes: 3,
             cores: 2,
             shards: 24,
-            entities: 150,
+            entities: 80,
             max_steps: 1_000_000,
         }
     }
@@ -145,6 +145,8 @@ struct Node {
     uid: MemberUid,
     alive: bool,
     leaving: Option<Duration>,
+    /// Left gracefully: what it sent before still arrives.
+    left: bool,
     join_seq: u64,
     sender_base: u32,
     regions: Vec<Region>,
@@ -190,6 +192,14 @@ enum Ev {
     Script(usize),
     Detect(usize, UniqueAddress),
     WorkloadTick,
+    Burst {
+        slot: usize,
+        uid: MemberUid,
+        core: usize,
+        sender: u32,
+        entity: u32,
+        left: u32,
+    },
     DupToCoordinator(CoordinatorMsg),
     LeaveCheck(usize, MemberUid),
 }
@@ -233,7 +243,8 @@ pub struct World {
     members: BTreeMap<UniqueAddress, MemberStatus>,
     coord_at: Option<(usize, MemberUid)>,
     journal: Vec<CoordinatorEvent>,
-    latest_alloc: HashMap<ShardId, Option<(RegionId, Generation)>>,
+    latest_alloc: Vec<Option<(RegionId, Generation)>>,
+    hosts_scratch: Vec<Option<(usize, usize)>>,
     remembered: HashMap<ShardId, std::collections::BTreeSet<EntityId>>,
     isolated: HashSet<usize>,
     held: BTreeMap<(usize, usize), VecDeque<Packet>>,
@@ -287,7 +298,8 @@ impl World {
             members: BTreeMap::new(),
             coord_at: None,
             journal: Vec::new(),
-            latest_alloc: HashMap::new(),
+            latest_alloc: vec![None; cfg.shards as usize],
+            hosts_scratch: vec![None; cfg.shards as usize],
             remembered: HashMap::new(),
             isolated: HashSet::new(),
             held: BTreeMap::new(),
@@ -369,6 +381,7 @@ impl World {
             uid,
             alive: true,
             leaving: None,
+            left: false,
             join_seq,
             sender_base,
             regions: Vec::new(),
@@ -481,27 +494,38 @@ impl World {
     /// Everything held by or in flight to or from `slot` is lost; the
     /// senders are told (the runtime's ask times out).
     fn lose_everything_at(&mut self, slot: usize, why: &'static str) {
+        let mut lost_in_leave = 0;
+        // A node that leaves gracefully flushes what it sent before it exits.
+        let graceful = why == "node left";
         for r in &mut self.ledger {
             if r.outcome != Outcome::Pending {
                 continue;
             }
             let here = match r.loc {
                 Loc::Region(s) | Loc::Mailbox(s) => s == slot,
-                Loc::Link(a, b) => a == slot || b == slot,
+                Loc::Link(a, b) => (a == slot && !graceful) || b == slot,
                 Loc::Done => false,
             };
             if here {
                 r.outcome = Outcome::Failed(why);
                 r.loc = Loc::Done;
                 self.stats.lost_with_node += 1;
+                lost_in_leave += 1;
             }
+        }
+        if why == "node left" && lost_in_leave > 0 {
+            self.violate(
+                "exactly once",
+                format!("{lost_in_leave} messages lost when node {slot} left gracefully"),
+            );
         }
         for core in 0..self.nodes[slot].actors.len() {
             for (e, _) in self.nodes[slot].actors[core].drain() {
                 self.live.remove(&e);
             }
         }
-        self.held.retain(|(a, b), _| *a != slot && *b != slot);
+        self.held
+            .retain(|(a, b), _| (*a != slot || graceful) && *b != slot);
     }
 
     fn remove_member(&mut self, member: UniqueAddress) {
@@ -551,6 +575,7 @@ impl World {
             let member = n.member();
             self.log(|| format!("node {slot} finished leaving"));
             self.nodes[slot].alive = false;
+            self.nodes[slot].left = true;
             self.lose_everything_at(slot, "node left");
             self.remove_member(member);
         } else if self.now > started + Duration::from_secs(30) {
@@ -687,7 +712,8 @@ impl World {
     }
 
     fn arrive(&mut self, p: Packet) {
-        let from_ok = self.nodes[p.from].alive && self.nodes[p.from].uid == p.from_uid;
+        let from_ok = (self.nodes[p.from].alive || self.nodes[p.from].left)
+            && self.nodes[p.from].uid == p.from_uid;
         let to_ok = self.nodes[p.to].alive && self.nodes[p.to].uid == p.to_uid;
         if !from_ok || !to_ok {
             if let Body::User(_, env) = &p.body {
@@ -746,12 +772,12 @@ impl World {
                             generation,
                         } => {
                             self.stats.allocations += 1;
-                            self.latest_alloc
-                                .insert(*shard, Some((region.clone(), *generation)));
+                            self.latest_alloc[shard.0 as usize] =
+                                Some((region.clone(), *generation));
                         }
                         CoordinatorEvent::ShardHomeDeallocated { shard, .. } => {
                             self.stats.deallocations += 1;
-                            self.latest_alloc.insert(*shard, None);
+                            self.latest_alloc[shard.0 as usize] = None;
                         }
                         _ => {}
                     }
@@ -1045,6 +1071,37 @@ impl World {
             self.rng.gen_range(0..n)
         } as u32;
         let sender = self.nodes[slot].sender_base + core as u32;
+        // A burst of 1 to 4 messages from one sender to one entity, a few
+        // milliseconds apart.
+        let n = self.rng.gen_range(1..=4);
+        let uid = self.nodes[slot].uid;
+        self.burst(slot, uid, core, sender, e, n);
+    }
+
+    fn burst(&mut self, slot: usize, uid: MemberUid, core: usize, sender: u32, e: u32, n: u32) {
+        let n_ = &self.nodes[slot];
+        if n == 0 || !n_.alive || n_.uid != uid || n_.leaving.is_some() || !self.workload_on {
+            return;
+        }
+        if self.now >= self.p.workload_until {
+            return;
+        }
+        self.send_one(slot, core, sender, e);
+        let gap = Duration::from_micros(self.rng.gen_range(500..=15_000));
+        self.schedule(
+            self.now + gap,
+            Ev::Burst {
+                slot,
+                uid,
+                core,
+                sender,
+                entity: e,
+                left: n - 1,
+            },
+        );
+    }
+
+    fn send_one(&mut self, slot: usize, core: usize, sender: u32, e: u32) {
         let seq = {
             let s = self.next_seq.entry((sender, e)).or_insert(0);
             *s += 1;
@@ -1074,7 +1131,8 @@ impl World {
     // ---- invariants ------------------------------------------------------
 
     fn check_homes(&mut self) {
-        let mut hosts: HashMap<ShardId, (usize, usize)> = HashMap::new();
+        let mut hosts = std::mem::take(&mut self.hosts_scratch);
+        hosts.iter_mut().for_each(|h| *h = None);
         let mut bad: Option<(&'static str, String)> = None;
         'outer: for slot in 0..self.nodes.len() {
             let n = &self.nodes[slot];
@@ -1083,7 +1141,7 @@ impl World {
             }
             for (core, r) in n.regions.iter().enumerate() {
                 for (s, g, stopping) in r.hosted_shards() {
-                    if let Some((os, oc)) = hosts.insert(s, (slot, core)) {
+                    if let Some((os, oc)) = hosts[s.0 as usize].replace((slot, core)) {
                         bad = Some((
                             "one home",
                             format!("shard {s} hosted by {os}/{oc} and {slot}/{core}"),
@@ -1093,8 +1151,8 @@ impl World {
                     if stopping {
                         continue;
                     }
-                    match self.latest_alloc.get(&s) {
-                        Some(Some((home, ag))) if home == r.id() && g <= *ag => {}
+                    match &self.latest_alloc[s.0 as usize] {
+                        Some((home, ag)) if home == r.id() && g <= *ag => {}
                         other => {
                             bad = Some((
                                 "one home",
@@ -1108,6 +1166,7 @@ impl World {
                 }
             }
         }
+        self.hosts_scratch = hosts;
         if let Some((inv, d)) = bad {
             self.violate(inv, d);
         }
@@ -1267,6 +1326,14 @@ impl World {
             }
             Ev::Detect(_slot, member) => self.remove_member(member),
             Ev::WorkloadTick => self.workload_tick(),
+            Ev::Burst {
+                slot,
+                uid,
+                core,
+                sender,
+                entity,
+                left,
+            } => self.burst(slot, uid, core, sender, entity, left),
             Ev::DupToCoordinator(msg) => {
                 if let Some((s, uid)) = self.coord_at {
                     if self.nodes[s].alive && self.nodes[s].uid == uid {
