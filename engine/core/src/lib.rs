@@ -4,5 +4,6 @@
 //! socket, touches a file, spawns a thread or reads a clock: every input
 //! arrives with the current time, every effect leaves as a value.
 
+pub mod cluster;
 pub mod ids;
 pub mod sharding;

@@ -1,0 +1,1286 @@
+//! [`ClusterNode`]: one member's whole membership state machine.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+use super::downing::{DowningProvider, DowningView, NoDowning, SbrConfig, SplitBrainResolver};
+use super::events::{self, ClusterEvent, CurrentClusterState};
+use super::gossip::Gossip;
+use super::member::{Member, MemberStatus};
+use super::message::{ClusterMessage, Transmit};
+use super::phi::{PhiAccrualFailureDetector, PhiConfig};
+use super::vclock::ClockOrdering;
+use crate::ids::{Address, MemberUid, UniqueAddress};
+
+/// Which downing provider a node uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DowningConfig {
+    /// No automatic downing ([`ClusterNode::down`] only).
+    None,
+    /// The split-brain resolver (the default, keep-majority).
+    SplitBrainResolver(SbrConfig),
+}
+
+/// Settings of a [`ClusterNode`]; defaults are Akka's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClusterConfig {
+    /// This node's cluster address (`host:port`).
+    pub address: Address,
+    /// This node's roles. Default none.
+    pub roles: BTreeSet<String>,
+    /// Seed nodes, in order; only the first may form a new cluster. An empty
+    /// list means: wait for [`ClusterNode::join`].
+    pub seed_nodes: Vec<Address>,
+    /// How long the first seed waits for another seed to answer before it
+    /// forms a new cluster with itself. Default 5 s.
+    pub seed_node_timeout: Duration,
+    /// Interval between `InitJoin` rounds to the seeds. Default 1 s.
+    pub seed_retry_interval: Duration,
+    /// A join that got no `Welcome` within this is started again from the
+    /// seeds. Default 10 s.
+    pub retry_unsuccessful_join_after: Duration,
+    /// Interval of gossip rounds and leader actions. Default 1 s.
+    pub gossip_interval: Duration,
+    /// Interval of heartbeats to the monitored members. Default 1 s.
+    pub heartbeat_interval: Duration,
+    /// When the first heartbeat response has not arrived this long after a
+    /// member started to be monitored, its failure detector starts as if
+    /// one had (so a member that never answers becomes unreachable).
+    /// Default 1 s (Akka `heartbeat-expected-response-after`).
+    pub heartbeat_expected_response_after: Duration,
+    /// Number of members monitoring each member (count). Default 5.
+    pub monitored_by_nr_of_members: usize,
+    /// The failure detector's settings.
+    pub failure_detector: PhiConfig,
+    /// `Some(d)`: a Joining member becomes WeaklyUp after `d` while
+    /// convergence is blocked by an unreachable member. Default 7 s; `None`
+    /// disables WeaklyUp.
+    pub allow_weakly_up_members: Option<Duration>,
+    /// The downing provider. Default the keep-majority split-brain resolver
+    /// with `stable_after` 20 s.
+    pub downing: DowningConfig,
+    /// How long a Down member stays before the leader removes it, so that it
+    /// has stopped before its shards move. Default `None` = the split-brain
+    /// resolver's `stable_after` (Akka `down-removal-margin`), or zero
+    /// without one. A Down member whose address already runs a newer
+    /// incarnation is removed at once.
+    pub down_removal_margin: Option<Duration>,
+    /// A gap longer than this between two inputs means this node was paused
+    /// (process stopped, VM frozen): it stops serving (fenced) until a member
+    /// answers one of its heartbeats, or learns that it was downed.
+    /// Default 3 s.
+    pub pause_fence_after: Duration,
+    /// Interval of `HandOverToMe` retries. Default 1 s.
+    pub hand_over_retry_interval: Duration,
+    /// The coordinator singleton runs on the oldest Up member with this
+    /// role. Default none (any member).
+    pub coordinator_role: Option<String>,
+    /// Seed of this node's random choices (gossip targets). Default 0 (the
+    /// constructor mixes in the uid).
+    pub random_seed: u64,
+}
+
+impl ClusterConfig {
+    /// Defaults for a node at `address` with these seeds.
+    pub fn new(address: Address, seed_nodes: Vec<Address>) -> Self {
+        Self {
+            address,
+            roles: BTreeSet::new(),
+            seed_nodes,
+            seed_node_timeout: Duration::from_secs(5),
+            seed_retry_interval: Duration::from_secs(1),
+            retry_unsuccessful_join_after: Duration::from_secs(10),
+            gossip_interval: Duration::from_secs(1),
+            heartbeat_interval: Duration::from_secs(1),
+            heartbeat_expected_response_after: Duration::from_secs(1),
+            monitored_by_nr_of_members: 5,
+            failure_detector: PhiConfig::default(),
+            allow_weakly_up_members: Some(Duration::from_secs(7)),
+            downing: DowningConfig::SplitBrainResolver(SbrConfig::default()),
+            down_removal_margin: None,
+            pause_fence_after: Duration::from_secs(3),
+            hand_over_retry_interval: Duration::from_secs(1),
+            coordinator_role: None,
+            random_seed: 0,
+        }
+    }
+}
+
+/// Why a node stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StopReason {
+    /// This member was marked Down (by itself or another member) or was
+    /// removed without leaving: it must stop its regions and entities at
+    /// once, and exit.
+    Downed,
+    /// This member left gracefully (it is Exiting or removed after leaving);
+    /// the process may exit.
+    Left,
+}
+
+/// A command for the coordinator singleton's host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum SingletonCommand {
+    /// Start the coordinator on this node (every other member confirmed that
+    /// it does not run it, or was removed).
+    Start,
+    /// Stop the coordinator; call [`ClusterNode::handle_singleton_stopped`]
+    /// once it has stopped.
+    Stop,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum JoinState {
+    /// No seeds: waiting for [`ClusterNode::join`].
+    Idle,
+    /// Asking the seeds.
+    Seeds {
+        next_round: Duration,
+        /// Set on the first seed: when to form a new cluster.
+        form_at: Option<Duration>,
+    },
+    /// Sent `Join`, waiting for `Welcome`.
+    Joining {
+        to: Address,
+        give_up_at: Duration,
+    },
+    Member,
+}
+
+#[derive(Debug, Clone)]
+struct Monitored {
+    fd: PhiAccrualFailureDetector,
+    start_at: Duration,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Singleton {
+    running: bool,
+    stopping: bool,
+    /// Members that must confirm before this node starts.
+    waiting_for: Option<BTreeSet<UniqueAddress>>,
+    next_retry: Duration,
+    /// Members to tell `HandOverDone` once stopped.
+    notify: BTreeSet<UniqueAddress>,
+}
+
+/// One member's membership state machine: seed joining, gossip, leader
+/// actions, heartbeats and failure detection, downing, events and the
+/// coordinator singleton's placement.
+///
+/// Order of calls (the runtime's loop):
+/// 1. feed inputs: [`Self::handle_message`] for each received message,
+///    [`Self::handle_timeout`] when [`Self::poll_timeout`]'s deadline has
+///    passed, [`Self::leave`] / [`Self::down`] on operator request,
+///    [`Self::handle_singleton_stopped`] when a coordinator stopped;
+/// 2. drain the effects: [`Self::poll_stop`] first (if it returns a reason,
+///    stop everything of this node before anything else), then
+///    [`Self::poll_singleton`], [`Self::poll_transmit`], [`Self::poll_event`];
+/// 3. sleep until [`Self::poll_timeout`] or the next message.
+///
+/// Application traffic must be served only while [`Self::is_available`].
+#[derive(Debug)]
+pub struct ClusterNode {
+    cfg: ClusterConfig,
+    self_ua: UniqueAddress,
+    join: JoinState,
+    gossip: Gossip,
+    rng: u64,
+    transmits: VecDeque<Transmit>,
+    events: VecDeque<ClusterEvent>,
+    singleton_cmds: VecDeque<SingletonCommand>,
+    stop: Option<StopReason>,
+    stop_polled: bool,
+    next_gossip: Duration,
+    next_heartbeat: Duration,
+    heartbeat_seq: u64,
+    monitored: BTreeMap<UniqueAddress, Monitored>,
+    joining_since: BTreeMap<UniqueAddress, Duration>,
+    down_since: BTreeMap<UniqueAddress, Duration>,
+    downing: Box<dyn DowningProvider>,
+    down_removal_margin: Duration,
+    singleton: Singleton,
+    last_input: Option<Duration>,
+    fence_seq: Option<u64>,
+    published: CurrentClusterState,
+    downed_replied: BTreeMap<UniqueAddress, Duration>,
+}
+
+impl ClusterNode {
+    /// A node that has not joined yet; `uid` is this incarnation's random
+    /// number (draw a new one at every start). With seeds it starts asking
+    /// them at `now`.
+    pub fn new(cfg: ClusterConfig, uid: MemberUid, now: Duration) -> Self {
+        let (downing, margin): (Box<dyn DowningProvider>, Duration) = match &cfg.downing {
+            DowningConfig::None => (Box::new(NoDowning), Duration::ZERO),
+            DowningConfig::SplitBrainResolver(c) => {
+                (Box::new(SplitBrainResolver::new(c.clone())), c.stable_after)
+            }
+        };
+        let margin = cfg.down_removal_margin.unwrap_or(margin);
+        Self::with_downing_provider(cfg, uid, now, downing, margin)
+    }
+
+    /// Like [`Self::new`] with a custom downing provider and down-removal
+    /// margin (ignores `cfg.downing`).
+    pub fn with_downing_provider(
+        cfg: ClusterConfig,
+        uid: MemberUid,
+        now: Duration,
+        downing: Box<dyn DowningProvider>,
+        down_removal_margin: Duration,
+    ) -> Self {
+        let self_ua = UniqueAddress {
+            address: cfg.address.clone(),
+            uid,
+        };
+        let join = if cfg.seed_nodes.is_empty() {
+            JoinState::Idle
+        } else {
+            let first = cfg.seed_nodes.first() == Some(&cfg.address);
+            JoinState::Seeds {
+                next_round: now,
+                form_at: first.then_some(now + cfg.seed_node_timeout),
+            }
+        };
+        let rng =
+            cfg.random_seed ^ uid.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+        Self {
+            self_ua,
+            join,
+            gossip: Gossip::default(),
+            rng,
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
+            singleton_cmds: VecDeque::new(),
+            stop: None,
+            stop_polled: false,
+            next_gossip: now + cfg.gossip_interval,
+            next_heartbeat: now + cfg.heartbeat_interval,
+            heartbeat_seq: 0,
+            monitored: BTreeMap::new(),
+            joining_since: BTreeMap::new(),
+            down_since: BTreeMap::new(),
+            downing,
+            down_removal_margin,
+            singleton: Singleton::default(),
+            last_input: None,
+            fence_seq: None,
+            published: CurrentClusterState::default(),
+            downed_replied: BTreeMap::new(),
+            cfg,
+        }
+    }
+
+    // ----- accessors -----
+
+    /// This incarnation.
+    pub fn self_address(&self) -> &UniqueAddress {
+        &self.self_ua
+    }
+
+    /// The local membership state.
+    pub fn gossip(&self) -> &Gossip {
+        &self.gossip
+    }
+
+    /// This member as the local state sees it (`None` before joining).
+    pub fn self_member(&self) -> Option<&Member> {
+        self.gossip.member(&self.self_ua)
+    }
+
+    /// The leader as seen from here.
+    pub fn leader(&self) -> Option<UniqueAddress> {
+        self.gossip.leader(&self.self_ua)
+    }
+
+    /// Whether this node stopped (or must stop).
+    pub fn is_stopped(&self) -> bool {
+        self.stop.is_some()
+    }
+
+    /// Whether this node is fenced after a pause (it must not serve).
+    pub fn is_fenced(&self) -> bool {
+        self.fence_seq.is_some()
+    }
+
+    /// Whether this node may serve application traffic: it is a member with
+    /// status WeaklyUp, Up or Leaving, not stopped and not fenced.
+    pub fn is_available(&self) -> bool {
+        self.stop.is_none()
+            && self.fence_seq.is_none()
+            && self.self_member().is_some_and(|m| {
+                matches!(
+                    m.status,
+                    MemberStatus::WeaklyUp | MemberStatus::Up | MemberStatus::Leaving
+                )
+            })
+    }
+
+    /// Whether the coordinator singleton runs here (started and not asked to
+    /// stop).
+    pub fn runs_singleton(&self) -> bool {
+        self.singleton.running && !self.singleton.stopping
+    }
+
+    /// The oldest Up member with the coordinator role, as seen from here.
+    pub fn oldest(&self) -> Option<UniqueAddress> {
+        let role = self.cfg.coordinator_role.as_deref();
+        self.gossip
+            .members
+            .values()
+            .filter(|m| m.status == MemberStatus::Up && m.has_role(role))
+            .reduce(|a, b| if b.is_older_than(a) { b } else { a })
+            .map(|m| m.unique_address.clone())
+    }
+
+    /// Subscribes: queues a [`ClusterEvent::CurrentClusterState`] with the
+    /// published state; the events after it describe every later change.
+    pub fn subscribe(&mut self) {
+        self.events
+            .push_back(ClusterEvent::CurrentClusterState(self.published.clone()));
+    }
+
+    /// The published state (what a subscriber's fold of events gives).
+    pub fn current_state(&self) -> &CurrentClusterState {
+        &self.published
+    }
+
+    // ----- effects -----
+
+    /// The reason this node must stop, returned once.
+    #[must_use]
+    pub fn poll_stop(&mut self) -> Option<StopReason> {
+        if self.stop_polled {
+            return None;
+        }
+        let r = self.stop?;
+        self.stop_polled = true;
+        Some(r)
+    }
+
+    /// The next message to send.
+    #[must_use]
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.transmits.pop_front()
+    }
+
+    /// The next cluster event to publish.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<ClusterEvent> {
+        self.events.pop_front()
+    }
+
+    /// The next command for the coordinator singleton.
+    #[must_use]
+    pub fn poll_singleton(&mut self) -> Option<SingletonCommand> {
+        self.singleton_cmds.pop_front()
+    }
+
+    /// When [`Self::handle_timeout`] must be called next (`None` once
+    /// stopped).
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Duration> {
+        if self.stop.is_some() {
+            return None;
+        }
+        let mut t = self.next_heartbeat.min(self.next_gossip);
+        match &self.join {
+            JoinState::Seeds {
+                next_round,
+                form_at,
+            } => {
+                t = t.min(*next_round);
+                if let Some(f) = form_at {
+                    t = t.min(*f);
+                }
+            }
+            JoinState::Joining { give_up_at, .. } => t = t.min(*give_up_at),
+            JoinState::Idle | JoinState::Member => {}
+        }
+        if self.singleton.waiting_for.is_some() {
+            t = t.min(self.singleton.next_retry);
+        }
+        if let Some(d) = self.downing.next_deadline() {
+            // a deadline already handled (e.g. passed while not the leader)
+            // is re-checked after every input anyway
+            if self.last_input.is_none_or(|l| d > l) {
+                t = t.min(d);
+            }
+        }
+        Some(t)
+    }
+
+    // ----- inputs -----
+
+    /// Joins the cluster through `address` (for nodes without seeds).
+    pub fn join(&mut self, now: Duration, address: Address) {
+        if !self.begin(now) {
+            return;
+        }
+        if address == self.cfg.address {
+            self.form_cluster();
+        } else if self.join != JoinState::Member {
+            self.send_join(now, address);
+        }
+        self.after_input(now);
+    }
+
+    /// Leaves gracefully: this member becomes Leaving; the leader moves it to
+    /// Exiting at convergence and this node then stops with
+    /// [`StopReason::Left`]. Hand off this node's shards before calling it
+    /// (Akka's coordinated-shutdown order).
+    pub fn leave(&mut self, now: Duration) {
+        if !self.begin(now) {
+            return;
+        }
+        let me = self.self_ua.clone();
+        self.set_status(&me, MemberStatus::Leaving);
+        self.after_input(now);
+    }
+
+    /// Marks `address` Down (an operator's decision).
+    pub fn down(&mut self, now: Duration, member: &UniqueAddress) {
+        if !self.begin(now) {
+            return;
+        }
+        self.set_status(member, MemberStatus::Down);
+        self.after_input(now);
+    }
+
+    /// The coordinator singleton stopped (after [`SingletonCommand::Stop`]).
+    pub fn handle_singleton_stopped(&mut self, now: Duration) {
+        if !self.begin(now) {
+            return;
+        }
+        if self.singleton.stopping {
+            self.singleton.stopping = false;
+            self.singleton.running = false;
+            let notify = std::mem::take(&mut self.singleton.notify);
+            for to in notify {
+                self.send(
+                    to.address.clone(),
+                    ClusterMessage::HandOverDone {
+                        from: self.self_ua.clone(),
+                        to,
+                    },
+                );
+            }
+        }
+        self.after_input(now);
+    }
+
+    /// Timers: call when `now` reached [`Self::poll_timeout`] (calling it
+    /// earlier or more often is harmless).
+    pub fn handle_timeout(&mut self, now: Duration) {
+        if !self.begin(now) {
+            return;
+        }
+        self.join_timers(now);
+        if now >= self.next_heartbeat {
+            self.next_heartbeat = now + self.cfg.heartbeat_interval;
+            if self.join == JoinState::Member {
+                self.heartbeat_round(now);
+            }
+        }
+        if now >= self.next_gossip {
+            self.next_gossip = now + self.cfg.gossip_interval;
+            if self.join == JoinState::Member {
+                self.leader_actions(now);
+                self.gossip_round();
+            }
+        }
+        if self.singleton.waiting_for.is_some() && now >= self.singleton.next_retry {
+            self.singleton.next_retry = now + self.cfg.hand_over_retry_interval;
+            self.send_hand_over_requests();
+        }
+        self.after_input(now);
+    }
+
+    /// A message from another node.
+    pub fn handle_message(&mut self, now: Duration, message: ClusterMessage) {
+        if !self.begin(now) {
+            return;
+        }
+        let from = message.from().clone();
+        if from == self.self_ua {
+            self.after_input(now);
+            return;
+        }
+        let sender_downed = self.gossip.tombstones.contains(&from)
+            || self
+                .gossip
+                .member(&from)
+                .is_some_and(|m| m.status == MemberStatus::Down);
+        if sender_downed && !matches!(message, ClusterMessage::InitJoin { .. }) {
+            self.reply_downed(now, &from);
+            self.after_input(now);
+            return;
+        }
+        match message {
+            ClusterMessage::InitJoin { from } => {
+                let ok = self.join == JoinState::Member
+                    && self.fence_seq.is_none()
+                    && self
+                        .self_member()
+                        .is_some_and(|m| m.status <= MemberStatus::Leaving);
+                let me = self.self_ua.clone();
+                let reply = if ok {
+                    ClusterMessage::InitJoinAck { from: me }
+                } else {
+                    ClusterMessage::InitJoinNack { from: me }
+                };
+                self.send(from.address, reply);
+            }
+            ClusterMessage::InitJoinAck { from } => {
+                if matches!(self.join, JoinState::Seeds { .. }) {
+                    self.send_join(now, from.address);
+                }
+            }
+            ClusterMessage::InitJoinNack { .. } => {}
+            ClusterMessage::Join { from, roles } => self.receive_join(now, from, roles),
+            ClusterMessage::Welcome { from, to, gossip } => {
+                if to == self.self_ua
+                    && matches!(self.join, JoinState::Joining { .. })
+                    && gossip.members.contains_key(&self.self_ua)
+                {
+                    let _ = from;
+                    self.join = JoinState::Member;
+                    self.gossip = gossip;
+                    self.gossip.normalize();
+                    self.gossip.seen.insert(self.self_ua.clone());
+                }
+            }
+            ClusterMessage::Gossip { from, to, gossip } => {
+                if to == self.self_ua {
+                    self.receive_gossip(from, gossip);
+                }
+            }
+            ClusterMessage::GossipStatus {
+                from,
+                to,
+                version,
+                seen,
+            } => {
+                if to == self.self_ua
+                    && self.join == JoinState::Member
+                    && self.gossip.members.contains_key(&from)
+                {
+                    match self.gossip.version.compare(&version) {
+                        ClockOrdering::After | ClockOrdering::Concurrent => self.send_gossip(&from),
+                        ClockOrdering::Before => self.send_status(&from),
+                        ClockOrdering::Same => {
+                            let members = &self.gossip.members;
+                            self.gossip
+                                .seen
+                                .extend(seen.iter().filter(|u| members.contains_key(*u)).cloned());
+                            if !self.gossip.seen.is_subset(&seen) {
+                                self.send_status(&from);
+                            }
+                        }
+                    }
+                }
+            }
+            ClusterMessage::Heartbeat {
+                from,
+                to,
+                sequence_nr,
+            } => {
+                if to == self.self_ua {
+                    let msg = ClusterMessage::HeartbeatRsp {
+                        from: self.self_ua.clone(),
+                        to: from.clone(),
+                        sequence_nr,
+                    };
+                    self.send(from.address, msg);
+                }
+            }
+            ClusterMessage::HeartbeatRsp {
+                from,
+                to,
+                sequence_nr,
+            } => {
+                if to == self.self_ua {
+                    if let Some(m) = self.monitored.get_mut(&from) {
+                        m.fd.heartbeat(now);
+                    }
+                    if self.fence_seq.is_some_and(|s| sequence_nr >= s)
+                        && self.gossip.members.contains_key(&from)
+                    {
+                        self.fence_seq = None;
+                    }
+                }
+            }
+            ClusterMessage::Downed { to, .. } => {
+                if to == self.self_ua {
+                    self.stop_self();
+                }
+            }
+            ClusterMessage::HandOverToMe { from, to } => {
+                if to == self.self_ua {
+                    self.receive_hand_over_to_me(from);
+                }
+            }
+            ClusterMessage::HandOverDone { from, to } => {
+                if to == self.self_ua {
+                    if let Some(w) = self.singleton.waiting_for.as_mut() {
+                        w.remove(&from);
+                    }
+                }
+            }
+        }
+        self.after_input(now);
+    }
+
+    // ----- internals -----
+
+    /// Common prologue: returns false when stopped; detects a pause.
+    fn begin(&mut self, now: Duration) -> bool {
+        if self.stop.is_some() {
+            return false;
+        }
+        if let Some(last) = self.last_input {
+            if now > last + self.cfg.pause_fence_after && self.join == JoinState::Member {
+                self.on_pause(now);
+            }
+        }
+        self.last_input = Some(self.last_input.map_or(now, |l| l.max(now)));
+        true
+    }
+
+    /// This node was paused: fence it, stop the singleton, restart the
+    /// failure detectors (the silence was ours) and probe the members.
+    fn on_pause(&mut self, now: Duration) {
+        self.heartbeat_seq += 1;
+        self.fence_seq = Some(self.heartbeat_seq);
+        if self.singleton.running && !self.singleton.stopping {
+            self.singleton.stopping = true;
+            self.singleton_cmds.push_back(SingletonCommand::Stop);
+        }
+        self.singleton.waiting_for = None;
+        for m in self.monitored.values_mut() {
+            m.fd = PhiAccrualFailureDetector::new(self.cfg.failure_detector.clone());
+            m.start_at = now + self.cfg.heartbeat_expected_response_after;
+        }
+        let targets: Vec<UniqueAddress> = self
+            .gossip
+            .members
+            .keys()
+            .filter(|u| **u != self.self_ua)
+            .cloned()
+            .collect();
+        for to in targets {
+            let msg = ClusterMessage::Heartbeat {
+                from: self.self_ua.clone(),
+                to: to.clone(),
+                sequence_nr: self.heartbeat_seq,
+            };
+            self.send(to.address, msg);
+        }
+        self.next_heartbeat = now + self.cfg.heartbeat_interval;
+    }
+
+    fn send(&mut self, to: Address, message: ClusterMessage) {
+        self.transmits.push_back(Transmit { to, message });
+    }
+
+    fn next_random(&mut self) -> u64 {
+        // SplitMix64 (Steele, Lea, Flood 2014).
+        self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn reply_downed(&mut self, now: Duration, to: &UniqueAddress) {
+        let due = self
+            .downed_replied
+            .get(to)
+            .is_none_or(|t| now >= *t + self.cfg.heartbeat_interval);
+        if due && self.join == JoinState::Member {
+            self.downed_replied.insert(to.clone(), now);
+            let msg = ClusterMessage::Downed {
+                from: self.self_ua.clone(),
+                to: to.clone(),
+            };
+            self.send(to.address.clone(), msg);
+        }
+    }
+
+    fn join_timers(&mut self, now: Duration) {
+        match self.join.clone() {
+            JoinState::Seeds {
+                next_round,
+                form_at,
+            } => {
+                if form_at.is_some_and(|f| now >= f) {
+                    self.form_cluster();
+                    return;
+                }
+                if now >= next_round {
+                    let seeds: Vec<Address> = self
+                        .cfg
+                        .seed_nodes
+                        .iter()
+                        .filter(|a| **a != self.cfg.address)
+                        .cloned()
+                        .collect();
+                    for s in seeds {
+                        self.send(
+                            s,
+                            ClusterMessage::InitJoin {
+                                from: self.self_ua.clone(),
+                            },
+                        );
+                    }
+                    self.join = JoinState::Seeds {
+                        next_round: now + self.cfg.seed_retry_interval,
+                        form_at,
+                    };
+                }
+            }
+            JoinState::Joining { give_up_at, .. } => {
+                if now >= give_up_at {
+                    self.join = if self.cfg.seed_nodes.is_empty() {
+                        JoinState::Idle
+                    } else {
+                        JoinState::Seeds {
+                            next_round: now,
+                            form_at: None,
+                        }
+                    };
+                    self.join_timers(now);
+                }
+            }
+            JoinState::Idle | JoinState::Member => {}
+        }
+    }
+
+    fn send_join(&mut self, now: Duration, to: Address) {
+        self.join = JoinState::Joining {
+            to: to.clone(),
+            give_up_at: now + self.cfg.retry_unsuccessful_join_after,
+        };
+        let msg = ClusterMessage::Join {
+            from: self.self_ua.clone(),
+            roles: self.cfg.roles.clone(),
+        };
+        self.send(to, msg);
+    }
+
+    fn form_cluster(&mut self) {
+        self.join = JoinState::Member;
+        let mut g = Gossip::default();
+        let me = Member::joining(self.self_ua.clone(), self.cfg.roles.clone());
+        g.members.insert(self.self_ua.clone(), me);
+        g.bump(&self.self_ua);
+        self.gossip = g;
+    }
+
+    fn receive_join(&mut self, now: Duration, from: UniqueAddress, roles: BTreeSet<String>) {
+        let accept = self.join == JoinState::Member
+            && self.fence_seq.is_none()
+            && self
+                .self_member()
+                .is_some_and(|m| m.status <= MemberStatus::Leaving);
+        if !accept || self.gossip.tombstones.contains(&from) {
+            return;
+        }
+        if !self.gossip.members.contains_key(&from) {
+            let old: Vec<UniqueAddress> = self
+                .gossip
+                .members
+                .values()
+                .filter(|m| {
+                    m.unique_address.address == from.address && m.status < MemberStatus::Down
+                })
+                .map(|m| m.unique_address.clone())
+                .collect();
+            for o in old {
+                if let Some(m) = self.gossip.members.get_mut(&o) {
+                    m.status = MemberStatus::Down;
+                }
+            }
+            self.gossip
+                .members
+                .insert(from.clone(), Member::joining(from.clone(), roles));
+            self.joining_since.insert(from.clone(), now);
+            self.gossip.bump(&self.self_ua);
+        }
+        let msg = ClusterMessage::Welcome {
+            from: self.self_ua.clone(),
+            to: from.clone(),
+            gossip: self.gossip.clone(),
+        };
+        self.send(from.address, msg);
+    }
+
+    fn receive_gossip(&mut self, from: UniqueAddress, remote: Gossip) {
+        if self.join != JoinState::Member || !self.gossip.members.contains_key(&from) {
+            return;
+        }
+        if remote.tombstones.contains(&self.self_ua) {
+            self.stop_self();
+            return;
+        }
+        let ord = self.gossip.version.compare(&remote.version);
+        let mut merged = self.gossip.merge(&remote);
+        merged.seen.insert(self.self_ua.clone());
+        self.gossip = merged;
+        if matches!(ord, ClockOrdering::After | ClockOrdering::Concurrent) {
+            self.send_gossip(&from);
+        }
+    }
+
+    fn send_gossip(&mut self, to: &UniqueAddress) {
+        let msg = ClusterMessage::Gossip {
+            from: self.self_ua.clone(),
+            to: to.clone(),
+            gossip: self.gossip.clone(),
+        };
+        self.send(to.address.clone(), msg);
+    }
+
+    fn send_status(&mut self, to: &UniqueAddress) {
+        let msg = ClusterMessage::GossipStatus {
+            from: self.self_ua.clone(),
+            to: to.clone(),
+            version: self.gossip.version.clone(),
+            seen: self.gossip.seen.clone(),
+        };
+        self.send(to.address.clone(), msg);
+    }
+
+    fn gossip_round(&mut self) {
+        let unreachable = self.gossip.unreachable_members();
+        let candidates: Vec<UniqueAddress> = self
+            .gossip
+            .members
+            .values()
+            .filter(|m| {
+                m.unique_address != self.self_ua
+                    && m.status != MemberStatus::Down
+                    && !unreachable.contains(&m.unique_address)
+            })
+            .map(|m| m.unique_address.clone())
+            .collect();
+        if candidates.is_empty() {
+            return;
+        }
+        let not_seen: Vec<&UniqueAddress> = candidates
+            .iter()
+            .filter(|c| !self.gossip.seen.contains(*c))
+            .collect();
+        let r = self.next_random();
+        // Prefer members that have not seen this version (Akka's
+        // gossip-different-view-probability 0.8).
+        let target = if !not_seen.is_empty() && r % 10 < 8 {
+            not_seen[(r / 10) as usize % not_seen.len()].clone()
+        } else {
+            candidates[(r / 10) as usize % candidates.len()].clone()
+        };
+        if self.gossip.seen.contains(&target) {
+            self.send_status(&target);
+        } else {
+            self.send_gossip(&target);
+        }
+    }
+
+    /// The members this node sends heartbeats to: walking the ring of members
+    /// sorted by unique address from this node, the next
+    /// `monitored_by_nr_of_members` reachable ones plus the unreachable ones
+    /// met on the way (Akka's `HeartbeatNodeRing`).
+    pub fn heartbeat_receivers(&self) -> BTreeSet<UniqueAddress> {
+        let ring: Vec<&UniqueAddress> = self
+            .gossip
+            .members
+            .values()
+            .filter(|m| m.status != MemberStatus::Down)
+            .map(|m| &m.unique_address)
+            .collect();
+        let unreachable = self.gossip.unreachable_members();
+        let mut out = BTreeSet::new();
+        let Some(pos) = ring.iter().position(|u| **u == self.self_ua) else {
+            return out;
+        };
+        let mut reachable = 0;
+        for i in 1..ring.len() {
+            if reachable >= self.cfg.monitored_by_nr_of_members {
+                break;
+            }
+            let u = ring[(pos + i) % ring.len()];
+            out.insert(u.clone());
+            if !unreachable.contains(u) {
+                reachable += 1;
+            }
+        }
+        out
+    }
+
+    fn heartbeat_round(&mut self, now: Duration) {
+        let receivers = self.heartbeat_receivers();
+        self.monitored.retain(|u, _| receivers.contains(u));
+        self.heartbeat_seq += 1;
+        for r in &receivers {
+            self.monitored
+                .entry(r.clone())
+                .or_insert_with(|| Monitored {
+                    fd: PhiAccrualFailureDetector::new(self.cfg.failure_detector.clone()),
+                    start_at: now + self.cfg.heartbeat_expected_response_after,
+                });
+            let msg = ClusterMessage::Heartbeat {
+                from: self.self_ua.clone(),
+                to: r.clone(),
+                sequence_nr: self.heartbeat_seq,
+            };
+            self.send(r.address.clone(), msg);
+        }
+        // Reaper: mark the monitored members by this node's detectors.
+        let observing = self
+            .self_member()
+            .is_some_and(|m| m.status < MemberStatus::Down);
+        if !observing || self.fence_seq.is_some() {
+            return;
+        }
+        let mut changed = false;
+        let me = self.self_ua.clone();
+        for (u, m) in self.monitored.iter_mut() {
+            if !m.fd.is_monitoring() && now >= m.start_at {
+                m.fd.heartbeat(m.start_at);
+            }
+            let unreachable_by_me = self.gossip.reachability.is_unreachable_by(&me, u);
+            let available = m.fd.is_available(now);
+            if !available && !unreachable_by_me {
+                changed |= self.gossip.reachability.unreachable(&me, u);
+            } else if available && unreachable_by_me {
+                changed |= self.gossip.reachability.reachable(&me, u);
+            }
+        }
+        // Records about members this node no longer monitors are cleared.
+        let stale: Vec<UniqueAddress> = self
+            .gossip
+            .reachability
+            .records
+            .get(&me)
+            .map(|r| {
+                r.unreachable
+                    .iter()
+                    .filter(|u| !self.monitored.contains_key(*u))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        for u in stale {
+            changed |= self.gossip.reachability.reachable(&me, &u);
+        }
+        if changed {
+            self.gossip.bump(&me);
+        }
+    }
+
+    fn set_status(&mut self, ua: &UniqueAddress, status: MemberStatus) {
+        if let Some(m) = self.gossip.members.get_mut(ua) {
+            if m.status.can_transition_to(status) {
+                m.status = status;
+                self.gossip.bump(&self.self_ua);
+            }
+        }
+    }
+
+    fn leader_actions(&mut self, now: Duration) {
+        // Track how long members have been Joining / Down (local timers).
+        for m in self.gossip.members.values() {
+            if m.status == MemberStatus::Joining {
+                self.joining_since
+                    .entry(m.unique_address.clone())
+                    .or_insert(now);
+            }
+            if m.status == MemberStatus::Down {
+                self.down_since
+                    .entry(m.unique_address.clone())
+                    .or_insert(now);
+            }
+        }
+        let g = &self.gossip;
+        self.joining_since.retain(|u, _| {
+            g.members
+                .get(u)
+                .is_some_and(|m| m.status == MemberStatus::Joining)
+        });
+        self.down_since.retain(|u, _| {
+            g.members
+                .get(u)
+                .is_some_and(|m| m.status == MemberStatus::Down)
+        });
+        if self.leader().as_ref() != Some(&self.self_ua) || self.fence_seq.is_some() {
+            return;
+        }
+        let me = self.self_ua.clone();
+        if self
+            .self_member()
+            .is_none_or(|m| m.status >= MemberStatus::Exiting)
+        {
+            return;
+        }
+        let mut changed = false;
+        if self.gossip.convergence() {
+            let unreachable = self.gossip.unreachable_members();
+            let mut next_up = self
+                .gossip
+                .members
+                .values()
+                .map(|m| m.up_number)
+                .max()
+                .unwrap_or(0);
+            let mut remove = Vec::new();
+            let addresses: Vec<UniqueAddress> = self.gossip.members.keys().cloned().collect();
+            for ua in addresses {
+                let newer_incarnation = self.gossip.members.keys().any(|o| {
+                    o.address == ua.address
+                        && o.uid != ua.uid
+                        && !self.gossip.tombstones.contains(o)
+                }) && self
+                    .gossip
+                    .members
+                    .get(&ua)
+                    .is_some_and(|m| m.status == MemberStatus::Down);
+                let seen = self.gossip.seen.contains(&ua);
+                let down_since = self.down_since.get(&ua).copied();
+                let Some(m) = self.gossip.members.get_mut(&ua) else {
+                    continue;
+                };
+                match m.status {
+                    MemberStatus::Joining | MemberStatus::WeaklyUp => {
+                        next_up += 1;
+                        m.status = MemberStatus::Up;
+                        m.up_number = next_up;
+                        changed = true;
+                    }
+                    MemberStatus::Leaving => {
+                        m.status = MemberStatus::Exiting;
+                        changed = true;
+                    }
+                    MemberStatus::Exiting if seen || unreachable.contains(&ua) => remove.push(ua),
+                    MemberStatus::Down
+                        if newer_incarnation
+                            || down_since.is_some_and(|d| now >= d + self.down_removal_margin) =>
+                    {
+                        remove.push(ua)
+                    }
+                    _ => {}
+                }
+            }
+            for ua in remove {
+                if ua != me {
+                    self.gossip.remove_member(&ua);
+                    changed = true;
+                }
+            }
+        } else if let Some(after) = self.cfg.allow_weakly_up_members {
+            if self.gossip.has_unreachable_blocking() {
+                let unreachable = self.gossip.unreachable_members();
+                for (ua, since) in &self.joining_since {
+                    if now >= *since + after && !unreachable.contains(ua) {
+                        if let Some(m) = self.gossip.members.get_mut(ua) {
+                            if m.status == MemberStatus::Joining {
+                                m.status = MemberStatus::WeaklyUp;
+                                changed = true;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if changed {
+            self.gossip.bump(&me);
+        }
+    }
+
+    fn run_downing(&mut self, now: Duration) {
+        if self.join != JoinState::Member || self.fence_seq.is_some() {
+            return;
+        }
+        let is_leader = self.leader().as_ref() == Some(&self.self_ua);
+        let view = DowningView {
+            gossip: &self.gossip,
+            self_address: &self.self_ua,
+            is_leader,
+        };
+        let Some(decision) = self.downing.update(now, view) else {
+            return;
+        };
+        let mut changed = false;
+        for ua in &decision.down {
+            if let Some(m) = self.gossip.members.get_mut(ua) {
+                if m.status.can_transition_to(MemberStatus::Down) {
+                    m.status = MemberStatus::Down;
+                    changed = true;
+                }
+            }
+        }
+        if changed {
+            self.gossip.bump(&self.self_ua);
+            if decision.down.contains(&self.self_ua) {
+                // Tell the rest of this side before stopping.
+                let targets: Vec<UniqueAddress> = self
+                    .gossip
+                    .members
+                    .keys()
+                    .filter(|u| **u != self.self_ua)
+                    .cloned()
+                    .collect();
+                for t in targets {
+                    self.send_gossip(&t);
+                }
+            }
+        }
+    }
+
+    fn receive_hand_over_to_me(&mut self, from: UniqueAddress) {
+        let oldest = self.oldest();
+        if self.singleton.running {
+            if oldest.as_ref() == Some(&from) || self.singleton.stopping {
+                self.singleton.notify.insert(from);
+            }
+            return;
+        }
+        if oldest.as_ref() == Some(&self.self_ua) {
+            return; // it will see that this node is older
+        }
+        let msg = ClusterMessage::HandOverDone {
+            from: self.self_ua.clone(),
+            to: from.clone(),
+        };
+        self.send(from.address, msg);
+    }
+
+    fn send_hand_over_requests(&mut self) {
+        let targets: Vec<UniqueAddress> = self
+            .singleton
+            .waiting_for
+            .iter()
+            .flatten()
+            .cloned()
+            .collect();
+        for to in targets {
+            let msg = ClusterMessage::HandOverToMe {
+                from: self.self_ua.clone(),
+                to: to.clone(),
+            };
+            self.send(to.address, msg);
+        }
+    }
+
+    fn update_singleton(&mut self, now: Duration) {
+        if self.join != JoinState::Member {
+            return;
+        }
+        let oldest = self.oldest();
+        let me_oldest = oldest.as_ref() == Some(&self.self_ua) && self.fence_seq.is_none();
+        if !me_oldest {
+            self.singleton.waiting_for = None;
+            if self.singleton.running && !self.singleton.stopping {
+                self.singleton.stopping = true;
+                self.singleton_cmds.push_back(SingletonCommand::Stop);
+            }
+            if let Some(o) = oldest {
+                if self.singleton.stopping && o != self.self_ua {
+                    self.singleton.notify.insert(o);
+                }
+            }
+            return;
+        }
+        if self.singleton.running {
+            return;
+        }
+        if self.singleton.waiting_for.is_none() {
+            let others: BTreeSet<UniqueAddress> = self
+                .gossip
+                .members
+                .keys()
+                .filter(|u| **u != self.self_ua)
+                .cloned()
+                .collect();
+            self.singleton.waiting_for = Some(others);
+            self.singleton.next_retry = now;
+        }
+        let members = &self.gossip.members;
+        if let Some(w) = self.singleton.waiting_for.as_mut() {
+            w.retain(|u| members.contains_key(u));
+            if w.is_empty() {
+                self.singleton.waiting_for = None;
+                self.singleton.running = true;
+                self.singleton_cmds.push_back(SingletonCommand::Start);
+            } else if now >= self.singleton.next_retry {
+                self.singleton.next_retry = now + self.cfg.hand_over_retry_interval;
+                self.send_hand_over_requests();
+            }
+        }
+    }
+
+    fn stop_self(&mut self) {
+        if self.stop.is_some() {
+            return;
+        }
+        let left = self
+            .self_member()
+            .is_some_and(|m| matches!(m.status, MemberStatus::Leaving | MemberStatus::Exiting));
+        self.stop = Some(if left {
+            StopReason::Left
+        } else {
+            StopReason::Downed
+        });
+        self.singleton.running = false;
+        self.singleton.waiting_for = None;
+    }
+
+    /// Common epilogue: downing, self status, singleton, events.
+    fn after_input(&mut self, now: Duration) {
+        if self.stop.is_none() {
+            self.run_downing(now);
+        }
+        if self.stop.is_none() && self.join == JoinState::Member {
+            if self.fence_seq.is_some() && !self.gossip.members.keys().any(|u| *u != self.self_ua) {
+                self.fence_seq = None;
+            }
+            match self.self_member().map(|m| m.status) {
+                Some(MemberStatus::Down) => self.stop_self(),
+                Some(MemberStatus::Exiting) => {
+                    // Make sure the leader learns this member saw it, then stop.
+                    let others: Vec<UniqueAddress> = self
+                        .gossip
+                        .members
+                        .keys()
+                        .filter(|u| **u != self.self_ua)
+                        .cloned()
+                        .collect();
+                    for o in others {
+                        self.send_gossip(&o);
+                    }
+                    self.stop_self();
+                }
+                None => self.stop_self(),
+                _ => {}
+            }
+        }
+        if self.stop.is_none() {
+            self.update_singleton(now);
+        }
+        let state = CurrentClusterState {
+            members: self.gossip.members.clone(),
+            unreachable: self.gossip.unreachable_members(),
+            leader: if self.join == JoinState::Member {
+                self.leader()
+            } else {
+                None
+            },
+        };
+        for e in events::diff(&self.published, &state) {
+            self.events.push_back(e);
+        }
+        self.published = state;
+    }
+}
