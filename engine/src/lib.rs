@@ -1,6 +1,44 @@
 //! # shardline
 //!
 //! The engine shell: runtime, transport, fronts, embedding API and the
-//! `shardline` command line.
+//! `shardline` command line. It carries out what the sans-IO state machines
+//! of `shardline-core` decide; it decides nothing about shards or members.
+//!
+//! ```text
+//!  clients ──TCP (SO_REUSEPORT)──► gateway ─┐           data executor k (pinned)
+//!                                           ├─► ShardRegion (per type) ─► entities
+//!  other nodes ──data lane (per core)──────►┘        │ Forward to another node's core: data lane
+//!                                                    │ SendToCoordinator / SendToRegion: ring
+//!                                                    ▼
+//!  other nodes ◄──control lane──► control executor: ClusterNode (gossip, heartbeats,
+//!                                 phi-accrual, downing) + ShardCoordinator (when oldest)
+//! ```
+//!
+//! ## Threading model
+//! One monoio executor (io_uring, `COOP_TASKRUN|TASKRUN_FLAG`; see
+//! `docs/decisions/runtime.md`) per data core and one control executor, each
+//! on its own thread; state inside an executor is `Rc<RefCell<_>>` and never
+//! crosses threads; executors talk only through bounded rings
+//! ([`runtime::ring`]). The blocking [`client::Client`] and the embedding
+//! handle (`Node`) are used from ordinary threads.
+//!
+//! ## Invariants
+//! - Every queue is bounded: rings, region buffers (`buffer_size`), each
+//!   connection's outbox (reading stops above its high-water mark).
+//! - A frame longer than 16 MiB or failing validation closes only the
+//!   connection it came on.
+//! - Every forwarded message is answered: by its entity, by a failure status,
+//!   or `TimedOut` when its link broke or no reply came in 10 s.
 
 pub mod cli;
+pub mod client;
+pub mod config;
+pub mod entity;
+pub mod envelope;
+pub mod runtime;
+pub mod status;
+pub mod transport;
+
+pub use config::NodeConfig;
+pub use entity::{Entity, EntityContext, EntityError, EntityFactory};
+pub use status::NodeStatus;

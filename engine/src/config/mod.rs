@@ -1,0 +1,303 @@
+//! The node configuration: the TOML file read by `shardline node --config
+//! FILE` (format in `notes/INTERFACES.md`, "Node config"), parsed strictly:
+//! an unknown key or a bad value is refused with the file, the key and the
+//! reason.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Errors from reading or checking a node configuration.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{file}: cannot read: {source}")]
+    Read {
+        /// The file.
+        file: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The TOML did not parse or did not match the schema (unknown key,
+    /// wrong type); `reason` names the key.
+    #[error("{file}: {reason}")]
+    Parse {
+        /// The file.
+        file: PathBuf,
+        /// What went wrong, with the key and its position.
+        reason: String,
+    },
+    /// A value parsed but is not acceptable.
+    #[error("{file}: key `{key}`: {reason}")]
+    Invalid {
+        /// The file (or `<embedded>` for a config built in code).
+        file: PathBuf,
+        /// The offending key.
+        key: String,
+        /// Why the value is refused.
+        reason: String,
+    },
+}
+
+/// Durability policy of the journal (entities in this release are not
+/// persistent; the policy is validated and kept for the journal wiring).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Durability {
+    /// `"none"` or `"always"`.
+    Named(DurabilityName),
+    /// `{ interval_ms = N }`: group commit every N milliseconds.
+    Interval {
+        /// Flush interval, in milliseconds.
+        interval_ms: u64,
+    },
+}
+
+/// The named durability policies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DurabilityName {
+    /// Never flush explicitly.
+    None,
+    /// Flush after every batch.
+    Always,
+}
+
+/// Built-in entity kinds the node can host without user code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EntityKind {
+    /// Replies with the payload.
+    Echo,
+    /// `add <n>` / `get` on an i64.
+    Counter,
+}
+
+/// One hosted entity type (`[[entity_types]]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EntityTypeConfig {
+    /// The type name clients address (1..=255 bytes).
+    pub name: String,
+    /// Which built-in implementation hosts it.
+    pub kind: EntityKind,
+    /// Idle passivation timeout, in milliseconds; 0 disables it. Default 120000.
+    #[serde(default = "default_idle_timeout_ms")]
+    pub idle_timeout_ms: u64,
+    /// Maximum live entities of this type per region; 0 = unlimited (default).
+    #[serde(default)]
+    pub active_entity_limit: u32,
+}
+
+fn default_idle_timeout_ms() -> u64 {
+    120_000
+}
+fn default_true() -> bool {
+    true
+}
+fn default_data_cores() -> u16 {
+    1
+}
+fn default_shards() -> u32 {
+    100
+}
+fn default_durability() -> Durability {
+    Durability::Named(DurabilityName::None)
+}
+
+/// A node's configuration (the whole TOML file).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    /// Node-to-node TCP address, `host:port`; this is the member's address.
+    pub cluster_address: SocketAddr,
+    /// Native client protocol address (every data core accepts on it with
+    /// SO_REUSEPORT).
+    pub client_address: SocketAddr,
+    /// Optional HTTP/1.1 front (not served by this release; accepted so
+    /// configs can name it).
+    #[serde(default)]
+    pub http_address: Option<SocketAddr>,
+    /// Cluster addresses to join through; may include this node's own. A node
+    /// whose own address is the first seed forms the cluster when no other
+    /// seed answers.
+    #[serde(default)]
+    pub seed_nodes: Vec<SocketAddr>,
+    /// Number of data executors (regions) on this node. Default 1.
+    #[serde(default = "default_data_cores")]
+    pub data_cores: u16,
+    /// Pin executors to cores when the machine has them. Default true.
+    #[serde(default = "default_true")]
+    pub pin_cores: bool,
+    /// Directory for this node's files (journal).
+    pub data_dir: PathBuf,
+    /// Number of shards; must agree across the cluster (checked in the
+    /// handshake). Default 100.
+    #[serde(default = "default_shards")]
+    pub number_of_shards: u32,
+    /// Journal durability policy. Default `"none"`.
+    #[serde(default = "default_durability")]
+    pub durability: Durability,
+    /// Hosted entity types.
+    #[serde(default)]
+    pub entity_types: Vec<EntityTypeConfig>,
+    /// Split-brain resolver: how long the set of unreachable members must
+    /// stay unchanged before the resolver downs one side, in milliseconds.
+    /// Default 20000 (Akka's `stable-after`). Optional, an addition to the
+    /// documented format.
+    #[serde(default = "default_stable_after_ms")]
+    pub downing_stable_after_ms: u64,
+    /// Failure detector: acceptable heartbeat pause, in milliseconds.
+    /// Default 3000 (Akka's `acceptable-heartbeat-pause`). Optional.
+    #[serde(default = "default_heartbeat_pause_ms")]
+    pub heartbeat_pause_ms: u64,
+}
+
+fn default_stable_after_ms() -> u64 {
+    20_000
+}
+fn default_heartbeat_pause_ms() -> u64 {
+    3_000
+}
+
+impl NodeConfig {
+    /// Reads and validates a config file.
+    ///
+    /// # Errors
+    /// [`ConfigError::Read`] when the file cannot be read,
+    /// [`ConfigError::Parse`] for bad TOML or unknown keys,
+    /// [`ConfigError::Invalid`] for values out of range.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            file: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_toml(&text, path)
+    }
+
+    /// Parses and validates TOML text; `file` is used in error messages.
+    ///
+    /// # Errors
+    /// As [`Self::from_file`], without `Read`.
+    pub fn from_toml(text: &str, file: &Path) -> Result<Self, ConfigError> {
+        let cfg: NodeConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            file: file.to_path_buf(),
+            reason: e.to_string().trim_end().replace('\n', " "),
+        })?;
+        cfg.validate(file)?;
+        Ok(cfg)
+    }
+
+    /// Checks value ranges.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the first bad key.
+    pub fn validate(&self, file: &Path) -> Result<(), ConfigError> {
+        let bad = |key: &str, reason: String| ConfigError::Invalid {
+            file: file.to_path_buf(),
+            key: key.to_string(),
+            reason,
+        };
+        if self.data_cores == 0 || self.data_cores > 256 {
+            return Err(bad(
+                "data_cores",
+                format!("{} is not in 1..=256", self.data_cores),
+            ));
+        }
+        if self.number_of_shards == 0 || self.number_of_shards > 1_000_000 {
+            return Err(bad(
+                "number_of_shards",
+                format!("{} is not in 1..=1000000", self.number_of_shards),
+            ));
+        }
+        if self.cluster_address == self.client_address {
+            return Err(bad(
+                "client_address",
+                "must differ from cluster_address".to_string(),
+            ));
+        }
+        if let Durability::Interval { interval_ms } = self.durability {
+            if interval_ms == 0 {
+                return Err(bad("durability.interval_ms", "must be at least 1".into()));
+            }
+        }
+        if self.downing_stable_after_ms == 0 {
+            return Err(bad("downing_stable_after_ms", "must be at least 1".into()));
+        }
+        if self.heartbeat_pause_ms < 100 {
+            return Err(bad("heartbeat_pause_ms", "must be at least 100".into()));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (i, t) in self.entity_types.iter().enumerate() {
+            if let Err(e) = shardline_core::ids::TypeName::new(t.name.clone()) {
+                return Err(bad(&format!("entity_types[{i}].name"), e.to_string()));
+            }
+            if !seen.insert(t.name.clone()) {
+                return Err(bad(
+                    &format!("entity_types[{i}].name"),
+                    format!("type `{}` is declared twice", t.name),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The idle timeout of an entity type as a Duration (None when disabled).
+    pub fn idle_timeout(t: &EntityTypeConfig) -> Option<Duration> {
+        (t.idle_timeout_ms > 0).then(|| Duration::from_millis(t.idle_timeout_ms))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+cluster_address  = "127.0.0.1:7101"
+client_address   = "127.0.0.1:7201"
+seed_nodes       = ["127.0.0.1:7101"]
+data_cores       = 1
+pin_cores        = true
+data_dir         = "/tmp/shardline/node-1"
+number_of_shards = 100
+durability       = { interval_ms = 1 }
+[[entity_types]]
+name = "counter"
+kind = "counter"
+idle_timeout_ms = 120000
+active_entity_limit = 0
+"#;
+
+    #[test]
+    fn parses_the_documented_example() {
+        let c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
+        assert_eq!(c.entity_types[0].kind, EntityKind::Counter);
+        assert_eq!(c.durability, Durability::Interval { interval_ms: 1 });
+    }
+
+    #[test]
+    fn refuses_unknown_keys_naming_file_and_key() {
+        let text = format!("{GOOD}\nbogus = 1\n");
+        let e = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("x.toml") && msg.contains("bogus"), "{msg}");
+    }
+
+    #[test]
+    fn refuses_bad_values() {
+        let text = GOOD.replace("data_cores       = 1", "data_cores = 0");
+        let e = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap_err();
+        assert!(e.to_string().contains("data_cores"), "{e}");
+        let text = GOOD.replace("kind = \"counter\"", "kind = \"blob\"");
+        assert!(NodeConfig::from_toml(&text, Path::new("x.toml")).is_err());
+        let text = GOOD.replace(
+            "durability       = { interval_ms = 1 }",
+            "durability = \"sometimes\"",
+        );
+        assert!(NodeConfig::from_toml(&text, Path::new("x.toml")).is_err());
+    }
+}

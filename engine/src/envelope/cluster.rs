@@ -1,0 +1,430 @@
+//! Node-to-node wire types: the handshake, control frames (membership gossip,
+//! coordinator and region messages) and data frames (forwarded user messages
+//! and their replies).
+//!
+//! Membership messages travel as the bytes of `shardline_core::cluster::encode`
+//! inside [`ControlFrame::Cluster`]; sharding messages are mirrored here as
+//! rkyv types ([`WireCoordinatorMsg`], [`WireRegionMsg`]).
+
+use rkyv::{Archive, Deserialize, Serialize};
+use shardline_core::ids::{Address, EntityId, MemberUid, RegionId, ShardId, UniqueAddress};
+use shardline_core::sharding::{CoordinatorMsg, Generation, RegionMsg};
+
+use super::FrameError;
+
+/// Which lane a node-to-node connection carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Lane {
+    /// Heartbeats, gossip, coordinator and region control messages.
+    Control = 0,
+    /// Forwarded user messages for one data core (`Hello::target_core`).
+    Data = 1,
+}
+
+/// The first frame on every node-to-node connection, from the connecting side.
+#[derive(Debug, Clone, PartialEq, Eq, Archive, Serialize, Deserialize)]
+#[rkyv(attr(allow(missing_docs)))]
+pub struct Hello {
+    /// [`super::PROTOCOL_VERSION`] of the sender.
+    pub protocol_version: u32,
+    /// The sender's cluster address.
+    pub address: String,
+    /// The sender's incarnation uid.
+    pub uid: u64,
+    /// [`Lane`] as u8.
+    pub lane: u8,
+    /// For a data lane: the receiver's data core the connection is for.
+    pub target_core: u16,
+    /// The shard hash's name (`SHARD_ID_HASH_NAME`).
+    pub hash_name: String,
+    /// The sender's `number_of_shards`.
+    pub number_of_shards: u32,
+}
+
+/// The answer to a [`Hello`].
+#[derive(Debug, Clone, PartialEq, Eq, Archive, Serialize, Deserialize)]
+#[rkyv(attr(allow(missing_docs)))]
+pub struct HelloAck {
+    /// Whether the connection is accepted; if not, it is closed after this frame.
+    pub accepted: bool,
+    /// Why it was refused (empty when accepted).
+    pub reason: String,
+    /// The receiver's cluster address.
+    pub address: String,
+    /// The receiver's incarnation uid.
+    pub uid: u64,
+}
+
+/// A member on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Archive, Serialize, Deserialize)]
+#[rkyv(attr(allow(missing_docs)))]
+pub struct WireMember {
+    /// Cluster address.
+    pub address: String,
+    /// Incarnation uid.
+    pub uid: u64,
+}
+
+/// A region on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Archive, Serialize, Deserialize)]
+#[rkyv(attr(allow(missing_docs)))]
+pub struct WireRegion {
+    /// Its member.
+    pub member: WireMember,
+    /// Its data core.
+    pub core: u16,
+}
+
+/// [`CoordinatorMsg`] on the wire (field meanings as there).
+#[allow(missing_docs)]
+#[derive(Debug, Clone, PartialEq, Eq, Archive, Serialize, Deserialize)]
+#[rkyv(attr(allow(missing_docs)))]
+pub enum WireCoordinatorMsg {
+    Register {
+        region: WireRegion,
+        hosted: Vec<(u32, u64)>,
+    },
+    RegisterProxy {
+        proxy: WireRegion,
+    },
+    GetShardHome {
+        region: WireRegion,
+        shard: u32,
+    },
+    BeginHandOffAck {
+        shard: u32,
+        generation: u64,
+        region: WireRegion,
+    },
+    ShardStopped {
+        shard: u32,
+        generation: u64,
+        region: WireRegion,
+    },
+    GracefulShutdownReq {
+        region: WireRegion,
+    },
+}
+
+/// [`RegionMsg`] on the wire (field meanings as there).
+#[allow(missing_docs)]
+#[derive(Debug, Clone, PartialEq, Eq, Archive, Serialize, Deserialize)]
+#[rkyv(attr(allow(missing_docs)))]
+pub enum WireRegionMsg {
+    RegisterAck,
+    ShardHome {
+        shard: u32,
+        region: WireRegion,
+        generation: u64,
+    },
+    ShardHomes {
+        homes: Vec<(u32, WireRegion, u64)>,
+    },
+    BeginHandOff {
+        shard: u32,
+        generation: u64,
+        owner: WireRegion,
+    },
+    HandOff {
+        shard: u32,
+        generation: u64,
+    },
+    StartEntity {
+        shard: u32,
+        entity: String,
+    },
+    BeginHandOffAck {
+        shard: u32,
+        generation: u64,
+        region: WireRegion,
+    },
+}
+
+/// A frame on a control lane.
+#[derive(Debug, Clone, PartialEq, Eq, Archive, Serialize, Deserialize)]
+#[rkyv(attr(allow(missing_docs)))]
+pub enum ControlFrame {
+    /// A membership message (`shardline_core::cluster::encode` bytes).
+    Cluster {
+        /// The encoded `ClusterMessage`.
+        bytes: Vec<u8>,
+    },
+    /// For the coordinator of `type_name` (on the receiving node).
+    ToCoordinator {
+        /// Entity type.
+        type_name: String,
+        /// The message.
+        msg: WireCoordinatorMsg,
+    },
+    /// For region `to` of `type_name`.
+    ToRegion {
+        /// Entity type.
+        type_name: String,
+        /// Destination region (on the receiving node).
+        to: WireRegion,
+        /// The message.
+        msg: WireRegionMsg,
+    },
+}
+
+/// A frame on a data lane.
+#[derive(Debug, Clone, PartialEq, Eq, Archive, Serialize, Deserialize)]
+#[rkyv(attr(allow(missing_docs)))]
+pub enum DataFrame {
+    /// A user message forwarded to its home region.
+    Forward {
+        /// Chosen by the sender to match the reply.
+        tag: u64,
+        /// Entity type.
+        type_name: String,
+        /// Entity id.
+        entity_id: String,
+        /// Its shard.
+        shard: u32,
+        /// The message bytes, as the client sent them.
+        payload: Vec<u8>,
+    },
+    /// The reply to a forwarded message.
+    Reply {
+        /// The `Forward`'s tag.
+        tag: u64,
+        /// A `Status` code.
+        status: u8,
+        /// The reply bytes.
+        payload: Vec<u8>,
+    },
+}
+
+impl From<&UniqueAddress> for WireMember {
+    fn from(u: &UniqueAddress) -> Self {
+        WireMember {
+            address: u.address.0.clone(),
+            uid: u.uid.0,
+        }
+    }
+}
+
+impl From<WireMember> for UniqueAddress {
+    fn from(w: WireMember) -> Self {
+        UniqueAddress {
+            address: Address(w.address),
+            uid: MemberUid(w.uid),
+        }
+    }
+}
+
+impl From<&RegionId> for WireRegion {
+    fn from(r: &RegionId) -> Self {
+        WireRegion {
+            member: (&r.member).into(),
+            core: r.core,
+        }
+    }
+}
+
+impl From<WireRegion> for RegionId {
+    fn from(w: WireRegion) -> Self {
+        RegionId {
+            member: w.member.into(),
+            core: w.core,
+        }
+    }
+}
+
+impl From<&CoordinatorMsg> for WireCoordinatorMsg {
+    fn from(m: &CoordinatorMsg) -> Self {
+        match m {
+            CoordinatorMsg::Register { region, hosted } => WireCoordinatorMsg::Register {
+                region: region.into(),
+                hosted: hosted.iter().map(|(s, g)| (s.0, g.0)).collect(),
+            },
+            CoordinatorMsg::RegisterProxy { proxy } => WireCoordinatorMsg::RegisterProxy {
+                proxy: proxy.into(),
+            },
+            CoordinatorMsg::GetShardHome { region, shard } => WireCoordinatorMsg::GetShardHome {
+                region: region.into(),
+                shard: shard.0,
+            },
+            CoordinatorMsg::BeginHandOffAck {
+                shard,
+                generation,
+                region,
+            } => WireCoordinatorMsg::BeginHandOffAck {
+                shard: shard.0,
+                generation: generation.0,
+                region: region.into(),
+            },
+            CoordinatorMsg::ShardStopped {
+                shard,
+                generation,
+                region,
+            } => WireCoordinatorMsg::ShardStopped {
+                shard: shard.0,
+                generation: generation.0,
+                region: region.into(),
+            },
+            CoordinatorMsg::GracefulShutdownReq { region } => {
+                WireCoordinatorMsg::GracefulShutdownReq {
+                    region: region.into(),
+                }
+            }
+        }
+    }
+}
+
+impl From<WireCoordinatorMsg> for CoordinatorMsg {
+    fn from(m: WireCoordinatorMsg) -> Self {
+        match m {
+            WireCoordinatorMsg::Register { region, hosted } => CoordinatorMsg::Register {
+                region: region.into(),
+                hosted: hosted
+                    .into_iter()
+                    .map(|(s, g)| (ShardId(s), Generation(g)))
+                    .collect(),
+            },
+            WireCoordinatorMsg::RegisterProxy { proxy } => CoordinatorMsg::RegisterProxy {
+                proxy: proxy.into(),
+            },
+            WireCoordinatorMsg::GetShardHome { region, shard } => CoordinatorMsg::GetShardHome {
+                region: region.into(),
+                shard: ShardId(shard),
+            },
+            WireCoordinatorMsg::BeginHandOffAck {
+                shard,
+                generation,
+                region,
+            } => CoordinatorMsg::BeginHandOffAck {
+                shard: ShardId(shard),
+                generation: Generation(generation),
+                region: region.into(),
+            },
+            WireCoordinatorMsg::ShardStopped {
+                shard,
+                generation,
+                region,
+            } => CoordinatorMsg::ShardStopped {
+                shard: ShardId(shard),
+                generation: Generation(generation),
+                region: region.into(),
+            },
+            WireCoordinatorMsg::GracefulShutdownReq { region } => {
+                CoordinatorMsg::GracefulShutdownReq {
+                    region: region.into(),
+                }
+            }
+        }
+    }
+}
+
+impl From<&RegionMsg> for WireRegionMsg {
+    fn from(m: &RegionMsg) -> Self {
+        match m {
+            RegionMsg::RegisterAck => WireRegionMsg::RegisterAck,
+            RegionMsg::ShardHome {
+                shard,
+                region,
+                generation,
+            } => WireRegionMsg::ShardHome {
+                shard: shard.0,
+                region: region.into(),
+                generation: generation.0,
+            },
+            RegionMsg::ShardHomes { homes } => WireRegionMsg::ShardHomes {
+                homes: homes.iter().map(|(s, r, g)| (s.0, r.into(), g.0)).collect(),
+            },
+            RegionMsg::BeginHandOff {
+                shard,
+                generation,
+                owner,
+            } => WireRegionMsg::BeginHandOff {
+                shard: shard.0,
+                generation: generation.0,
+                owner: owner.into(),
+            },
+            RegionMsg::HandOff { shard, generation } => WireRegionMsg::HandOff {
+                shard: shard.0,
+                generation: generation.0,
+            },
+            RegionMsg::StartEntity { shard, entity } => WireRegionMsg::StartEntity {
+                shard: shard.0,
+                entity: entity.as_str().to_string(),
+            },
+            RegionMsg::BeginHandOffAck {
+                shard,
+                generation,
+                region,
+            } => WireRegionMsg::BeginHandOffAck {
+                shard: shard.0,
+                generation: generation.0,
+                region: region.into(),
+            },
+        }
+    }
+}
+
+impl TryFrom<WireRegionMsg> for RegionMsg {
+    type Error = FrameError;
+
+    fn try_from(m: WireRegionMsg) -> Result<Self, FrameError> {
+        Ok(match m {
+            WireRegionMsg::RegisterAck => RegionMsg::RegisterAck,
+            WireRegionMsg::ShardHome {
+                shard,
+                region,
+                generation,
+            } => RegionMsg::ShardHome {
+                shard: ShardId(shard),
+                region: region.into(),
+                generation: Generation(generation),
+            },
+            WireRegionMsg::ShardHomes { homes } => RegionMsg::ShardHomes {
+                homes: homes
+                    .into_iter()
+                    .map(|(s, r, g)| (ShardId(s), r.into(), Generation(g)))
+                    .collect(),
+            },
+            WireRegionMsg::BeginHandOff {
+                shard,
+                generation,
+                owner,
+            } => RegionMsg::BeginHandOff {
+                shard: ShardId(shard),
+                generation: Generation(generation),
+                owner: owner.into(),
+            },
+            WireRegionMsg::HandOff { shard, generation } => RegionMsg::HandOff {
+                shard: ShardId(shard),
+                generation: Generation(generation),
+            },
+            WireRegionMsg::StartEntity { shard, entity } => RegionMsg::StartEntity {
+                shard: ShardId(shard),
+                entity: EntityId::new(entity).map_err(|e| FrameError::Invalid(e.to_string()))?,
+            },
+            WireRegionMsg::BeginHandOffAck {
+                shard,
+                generation,
+                region,
+            } => RegionMsg::BeginHandOffAck {
+                shard: ShardId(shard),
+                generation: Generation(generation),
+                region: region.into(),
+            },
+        })
+    }
+}
+
+/// Deserializes a validated archive into an owned value (control lane only;
+/// the data lane reads in place).
+///
+/// # Errors
+/// [`FrameError::Invalid`] when validation or deserialization fails.
+pub fn decode_frame_body<T>(body: &[u8]) -> Result<T, FrameError>
+where
+    T: Archive,
+    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
+        + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
+{
+    let a = super::access::<T>(body)?;
+    rkyv::deserialize::<T, rkyv::rancor::Error>(a).map_err(|e| FrameError::Invalid(e.to_string()))
+}
