@@ -20,7 +20,7 @@
 //! on its own thread; state inside an executor is `Rc<RefCell<_>>` and never
 //! crosses threads; executors talk only through bounded rings
 //! ([`runtime::ring`]). The blocking [`client::Client`] and the embedding
-//! handle (`Node`) are used from ordinary threads.
+//! handle ([`Node`]) are used from ordinary threads.
 //!
 //! ## Invariants
 //! - Every queue is bounded: rings, region buffers (`buffer_size`), each
@@ -35,10 +35,12 @@ pub mod client;
 pub mod config;
 pub mod entity;
 pub mod envelope;
+pub mod gateway;
+pub mod node;
 pub mod runtime;
 pub mod status;
 pub mod transport;
 
 pub use config::NodeConfig;
 pub use entity::{Entity, EntityContext, EntityError, EntityFactory};
-pub use status::NodeStatus;
+pub use node::{AskError, EntityRef, EntitySettings, Node, NodeError, NodeStatus, RegionHandle};

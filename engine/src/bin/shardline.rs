@@ -17,6 +17,10 @@ struct Cli {
 enum Command {
     /// Print the version and exit.
     Version,
+    /// Run a node: `shardline node --config FILE`.
+    Node(shardline::cli::node::NodeArgs),
+    /// Print a node's view of the cluster: `shardline status --node ADDR`.
+    Status(shardline::cli::status::StatusArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -26,5 +30,16 @@ fn main() -> anyhow::Result<()> {
             println!("shardline {}", env!("CARGO_PKG_VERSION"));
             Ok(())
         }
+        Command::Node(args) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            shardline::cli::node::run(&args)
+        }
+        Command::Status(args) => shardline::cli::status::run(&args, &mut std::io::stdout().lock()),
     }
 }

@@ -1,3 +1,6 @@
 //! Implementations of the `shardline` command line's subcommands. Each
 //! subcommand lives in its own module; `src/bin/shardline.rs` only parses and
 //! dispatches.
+
+pub mod node;
+pub mod status;

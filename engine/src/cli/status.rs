@@ -1,0 +1,75 @@
+//! `shardline status --node ADDR`: a node's view of the cluster (members,
+//! coordinator, regions with shards and entities).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use crate::client::Client;
+
+/// Arguments of `shardline status`.
+#[derive(Debug, clap::Args)]
+pub struct StatusArgs {
+    /// Any node's client address.
+    #[arg(long)]
+    pub node: SocketAddr,
+    /// Print the raw JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Prints the status.
+///
+/// # Errors
+/// Connection or protocol errors.
+pub fn run(args: &StatusArgs, out: &mut impl std::io::Write) -> anyhow::Result<()> {
+    let mut c = Client::connect(args.node)?;
+    let st = c.node_status(Duration::from_secs(5))?;
+    if args.json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&st)?)?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "node {} (uid {}), clients on {}",
+        st.address, st.uid, st.client_address
+    )?;
+    writeln!(out, "leader: {}", st.leader.as_deref().unwrap_or("-"))?;
+    writeln!(
+        out,
+        "coordinator: {}{}",
+        st.coordinator.as_deref().unwrap_or("-"),
+        if st.coordinator_here { " (here)" } else { "" }
+    )?;
+    writeln!(out, "members:")?;
+    for m in &st.members {
+        writeln!(
+            out,
+            "  {:<22} uid {:<20} {:<9} {}",
+            m.address,
+            m.uid,
+            m.status,
+            if m.reachable {
+                "reachable"
+            } else {
+                "UNREACHABLE"
+            }
+        )?;
+    }
+    writeln!(out, "regions:")?;
+    for r in &st.regions {
+        writeln!(
+            out,
+            "  {:<12} core {:<3} {} shards {:<5} entities {:<7} delivered {:<10} activated {:<8} buffered {} dead letters {}",
+            r.type_name,
+            r.core,
+            if r.proxy { "proxy" } else { "     " },
+            r.shards.len(),
+            r.entities,
+            r.messages_delivered,
+            r.entities_activated,
+            r.buffered,
+            r.dead_letters
+        )?;
+    }
+    Ok(())
+}

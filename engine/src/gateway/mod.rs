@@ -1,0 +1,148 @@
+//! The native client protocol front, served by every data executor on the
+//! shared `client_address` (SO_REUSEPORT: the kernel spreads connections over
+//! the executors).
+//!
+//! A connection is read in batches; every complete frame in a batch is
+//! handled at once (pipelining), the responses are queued in the
+//! connection's [`Outbox`] and written together. A protocol error (a length
+//! over the 16 MiB maximum, a body that fails validation) closes that
+//! connection only, with a logged reason; a bad entity type or id gets an
+//! error response.
+
+pub mod http;
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use monoio::io::Splitable;
+use monoio::net::TcpStream;
+
+use crate::envelope::{encode_frame, ServerFrame, Status, MAX_FRAME_SIZE_BYTES};
+use crate::node::core::Core;
+use crate::node::{NodeStatus, ToControl, ToCore};
+use crate::transport::{self, FrameReader, Outbox};
+
+/// How long a status request waits for the other executors.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Serves one client connection until it closes or breaks the protocol.
+pub(crate) async fn serve_client(core: Rc<RefCell<Core>>, stream: TcpStream) {
+    let peer = stream.peer_addr().ok();
+    let outbox = Rc::new(Outbox::default());
+    let conn = core.borrow_mut().add_conn(outbox.clone());
+    let (mut r, mut w) = stream.into_split();
+    let wb = outbox.clone();
+    monoio::spawn(async move {
+        let _ = transport::write_loop(&mut w, wb).await;
+    });
+    let mut reader = FrameReader::new(MAX_FRAME_SIZE_BYTES);
+    loop {
+        // Back-pressure: a client that does not read its responses is not read.
+        while core.borrow().high_water(conn) {
+            if outbox.closed.get() {
+                break;
+            }
+            monoio::time::sleep(Duration::from_millis(1)).await;
+        }
+        match reader.fill(&mut r).await {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!(?peer, error = %e, "client read failed");
+                break;
+            }
+        }
+        let mut bad = None;
+        loop {
+            match reader.next_frame() {
+                Ok(Some(range)) => {
+                    if let Err(e) = Core::on_client_frame(&core, conn, reader.body(range)) {
+                        bad = Some(e);
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    bad = Some(e);
+                    break;
+                }
+            }
+        }
+        if let Some(e) = bad {
+            tracing::warn!(?peer, error = %e, "protocol error from client; closing the connection");
+            break;
+        }
+        if outbox.closed.get() {
+            break;
+        }
+    }
+    core.borrow_mut().remove_conn(conn);
+}
+
+/// Answers a `NodeStatus` request: collects the cluster view from the control
+/// executor and the region views from every data executor.
+pub(crate) async fn answer_status(core: Rc<RefCell<Core>>, conn: u64, request_id: u64) {
+    let (ctx, crx) = crossbeam_channel::bounded(1);
+    let (rtx, rrx) = crossbeam_channel::bounded(64);
+    let (mut status, others) = {
+        let c = core.borrow();
+        let _ = c.to_control().send(ToControl::Status { reply: ctx });
+        let mut others = 0;
+        for (i, tx) in c.to_cores().iter().enumerate() {
+            if i != usize::from(c.index()) && tx.send(ToCore::Status { reply: rtx.clone() }).is_ok()
+            {
+                others += 1;
+            }
+        }
+        let st = NodeStatus {
+            address: c.me().address.0.clone(),
+            uid: c.me().uid.0,
+            client_address: c.client_address(),
+            members: Vec::new(),
+            leader: None,
+            coordinator: None,
+            coordinator_here: false,
+            regions: c.status(),
+        };
+        (st, others)
+    };
+    let deadline = Instant::now() + STATUS_TIMEOUT;
+    let mut got_cluster = false;
+    let mut got_cores = 0;
+    while Instant::now() < deadline && (!got_cluster || got_cores < others) {
+        if let Ok(v) = crx.try_recv() {
+            status.members = v.members;
+            status.leader = v.leader;
+            status.coordinator = v.coordinator;
+            status.coordinator_here = v.coordinator_here;
+            got_cluster = true;
+        }
+        while let Ok(mut r) = rrx.try_recv() {
+            status.regions.append(&mut r);
+            got_cores += 1;
+        }
+        monoio::time::sleep(Duration::from_millis(1)).await;
+    }
+    status
+        .regions
+        .sort_by(|a, b| (a.type_name.as_str(), a.core).cmp(&(b.type_name.as_str(), b.core)));
+    let (code, payload) = match serde_json::to_vec(&status) {
+        Ok(p) if got_cluster => (Status::Ok, p),
+        Ok(_) => (
+            Status::TimedOut,
+            b"control executor did not answer".to_vec(),
+        ),
+        Err(e) => (Status::EntityFailed, e.to_string().into_bytes()),
+    };
+    let c = core.borrow();
+    if let Some(o) = c.conn_outbox(conn) {
+        let f = ServerFrame {
+            request_id,
+            status: code as u8,
+            payload,
+        };
+        let _ = encode_frame(&f, &mut o.buf.borrow_mut());
+        o.flush();
+    }
+}

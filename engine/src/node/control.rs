@@ -1,0 +1,772 @@
+//! The control executor: membership (`ClusterNode`), the coordinator
+//! singleton (one `ShardCoordinator` per entity type while this member is
+//! the oldest), the control lanes to other members, and the cluster
+//! listener (which hands data lanes over to the data executors).
+
+use std::cell::RefCell;
+use std::collections::{BTreeSet, HashMap};
+use std::os::fd::IntoRawFd;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use monoio::io::Splitable;
+use shardline_core::cluster::{
+    self as cl, ClusterConfig, ClusterEvent, ClusterNode, CurrentClusterState, DowningConfig,
+    SbrConfig, SingletonCommand, StopReason,
+};
+use shardline_core::ids::{Address, MemberUid, RegionId, UniqueAddress};
+use shardline_core::sharding::{
+    CoordinatorEffect, CoordinatorEvent, CoordinatorMsg, CoordinatorSettings,
+    LeastShardAllocationStrategy, MemberStatus as ShMemberStatus, MembershipEvent, RegionMsg,
+    ShardCoordinator, SHARD_ID_HASH_NAME,
+};
+
+use super::msg::{sharding_event, ClusterView, ToControl, ToCore};
+use super::{MemberStatusView, Shared};
+use crate::config::NodeConfig;
+use crate::envelope::{
+    decode_frame_body, encode_frame, FrameError, MAX_FRAME_SIZE_BYTES, PROTOCOL_VERSION,
+};
+use crate::envelope::{ControlFrame, Hello, Lane};
+use crate::runtime::{RingReceiver, RingSender};
+use crate::transport::{self, Fingerprint, FrameReader, Outbox, TransportError};
+
+/// Everything the control executor starts with.
+pub(crate) struct ControlInit {
+    pub config: NodeConfig,
+    pub uid: MemberUid,
+    pub epoch: Instant,
+    pub inbox: RingReceiver<ToControl>,
+    pub to_cores: Vec<RingSender<ToCore>>,
+    pub listener: std::net::TcpListener,
+    pub shared: Arc<Shared>,
+}
+
+const TICK: Duration = Duration::from_millis(10);
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// Most bytes queued for one control lane; beyond it frames are dropped
+/// (membership and coordinator protocols retry).
+const CONTROL_OUTBOX_MAX_BYTES: usize = 16 << 20;
+
+enum LeavePhase {
+    HandingOff { until: Duration },
+    Leaving,
+}
+
+struct LeaveState {
+    phase: LeavePhase,
+    deadline: Duration,
+    done: crossbeam_channel::Sender<()>,
+}
+
+struct Control {
+    me: UniqueAddress,
+    epoch: Instant,
+    fp: Fingerprint,
+    cluster: ClusterNode,
+    types: BTreeSet<String>,
+    coordinators: HashMap<String, ShardCoordinator>,
+    journal: HashMap<String, Vec<CoordinatorEvent>>,
+    singleton: bool,
+    peers: HashMap<String, Rc<Outbox>>,
+    backoff: HashMap<String, (Duration, Duration)>,
+    to_cores: Vec<RingSender<ToCore>>,
+    registered: Vec<bool>,
+    handed_off: Vec<bool>,
+    leave: Option<LeaveState>,
+    last_oldest: Option<UniqueAddress>,
+    available: bool,
+    stopped: bool,
+    shutdown: bool,
+    state: CurrentClusterState,
+    subscribers_initialized: usize,
+    shared: Arc<Shared>,
+}
+
+type ControlRef = Rc<RefCell<Control>>;
+
+/// Runs the control executor until [`ToControl::Shutdown`].
+pub(crate) async fn run(init: ControlInit) {
+    let me = UniqueAddress {
+        address: Address(init.config.cluster_address.to_string()),
+        uid: init.uid,
+    };
+    let seeds: Vec<Address> = init
+        .config
+        .seed_nodes
+        .iter()
+        .map(|s| Address(s.to_string()))
+        .collect();
+    // A node whose only seed is itself forms its cluster at once (Akka's
+    // `joinSeedNodes(self)`), instead of waiting for other seeds.
+    let alone = seeds.len() == 1 && seeds[0] == me.address;
+    let mut cc = ClusterConfig::new(me.address.clone(), if alone { Vec::new() } else { seeds });
+    cc.failure_detector.acceptable_heartbeat_pause =
+        Duration::from_millis(init.config.heartbeat_pause_ms);
+    cc.downing = DowningConfig::SplitBrainResolver(SbrConfig::with_stable_after(
+        Duration::from_millis(init.config.downing_stable_after_ms),
+    ));
+    cc.random_seed = init.uid.0;
+    let now = init.epoch.elapsed();
+    let mut cluster = ClusterNode::new(cc, init.uid, now);
+    cluster.subscribe();
+    if alone {
+        cluster.join(now, me.address.clone());
+    }
+    let n = init.to_cores.len();
+    let listener = match monoio::net::TcpListener::from_std(init.listener) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot adopt the cluster listener");
+            return;
+        }
+    };
+    let ctl = Rc::new(RefCell::new(Control {
+        me,
+        epoch: init.epoch,
+        fp: Fingerprint {
+            hash_name: SHARD_ID_HASH_NAME.to_string(),
+            number_of_shards: init.config.number_of_shards,
+        },
+        cluster,
+        types: BTreeSet::new(),
+        coordinators: HashMap::new(),
+        journal: HashMap::new(),
+        singleton: false,
+        peers: HashMap::new(),
+        backoff: HashMap::new(),
+        to_cores: init.to_cores,
+        registered: vec![false; n],
+        handed_off: vec![false; n],
+        leave: None,
+        last_oldest: None,
+        available: false,
+        stopped: false,
+        shutdown: false,
+        state: CurrentClusterState::default(),
+        subscribers_initialized: 0,
+        shared: init.shared,
+    }));
+    CTL_SELF.with(|c| *c.borrow_mut() = Some(ctl.clone()));
+    ctl.borrow_mut().drive();
+    let actl = ctl.clone();
+    monoio::spawn(async move {
+        loop {
+            match listener.accept().await {
+                Ok((s, _)) => {
+                    transport::tune(&s);
+                    monoio::spawn(inbound(actl.clone(), s));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cluster accept failed");
+                    monoio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+            if actl.borrow().shutdown {
+                return;
+            }
+        }
+    });
+    let tctl = ctl.clone();
+    monoio::spawn(async move {
+        loop {
+            monoio::time::sleep(TICK).await;
+            if tctl.borrow().shutdown {
+                return;
+            }
+            tctl.borrow_mut().tick();
+        }
+    });
+    let mut inbox = init.inbox;
+    let mut batch = Vec::with_capacity(256);
+    loop {
+        if !inbox.recv_batch(&mut batch, 256).await {
+            break;
+        }
+        for m in batch.drain(..) {
+            ctl.borrow_mut().on_inbox(m);
+        }
+        if ctl.borrow().shutdown {
+            break;
+        }
+    }
+    let c = ctl.borrow();
+    for p in c.peers.values() {
+        p.close();
+    }
+}
+
+thread_local! {
+    static CTL_SELF: RefCell<Option<ControlRef>> = const { RefCell::new(None) };
+}
+
+impl Control {
+    fn now(&self) -> Duration {
+        self.epoch.elapsed()
+    }
+
+    fn to_all_cores(&self, f: impl Fn() -> ToCore) {
+        for c in &self.to_cores {
+            if c.send(f()).is_err() {
+                tracing::warn!("core ring full or closed; control message dropped");
+            }
+        }
+    }
+
+    // ----- effects of the state machines -----
+
+    /// Carries out every pending effect of the membership state machine and
+    /// the coordinators (bounded: stops when a round produced nothing).
+    fn drive(&mut self) {
+        for _ in 0..64 {
+            let mut progressed = false;
+            let now = self.now();
+            if let Some(reason) = self.cluster.poll_stop() {
+                progressed = true;
+                self.on_stop(reason);
+            }
+            while let Some(cmd) = self.cluster.poll_singleton() {
+                progressed = true;
+                match cmd {
+                    SingletonCommand::Start => self.start_coordinators(),
+                    SingletonCommand::Stop => {
+                        self.stop_coordinators();
+                        self.cluster.handle_singleton_stopped(now);
+                    }
+                }
+            }
+            while let Some(t) = self.cluster.poll_transmit() {
+                progressed = true;
+                let bytes = cl::encode(&t.message);
+                self.send_control(&t.to.0, &ControlFrame::Cluster { bytes });
+            }
+            while let Some(e) = self.cluster.poll_event() {
+                progressed = true;
+                self.on_cluster_event(e);
+            }
+            let types: Vec<String> = self.coordinators.keys().cloned().collect();
+            for t in types {
+                progressed |= self.drain_coordinator(&t);
+            }
+            if !progressed {
+                break;
+            }
+        }
+        let oldest = self.cluster.oldest();
+        if oldest != self.last_oldest {
+            tracing::info!(oldest = ?oldest.as_ref().map(|o| o.to_string()), "coordinator location changed");
+            self.last_oldest = oldest;
+            self.to_all_cores(|| ToCore::CoordinatorMoved);
+        }
+        let avail = self.cluster.is_available();
+        if avail != self.available {
+            self.available = avail;
+            self.to_all_cores(|| ToCore::Available(avail));
+        }
+        let up = self
+            .cluster
+            .self_member()
+            .is_some_and(|m| m.status == cl::MemberStatus::Up);
+        let ready = up && self.registered.iter().all(|r| *r) && !self.stopped;
+        self.shared.ready.store(ready, Ordering::Release);
+    }
+
+    fn on_stop(&mut self, reason: StopReason) {
+        self.stopped = true;
+        let code = match reason {
+            StopReason::Left => 1,
+            _ => 2,
+        };
+        match reason {
+            StopReason::Left => tracing::info!("left the cluster"),
+            _ => tracing::error!(?reason, "this member was downed; stopping"),
+        }
+        self.stop_coordinators();
+        self.to_all_cores(|| ToCore::Stop);
+        self.shared.stopped.store(code, Ordering::Release);
+        if let Some(l) = self.leave.take() {
+            let _ = l.done.try_send(());
+        }
+    }
+
+    fn on_cluster_event(&mut self, e: ClusterEvent) {
+        self.state.apply(&e);
+        tracing::info!(event = ?short_event(&e), "cluster event");
+        if let Ok(mut subs) = self.shared.subscribers.lock() {
+            subs.retain(|s| s.try_send(e.clone()).is_ok() || !s.is_full());
+        }
+        if let Some(me) = sharding_event(&e) {
+            let now = self.now();
+            for c in self.coordinators.values_mut() {
+                c.handle_membership(now, me.clone());
+            }
+            self.to_all_cores(|| ToCore::Membership(me.clone()));
+        }
+    }
+
+    fn current_members(&self) -> MembershipEvent {
+        let list = self
+            .state
+            .members
+            .values()
+            .filter_map(|m| match m.status {
+                cl::MemberStatus::Up => Some((m.unique_address.clone(), ShMemberStatus::Up)),
+                cl::MemberStatus::Leaving | cl::MemberStatus::Exiting => {
+                    Some((m.unique_address.clone(), ShMemberStatus::Leaving))
+                }
+                _ => None,
+            })
+            .collect();
+        MembershipEvent::CurrentMembers(list)
+    }
+
+    fn new_coordinator(&mut self, t: &str) {
+        let now = self.now();
+        let events = self.journal.get(t).cloned().unwrap_or_default();
+        let mut c = ShardCoordinator::recover(
+            CoordinatorSettings::default(),
+            Box::new(LeastShardAllocationStrategy::default()),
+            events.iter(),
+            now,
+        );
+        c.handle_membership(now, self.current_members());
+        self.coordinators.insert(t.to_string(), c);
+    }
+
+    fn start_coordinators(&mut self) {
+        tracing::info!("coordinator singleton starts here");
+        self.singleton = true;
+        let types: Vec<String> = self.types.iter().cloned().collect();
+        for t in types {
+            self.new_coordinator(&t);
+        }
+        // Regions (here and elsewhere) register again with the new coordinator.
+        self.to_all_cores(|| ToCore::CoordinatorMoved);
+    }
+
+    fn stop_coordinators(&mut self) {
+        if self.singleton {
+            tracing::info!("coordinator singleton stops here");
+        }
+        self.singleton = false;
+        self.coordinators.clear();
+        // The journal is this process's memory only: a coordinator started
+        // on another member starts empty and learns the homes from the
+        // regions' `Register { hosted }`.
+        self.journal.clear();
+    }
+
+    fn drain_coordinator(&mut self, t: &str) -> bool {
+        let mut any = false;
+        loop {
+            let Some(c) = self.coordinators.get_mut(t) else {
+                return any;
+            };
+            let Some(e) = c.poll_effect() else { return any };
+            any = true;
+            match e {
+                CoordinatorEffect::Send { to, msg } => self.send_region(t, to, msg),
+                CoordinatorEffect::Persist(ev) => {
+                    self.journal.entry(t.to_string()).or_default().push(ev)
+                }
+            }
+        }
+    }
+
+    fn send_region(&mut self, t: &str, to: RegionId, msg: RegionMsg) {
+        if to.member == self.me {
+            if let Some(c) = self.to_cores.get(usize::from(to.core)) {
+                let _ = c.send(ToCore::Region {
+                    type_name: t.to_string(),
+                    msg,
+                });
+            }
+        } else {
+            let addr = to.member.address.0.clone();
+            let f = ControlFrame::ToRegion {
+                type_name: t.to_string(),
+                to: (&to).into(),
+                msg: (&msg).into(),
+            };
+            self.send_control(&addr, &f);
+        }
+    }
+
+    fn route_to_coordinator(&mut self, t: &str, msg: CoordinatorMsg) {
+        if self.singleton {
+            let now = self.now();
+            if let Some(c) = self.coordinators.get_mut(t) {
+                c.handle_message(now, msg);
+                self.drain_coordinator(t);
+            }
+            return;
+        }
+        match self.cluster.oldest() {
+            Some(o) if o != self.me => {
+                let f = ControlFrame::ToCoordinator {
+                    type_name: t.to_string(),
+                    msg: (&msg).into(),
+                };
+                self.send_control(&o.address.0.clone(), &f);
+            }
+            // No coordinator yet (or it is starting here): the region retries.
+            _ => {}
+        }
+    }
+
+    // ----- control lanes -----
+
+    fn send_control(&mut self, addr: &str, frame: &ControlFrame) {
+        if addr == self.me.address.0 {
+            return;
+        }
+        let now = self.now();
+        if !self.peers.contains_key(addr) {
+            if let Some((until, _)) = self.backoff.get(addr) {
+                if now < *until {
+                    return;
+                }
+            }
+            let outbox = Rc::new(Outbox::default());
+            self.peers.insert(addr.to_string(), outbox.clone());
+            if let Some(me) = CTL_SELF.with(|c| c.borrow().clone()) {
+                monoio::spawn(run_peer(me, addr.to_string(), outbox));
+            }
+        }
+        let Some(o) = self.peers.get(addr) else {
+            return;
+        };
+        if o.buf.borrow().len() > CONTROL_OUTBOX_MAX_BYTES {
+            tracing::warn!(peer = addr, "control lane backlog full; frame dropped");
+            return;
+        }
+        if let Err(e) = encode_frame(frame, &mut o.buf.borrow_mut()) {
+            tracing::warn!(error = %e, "cannot encode control frame");
+        }
+        o.flush();
+    }
+
+    fn peer_failed(&mut self, addr: &str, outbox: &Rc<Outbox>) {
+        if self.peers.get(addr).is_some_and(|o| Rc::ptr_eq(o, outbox)) {
+            self.peers.remove(addr);
+        }
+        let now = self.now();
+        let step = self
+            .backoff
+            .get(addr)
+            .map(|(_, s)| (*s * 2).min(BACKOFF_MAX))
+            .unwrap_or(BACKOFF_MIN);
+        self.backoff.insert(addr.to_string(), (now + step, step));
+    }
+
+    fn peer_connected(&mut self, addr: &str) {
+        self.backoff.remove(addr);
+    }
+
+    fn on_control_frame(&mut self, body: &[u8]) -> Result<(), FrameError> {
+        let f: ControlFrame = decode_frame_body(body)?;
+        let now = self.now();
+        match f {
+            ControlFrame::Cluster { bytes } => {
+                let m = cl::decode(&bytes).map_err(|e| FrameError::Invalid(e.to_string()))?;
+                self.cluster.handle_message(now, m);
+            }
+            ControlFrame::ToCoordinator { type_name, msg } => {
+                if self.singleton {
+                    if let Some(c) = self.coordinators.get_mut(&type_name) {
+                        c.handle_message(now, msg.into());
+                    }
+                }
+            }
+            ControlFrame::ToRegion { type_name, to, msg } => {
+                let to: RegionId = to.into();
+                if to.member == self.me {
+                    let msg: RegionMsg = msg.try_into()?;
+                    if let Some(c) = self.to_cores.get(usize::from(to.core)) {
+                        let _ = c.send(ToCore::Region { type_name, msg });
+                    }
+                }
+            }
+        }
+        self.drive();
+        Ok(())
+    }
+
+    // ----- timers and inbox -----
+
+    fn tick(&mut self) {
+        let now = self.now();
+        if !self.stopped && self.cluster.poll_timeout().is_some_and(|t| t <= now) {
+            self.cluster.handle_timeout(now);
+        }
+        let due: Vec<String> = self
+            .coordinators
+            .iter()
+            .filter(|(_, c)| c.poll_timeout().is_some_and(|t| t <= now))
+            .map(|(t, _)| t.clone())
+            .collect();
+        for t in due {
+            if let Some(c) = self.coordinators.get_mut(&t) {
+                c.handle_timeout(now);
+            }
+        }
+        if let Some(l) = &self.leave {
+            if let LeavePhase::HandingOff { until } = l.phase {
+                if now >= until {
+                    tracing::warn!("hand-off did not finish in time; leaving anyway");
+                    self.begin_leave();
+                }
+            }
+        }
+        if self.leave.as_ref().is_some_and(|l| now >= l.deadline) {
+            if let Some(l) = self.leave.take() {
+                tracing::warn!("leave did not complete in time");
+                let _ = l.done.try_send(());
+            }
+        }
+        self.drive();
+    }
+
+    fn begin_leave(&mut self) {
+        let now = self.now();
+        if let Some(l) = &mut self.leave {
+            l.phase = LeavePhase::Leaving;
+        }
+        tracing::info!("shards handed off; leaving the cluster");
+        self.cluster.leave(now);
+    }
+
+    fn on_inbox(&mut self, m: ToControl) {
+        match m {
+            ToControl::ToCoordinator { type_name, msg } => self.route_to_coordinator(&type_name, msg),
+            ToControl::ToRegion { type_name, to, msg } => self.send_region(&type_name, to, msg),
+            ToControl::RegisterType { type_name } => {
+                if self.types.insert(type_name.clone()) && self.singleton {
+                    self.new_coordinator(&type_name);
+                }
+            }
+            ToControl::Registered { core, all } => {
+                if let Some(r) = self.registered.get_mut(usize::from(core)) {
+                    *r = all;
+                }
+            }
+            ToControl::ShutdownComplete { core } => {
+                if let Some(r) = self.handed_off.get_mut(usize::from(core)) {
+                    *r = true;
+                }
+                let all = self.handed_off.iter().all(|d| *d);
+                let handing = self
+                    .leave
+                    .as_ref()
+                    .is_some_and(|l| matches!(l.phase, LeavePhase::HandingOff { .. }));
+                if all && handing {
+                    self.begin_leave();
+                }
+            }
+            ToControl::Status { reply } => {
+                let _ = reply.send(self.view());
+            }
+            ToControl::Subscribe => {
+                if let Ok(subs) = self.shared.subscribers.lock() {
+                    let snapshot = ClusterEvent::CurrentClusterState(self.state.clone());
+                    for s in subs.iter().skip(self.subscribers_initialized) {
+                        let _ = s.try_send(snapshot.clone());
+                    }
+                    self.subscribers_initialized = subs.len();
+                }
+            }
+            ToControl::Leave { timeout, done } => {
+                let now = self.now();
+                if self.stopped {
+                    let _ = done.try_send(());
+                    return;
+                }
+                tracing::info!("graceful leave: handing off shards");
+                self.leave = Some(LeaveState {
+                    phase: LeavePhase::HandingOff {
+                        until: now + timeout / 2,
+                    },
+                    deadline: now + timeout,
+                    done,
+                });
+                self.handed_off.iter_mut().for_each(|d| *d = false);
+                self.to_all_cores(|| ToCore::GracefulShutdown);
+            }
+            ToControl::Shutdown => self.shutdown = true,
+        }
+        self.drive();
+    }
+
+    fn view(&self) -> ClusterView {
+        let st = self.cluster.current_state();
+        let g = self.cluster.gossip();
+        let mut members: Vec<MemberStatusView> = g
+            .members
+            .values()
+            .map(|m| MemberStatusView {
+                address: m.unique_address.address.0.clone(),
+                uid: m.unique_address.uid.0,
+                status: format!("{:?}", m.status),
+                reachable: !st.unreachable.contains(&m.unique_address),
+            })
+            .collect();
+        members.sort_by(|a, b| a.address.cmp(&b.address));
+        ClusterView {
+            members,
+            leader: self.cluster.leader().map(|l| l.address.0),
+            coordinator: self.cluster.oldest().map(|o| o.address.0),
+            coordinator_here: self.singleton,
+        }
+    }
+}
+
+fn short_event(e: &ClusterEvent) -> String {
+    match e {
+        ClusterEvent::CurrentClusterState(s) => {
+            format!("CurrentClusterState({} members)", s.members.len())
+        }
+        ClusterEvent::MemberJoined(m) => format!("MemberJoined({})", m.unique_address),
+        ClusterEvent::MemberWeaklyUp(m) => format!("MemberWeaklyUp({})", m.unique_address),
+        ClusterEvent::MemberUp(m) => format!("MemberUp({})", m.unique_address),
+        ClusterEvent::MemberLeft(m) => format!("MemberLeft({})", m.unique_address),
+        ClusterEvent::MemberExited(m) => format!("MemberExited({})", m.unique_address),
+        ClusterEvent::MemberDowned(m) => format!("MemberDowned({})", m.unique_address),
+        ClusterEvent::MemberRemoved { member, .. } => {
+            format!("MemberRemoved({})", member.unique_address)
+        }
+        ClusterEvent::UnreachableMember(m) => format!("UnreachableMember({})", m.unique_address),
+        ClusterEvent::ReachableMember(m) => format!("ReachableMember({})", m.unique_address),
+        ClusterEvent::LeaderChanged(l) => {
+            format!("LeaderChanged({:?})", l.as_ref().map(|l| l.to_string()))
+        }
+        other => format!("{other:?}"),
+    }
+}
+
+/// An outbound control lane: connect, handshake, write batched frames.
+async fn run_peer(ctl: ControlRef, addr: String, outbox: Rc<Outbox>) {
+    let hello = {
+        let c = ctl.borrow();
+        Hello {
+            protocol_version: PROTOCOL_VERSION,
+            address: c.me.address.0.clone(),
+            uid: c.me.uid.0,
+            lane: Lane::Control as u8,
+            target_core: 0,
+            hash_name: c.fp.hash_name.clone(),
+            number_of_shards: c.fp.number_of_shards,
+        }
+    };
+    let res: Result<(), TransportError> = async {
+        let sa: std::net::SocketAddr = addr
+            .parse()
+            .map_err(|e| TransportError::Refused(format!("bad address {addr}: {e}")))?;
+        let mut s = transport::connect(sa, Duration::from_secs(2)).await?;
+        let mut reader = FrameReader::new(MAX_FRAME_SIZE_BYTES);
+        transport::client_handshake(&mut s, &mut reader, &hello).await?;
+        ctl.borrow_mut().peer_connected(&addr);
+        let (mut r, mut w) = s.into_split();
+        let wb = outbox.clone();
+        let writer = monoio::spawn(async move { transport::write_loop(&mut w, wb).await });
+        // The peer writes nothing on this lane; a read returning means it closed.
+        let _ = reader.fill(&mut r).await;
+        outbox.close();
+        let _ = writer.await;
+        Err(TransportError::Closed)
+    }
+    .await;
+    match &res {
+        Err(TransportError::Refused(reason)) => {
+            tracing::error!(peer = addr, reason, "control lane refused")
+        }
+        Err(e) => tracing::debug!(peer = addr, error = %e, "control lane closed"),
+        Ok(()) => {}
+    }
+    outbox.close();
+    ctl.borrow_mut().peer_failed(&addr, &outbox);
+}
+
+/// An accepted node-to-node connection: handshake, then a control lane is
+/// served here and a data lane is handed to its data executor.
+async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
+    let (fp, me, cores) = {
+        let c = ctl.borrow();
+        (
+            c.fp.clone(),
+            (c.me.address.0.clone(), c.me.uid.0),
+            c.to_cores.len(),
+        )
+    };
+    let peer = s.peer_addr().ok();
+    let mut reader = FrameReader::new(MAX_FRAME_SIZE_BYTES);
+    let hello = match transport::server_handshake(&mut s, &mut reader, &fp, (&me.0, me.1)).await {
+        Ok(h) => h,
+        Err(TransportError::Refused(reason)) => {
+            tracing::error!(?peer, reason, "refused a node connection");
+            return;
+        }
+        Err(e) => {
+            tracing::warn!(?peer, error = %e, "bad handshake on the cluster port; closing");
+            return;
+        }
+    };
+    let from = UniqueAddress {
+        address: Address(hello.address.clone()),
+        uid: MemberUid(hello.uid),
+    };
+    if hello.lane == Lane::Data as u8 {
+        let core = usize::from(hello.target_core);
+        if core >= cores {
+            tracing::warn!(?peer, core, "data lane for a core this node does not have");
+            return;
+        }
+        let fd = s.into_raw_fd();
+        let sent = ctl.borrow().to_cores[core].send(ToCore::InboundData { fd, peer: from });
+        // Take the fd back when it was not handed over, so that it is closed.
+        if let Err(
+            crate::runtime::RingSendError::Full(ToCore::InboundData { fd, .. })
+            | crate::runtime::RingSendError::Closed(ToCore::InboundData { fd, .. }),
+        ) = sent
+        {
+            // SAFETY: the fd was not handed over; we own it again.
+            drop(unsafe { <std::net::TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+        }
+        return;
+    }
+    if hello.lane != Lane::Control as u8 {
+        tracing::warn!(?peer, lane = hello.lane, "unknown lane; closing");
+        return;
+    }
+    let (mut r, _w) = s.into_split();
+    let why = loop {
+        let mut err = None;
+        loop {
+            match reader.next_frame() {
+                Ok(Some(range)) => {
+                    if let Err(e) = ctl.borrow_mut().on_control_frame(reader.body(range)) {
+                        err = Some(e.to_string());
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    err = Some(e.to_string());
+                    break;
+                }
+            }
+        }
+        if let Some(e) = err {
+            tracing::warn!(?peer, error = %e, "protocol error on control lane; closing it");
+            break e;
+        }
+        match reader.fill(&mut r).await {
+            Ok(0) => break "closed".to_string(),
+            Ok(_) => {}
+            Err(e) => break e.to_string(),
+        }
+    };
+    tracing::debug!(?peer, from = %from, why, "control lane closed");
+}

@@ -1,0 +1,1197 @@
+//! A data executor: the gateway's connections, one `ShardRegion` per entity
+//! type, the entities, and the data lanes to other nodes.
+//!
+//! Everything here runs on one thread; the state is one `Rc<RefCell<Core>>`
+//! borrowed for the length of one input (a frame, a ring message, a tick),
+//! never across an await. Entities run to completion inside that borrow.
+
+use std::cell::RefCell;
+use std::collections::{BinaryHeap, HashMap};
+use std::os::fd::FromRawFd;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use monoio::io::Splitable;
+use shardline_core::ids::{Address, EntityId, MemberUid, RegionId, ShardId, UniqueAddress};
+use shardline_core::sharding::{
+    shard_id_of, Envelope, FailureReason, LruPolicy, PassivationSettings, RegionEffect,
+    RegionSettings, ShardRegion,
+};
+
+use super::msg::{ReplyTo, ToControl, ToCore, UserEnvelope};
+use super::{EntitySettings, RegionStatusView, Shared};
+use crate::config::NodeConfig;
+use crate::entity::{Entity, EntityContext, EntityFactory};
+use crate::envelope::{
+    access, encode_frame, ArchivedClientFrame, ClientFrame, FrameError, ServerFrame, Status,
+    MAX_FRAME_SIZE_BYTES, PROTOCOL_VERSION,
+};
+use crate::envelope::{ArchivedDataFrame, DataFrame, Hello, Lane};
+use crate::runtime::{RingReceiver, RingSender};
+use crate::transport::{self, FrameReader, Outbox};
+
+/// Everything a data executor starts with.
+pub(crate) struct CoreInit {
+    pub index: u16,
+    pub config: NodeConfig,
+    pub uid: MemberUid,
+    pub epoch: Instant,
+    pub inbox: RingReceiver<ToCore>,
+    pub to_control: RingSender<ToControl>,
+    pub to_cores: Vec<RingSender<ToCore>>,
+    pub shared: Arc<Shared>,
+}
+
+/// How long a forwarded message may wait for its reply before the sender is
+/// answered `TimedOut`.
+const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
+/// A connection whose queued output exceeds this stops being read until the
+/// peer catches up, in bytes.
+const OUTBOX_HIGH_WATER_BYTES: usize = 32 << 20;
+/// Tick period of the executor's timers.
+const TICK: Duration = Duration::from_millis(5);
+/// First and largest reconnect backoff of a data lane.
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+struct TypeHost {
+    region: ShardRegion<Vec<u8>, ReplyTo>,
+    factory: Option<EntityFactory>,
+    entities: HashMap<EntityId, Live>,
+    delivered: u64,
+    activated: u64,
+}
+
+struct Live {
+    entity: Box<dyn Entity>,
+    shard: ShardId,
+    incarnation: u64,
+}
+
+struct Link {
+    outbox: Rc<Outbox>,
+}
+
+struct Pending {
+    reply_to: ReplyTo,
+    link: RegionId,
+    deadline: Duration,
+}
+
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+struct TimerEntry {
+    due: std::cmp::Reverse<Duration>,
+    type_name: String,
+    entity: String,
+    key: u64,
+    incarnation: u64,
+}
+
+pub(crate) struct Core {
+    index: u16,
+    me: UniqueAddress,
+    epoch: Instant,
+    config: NodeConfig,
+    types: HashMap<String, TypeHost>,
+    conns: HashMap<u64, Rc<Outbox>>,
+    next_conn: u64,
+    links: HashMap<RegionId, Link>,
+    backoff: HashMap<RegionId, (Duration, Duration)>,
+    pending: HashMap<u64, Pending>,
+    local_pending: HashMap<u64, ReplyTo>,
+    next_tag: u64,
+    api_waiters: HashMap<u64, crossbeam_channel::Sender<(Status, Vec<u8>)>>,
+    to_control: RingSender<ToControl>,
+    to_cores: Vec<RingSender<ToCore>>,
+    timers: BinaryHeap<TimerEntry>,
+    next_incarnation: u64,
+    available: bool,
+    stopped: bool,
+    shutting_down: bool,
+    reported_registered: bool,
+    reported_shutdown: bool,
+    shutdown: bool,
+}
+
+type CoreRef = Rc<RefCell<Core>>;
+
+/// Runs a data executor until [`ToCore::Shutdown`].
+pub(crate) async fn run(init: CoreInit) {
+    let me = UniqueAddress {
+        address: Address(init.config.cluster_address.to_string()),
+        uid: init.uid,
+    };
+    let listener = match transport::listener(init.config.client_address, true) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(core = init.index, error = %e, "cannot bind client address");
+            return;
+        }
+    };
+    let core = Rc::new(RefCell::new(Core {
+        index: init.index,
+        me,
+        epoch: init.epoch,
+        config: init.config,
+        types: HashMap::new(),
+        conns: HashMap::new(),
+        next_conn: 1,
+        links: HashMap::new(),
+        backoff: HashMap::new(),
+        pending: HashMap::new(),
+        local_pending: HashMap::new(),
+        next_tag: 1,
+        api_waiters: HashMap::new(),
+        to_control: init.to_control,
+        to_cores: init.to_cores,
+        timers: BinaryHeap::new(),
+        next_incarnation: 1,
+        available: false,
+        stopped: false,
+        shutting_down: false,
+        reported_registered: false,
+        reported_shutdown: false,
+        shutdown: false,
+    }));
+    drop(init.shared);
+    Core::set_self(&core);
+    let accept_core = core.clone();
+    let accept = monoio::spawn(async move {
+        loop {
+            match listener.accept().await {
+                Ok((stream, _)) => {
+                    transport::tune(&stream);
+                    monoio::spawn(crate::gateway::serve_client(accept_core.clone(), stream));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    monoio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+            if accept_core.borrow().shutdown {
+                return;
+            }
+        }
+    });
+    let tick_core = core.clone();
+    monoio::spawn(async move {
+        loop {
+            monoio::time::sleep(TICK).await;
+            if tick_core.borrow().shutdown {
+                return;
+            }
+            tick_core.borrow_mut().tick();
+        }
+    });
+    let mut inbox = init.inbox;
+    let mut batch = Vec::with_capacity(256);
+    loop {
+        if !inbox.recv_batch(&mut batch, 256).await {
+            break;
+        }
+        for m in batch.drain(..) {
+            if matches!(m, ToCore::Shutdown) {
+                core.borrow_mut().shutdown = true;
+            } else {
+                Core::on_inbox(&core, m);
+            }
+        }
+        if core.borrow().shutdown {
+            break;
+        }
+    }
+    let c = core.borrow();
+    for o in c.conns.values() {
+        o.close();
+    }
+    for l in c.links.values() {
+        l.outbox.close();
+    }
+    drop(c);
+    drop(accept);
+}
+
+impl Core {
+    pub(crate) fn now(&self) -> Duration {
+        self.epoch.elapsed()
+    }
+
+    fn region_id(&self) -> RegionId {
+        RegionId {
+            member: self.me.clone(),
+            core: self.index,
+        }
+    }
+
+    // ----- connections -----
+
+    pub(crate) fn add_conn(&mut self, outbox: Rc<Outbox>) -> u64 {
+        let id = self.next_conn;
+        self.next_conn += 1;
+        self.conns.insert(id, outbox);
+        id
+    }
+
+    pub(crate) fn remove_conn(&mut self, id: u64) {
+        if let Some(o) = self.conns.remove(&id) {
+            o.close();
+        }
+    }
+
+    pub(crate) fn conn_outbox(&self, id: u64) -> Option<&Rc<Outbox>> {
+        self.conns.get(&id)
+    }
+
+    pub(crate) fn outbox_len(&self, id: u64) -> usize {
+        self.conns
+            .get(&id)
+            .map(|o| o.buf.borrow().len())
+            .unwrap_or(0)
+    }
+
+    pub(crate) fn high_water(&self, id: u64) -> bool {
+        self.outbox_len(id) > OUTBOX_HIGH_WATER_BYTES
+    }
+
+    fn send_client(&mut self, conn: u64, request_id: u64, status: Status, payload: Vec<u8>) {
+        if let Some(o) = self.conns.get(&conn) {
+            let f = ServerFrame {
+                request_id,
+                status: status as u8,
+                payload,
+            };
+            if let Err(e) = encode_frame(&f, &mut o.buf.borrow_mut()) {
+                tracing::warn!(error = %e, "cannot encode response");
+            }
+            o.flush();
+        }
+    }
+
+    fn reply(&mut self, to: ReplyTo, status: Status, payload: Vec<u8>) {
+        match to {
+            ReplyTo::Nobody => {}
+            ReplyTo::Client { conn, request_id } => {
+                self.send_client(conn, request_id, status, payload)
+            }
+            ReplyTo::Remote { conn, tag } => {
+                if let Some(o) = self.conns.get(&conn) {
+                    let f = DataFrame::Reply {
+                        tag,
+                        status: status as u8,
+                        payload,
+                    };
+                    let _ = encode_frame(&f, &mut o.buf.borrow_mut());
+                    o.flush();
+                }
+            }
+            ReplyTo::Core { core, token } => {
+                if let Some(tx) = self.to_cores.get(usize::from(core)) {
+                    if tx
+                        .send(ToCore::LocalReply {
+                            token,
+                            status,
+                            payload,
+                        })
+                        .is_err()
+                    {
+                        tracing::warn!(core, "reply to another core lost: ring full or closed");
+                    }
+                }
+            }
+            ReplyTo::Api { id } => {
+                if let Some(tx) = self.api_waiters.remove(&id) {
+                    let _ = tx.try_send((status, payload));
+                }
+            }
+        }
+    }
+
+    // ----- client frames -----
+
+    /// Handles one frame from a client. `Err` is a protocol error: the
+    /// connection is closed.
+    pub(crate) fn on_client_frame(
+        core: &CoreRef,
+        conn: u64,
+        body: &[u8],
+    ) -> Result<(), FrameError> {
+        let frame = access::<ClientFrame>(body)?;
+        match frame {
+            ArchivedClientFrame::Request {
+                request_id,
+                type_name,
+                entity_id,
+                payload,
+            } => {
+                let request_id = request_id.to_native();
+                let mut c = core.borrow_mut();
+                c.client_request(
+                    conn,
+                    request_id,
+                    type_name.as_slice(),
+                    entity_id.as_slice(),
+                    payload.as_slice(),
+                );
+                Ok(())
+            }
+            ArchivedClientFrame::NodeStatus { request_id } => {
+                let request_id = request_id.to_native();
+                monoio::spawn(crate::gateway::answer_status(
+                    core.clone(),
+                    conn,
+                    request_id,
+                ));
+                Ok(())
+            }
+        }
+    }
+
+    fn client_request(
+        &mut self,
+        conn: u64,
+        request_id: u64,
+        type_name: &[u8],
+        entity_id: &[u8],
+        payload: &[u8],
+    ) {
+        let Ok(t) = std::str::from_utf8(type_name) else {
+            return self.send_client(
+                conn,
+                request_id,
+                Status::InvalidEntityId,
+                b"type name is not UTF-8".to_vec(),
+            );
+        };
+        if !self.types.contains_key(t) {
+            let msg = format!("unknown entity type `{}`", t.escape_debug());
+            return self.send_client(
+                conn,
+                request_id,
+                Status::UnknownEntityType,
+                msg.into_bytes(),
+            );
+        }
+        let id = match EntityId::from_bytes(entity_id) {
+            Ok(id) => id,
+            Err(e) => {
+                return self.send_client(
+                    conn,
+                    request_id,
+                    Status::InvalidEntityId,
+                    e.to_string().into_bytes(),
+                )
+            }
+        };
+        if self.stopped {
+            return self.send_client(
+                conn,
+                request_id,
+                Status::ShuttingDown,
+                b"node stopped".to_vec(),
+            );
+        }
+        let t = t.to_string();
+        let shard = shard_id_of(id.as_str(), self.config.number_of_shards);
+        let env = Envelope {
+            entity: id,
+            shard,
+            sender: ReplyTo::Client { conn, request_id },
+            payload: payload.to_vec(),
+        };
+        self.route(&t, env);
+    }
+
+    /// Hands a user message to this core's region of `t` and runs the effects.
+    fn route(&mut self, t: &str, env: UserEnvelope) {
+        let now = self.now();
+        match self.types.get_mut(t) {
+            Some(h) => h.region.handle_message(now, env),
+            None => {
+                let msg = format!("unknown entity type `{t}`").into_bytes();
+                return self.reply(env.sender, Status::UnknownEntityType, msg);
+            }
+        }
+        self.run_effects(t);
+    }
+
+    // ----- data lanes -----
+
+    /// A frame on an inbound data lane. `Err` closes the connection.
+    pub(crate) fn on_data_frame(&mut self, conn: u64, body: &[u8]) -> Result<(), FrameError> {
+        match access::<DataFrame>(body)? {
+            ArchivedDataFrame::Forward {
+                tag,
+                type_name,
+                entity_id,
+                shard,
+                payload,
+            } => {
+                let id = EntityId::new(entity_id.as_str())
+                    .map_err(|e| FrameError::Invalid(e.to_string()))?;
+                let env = Envelope {
+                    entity: id,
+                    shard: ShardId(shard.to_native()),
+                    sender: ReplyTo::Remote {
+                        conn,
+                        tag: tag.to_native(),
+                    },
+                    payload: payload.as_slice().to_vec(),
+                };
+                let t = type_name.as_str().to_string();
+                self.route(&t, env);
+                Ok(())
+            }
+            ArchivedDataFrame::Reply { .. } => {
+                Err(FrameError::Invalid("reply on an inbound data lane".into()))
+            }
+        }
+    }
+
+    /// A reply on an outbound data lane.
+    pub(crate) fn on_link_frame(&mut self, body: &[u8]) -> Result<(), FrameError> {
+        match access::<DataFrame>(body)? {
+            ArchivedDataFrame::Reply {
+                tag,
+                status,
+                payload,
+            } => {
+                let status = Status::from_u8(*status)
+                    .ok_or_else(|| FrameError::Invalid(format!("status {}", status)))?;
+                if let Some(p) = self.pending.remove(&tag.to_native()) {
+                    self.reply(p.reply_to, status, payload.as_slice().to_vec());
+                }
+                Ok(())
+            }
+            ArchivedDataFrame::Forward { .. } => Err(FrameError::Invalid(
+                "forward on an outbound data lane".into(),
+            )),
+        }
+    }
+
+    fn link_failed(&mut self, to: &RegionId, outbox: &Rc<Outbox>) {
+        if let Some(l) = self.links.get(to) {
+            if Rc::ptr_eq(&l.outbox, outbox) {
+                self.links.remove(to);
+            }
+        }
+        let now = self.now();
+        let next = self
+            .backoff
+            .get(to)
+            .map(|(_, b)| (*b * 2).min(BACKOFF_MAX))
+            .unwrap_or(BACKOFF_MIN);
+        self.backoff.insert(to.clone(), (now + next, next));
+        let dead: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.link == *to)
+            .map(|(t, _)| *t)
+            .collect();
+        for t in dead {
+            if let Some(p) = self.pending.remove(&t) {
+                self.reply(
+                    p.reply_to,
+                    Status::TimedOut,
+                    b"connection to the home node lost".to_vec(),
+                );
+            }
+        }
+    }
+
+    fn forward_remote(
+        core_rc: Option<&CoreRef>,
+        c: &mut Core,
+        t: &str,
+        to: RegionId,
+        env: UserEnvelope,
+    ) {
+        let now = c.now();
+        if !c.links.contains_key(&to) {
+            if let Some((until, _)) = c.backoff.get(&to) {
+                if now < *until {
+                    return c.reply(
+                        env.sender,
+                        Status::TimedOut,
+                        b"home node unreachable; retry later".to_vec(),
+                    );
+                }
+            }
+            let Some(core_rc) = core_rc else {
+                return c.reply(env.sender, Status::TimedOut, b"no link".to_vec());
+            };
+            let outbox = Rc::new(Outbox::default());
+            c.links.insert(
+                to.clone(),
+                Link {
+                    outbox: outbox.clone(),
+                },
+            );
+            monoio::spawn(run_link(core_rc.clone(), to.clone(), outbox));
+        }
+        let Some(link) = c.links.get(&to) else { return };
+        if link.outbox.buf.borrow().len() > OUTBOX_HIGH_WATER_BYTES {
+            return c.reply(
+                env.sender,
+                Status::BufferFull,
+                b"link to the home node is full".to_vec(),
+            );
+        }
+        let tag = c.next_tag;
+        c.next_tag += 1;
+        let f = DataFrame::Forward {
+            tag,
+            type_name: t.to_string(),
+            entity_id: env.entity.as_str().to_string(),
+            shard: env.shard.0,
+            payload: env.payload,
+        };
+        let outbox = link.outbox.clone();
+        if encode_frame(&f, &mut outbox.buf.borrow_mut()).is_err() {
+            return c.reply(
+                env.sender,
+                Status::BufferFull,
+                b"message too large".to_vec(),
+            );
+        }
+        outbox.flush();
+        c.pending.insert(
+            tag,
+            Pending {
+                reply_to: env.sender,
+                link: to,
+                deadline: now + FORWARD_TIMEOUT,
+            },
+        );
+    }
+
+    // ----- effects -----
+
+    fn run_effects(&mut self, t: &str) {
+        CORE_SELF.with(|cs| {
+            let rc = cs.borrow().clone();
+            self.run_effects_with(rc.as_ref(), t);
+        });
+    }
+
+    fn run_effects_with(&mut self, rc: Option<&CoreRef>, t: &str) {
+        // Bounded: each effect is carried out once; effects it causes are
+        // appended and handled in the same loop.
+        loop {
+            let Some(h) = self.types.get_mut(t) else {
+                return;
+            };
+            let Some(eff) = h.region.poll_effect() else {
+                break;
+            };
+            match eff {
+                RegionEffect::SendToCoordinator(msg) => {
+                    let _ = self.to_control.send(ToControl::ToCoordinator {
+                        type_name: t.to_string(),
+                        msg,
+                    });
+                }
+                RegionEffect::SendToRegion { to, msg } => {
+                    if to.member == self.me && to.core == self.index {
+                        let now = self.now();
+                        if let Some(h) = self.types.get_mut(t) {
+                            h.region.handle_region_msg(now, msg);
+                        }
+                    } else {
+                        let _ = self.to_control.send(ToControl::ToRegion {
+                            type_name: t.to_string(),
+                            to,
+                            msg,
+                        });
+                    }
+                }
+                RegionEffect::Forward { to, envelope } => {
+                    if to.member == self.me {
+                        self.forward_local(t, to.core, envelope);
+                    } else {
+                        Core::forward_remote(rc, self, t, to, envelope);
+                    }
+                }
+                RegionEffect::Deliver {
+                    envelope,
+                    new_incarnation: _,
+                } => self.deliver(t, envelope),
+                RegionEffect::StartEntity { shard, entity } => {
+                    self.ensure_entity(t, shard, &entity);
+                }
+                RegionEffect::StopEntity {
+                    shard,
+                    entity,
+                    stop_message,
+                    reason,
+                } => {
+                    if let Some(m) = stop_message {
+                        let env = Envelope {
+                            entity: entity.clone(),
+                            shard,
+                            sender: ReplyTo::Nobody,
+                            payload: m,
+                        };
+                        self.deliver(t, env);
+                    }
+                    tracing::debug!(entity = %entity, ?reason, "stopping entity");
+                    if let Some(h) = self.types.get_mut(t) {
+                        if let Some(mut l) = h.entities.remove(&entity) {
+                            l.entity.on_stop();
+                        }
+                    }
+                    let now = self.now();
+                    if let Some(h) = self.types.get_mut(t) {
+                        h.region.handle_entity_stopped(now, shard, &entity);
+                    }
+                }
+                RegionEffect::Persist(_) => {
+                    // Remember-entities is not enabled by this node (the
+                    // settings set `remember_entities = false`), so no shard
+                    // event is emitted; nothing to store.
+                }
+                RegionEffect::RecoverRememberedEntities { shard } => {
+                    let now = self.now();
+                    if let Some(h) = self.types.get_mut(t) {
+                        h.region.handle_remembered_entities(now, shard, Vec::new());
+                    }
+                }
+                RegionEffect::Fail { envelope, reason } => {
+                    let status = match reason {
+                        FailureReason::ShuttingDown => Status::ShuttingDown,
+                        _ => Status::BufferFull,
+                    };
+                    self.reply(envelope.sender, status, reason.to_string().into_bytes());
+                }
+            }
+        }
+        self.check_registered();
+    }
+
+    fn forward_local(&mut self, t: &str, to_core: u16, env: UserEnvelope) {
+        let token = self.next_tag;
+        self.next_tag += 1;
+        let Some(tx) = self.to_cores.get(usize::from(to_core)) else {
+            return self.reply(env.sender, Status::BufferFull, b"no such core".to_vec());
+        };
+        let orig = env.sender.clone();
+        let fwd = Envelope {
+            entity: env.entity,
+            shard: env.shard,
+            sender: ReplyTo::Core {
+                core: self.index,
+                token,
+            },
+            payload: env.payload,
+        };
+        match tx.send(ToCore::Forwarded {
+            type_name: t.to_string(),
+            envelope: fwd,
+        }) {
+            Ok(()) => {
+                self.local_pending.insert(token, orig);
+            }
+            Err(_) => self.reply(orig, Status::BufferFull, b"core ring full".to_vec()),
+        }
+    }
+
+    fn ensure_entity(&mut self, t: &str, shard: ShardId, id: &EntityId) -> bool {
+        let inc = self.next_incarnation;
+        let Some(h) = self.types.get_mut(t) else {
+            return false;
+        };
+        if h.entities.contains_key(id) {
+            return true;
+        }
+        let Some(f) = h.factory.as_ref() else {
+            return false;
+        };
+        let mut entity = f(id);
+        let mut ctx = EntityContext::new(id);
+        entity.on_start(&mut ctx);
+        h.activated += 1;
+        h.entities.insert(
+            id.clone(),
+            Live {
+                entity,
+                shard,
+                incarnation: inc,
+            },
+        );
+        self.next_incarnation += 1;
+        let timers = ctx.take_timers();
+        self.apply_timers(t, id, inc, timers);
+        true
+    }
+
+    fn apply_timers(
+        &mut self,
+        t: &str,
+        id: &EntityId,
+        inc: u64,
+        timers: Vec<(u64, Option<Duration>)>,
+    ) {
+        let now = self.now();
+        for (key, delay) in timers {
+            // Cancellation: entries are matched on fire; a cancelled key is
+            // re-armed with `None` by dropping older entries for it.
+            self.timers
+                .retain(|e| !(e.entity == id.as_str() && e.type_name == t && e.key == key));
+            if let Some(d) = delay {
+                self.timers.push(TimerEntry {
+                    due: std::cmp::Reverse(now + d),
+                    type_name: t.to_string(),
+                    entity: id.as_str().to_string(),
+                    key,
+                    incarnation: inc,
+                });
+            }
+        }
+    }
+
+    fn deliver(&mut self, t: &str, env: UserEnvelope) {
+        if !self.ensure_entity(t, env.shard, &env.entity) {
+            return self.reply(
+                env.sender,
+                Status::UnknownEntityType,
+                b"type not hosted here".to_vec(),
+            );
+        }
+        let Some(h) = self.types.get_mut(t) else {
+            return;
+        };
+        let Some(live) = h.entities.get_mut(&env.entity) else {
+            return;
+        };
+        h.delivered += 1;
+        let mut ctx = EntityContext::new(&env.entity);
+        let res = live.entity.handle(&mut ctx, &env.payload);
+        let inc = live.incarnation;
+        let passivate = ctx.wants_passivation();
+        let timers = ctx.take_timers();
+        let reply = ctx.take_reply().unwrap_or_default();
+        match res {
+            Ok(()) => {
+                self.reply(env.sender, Status::Ok, reply);
+                if !timers.is_empty() {
+                    self.apply_timers(t, &env.entity, inc, timers);
+                }
+                if passivate {
+                    let now = self.now();
+                    if let Some(h) = self.types.get_mut(t) {
+                        h.region.handle_passivate(now, env.shard, &env.entity, None);
+                    }
+                }
+            }
+            Err(e) => {
+                self.reply(env.sender, Status::EntityFailed, e.to_string().into_bytes());
+                if let Some(h) = self.types.get_mut(t) {
+                    if let Some(mut l) = h.entities.remove(&env.entity) {
+                        l.entity.on_stop();
+                    }
+                }
+                let now = self.now();
+                if let Some(h) = self.types.get_mut(t) {
+                    h.region.handle_entity_stopped(now, env.shard, &env.entity);
+                }
+            }
+        }
+    }
+
+    fn check_registered(&mut self) {
+        let all = !self.types.is_empty() && self.types.values().all(|h| h.region.is_registered());
+        if all != self.reported_registered {
+            self.reported_registered = all;
+            let _ = self.to_control.send(ToControl::Registered {
+                core: self.index,
+                all,
+            });
+        }
+        if self.shutting_down && !self.reported_shutdown {
+            let done = self
+                .types
+                .values()
+                .all(|h| h.region.is_proxy() || h.region.is_shutdown_complete());
+            if done {
+                self.reported_shutdown = true;
+                let _ = self
+                    .to_control
+                    .send(ToControl::ShutdownComplete { core: self.index });
+            }
+        }
+    }
+
+    // ----- timers -----
+
+    fn tick(&mut self) {
+        let now = self.now();
+        let types: Vec<String> = self
+            .types
+            .iter()
+            .filter(|(_, h)| h.region.poll_timeout().is_some_and(|d| d <= now))
+            .map(|(t, _)| t.clone())
+            .collect();
+        for t in types {
+            if let Some(h) = self.types.get_mut(&t) {
+                h.region.handle_timeout(now);
+            }
+            self.run_effects(&t);
+        }
+        // Entity timers.
+        while self.timers.peek().is_some_and(|e| e.due.0 <= now) {
+            let Some(e) = self.timers.pop() else { break };
+            let Some(h) = self.types.get_mut(&e.type_name) else {
+                continue;
+            };
+            let Ok(id) = EntityId::new(e.entity.clone()) else {
+                continue;
+            };
+            let Some(live) = h.entities.get_mut(&id) else {
+                continue;
+            };
+            if live.incarnation != e.incarnation {
+                continue;
+            }
+            let shard = live.shard;
+            let mut ctx = EntityContext::new(&id);
+            live.entity.on_timer(&mut ctx, e.key);
+            let timers = ctx.take_timers();
+            let passivate = ctx.wants_passivation();
+            self.apply_timers(&e.type_name, &id, e.incarnation, timers);
+            if passivate {
+                if let Some(h) = self.types.get_mut(&e.type_name) {
+                    h.region.handle_passivate(now, shard, &id, None);
+                }
+                self.run_effects(&e.type_name);
+            }
+        }
+        // Forwarded messages without a reply.
+        if !self.pending.is_empty() {
+            let late: Vec<u64> = self
+                .pending
+                .iter()
+                .filter(|(_, p)| p.deadline <= now)
+                .map(|(t, _)| *t)
+                .collect();
+            for t in late {
+                if let Some(p) = self.pending.remove(&t) {
+                    self.reply(
+                        p.reply_to,
+                        Status::TimedOut,
+                        b"no reply from the home node".to_vec(),
+                    );
+                }
+            }
+        }
+    }
+
+    // ----- ring messages -----
+
+    fn on_inbox(core: &CoreRef, m: ToCore) {
+        let mut c = core.borrow_mut();
+        let now = c.now();
+        match m {
+            ToCore::RegisterType {
+                type_name,
+                factory,
+                settings,
+            } => {
+                if c.types.contains_key(&type_name) {
+                    tracing::warn!(type_name, "entity type already started; ignored");
+                    return;
+                }
+                let rs = region_settings(&settings);
+                let id = c.region_id();
+                let region = if factory.is_some() {
+                    ShardRegion::new(id, rs, Box::new(LruPolicy::new()), now)
+                } else {
+                    ShardRegion::new_proxy(id, rs, now)
+                };
+                c.types.insert(
+                    type_name.clone(),
+                    TypeHost {
+                        region,
+                        factory,
+                        entities: HashMap::new(),
+                        delivered: 0,
+                        activated: 0,
+                    },
+                );
+                c.reported_registered = true; // force a report of the new state
+                c.run_effects(&type_name);
+            }
+            ToCore::Region { type_name, msg } => {
+                if let Some(h) = c.types.get_mut(&type_name) {
+                    h.region.handle_region_msg(now, msg);
+                    c.run_effects(&type_name);
+                }
+            }
+            ToCore::Membership(ev) => {
+                let types: Vec<String> = c.types.keys().cloned().collect();
+                for t in types {
+                    if let Some(h) = c.types.get_mut(&t) {
+                        h.region.handle_membership(now, &ev);
+                    }
+                    c.run_effects(&t);
+                }
+            }
+            ToCore::CoordinatorMoved => {
+                let types: Vec<String> = c.types.keys().cloned().collect();
+                for t in types {
+                    if let Some(h) = c.types.get_mut(&t) {
+                        h.region.handle_coordinator_moved(now);
+                    }
+                    c.run_effects(&t);
+                }
+            }
+            ToCore::Available(a) => c.available = a,
+            ToCore::GracefulShutdown => {
+                c.shutting_down = true;
+                let types: Vec<String> = c.types.keys().cloned().collect();
+                for t in types {
+                    if let Some(h) = c.types.get_mut(&t) {
+                        h.region.start_graceful_shutdown(now);
+                    }
+                    c.run_effects(&t);
+                }
+                c.check_registered();
+            }
+            ToCore::InboundData { fd, peer } => {
+                // SAFETY: the control executor handed over ownership of this
+                // connected socket's fd and no longer uses it.
+                let std = unsafe { std::net::TcpStream::from_raw_fd(fd) };
+                match monoio::net::TcpStream::from_std(std) {
+                    Ok(s) => {
+                        drop(c);
+                        monoio::spawn(serve_data_lane(core.clone(), s, peer));
+                    }
+                    Err(e) => tracing::warn!(error = %e, "cannot adopt data lane"),
+                }
+            }
+            ToCore::Status { reply } => {
+                let _ = reply.send(c.status());
+            }
+            ToCore::Ask {
+                type_name,
+                entity,
+                payload,
+                reply,
+            } => {
+                let sender = match reply {
+                    None => ReplyTo::Nobody,
+                    Some(tx) => {
+                        let id = c.next_tag;
+                        c.next_tag += 1;
+                        c.api_waiters.insert(id, tx);
+                        ReplyTo::Api { id }
+                    }
+                };
+                let shard = shard_id_of(entity.as_str(), c.config.number_of_shards);
+                let env = Envelope {
+                    entity,
+                    shard,
+                    sender,
+                    payload,
+                };
+                c.route(&type_name, env);
+            }
+            ToCore::Forwarded {
+                type_name,
+                envelope,
+            } => c.route(&type_name, envelope),
+            ToCore::LocalReply {
+                token,
+                status,
+                payload,
+            } => {
+                if let Some(to) = c.local_pending.remove(&token) {
+                    c.reply(to, status, payload);
+                }
+            }
+            ToCore::Stop => {
+                c.stopped = true;
+                let types: Vec<String> = c.types.keys().cloned().collect();
+                for t in types {
+                    if let Some(h) = c.types.get_mut(&t) {
+                        for (_, mut l) in h.entities.drain() {
+                            l.entity.on_stop();
+                        }
+                    }
+                }
+                for o in c.conns.values() {
+                    o.close();
+                }
+            }
+            ToCore::Shutdown => c.shutdown = true,
+        }
+    }
+
+    pub(crate) fn status(&self) -> Vec<RegionStatusView> {
+        let mut v: Vec<RegionStatusView> = self
+            .types
+            .iter()
+            .map(|(t, h)| {
+                let st = h.region.shard_region_state();
+                RegionStatusView {
+                    type_name: t.clone(),
+                    core: self.index,
+                    proxy: h.region.is_proxy(),
+                    registered: h.region.is_registered(),
+                    entities: h.entities.len(),
+                    shards: st
+                        .shards
+                        .into_iter()
+                        .map(|(s, ids)| {
+                            (
+                                s.0,
+                                ids.into_iter().map(|i| i.as_str().to_string()).collect(),
+                            )
+                        })
+                        .collect(),
+                    messages_delivered: h.delivered,
+                    entities_activated: h.activated,
+                    dead_letters: h.region.dead_letters(),
+                    buffered: h.region.buffered(),
+                }
+            })
+            .collect();
+        v.sort_by(|a, b| a.type_name.cmp(&b.type_name));
+        v
+    }
+
+    pub(crate) fn index(&self) -> u16 {
+        self.index
+    }
+
+    pub(crate) fn to_cores(&self) -> &[RingSender<ToCore>] {
+        &self.to_cores
+    }
+
+    pub(crate) fn to_control(&self) -> &RingSender<ToControl> {
+        &self.to_control
+    }
+
+    pub(crate) fn me(&self) -> &UniqueAddress {
+        &self.me
+    }
+
+    pub(crate) fn client_address(&self) -> String {
+        self.config.client_address.to_string()
+    }
+
+    pub(crate) fn set_self(core: &CoreRef) {
+        CORE_SELF.with(|cs| *cs.borrow_mut() = Some(core.clone()));
+    }
+}
+
+thread_local! {
+    /// This executor's core (set once at start), so that effects can spawn
+    /// link tasks that hold a reference to it.
+    static CORE_SELF: RefCell<Option<CoreRef>> = const { RefCell::new(None) };
+}
+
+fn region_settings(s: &EntitySettings) -> RegionSettings {
+    RegionSettings {
+        buffer_size: s.buffer_size,
+        passivation: PassivationSettings {
+            idle_timeout: s.idle_timeout,
+            active_entity_limit: s.active_entity_limit,
+        },
+        ..RegionSettings::default()
+    }
+}
+
+/// An outbound data lane to a remote region: connect, handshake, then write
+/// batched `Forward`s and read `Reply`s until it fails.
+async fn run_link(core: CoreRef, to: RegionId, outbox: Rc<Outbox>) {
+    let (hello, addr) = {
+        let c = core.borrow();
+        let hello = Hello {
+            protocol_version: PROTOCOL_VERSION,
+            address: c.me.address.0.clone(),
+            uid: c.me.uid.0,
+            lane: Lane::Data as u8,
+            target_core: to.core,
+            hash_name: shardline_core::sharding::SHARD_ID_HASH_NAME.to_string(),
+            number_of_shards: c.config.number_of_shards,
+        };
+        (hello, to.member.address.0.parse::<std::net::SocketAddr>())
+    };
+    let result: Result<(), crate::transport::TransportError> = async {
+        let addr = addr.map_err(|e| {
+            crate::transport::TransportError::Refused(format!("bad member address: {e}"))
+        })?;
+        let mut stream = transport::connect(addr, Duration::from_secs(2)).await?;
+        let mut reader = FrameReader::new(MAX_FRAME_SIZE_BYTES);
+        let ack = transport::client_handshake(&mut stream, &mut reader, &hello).await?;
+        if ack.uid != to.member.uid.0 {
+            return Err(crate::transport::TransportError::Refused(format!(
+                "{} is incarnation {}, not {}",
+                ack.address, ack.uid, to.member.uid.0
+            )));
+        }
+        let (mut r, mut w) = stream.into_split();
+        let wb = outbox.clone();
+        let writer = monoio::spawn(async move { transport::write_loop(&mut w, wb).await });
+        loop {
+            let range = reader.read_frame(&mut r).await?;
+            core.borrow_mut().on_link_frame(reader.body(range))?;
+            while let Some(range) = reader.next_frame()? {
+                core.borrow_mut().on_link_frame(reader.body(range))?;
+            }
+            if outbox.closed.get() {
+                break;
+            }
+        }
+        outbox.close();
+        let _ = writer.await;
+        Ok(())
+    }
+    .await;
+    if let Err(e) = &result {
+        tracing::debug!(to = %to.member, core = to.core, error = %e, "data lane failed");
+    }
+    outbox.close();
+    core.borrow_mut().link_failed(&to, &outbox);
+}
+
+/// An inbound data lane: read `Forward`s, route them, write `Reply`s.
+async fn serve_data_lane(core: CoreRef, stream: monoio::net::TcpStream, peer: UniqueAddress) {
+    let outbox = Rc::new(Outbox::default());
+    let conn = core.borrow_mut().add_conn(outbox.clone());
+    let (mut r, mut w) = stream.into_split();
+    let wb = outbox.clone();
+    monoio::spawn(async move {
+        let _ = transport::write_loop(&mut w, wb).await;
+    });
+    let mut reader = FrameReader::new(MAX_FRAME_SIZE_BYTES);
+    let why: String = loop {
+        match reader.fill(&mut r).await {
+            Ok(0) => break "closed".into(),
+            Ok(_) => {}
+            Err(e) => break e.to_string(),
+        }
+        let mut err = None;
+        loop {
+            match reader.next_frame() {
+                Ok(Some(range)) => {
+                    if let Err(e) = core.borrow_mut().on_data_frame(conn, reader.body(range)) {
+                        err = Some(e.to_string());
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    err = Some(e.to_string());
+                    break;
+                }
+            }
+        }
+        if let Some(e) = err {
+            tracing::warn!(peer = %peer, error = %e, "protocol error on data lane; closing it");
+            break e;
+        }
+    };
+    tracing::debug!(peer = %peer, why, "data lane closed");
+    core.borrow_mut().remove_conn(conn);
+}

@@ -1,0 +1,484 @@
+//! The embedding API: a running node.
+//!
+//! ```text
+//! Node::start(config) ──► control executor (membership, coordinator, transport)
+//!                    └──► data executor 0..data_cores (gateway, regions, entities)
+//! node.sharding().start("counter", factory, settings) ──► one ShardRegion per data core
+//! node.entity_ref("counter", "a").ask(b"add 1", timeout) ──► region ──► home ──► entity
+//! node.leave() ──► hand off shards, leave the cluster, stop the executors
+//! ```
+//!
+//! The node makes no sharding or membership decision itself: the control
+//! executor feeds `shardline_core::cluster::ClusterNode` and the
+//! `ShardCoordinator`, each data executor feeds its `ShardRegion`s, and
+//! they carry out the effects those state machines return.
+
+mod control;
+pub(crate) mod core;
+mod msg;
+
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use shardline_core::cluster::ClusterEvent;
+use shardline_core::ids::{EntityId, IdError, MemberUid, TypeName};
+use thiserror::Error;
+
+use crate::config::NodeConfig;
+use crate::entity::EntityFactory;
+use crate::envelope::Status;
+use crate::runtime::{ring, RingSender};
+pub(crate) use msg::{ToControl, ToCore};
+pub use crate::status::{MemberStatusView, NodeStatus, RegionStatusView};
+
+/// Errors from starting a node.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum NodeError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    /// An address could not be bound.
+    #[error("cannot bind {what} {addr}: {source}")]
+    Bind {
+        /// Which address (`cluster_address`, `client_address`).
+        what: &'static str,
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// An executor thread could not be started.
+    #[error("cannot start executor: {0}")]
+    Spawn(std::io::Error),
+    /// The node did not become ready in time.
+    #[error("not ready after {0:?}")]
+    NotReady(Duration),
+    /// The node has stopped.
+    #[error("node stopped")]
+    Stopped,
+}
+
+/// Errors from an [`EntityRef::ask`].
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum AskError {
+    /// The entity id is invalid.
+    #[error(transparent)]
+    Id(#[from] IdError),
+    /// The request failed with this status.
+    #[error("request failed: {0:?}")]
+    Failed(Status),
+    /// No answer within the timeout (the outcome is unknown).
+    #[error("timed out")]
+    TimedOut,
+    /// The node is stopped.
+    #[error("node stopped")]
+    Stopped,
+}
+
+/// Settings of one entity type's regions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntitySettings {
+    /// Idle passivation timeout; `None` disables it. Default 120 s.
+    pub idle_timeout: Option<Duration>,
+    /// Maximum live entities per region (count); `None` = unlimited (default).
+    pub active_entity_limit: Option<usize>,
+    /// Most messages buffered per region while shard homes are unknown
+    /// (count). Default 100,000.
+    pub buffer_size: usize,
+}
+
+impl Default for EntitySettings {
+    fn default() -> Self {
+        EntitySettings {
+            idle_timeout: Some(Duration::from_secs(120)),
+            active_entity_limit: None,
+            buffer_size: 100_000,
+        }
+    }
+}
+
+/// State shared between the handle and the executors (admin only, never on
+/// the data path).
+pub(crate) struct Shared {
+    pub ready: AtomicBool,
+    /// 0 running, 1 left, 2 downed, 3 stopped.
+    pub stopped: AtomicU8,
+    pub subscribers: Mutex<Vec<crossbeam_channel::Sender<ClusterEvent>>>,
+}
+
+/// A running node.
+pub struct Node {
+    config: NodeConfig,
+    uid: MemberUid,
+    to_control: RingSender<ToControl>,
+    to_cores: Vec<RingSender<ToCore>>,
+    shared: Arc<Shared>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Node {
+    /// Starts the executors, binds the addresses, joins the cluster through
+    /// the seeds and starts the configured built-in entity types.
+    ///
+    /// # Errors
+    /// [`NodeError::Config`] for a bad config, [`NodeError::Bind`] when an
+    /// address is taken, [`NodeError::Spawn`].
+    pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
+        config.validate(std::path::Path::new("<config>"))?;
+        let uid = MemberUid(rand::random::<u64>() | 1);
+        let shared = Arc::new(Shared {
+            ready: AtomicBool::new(false),
+            stopped: AtomicU8::new(0),
+            subscribers: Mutex::new(Vec::new()),
+        });
+        let cores = usize::from(config.data_cores);
+        let (to_control, control_rx) = ring::<ToControl>(64 * 1024);
+        let mut to_cores = Vec::new();
+        let mut core_rxs = Vec::new();
+        for _ in 0..cores {
+            let (tx, rx) = ring::<ToCore>(64 * 1024);
+            to_cores.push(tx);
+            core_rxs.push(rx);
+        }
+        // Bind in the caller's thread so that errors are reported here.
+        let cluster_listener =
+            std::net::TcpListener::bind(config.cluster_address).map_err(|e| NodeError::Bind {
+                what: "cluster_address",
+                addr: config.cluster_address,
+                source: e,
+            })?;
+        let probe = reuse_port_probe(config.client_address).map_err(|e| NodeError::Bind {
+            what: "client_address",
+            addr: config.client_address,
+            source: e,
+        })?;
+        let ncpu = core_affinity::get_core_ids().map(|v| v.len()).unwrap_or(1);
+        let mut threads = Vec::new();
+        let epoch = Instant::now();
+        for (i, rx) in core_rxs.into_iter().enumerate() {
+            let ctx = core::CoreInit {
+                index: i as u16,
+                config: config.clone(),
+                uid,
+                epoch,
+                inbox: rx,
+                to_control: to_control.clone(),
+                to_cores: to_cores.clone(),
+                shared: shared.clone(),
+            };
+            let pin = (config.pin_cores && ncpu > 1).then_some(i % ncpu);
+            threads.push(
+                crate::runtime::spawn_executor(format!("shardline-data-{i}"), pin, move || {
+                    core::run(ctx)
+                })
+                .map_err(NodeError::Spawn)?,
+            );
+        }
+        let cinit = control::ControlInit {
+            config: config.clone(),
+            uid,
+            epoch,
+            inbox: control_rx,
+            to_cores: to_cores.clone(),
+            listener: cluster_listener,
+            shared: shared.clone(),
+        };
+        // The control executor shares the last core on small machines.
+        let pin = (config.pin_cores && ncpu > 1).then_some(ncpu - 1);
+        threads.push(
+            crate::runtime::spawn_executor("shardline-control".into(), pin, move || {
+                control::run(cinit)
+            })
+            .map_err(NodeError::Spawn)?,
+        );
+        drop(probe);
+        let node = Node {
+            config,
+            uid,
+            to_control,
+            to_cores,
+            shared,
+            threads,
+        };
+        for t in node.config.entity_types.clone() {
+            node.sharding().start(
+                &t.name,
+                crate::entity::builtin_factory(t.kind),
+                EntitySettings {
+                    idle_timeout: NodeConfig::idle_timeout(&t),
+                    active_entity_limit: (t.active_entity_limit > 0)
+                        .then_some(t.active_entity_limit as usize),
+                    ..EntitySettings::default()
+                },
+            )?;
+        }
+        Ok(node)
+    }
+
+    /// This node's configuration.
+    pub fn config(&self) -> &NodeConfig {
+        &self.config
+    }
+
+    /// This incarnation's uid.
+    pub fn uid(&self) -> MemberUid {
+        self.uid
+    }
+
+    /// Blocks until this member is Up and every region is registered with
+    /// the coordinator.
+    ///
+    /// # Errors
+    /// [`NodeError::NotReady`] after `timeout`, [`NodeError::Stopped`].
+    pub fn wait_ready(&self, timeout: Duration) -> Result<(), NodeError> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self.shared.stopped.load(Ordering::Acquire) != 0 {
+                return Err(NodeError::Stopped);
+            }
+            if self.shared.ready.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Err(NodeError::NotReady(timeout))
+    }
+
+    /// Whether the node stopped (left, or was downed).
+    pub fn is_stopped(&self) -> bool {
+        self.shared.stopped.load(Ordering::Acquire) != 0
+    }
+
+    /// Whether this node was downed by the cluster (it stopped serving).
+    pub fn was_downed(&self) -> bool {
+        self.shared.stopped.load(Ordering::Acquire) == 2
+    }
+
+    /// Cluster sharding of this node.
+    pub fn sharding(&self) -> Sharding<'_> {
+        Sharding { node: self }
+    }
+
+    /// A reference to an entity anywhere in the cluster.
+    ///
+    /// # Errors
+    /// [`IdError`] for an invalid type name or entity id.
+    pub fn entity_ref(&self, type_name: &str, entity_id: &str) -> Result<EntityRef, IdError> {
+        let t = TypeName::new(type_name)?;
+        let id = EntityId::new(entity_id)?;
+        let shard =
+            shardline_core::sharding::shard_id_of(id.as_str(), self.config.number_of_shards);
+        let core = shard.0 as usize % self.to_cores.len();
+        Ok(EntityRef {
+            type_name: t,
+            id,
+            to_core: self.to_cores[core].clone(),
+        })
+    }
+
+    /// Subscribes to cluster events: the first is the current state, then
+    /// every change. Dropping the receiver unsubscribes.
+    pub fn subscribe(&self) -> crossbeam_channel::Receiver<ClusterEvent> {
+        let (tx, rx) = crossbeam_channel::bounded(1024);
+        if let Ok(mut s) = self.shared.subscribers.lock() {
+            s.push(tx);
+        }
+        let _ = self.to_control.send(ToControl::Subscribe);
+        rx
+    }
+
+    /// Leaves gracefully: hands off this node's shards, leaves the cluster,
+    /// stops the executors. Returns when done or after `timeout`.
+    pub fn leave(mut self, timeout: Duration) {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if self
+            .to_control
+            .send(ToControl::Leave { timeout, done: tx })
+            .is_ok()
+        {
+            let _ = rx.recv_timeout(timeout + Duration::from_secs(2));
+        }
+        self.stop_threads();
+    }
+
+    /// Waits (up to `timeout`) until the node stopped by itself (downed or
+    /// left), then stops the executors.
+    pub fn wait_stopped(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self.is_stopped() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    fn stop_threads(&mut self) {
+        let _ = self.to_control.send(ToControl::Shutdown);
+        for c in &self.to_cores {
+            let _ = c.send(ToCore::Shutdown);
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.stop_threads();
+    }
+}
+
+/// Checks that the client address can be bound with SO_REUSEPORT (so the
+/// data executors will succeed); the probe socket is closed afterwards.
+fn reuse_port_probe(addr: std::net::SocketAddr) -> std::io::Result<socket2::Socket> {
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    sock.set_reuse_address(true)?;
+    sock.set_reuse_port(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(1)?;
+    Ok(sock)
+}
+
+/// Cluster sharding on a node: starts regions and proxies.
+pub struct Sharding<'a> {
+    node: &'a Node,
+}
+
+/// A handle to a started entity type.
+#[derive(Debug, Clone)]
+pub struct RegionHandle {
+    type_name: TypeName,
+}
+
+impl RegionHandle {
+    /// The entity type.
+    pub fn type_name(&self) -> &TypeName {
+        &self.type_name
+    }
+}
+
+impl Sharding<'_> {
+    /// Starts a region for `type_name` on every data core of this node,
+    /// hosting entities made by `factory`.
+    ///
+    /// # Errors
+    /// [`NodeError::Stopped`]; an invalid type name is reported as
+    /// [`NodeError::Config`].
+    pub fn start(
+        &self,
+        type_name: &str,
+        factory: EntityFactory,
+        settings: EntitySettings,
+    ) -> Result<RegionHandle, NodeError> {
+        self.register(type_name, Some(factory), settings)
+    }
+
+    /// Starts a proxy for `type_name`: routes to the type's regions on other
+    /// nodes, hosts nothing here.
+    ///
+    /// # Errors
+    /// As [`Self::start`].
+    pub fn start_proxy(&self, type_name: &str) -> Result<RegionHandle, NodeError> {
+        self.register(type_name, None, EntitySettings::default())
+    }
+
+    fn register(
+        &self,
+        type_name: &str,
+        factory: Option<EntityFactory>,
+        settings: EntitySettings,
+    ) -> Result<RegionHandle, NodeError> {
+        let t = TypeName::new(type_name).map_err(|e| {
+            NodeError::Config(crate::config::ConfigError::Invalid {
+                file: "<embedded>".into(),
+                key: "type_name".into(),
+                reason: e.to_string(),
+            })
+        })?;
+        self.node
+            .to_control
+            .send(ToControl::RegisterType {
+                type_name: t.as_str().to_string(),
+            })
+            .map_err(|_| NodeError::Stopped)?;
+        for c in &self.node.to_cores {
+            c.send(ToCore::RegisterType {
+                type_name: t.as_str().to_string(),
+                factory: factory.clone(),
+                settings: settings.clone(),
+            })
+            .map_err(|_| NodeError::Stopped)?;
+        }
+        Ok(RegionHandle { type_name: t })
+    }
+}
+
+/// A reference to one entity; cheap to clone, usable from any thread.
+#[derive(Clone)]
+pub struct EntityRef {
+    type_name: TypeName,
+    id: EntityId,
+    to_core: RingSender<ToCore>,
+}
+
+impl EntityRef {
+    /// The entity's id.
+    pub fn id(&self) -> &EntityId {
+        &self.id
+    }
+
+    /// Sends a message without waiting for a reply (at most once).
+    ///
+    /// # Errors
+    /// [`AskError::Stopped`] when the node is gone, [`AskError::Failed`] with
+    /// `BufferFull` when the core's inbox is full.
+    pub fn tell(&self, message: &[u8]) -> Result<(), AskError> {
+        self.to_core
+            .send(ToCore::Ask {
+                type_name: self.type_name.as_str().to_string(),
+                entity: self.id.clone(),
+                payload: message.to_vec(),
+                reply: None,
+            })
+            .map_err(|e| match e {
+                crate::runtime::RingSendError::Full(_) => AskError::Failed(Status::BufferFull),
+                _ => AskError::Stopped,
+            })
+    }
+
+    /// Sends a message and blocks until the entity's reply (or `timeout`).
+    ///
+    /// # Errors
+    /// [`AskError::Failed`] with the status of a failed request,
+    /// [`AskError::TimedOut`], [`AskError::Stopped`].
+    pub fn ask(&self, message: &[u8], timeout: Duration) -> Result<Vec<u8>, AskError> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.to_core
+            .send(ToCore::Ask {
+                type_name: self.type_name.as_str().to_string(),
+                entity: self.id.clone(),
+                payload: message.to_vec(),
+                reply: Some(tx),
+            })
+            .map_err(|e| match e {
+                crate::runtime::RingSendError::Full(_) => AskError::Failed(Status::BufferFull),
+                _ => AskError::Stopped,
+            })?;
+        match rx.recv_timeout(timeout) {
+            Ok((Status::Ok, payload)) => Ok(payload),
+            Ok((status, _)) => Err(AskError::Failed(status)),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(AskError::TimedOut),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(AskError::Stopped),
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! Messages between the executors of one node (through rings).
+
+use std::time::Duration;
+
+use shardline_core::cluster::ClusterEvent;
+use shardline_core::ids::{EntityId, RegionId, UniqueAddress};
+use shardline_core::sharding::{CoordinatorMsg, Envelope, MembershipEvent, RegionMsg};
+
+use super::{EntitySettings, MemberStatusView, RegionStatusView};
+use crate::entity::EntityFactory;
+use crate::envelope::Status;
+
+/// Who gets the answer to a user message (the `S` of the region's envelopes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ReplyTo {
+    /// Nobody (a tell).
+    Nobody,
+    /// A client connection on this core.
+    Client { conn: u64, request_id: u64 },
+    /// An inbound data-lane connection on this core (a forwarded message).
+    Remote { conn: u64, tag: u64 },
+    /// Another core of this node, which keeps the original sender under `token`.
+    Core { core: u16, token: u64 },
+    /// An embedding-API ask waiting on this core.
+    Api { id: u64 },
+}
+
+/// A user message: payload bytes and who to answer.
+pub(crate) type UserEnvelope = Envelope<Vec<u8>, ReplyTo>;
+
+/// The cluster part of a status answer.
+#[derive(Debug, Clone)]
+pub(crate) struct ClusterView {
+    pub members: Vec<MemberStatusView>,
+    pub leader: Option<String>,
+    pub coordinator: Option<String>,
+    pub coordinator_here: bool,
+}
+
+/// To a data executor.
+pub(crate) enum ToCore {
+    /// Start a region (factory `None`: a proxy).
+    RegisterType {
+        type_name: String,
+        factory: Option<EntityFactory>,
+        settings: EntitySettings,
+    },
+    /// A control message for this core's region of `type_name`.
+    Region { type_name: String, msg: RegionMsg },
+    /// A membership change for every region.
+    Membership(MembershipEvent),
+    /// The coordinator moved: re-register.
+    CoordinatorMoved,
+    /// This member may (or may no longer) serve.
+    Available(bool),
+    /// Start the graceful hand-off of every region.
+    GracefulShutdown,
+    /// An accepted, handshaken data-lane connection for this core.
+    InboundData { fd: i32, peer: UniqueAddress },
+    /// Status of this core's regions.
+    Status {
+        reply: crossbeam_channel::Sender<Vec<RegionStatusView>>,
+    },
+    /// An embedding-API message.
+    Ask {
+        type_name: String,
+        entity: EntityId,
+        payload: Vec<u8>,
+        reply: Option<crossbeam_channel::Sender<(Status, Vec<u8>)>>,
+    },
+    /// A user message forwarded by another core of this node.
+    Forwarded {
+        type_name: String,
+        envelope: UserEnvelope,
+    },
+    /// The answer to a message this core forwarded to another core.
+    LocalReply {
+        token: u64,
+        status: Status,
+        payload: Vec<u8>,
+    },
+    /// The member was downed or left: stop serving.
+    Stop,
+    /// Stop the executor.
+    Shutdown,
+}
+
+/// To the control executor.
+pub(crate) enum ToControl {
+    /// A region's message for its type's coordinator.
+    ToCoordinator {
+        type_name: String,
+        msg: CoordinatorMsg,
+    },
+    /// A region's control message for another region.
+    ToRegion {
+        type_name: String,
+        to: RegionId,
+        msg: RegionMsg,
+    },
+    /// An entity type was started (the coordinator must know it).
+    RegisterType { type_name: String },
+    /// A core's regions' registration state changed.
+    Registered { core: u16, all: bool },
+    /// A core finished its graceful hand-off.
+    ShutdownComplete { core: u16 },
+    /// Cluster part of a status request.
+    Status {
+        reply: crossbeam_channel::Sender<ClusterView>,
+    },
+    /// A new subscriber was added to the shared list.
+    Subscribe,
+    /// Leave gracefully.
+    Leave {
+        timeout: Duration,
+        done: crossbeam_channel::Sender<()>,
+    },
+    /// Stop the executor.
+    Shutdown,
+}
+
+/// Maps a membership event to the sharding state machines' view.
+pub(crate) fn sharding_event(e: &ClusterEvent) -> Option<MembershipEvent> {
+    use shardline_core::cluster::ClusterEvent as E;
+    match e {
+        E::MemberUp(m) => Some(MembershipEvent::MemberUp(m.unique_address.clone())),
+        E::MemberLeft(m) | E::MemberExited(m) => {
+            Some(MembershipEvent::MemberLeaving(m.unique_address.clone()))
+        }
+        E::MemberRemoved { member, .. } => Some(MembershipEvent::MemberRemoved(
+            member.unique_address.clone(),
+        )),
+        _ => None,
+    }
+}

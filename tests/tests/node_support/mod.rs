@@ -1,0 +1,283 @@
+//! Helpers of the multi-process node tests: generate configs into a temp
+//! dir, start `shardline node` children, wait for their ready line, kill
+//! them on drop.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use shardline::client::{Client, Status};
+use shardline::NodeStatus;
+
+/// The `shardline` binary of the same profile as this test binary, built
+/// when missing.
+pub fn shardline_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    // target/<profile>/deps/<test>-<hash>
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("profile dir")
+        .to_path_buf();
+    let bin = profile_dir.join("shardline");
+    if !bin.exists() {
+        let release = profile_dir.file_name().is_some_and(|n| n == "release");
+        let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+        cmd.args(["build", "-q", "-p", "shardline", "--bin", "shardline"]);
+        if release {
+            cmd.arg("--release");
+        }
+        let st = cmd.status().expect("run cargo build");
+        assert!(st.success(), "building the shardline binary failed");
+    }
+    bin
+}
+
+/// Ports of one test's cluster: node i (0-based) uses `base + i` for the
+/// cluster and `base + 50 + i` for clients.
+#[derive(Debug, Clone, Copy)]
+pub struct Ports {
+    /// First cluster port.
+    pub base: u16,
+}
+
+impl Ports {
+    pub fn cluster(&self, i: usize) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.base + i as u16))
+    }
+    pub fn client(&self, i: usize) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.base + 50 + i as u16))
+    }
+}
+
+/// A node config for node `i` of `n`.
+pub fn config_text(ports: Ports, i: usize, n: usize, dir: &Path, extra: &str) -> String {
+    let seeds: Vec<String> = (0..n)
+        .map(|j| format!("\"{}\"", ports.cluster(j)))
+        .collect();
+    format!(
+        r#"cluster_address = "{}"
+client_address = "{}"
+seed_nodes = [{}]
+data_cores = 1
+pin_cores = false
+data_dir = "{}"
+number_of_shards = 60
+durability = "none"
+downing_stable_after_ms = 2000
+heartbeat_pause_ms = 1500
+{extra}
+[[entity_types]]
+name = "counter"
+kind = "counter"
+idle_timeout_ms = 0
+active_entity_limit = 0
+
+[[entity_types]]
+name = "echo"
+kind = "echo"
+idle_timeout_ms = 0
+active_entity_limit = 0
+"#,
+        ports.cluster(i),
+        ports.client(i),
+        seeds.join(", "),
+        dir.join(format!("node-{i}")).display()
+    )
+}
+
+/// One child node.
+pub struct NodeProc {
+    pub child: Child,
+    pub client: SocketAddr,
+    pub ready: std::sync::mpsc::Receiver<()>,
+}
+
+impl NodeProc {
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Sends a signal to the child.
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.pid(), sig);
+        }
+    }
+
+    /// Waits for the child to exit; `None` on timeout.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for NodeProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A set of child nodes sharing a temp dir.
+pub struct Cluster {
+    pub nodes: Vec<Option<NodeProc>>,
+    pub ports: Ports,
+    pub dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    /// Writes the configs of `n` nodes and starts them all at once.
+    pub fn start(base_port: u16, n: usize) -> Cluster {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ports = Ports { base: base_port };
+        let bin = shardline_bin();
+        let mut nodes = Vec::new();
+        for i in 0..n {
+            let cfg = dir.path().join(format!("node-{i}.toml"));
+            std::fs::write(&cfg, config_text(ports, i, n, dir.path(), "")).expect("write config");
+            nodes.push(Some(spawn(
+                &bin,
+                &cfg,
+                ports.client(i),
+                dir.path().join(format!("node-{i}.log")),
+            )));
+        }
+        Cluster { nodes, ports, dir }
+    }
+
+    /// Waits until every running node printed its ready line.
+    pub fn wait_ready(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        for (i, n) in self.nodes.iter().enumerate() {
+            let Some(n) = n else { continue };
+            let left = deadline.saturating_duration_since(Instant::now());
+            if n.ready.recv_timeout(left).is_err() {
+                panic!(
+                    "node {i} not ready within {timeout:?}; log:\n{}",
+                    self.log(i)
+                );
+            }
+        }
+    }
+
+    /// Waits until every node sees `n` members Up.
+    pub fn wait_members_up(&self, n: usize, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let ok = self.live().all(|i| {
+                status(self.ports.client(i))
+                    .map(|s| s.members.iter().filter(|m| m.status == "Up").count() == n)
+                    .unwrap_or(false)
+            });
+            if ok {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "cluster did not reach {n} Up members in {timeout:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Indices of nodes still running (not taken out by the test).
+    pub fn live(&self) -> impl Iterator<Item = usize> + '_ {
+        self.nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.is_some())
+            .map(|(i, _)| i)
+    }
+
+    pub fn log(&self, i: usize) -> String {
+        let s = std::fs::read_to_string(self.dir.path().join(format!("node-{i}.log")))
+            .unwrap_or_default();
+        let lines: Vec<&str> = s.lines().collect();
+        lines[lines.len().saturating_sub(60)..].join("\n")
+    }
+}
+
+fn spawn(bin: &Path, cfg: &Path, client: SocketAddr, log: PathBuf) -> NodeProc {
+    let logf = std::fs::File::create(&log).expect("log file");
+    let mut child = Command::new(bin)
+        .args(["node", "--config"])
+        .arg(cfg)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(logf))
+        .spawn()
+        .expect("spawn shardline node");
+    let out = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if line.starts_with("shardline: ready") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    NodeProc {
+        child,
+        client,
+        ready: rx,
+    }
+}
+
+/// A node's status, or `None` when it does not answer.
+pub fn status(addr: SocketAddr) -> Option<NodeStatus> {
+    let mut c = Client::connect(addr).ok()?;
+    c.node_status(Duration::from_secs(3)).ok()
+}
+
+/// Entity ids of `type_name` live on the node at `addr`, with their shards.
+pub fn live_entities(addr: SocketAddr, type_name: &str) -> Option<Vec<String>> {
+    let s = status(addr)?;
+    Some(
+        s.regions
+            .iter()
+            .filter(|r| r.type_name == type_name)
+            .flat_map(|r| r.shards.values().flatten().cloned())
+            .collect(),
+    )
+}
+
+/// One ask with retries on transient statuses until `deadline`.
+pub fn ask_retry(
+    clients: &mut [Client],
+    pick: &mut impl FnMut() -> usize,
+    t: &str,
+    id: &str,
+    payload: &[u8],
+    deadline: Instant,
+) -> (Status, Vec<u8>) {
+    loop {
+        let i = pick();
+        let r = clients[i].ask(t, id, payload, Duration::from_secs(5));
+        match r {
+            Ok(r) if r.status == Status::Ok || Instant::now() >= deadline => {
+                return (r.status, r.payload)
+            }
+            Ok(_) => {}
+            Err(e) => {
+                if Instant::now() >= deadline {
+                    panic!("ask failed: {e}");
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
