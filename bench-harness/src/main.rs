@@ -1,6 +1,37 @@
 //! `shardline-bench`: Shardline's bench harness.
+//!
+//! ```text
+//!  workload (synthetic keys | ARC trace) ──► one RequestSource per connection
+//!        │                                      │ (entities partitioned by entity % connections)
+//!        ▼                                      ▼
+//!  writer thread ── pipelined requests ──► node (native protocol) ──► reader thread
+//!   (open loop: intended send times;                                  │ latency from intended
+//!    closed loop: window of slots)                                    ▼ send time → HdrHistogram
+//!  main thread: progress bar, scenario steps (kill / start nodes), reports (.hgrm, JSON, plot)
+//! ```
+//!
+//! Subcommands: `run` (any load against `--connect` or `--spawn` targets)
+//! and `demo` (the main job: a 3-node cluster replaying the OLTP trace).
 
-use clap::Parser;
+mod cluster;
+mod demo;
+mod driver;
+mod native;
+mod plot;
+mod report;
+mod run;
+mod schedule;
+mod stats;
+mod trace;
+mod transport;
+mod units;
+mod verify;
+mod workload;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -8,9 +39,38 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// Shardline's bench harness.
 #[derive(Parser)]
 #[command(name = "shardline-bench", version, about)]
-struct Cli {}
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
 
-fn main() -> anyhow::Result<()> {
-    let _cli = Cli::parse();
-    Ok(())
+#[derive(Subcommand)]
+enum Command {
+    /// Drive a cluster (running, or spawned locally) with a load and report latency.
+    Run(Box<run::RunArgs>),
+    /// The main job: a 3-node local cluster replays the OLTP trace against counters,
+    /// verifies them, and writes demo.hgrm, demo.json and demo.svg.
+    Demo(demo::DemoArgs),
+}
+
+fn exit_code(verify: Option<&verify::Verdict>) -> ExitCode {
+    match verify {
+        Some(v) if !v.passed() => ExitCode::from(2),
+        _ => ExitCode::SUCCESS,
+    }
+}
+
+fn main() -> anyhow::Result<ExitCode> {
+    let cli = Cli::parse();
+    let connector: Arc<dyn transport::Connector> = Arc::new(native::NativeConnector);
+    match cli.command {
+        Command::Run(args) => {
+            let report = run::run(*args, connector, "run")?;
+            Ok(exit_code(report.verify.as_ref()))
+        }
+        Command::Demo(args) => {
+            let report = demo::demo(args, connector)?;
+            Ok(exit_code(report.verify.as_ref()))
+        }
+    }
 }
