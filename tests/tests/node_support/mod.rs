@@ -13,28 +13,34 @@ use std::time::{Duration, Instant};
 use shardline::client::{Client, Status};
 use shardline::NodeStatus;
 
-/// The `shardline` binary of the same profile as this test binary, built
-/// when missing.
+/// The `shardline` binary of the same profile as this test binary, brought
+/// up to date with `cargo build` once per test process (a no-op when fresh;
+/// this also keeps a stale binary from an older checkout from being used).
 pub fn shardline_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    // target/<profile>/deps/<test>-<hash>
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("profile dir")
-        .to_path_buf();
-    let bin = profile_dir.join("shardline");
-    if !bin.exists() {
-        let release = profile_dir.file_name().is_some_and(|n| n == "release");
-        let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-        cmd.args(["build", "-q", "-p", "shardline", "--bin", "shardline"]);
-        if release {
-            cmd.arg("--release");
-        }
-        let st = cmd.status().expect("run cargo build");
-        assert!(st.success(), "building the shardline binary failed");
-    }
-    bin
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().expect("current exe");
+            // target/<profile>/deps/<test>-<hash>
+            let profile_dir = exe
+                .parent()
+                .and_then(Path::parent)
+                .expect("profile dir")
+                .to_path_buf();
+            let target_dir = profile_dir.parent().expect("target dir").to_path_buf();
+            let release = profile_dir.file_name().is_some_and(|n| n == "release");
+            let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+            cmd.args(["build", "-q", "-p", "shardline", "--bin", "shardline"])
+                .env("CARGO_TARGET_DIR", &target_dir)
+                .current_dir(env!("CARGO_MANIFEST_DIR"));
+            if release {
+                cmd.arg("--release");
+            }
+            let st = cmd.status().expect("run cargo build");
+            assert!(st.success(), "building the shardline binary failed");
+            profile_dir.join("shardline")
+        })
+        .clone()
 }
 
 /// Ports of one test's cluster: node i (0-based) uses `base + i` for the
