@@ -289,8 +289,14 @@ pub(crate) fn recover(
         Checkpoint::default()
     };
 
-    let mut prev_epoch = checkpoint.max_segment_epoch;
-    let mut next_expected = Lsn(checkpoint.removed_up_to_lsn.0 + 1);
+    // Segment epochs must not decrease in LSN order. The checkpoint's
+    // epoch (which may come from a removed segment) only feeds the
+    // directory-level fencing below, not this order check.
+    let mut prev_epoch = WriterEpoch(0);
+    // Segments may be removed out of order (any segment whose records are
+    // all deleted), so the checkpoint's `removed_up_to_lsn` only bounds the
+    // next LSN; overlaps are checked between the segments present.
+    let mut next_expected = Lsn(1);
     let mut out: Vec<SealedSegment> = Vec::new();
     let mut i = 0;
     while i < segs.len() {
@@ -549,7 +555,7 @@ pub(crate) fn recover(
     for (p, c) in &checkpoint.pids {
         pids.entry(p.clone()).or_default().merge_checkpoint(c);
     }
-    let mut next_lsn = next_expected;
+    let mut next_lsn = next_expected.max(Lsn(checkpoint.removed_up_to_lsn.0 + 1));
     for s in &out {
         for (p, e) in &s.index.pids {
             pids.entry(p.clone()).or_default().merge_entry(e);
@@ -572,7 +578,7 @@ pub(crate) fn recover(
         pids,
         checkpoint_state,
         next_lsn,
-        max_segment_epoch: prev_epoch,
+        max_segment_epoch: prev_epoch.max(checkpoint.max_segment_epoch),
         removed_up_to: checkpoint.removed_up_to_lsn,
         report,
         snapshot_files,
