@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use clap::Parser;
-use shardline_tests::sim::{run, Scenario, SimConfig, SCENARIOS};
+use shardline_tests::sim::{membership, run, Scenario, SimConfig, SCENARIOS};
 
 /// Deterministic simulation of Shardline's cluster sharding.
 #[derive(Parser, Debug)]
@@ -54,6 +54,7 @@ fn main() -> Result<ExitCode> {
         for s in SCENARIOS {
             println!("{:<26} {}", s.name, s.about);
         }
+        membership::list_membership_scenarios();
         return Ok(ExitCode::SUCCESS);
     }
     if args.nodes < 2 || args.cores < 1 {
@@ -67,6 +68,7 @@ fn main() -> Result<ExitCode> {
     let scenarios: Vec<&'static Scenario> = match &args.scenario {
         Some(name) => match SCENARIOS.iter().find(|s| s.name == name) {
             Some(s) => vec![s],
+            None if membership::is_membership_scenario(name) => Vec::new(),
             None => bail!("unknown scenario {name:?}; see --list"),
         },
         None => SCENARIOS.iter().collect(),
@@ -160,12 +162,17 @@ fn main() -> Result<ExitCode> {
             println!("  {line}");
         }
     }
+    // The membership scenarios (gossip, failure detection, split-brain
+    // resolver) run in their own world: shardline_tests::sim::membership.
+    let (m_runs, m_violations) =
+        membership::run_membership_cli(args.scenario.as_deref(), &seeds, threads);
+    runs += m_runs;
     println!(
         "{runs} seeds, {} violations ({:.1}s)",
-        failures.len(),
+        failures.len() as u64 + m_violations,
         started.elapsed().as_secs_f64()
     );
-    Ok(if failures.is_empty() {
+    Ok(if failures.is_empty() && m_violations == 0 {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

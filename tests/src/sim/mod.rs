@@ -36,6 +36,7 @@
 //!   the last join, shard counts of the Up regions differ by at most 1;
 //! - **left** (leave scenarios): a graceful leave completes within a bound.
 
+pub mod membership;
 mod scenario;
 mod world;
 
