@@ -9,6 +9,8 @@
 //! connection only, with a logged reason; a bad entity type or id gets an
 //! error response.
 
+pub mod http;
+
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, Instant};

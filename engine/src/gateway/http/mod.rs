@@ -1,0 +1,448 @@
+//! The HTTP/1.1 front: entity requests for load balancers and ordinary
+//! clients, the admin API, health checks and Prometheus metrics.
+//!
+//! ```text
+//! socket bytes ─► codec::RequestDecoder ─► Request ─► dispatch() ─┬─► Action::Ask ─► region (same path as the native protocol)
+//!                      │ 400/411/413/431                          ├─► Action::Admin ─► node status ─► JSON / text
+//!                      ▼                                          └─► Action::Respond (404, 405, 400, ...)
+//!               error response + close          responses ─► response::ResponseQueue (request order) ─► socket
+//! ```
+//!
+//! Everything in this module but the connection task is sans-IO and tested
+//! without sockets: the decoder ([`codec`]), the router ([`route`]), the
+//! response encoder and the native-status mapping ([`response`]), and the
+//! Prometheus writer ([`metrics`]).
+//!
+//! Entity bodies of the built-in types (`POST /v1/entities/{type}/{id}`):
+//! - `echo`: any bytes; the reply body is the same bytes.
+//! - `counter`: `add <n>` (n an i64 in decimal) answers the new value in
+//!   ASCII decimal; `get` answers the current value. An unparsable command
+//!   is answered `200` with `error: <reason>` (the entity keeps its state).
+//!
+//! Example: `curl -d 'add 5' http://127.0.0.1:7301/v1/entities/counter/a`.
+
+pub mod codec;
+pub mod metrics;
+pub mod response;
+pub mod route;
+
+use serde::Serialize;
+use shardline_core::ids::{EntityId, TypeName};
+use shardline_core::sharding::shard_id_of;
+
+use crate::node::NodeStatus;
+pub use codec::{CodecLimits, HttpError, Method, Pending, Request, RequestDecoder};
+pub use metrics::{write_prometheus, MetricsSnapshot};
+pub use response::{status_code_of, Response, ResponseQueue};
+pub use route::{route, Route, RouteError};
+
+/// What the connection does with one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Answer at once.
+    Respond(Response),
+    /// Ask the entity; answer with [`Response::from_status`].
+    Ask {
+        /// The entity type.
+        type_name: TypeName,
+        /// The entity id.
+        entity_id: EntityId,
+        /// The message (the request body).
+        payload: Vec<u8>,
+    },
+    /// An admin or health route that needs the node's state.
+    Admin(Route),
+}
+
+/// Routes one decoded request.
+pub fn dispatch(req: Request) -> Action {
+    match route::route(req.method, &req.target) {
+        Ok(Route::Entity {
+            type_name,
+            entity_id,
+        }) => Action::Ask {
+            type_name,
+            entity_id,
+            payload: req.body,
+        },
+        Ok(r) => Action::Admin(r),
+        Err(e) => {
+            let mut resp = Response::text(e.status_code(), e.to_string());
+            if let RouteError::MethodNotAllowed { allow } = e {
+                resp.allow = Some(allow);
+            }
+            Action::Respond(resp)
+        }
+    }
+}
+
+/// The response for a decoder error (the connection closes after it).
+pub fn error_response(e: &HttpError) -> Response {
+    Response::text(e.status_code(), e.to_string())
+}
+
+/// Whether the node is ready to route: its member is Up and every region
+/// on this node is registered with the coordinator (`/health/ready`).
+pub fn is_ready(status: &NodeStatus) -> bool {
+    let me_up = status
+        .members
+        .iter()
+        .any(|m| m.address == status.address && m.uid == status.uid && m.status == "Up");
+    me_up
+        && status.coordinator.is_some()
+        && !status.regions.is_empty()
+        && status.regions.iter().all(|r| r.registered)
+}
+
+#[derive(Serialize)]
+struct MemberJson<'a> {
+    address: &'a str,
+    uid: u64,
+    status: &'a str,
+    roles: Vec<String>,
+    reachable: bool,
+    leader: bool,
+    oldest: bool,
+}
+
+#[derive(Serialize)]
+struct MembersJson<'a> {
+    self_address: &'a str,
+    leader: Option<&'a str>,
+    oldest: Option<&'a str>,
+    members: Vec<MemberJson<'a>>,
+}
+
+#[derive(Serialize)]
+struct RegionStatsJson<'a> {
+    node: &'a str,
+    core: u16,
+    proxy: bool,
+    registered: bool,
+    shards: usize,
+    entities: usize,
+    buffered: usize,
+    dead_letters: u64,
+    messages_delivered: u64,
+    entities_activated: u64,
+}
+
+#[derive(Serialize)]
+struct StatsJson<'a> {
+    type_name: &'a str,
+    regions: Vec<RegionStatsJson<'a>>,
+}
+
+#[derive(Serialize)]
+struct RegionStateJson<'a> {
+    node: &'a str,
+    core: u16,
+    registered: bool,
+    shards: &'a std::collections::BTreeMap<u32, Vec<String>>,
+}
+
+#[derive(Serialize)]
+struct ShardOfJson<'a> {
+    entity_id: &'a str,
+    number_of_shards: u32,
+    shard: u32,
+    hash: &'static str,
+    /// `node` and `core` of the home when this node hosts the shard.
+    home: Option<HomeJson<'a>>,
+}
+
+#[derive(Serialize)]
+struct HomeJson<'a> {
+    type_name: &'a str,
+    node: &'a str,
+    core: u16,
+}
+
+fn json<T: Serialize>(v: &T) -> Response {
+    match serde_json::to_vec_pretty(v) {
+        Ok(mut b) => {
+            b.push(b'\n');
+            Response::json(200, b)
+        }
+        Err(e) => Response::text(500, format!("cannot encode JSON: {e}")),
+    }
+}
+
+/// Answers an admin route from this node's status. `number_of_shards` is
+/// the node's configured value (used by shard-of without `shards=`);
+/// `metrics` renders `/metrics` (called only for that route).
+///
+/// The member list is this node's view: the `oldest` member is the one the
+/// coordinator runs on (Akka: the coordinator singleton lives on the oldest
+/// member); roles are not configured in this release, so they are empty.
+pub fn admin_response(
+    route: &Route,
+    status: &NodeStatus,
+    number_of_shards: u32,
+    metrics: impl FnOnce() -> MetricsSnapshot,
+) -> Response {
+    match route {
+        Route::Live => Response::text(200, "live"),
+        Route::Ready => {
+            if is_ready(status) {
+                Response::text(200, "ready")
+            } else {
+                let mut r = Response::text(
+                    503,
+                    "not ready: the member is not Up or its regions are not registered",
+                );
+                r.retry_after = true;
+                r
+            }
+        }
+        Route::Members => {
+            let members = status
+                .members
+                .iter()
+                .map(|m| MemberJson {
+                    address: &m.address,
+                    uid: m.uid,
+                    status: &m.status,
+                    roles: Vec::new(),
+                    reachable: m.reachable,
+                    leader: status.leader.as_deref() == Some(m.address.as_str()),
+                    oldest: status.coordinator.as_deref() == Some(m.address.as_str()),
+                })
+                .collect();
+            json(&MembersJson {
+                self_address: &status.address,
+                leader: status.leader.as_deref(),
+                oldest: status.coordinator.as_deref(),
+                members,
+            })
+        }
+        Route::ShardingStats { type_name } => {
+            let regions: Vec<_> = status
+                .regions
+                .iter()
+                .filter(|r| r.type_name == type_name.as_str())
+                .map(|r| RegionStatsJson {
+                    node: &status.address,
+                    core: r.core,
+                    proxy: r.proxy,
+                    registered: r.registered,
+                    shards: r.shards.len(),
+                    entities: r.entities,
+                    buffered: r.buffered,
+                    dead_letters: r.dead_letters,
+                    messages_delivered: r.messages_delivered,
+                    entities_activated: r.entities_activated,
+                })
+                .collect();
+            if regions.is_empty() {
+                return unknown_type(type_name);
+            }
+            json(&StatsJson {
+                type_name: type_name.as_str(),
+                regions,
+            })
+        }
+        Route::Region { type_name } => {
+            let regions: Vec<_> = status
+                .regions
+                .iter()
+                .filter(|r| r.type_name == type_name.as_str())
+                .map(|r| RegionStateJson {
+                    node: &status.address,
+                    core: r.core,
+                    registered: r.registered,
+                    shards: &r.shards,
+                })
+                .collect();
+            if regions.is_empty() {
+                return unknown_type(type_name);
+            }
+            json(&regions)
+        }
+        Route::ShardOf { entity_id, shards } => {
+            let n = shards.unwrap_or(number_of_shards).max(1);
+            let shard = shard_id_of(entity_id.as_str(), n).0;
+            let home = if n == number_of_shards {
+                status
+                    .regions
+                    .iter()
+                    .find(|r| r.shards.contains_key(&shard))
+                    .map(|r| HomeJson {
+                        type_name: &r.type_name,
+                        node: &status.address,
+                        core: r.core,
+                    })
+            } else {
+                None
+            };
+            json(&ShardOfJson {
+                entity_id: entity_id.as_str(),
+                number_of_shards: n,
+                shard,
+                hash: "xxh3-64 seed 0 modulo number_of_shards",
+                home,
+            })
+        }
+        Route::Metrics => {
+            let mut m = metrics();
+            m.ready = is_ready(status);
+            Response::new(
+                200,
+                response::PROMETHEUS_TEXT,
+                write_prometheus(&m).into_bytes(),
+            )
+        }
+        Route::Entity { .. } => Response::text(500, "entity route reached the admin handler"),
+    }
+}
+
+fn unknown_type(t: &TypeName) -> Response {
+    Response::text(
+        404,
+        format!(
+            "no region of entity type `{}` on this node",
+            t.as_str().escape_debug()
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::{MemberStatusView, RegionStatusView};
+
+    fn status(up: bool, registered: bool) -> NodeStatus {
+        NodeStatus {
+            address: "127.0.0.1:7101".into(),
+            uid: 7,
+            client_address: "127.0.0.1:7201".into(),
+            members: vec![
+                MemberStatusView {
+                    address: "127.0.0.1:7101".into(),
+                    uid: 7,
+                    status: if up { "Up" } else { "Joining" }.into(),
+                    reachable: true,
+                },
+                MemberStatusView {
+                    address: "127.0.0.1:7102".into(),
+                    uid: 9,
+                    status: "Up".into(),
+                    reachable: false,
+                },
+            ],
+            leader: Some("127.0.0.1:7101".into()),
+            coordinator: Some("127.0.0.1:7102".into()),
+            coordinator_here: false,
+            regions: vec![RegionStatusView {
+                type_name: "counter".into(),
+                core: 0,
+                proxy: false,
+                registered,
+                shards: [(3u32, vec!["a".to_string()])].into_iter().collect(),
+                entities: 1,
+                messages_delivered: 5,
+                entities_activated: 1,
+                dead_letters: 0,
+                buffered: 0,
+            }],
+        }
+    }
+
+    fn body(r: &Response) -> String {
+        String::from_utf8(r.body.clone()).unwrap()
+    }
+
+    #[test]
+    fn readiness_needs_up_and_registered() {
+        assert!(is_ready(&status(true, true)));
+        assert!(!is_ready(&status(false, true)));
+        assert!(!is_ready(&status(true, false)));
+        let r = admin_response(&Route::Ready, &status(true, false), 100, Default::default);
+        assert_eq!(r.code, 503);
+        assert!(r.retry_after);
+        let r = admin_response(&Route::Ready, &status(true, true), 100, Default::default);
+        assert_eq!(r.code, 200);
+    }
+
+    #[test]
+    fn members_stats_region_and_shard_of() {
+        let st = status(true, true);
+        let r = admin_response(&Route::Members, &st, 100, Default::default);
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(v["members"][0]["leader"], true);
+        assert_eq!(v["members"][1]["oldest"], true);
+        assert_eq!(v["members"][1]["reachable"], false);
+
+        let t = TypeName::new("counter").unwrap();
+        let r = admin_response(
+            &Route::ShardingStats {
+                type_name: t.clone(),
+            },
+            &st,
+            100,
+            Default::default,
+        );
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(v["regions"][0]["shards"], 1);
+        let r = admin_response(&Route::Region { type_name: t }, &st, 100, Default::default);
+        assert!(body(&r).contains("\"a\""));
+        let other = TypeName::new("nope").unwrap();
+        let r = admin_response(
+            &Route::Region { type_name: other },
+            &st,
+            100,
+            Default::default,
+        );
+        assert_eq!(r.code, 404);
+
+        let id = EntityId::new("a").unwrap();
+        let r = admin_response(
+            &Route::ShardOf {
+                entity_id: id.clone(),
+                shards: Some(10),
+            },
+            &st,
+            100,
+            Default::default,
+        );
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(v["shard"], shard_id_of("a", 10).0);
+        assert!(v["home"].is_null());
+    }
+
+    #[test]
+    fn dispatch_routes_and_refuses() {
+        let req = |m, t: &str| Request {
+            method: m,
+            target: t.into(),
+            keep_alive: true,
+            body: b"add 1".to_vec(),
+        };
+        match dispatch(req(Method::Post, "/v1/entities/counter/a%2F..")) {
+            Action::Ask {
+                entity_id, payload, ..
+            } => {
+                assert_eq!(entity_id.as_str(), "a/..");
+                assert_eq!(payload, b"add 1");
+            }
+            a => panic!("{a:?}"),
+        }
+        match dispatch(req(Method::Get, "/v1/entities/counter/a")) {
+            Action::Respond(r) => {
+                assert_eq!(r.code, 405);
+                assert_eq!(r.allow, Some("POST"));
+            }
+            a => panic!("{a:?}"),
+        }
+        assert_eq!(
+            dispatch(req(Method::Get, "/metrics")),
+            Action::Admin(Route::Metrics)
+        );
+        let r = error_response(&HttpError::BodyTooLarge {
+            len_bytes: 5,
+            max_bytes: 4,
+        });
+        assert_eq!(r.code, 413);
+        assert!(body(&r).contains("exceeds"));
+    }
+}
