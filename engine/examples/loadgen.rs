@@ -14,11 +14,11 @@
 //! on A and entities homed on B at depth 1 and prints both distributions.
 
 use std::io::{BufRead, BufReader};
+use std::io::{Read, Write};
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
@@ -40,7 +40,9 @@ fn arg(args: &[String], name: &str, default: &str) -> String {
 }
 
 fn config(dir: &Path, i: usize, n: usize, base: u16) -> PathBuf {
-    let seeds: Vec<String> = (0..n).map(|j| format!("\"127.0.0.1:{}\"", base + j as u16)).collect();
+    let seeds: Vec<String> = (0..n)
+        .map(|j| format!("\"127.0.0.1:{}\"", base + j as u16))
+        .collect();
     let text = format!(
         "cluster_address = \"127.0.0.1:{}\"\nclient_address = \"127.0.0.1:{}\"\nseed_nodes = [{}]\n\
          data_cores = 1\npin_cores = false\ndata_dir = \"{}\"\nnumber_of_shards = 100\n\
@@ -127,61 +129,16 @@ fn single(args: &[String]) {
         core_affinity::set_for_current(*id);
     }
     let addr: SocketAddr = "127.0.0.1:24100".parse().expect("addr");
-    let stop = Arc::new(AtomicBool::new(false));
-    let measuring = Arc::new(AtomicBool::new(false));
-    let mut threads = Vec::new();
-    for c in 0..conns {
-        let stop = stop.clone();
-        let measuring = measuring.clone();
-        let t = t.clone();
-        let core1 = ids.iter().find(|x| x.id == 1).copied();
-        threads.push(std::thread::spawn(move || {
-            if let Some(id) = core1 {
-                core_affinity::set_for_current(id);
-            }
-            let (mut w, mut r) = Client::connect(addr).expect("connect").into_split();
-            let mut h = Histogram::<u64>::new_with_bounds(1_000, 10_000_000_000, 3).expect("hist");
-            let p = payload_for(&t);
-            let mut n = 0u64;
-            let mut sent_at = vec![Instant::now(); depth];
-            let mut req = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                for (i, s) in sent_at.iter_mut().enumerate() {
-                    *s = Instant::now();
-                    w.send(req + i as u64, &t, &format!("{t}-{c}-{}", (req + i as u64) % 16), &p).expect("send");
-                }
-                w.flush().expect("flush");
-                for _ in 0..depth {
-                    let resp = r.recv().expect("recv");
-                    assert_eq!(resp.status, Status::Ok);
-                    let i = (resp.request_id - req) as usize;
-                    if measuring.load(Ordering::Relaxed) {
-                        let _ = h.record(sent_at[i].elapsed().as_nanos() as u64);
-                        n += 1;
-                    }
-                }
-                req += depth as u64;
-            }
-            (h, n)
-        }));
-    }
-    std::thread::sleep(Duration::from_secs(1)); // warm-up
     let pid = node.0.id();
+    // Warm-up, then the measured run, both on one event-loop thread (like
+    // redis-benchmark): each connection sends `depth` requests, waits for all
+    // of them, and repeats.
+    let _ = drive(addr, &t, conns, depth, Duration::from_secs(1));
     let c0 = cpu_ticks(pid);
     let t0 = Instant::now();
-    measuring.store(true, Ordering::Relaxed);
-    std::thread::sleep(Duration::from_secs(secs));
-    measuring.store(false, Ordering::Relaxed);
+    let (h, n) = drive(addr, &t, conns, depth, Duration::from_secs(secs));
     let elapsed = t0.elapsed();
     let c1 = cpu_ticks(pid);
-    stop.store(true, Ordering::Relaxed);
-    let mut h = Histogram::<u64>::new_with_bounds(1_000, 10_000_000_000, 3).expect("hist");
-    let mut n = 0;
-    for th in threads {
-        let (hh, nn) = th.join().expect("thread");
-        h.add(hh).expect("add");
-        n += nn;
-    }
     // SAFETY: sysconf has no preconditions.
     let tck = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let cpu_us = (c1 - c0) as f64 * 1e6 / tck / n.max(1) as f64;
@@ -212,7 +169,8 @@ fn cross(args: &[String]) {
         std::thread::sleep(Duration::from_millis(200));
     }
     for i in 0..400 {
-        c.ask("echo", &format!("x-{i}"), b"warm", Duration::from_secs(5)).expect("warm");
+        c.ask("echo", &format!("x-{i}"), b"warm", Duration::from_secs(5))
+            .expect("warm");
     }
     let st = c.node_status(Duration::from_secs(2)).expect("status");
     let local: std::collections::HashSet<String> = st
@@ -221,8 +179,9 @@ fn cross(args: &[String]) {
         .filter(|r| r.type_name == "echo")
         .flat_map(|r| r.shards.values().flatten().cloned())
         .collect();
-    let (loc, rem): (Vec<String>, Vec<String>) =
-        (0..400).map(|i| format!("x-{i}")).partition(|id| local.contains(id));
+    let (loc, rem): (Vec<String>, Vec<String>) = (0..400)
+        .map(|i| format!("x-{i}"))
+        .partition(|id| local.contains(id));
     println!("entities homed on A: {}, on B: {}", loc.len(), rem.len());
     let mut hl = Histogram::<u64>::new_with_bounds(1_000, 10_000_000_000, 3).expect("hist");
     let mut hr = hl.clone();
@@ -235,7 +194,9 @@ fn cross(args: &[String]) {
             }
             let id = &ids[i % ids.len()];
             let t = Instant::now();
-            let r = c.ask("echo", id, b"0123456789abcdef", Duration::from_secs(5)).expect("ask");
+            let r = c
+                .ask("echo", id, b"0123456789abcdef", Duration::from_secs(5))
+                .expect("ask");
             assert_eq!(r.status, Status::Ok);
             let _ = h.record(t.elapsed().as_nanos() as u64);
         }
@@ -257,4 +218,99 @@ fn main() {
         Some("cross") => cross(&args),
         _ => eprintln!("usage: loadgen single|cross [--bin PATH] [--type echo|counter] [--conns N] [--depth N] [--secs N]"),
     }
+}
+
+struct Conn {
+    s: std::net::TcpStream,
+    rbuf: Vec<u8>,
+    sent_at: Instant,
+    waiting: usize,
+    next_id: u64,
+}
+
+/// Runs the batch-pipelined load for `dur` on one thread with poll(2).
+fn drive(
+    addr: SocketAddr,
+    t: &str,
+    conns: usize,
+    depth: usize,
+    dur: Duration,
+) -> (Histogram<u64>, u64) {
+    use shardline::envelope::{access, encode_frame, next_frame, ClientFrame, ServerFrame};
+    let p = payload_for(t);
+    let mut cs: Vec<Conn> = (0..conns)
+        .map(|_| {
+            let s = std::net::TcpStream::connect(addr).expect("connect");
+            s.set_nodelay(true).expect("nodelay");
+            Conn {
+                s,
+                rbuf: Vec::with_capacity(1 << 16),
+                sent_at: Instant::now(),
+                waiting: 0,
+                next_id: 0,
+            }
+        })
+        .collect();
+    let mut h = Histogram::<u64>::new_with_bounds(1_000, 10_000_000_000, 3).expect("hist");
+    let mut n = 0u64;
+    let mut out = Vec::with_capacity(1 << 16);
+    let send_batch = |c: &mut Conn, ci: usize, out: &mut Vec<u8>| {
+        out.clear();
+        for _ in 0..depth {
+            let f = ClientFrame::Request {
+                request_id: c.next_id,
+                type_name: t.as_bytes().to_vec(),
+                entity_id: format!("{t}-{ci}-{}", c.next_id % 16).into_bytes(),
+                payload: p.clone(),
+            };
+            c.next_id += 1;
+            encode_frame(&f, out).expect("encode");
+        }
+        c.s.write_all(out).expect("write");
+        c.sent_at = Instant::now();
+        c.waiting = depth;
+    };
+    for (i, c) in cs.iter_mut().enumerate() {
+        send_batch(c, i, &mut out);
+    }
+    let end = Instant::now() + dur;
+    let mut fds: Vec<libc::pollfd> = cs
+        .iter()
+        .map(|c| libc::pollfd {
+            fd: c.s.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let mut buf = vec![0u8; 1 << 16];
+    while Instant::now() < end {
+        // SAFETY: fds is a valid array of pollfd of the given length.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
+        if r <= 0 {
+            continue;
+        }
+        for i in 0..fds.len() {
+            if fds[i].revents == 0 {
+                continue;
+            }
+            let c = &mut cs[i];
+            let got = c.s.read(&mut buf).expect("read");
+            assert!(got > 0, "server closed");
+            c.rbuf.extend_from_slice(&buf[..got]);
+            let mut pos = 0;
+            while let Some(len) = next_frame(&c.rbuf[pos..], 1 << 24).expect("frame") {
+                let a = access::<ServerFrame>(&c.rbuf[pos + 4..pos + 4 + len]).expect("valid");
+                assert_eq!(a.status, 0, "status");
+                let _ = h.record(c.sent_at.elapsed().as_nanos() as u64);
+                n += 1;
+                pos += 4 + len;
+                c.waiting -= 1;
+            }
+            c.rbuf.drain(..pos);
+            if c.waiting == 0 {
+                send_batch(c, i, &mut out);
+            }
+        }
+    }
+    (h, n)
 }

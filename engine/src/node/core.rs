@@ -55,10 +55,51 @@ const TICK: Duration = Duration::from_millis(5);
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
+/// A hash map with foldhash's per-process random seed: fast, and not
+/// predictable by a client choosing entity ids.
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// The hosted entity types of one core: a few entries, found by a linear
+/// scan (cheaper than hashing the name on every message).
+#[derive(Default)]
+struct TypeTable {
+    entries: Vec<(String, TypeHost)>,
+}
+
+impl TypeTable {
+    fn get(&self, t: &str) -> Option<&TypeHost> {
+        self.entries.iter().find(|(n, _)| n == t).map(|(_, h)| h)
+    }
+    fn get_mut(&mut self, t: &str) -> Option<&mut TypeHost> {
+        self.entries
+            .iter_mut()
+            .find(|(n, _)| n == t)
+            .map(|(_, h)| h)
+    }
+    fn contains_key(&self, t: &str) -> bool {
+        self.get(t).is_some()
+    }
+    fn insert(&mut self, t: String, h: TypeHost) {
+        self.entries.push((t, h));
+    }
+    fn keys(&self) -> impl Iterator<Item = &String> + '_ {
+        self.entries.iter().map(|(n, _)| n)
+    }
+    fn values(&self) -> impl Iterator<Item = &TypeHost> + '_ {
+        self.entries.iter().map(|(_, h)| h)
+    }
+    fn iter(&self) -> impl Iterator<Item = (&String, &TypeHost)> + '_ {
+        self.entries.iter().map(|(n, h)| (n, h))
+    }
+    fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
 struct TypeHost {
     region: ShardRegion<Vec<u8>, ReplyTo>,
     factory: Option<EntityFactory>,
-    entities: HashMap<EntityId, Live>,
+    entities: FastMap<EntityId, Live>,
     delivered: u64,
     activated: u64,
 }
@@ -93,15 +134,15 @@ pub(crate) struct Core {
     me: UniqueAddress,
     epoch: Instant,
     config: NodeConfig,
-    types: HashMap<String, TypeHost>,
-    conns: HashMap<u64, Rc<Outbox>>,
+    types: TypeTable,
+    conns: FastMap<u64, Rc<Outbox>>,
     next_conn: u64,
     links: HashMap<RegionId, Link>,
     backoff: HashMap<RegionId, (Duration, Duration)>,
-    pending: HashMap<u64, Pending>,
-    local_pending: HashMap<u64, ReplyTo>,
+    pending: FastMap<u64, Pending>,
+    local_pending: FastMap<u64, ReplyTo>,
     next_tag: u64,
-    api_waiters: HashMap<u64, crossbeam_channel::Sender<(Status, Vec<u8>)>>,
+    api_waiters: FastMap<u64, crossbeam_channel::Sender<(Status, Vec<u8>)>>,
     to_control: RingSender<ToControl>,
     to_cores: Vec<RingSender<ToCore>>,
     timers: BinaryHeap<TimerEntry>,
@@ -129,20 +170,21 @@ pub(crate) async fn run(init: CoreInit) {
             return;
         }
     };
+    let http_front = crate::gateway::http::serve::bind(&init.config, init.index);
     let core = Rc::new(RefCell::new(Core {
         index: init.index,
         me,
         epoch: init.epoch,
         config: init.config,
-        types: HashMap::new(),
-        conns: HashMap::new(),
+        types: TypeTable::default(),
+        conns: FastMap::default(),
         next_conn: 1,
         links: HashMap::new(),
         backoff: HashMap::new(),
-        pending: HashMap::new(),
-        local_pending: HashMap::new(),
+        pending: FastMap::default(),
+        local_pending: FastMap::default(),
         next_tag: 1,
-        api_waiters: HashMap::new(),
+        api_waiters: FastMap::default(),
         to_control: init.to_control,
         to_cores: init.to_cores,
         timers: BinaryHeap::new(),
@@ -174,6 +216,7 @@ pub(crate) async fn run(init: CoreInit) {
             }
         }
     });
+    crate::gateway::http::serve::start(&core, http_front);
     let tick_core = core.clone();
     monoio::spawn(async move {
         loop {
@@ -254,7 +297,10 @@ impl Core {
         self.outbox_len(id) > OUTBOX_HIGH_WATER_BYTES
     }
 
-    fn send_client(&mut self, conn: u64, request_id: u64, status: Status, payload: Vec<u8>) {
+    fn send_client(&mut self, conn: u64, request_id: u64, status: Status, mut payload: Vec<u8>) {
+        if crate::gateway::http::serve::deliver(conn, request_id, status, &mut payload) {
+            return;
+        }
         if let Some(o) = self.conns.get(&conn) {
             let f = ServerFrame {
                 request_id,
@@ -347,7 +393,7 @@ impl Core {
         }
     }
 
-    fn client_request(
+    pub(crate) fn client_request(
         &mut self,
         conn: u64,
         request_id: u64,
@@ -391,7 +437,6 @@ impl Core {
                 b"node stopped".to_vec(),
             );
         }
-        let t = t.to_string();
         let shard = shard_id_of(id.as_str(), self.config.number_of_shards);
         let env = Envelope {
             entity: id,
@@ -399,7 +444,7 @@ impl Core {
             sender: ReplyTo::Client { conn, request_id },
             payload: payload.to_vec(),
         };
-        self.route(&t, env);
+        self.route(t, env);
     }
 
     /// Hands a user message to this core's region of `t` and runs the effects.
@@ -912,7 +957,7 @@ impl Core {
                     TypeHost {
                         region,
                         factory,
-                        entities: HashMap::new(),
+                        entities: FastMap::default(),
                         delivered: 0,
                         activated: 0,
                     },
