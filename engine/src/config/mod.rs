@@ -118,8 +118,9 @@ pub struct NodeConfig {
     /// Native client protocol address (every data core accepts on it with
     /// SO_REUSEPORT).
     pub client_address: SocketAddr,
-    /// Optional HTTP/1.1 front (not served by this release; accepted so
-    /// configs can name it).
+    /// Optional HTTP/1.1 front (entity requests, admin API, health checks,
+    /// metrics; see `gateway::http`), served by every data core with
+    /// SO_REUSEPORT. Default: none.
     #[serde(default)]
     pub http_address: Option<SocketAddr>,
     /// Cluster addresses to join through; may include this node's own. A node

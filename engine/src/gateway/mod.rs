@@ -83,6 +83,32 @@ pub(crate) async fn serve_client(core: Rc<RefCell<Core>>, stream: TcpStream) {
 /// Answers a `NodeStatus` request: collects the cluster view from the control
 /// executor and the region views from every data executor.
 pub(crate) async fn answer_status(core: Rc<RefCell<Core>>, conn: u64, request_id: u64) {
+    let (code, payload) = match collect_status(&core).await {
+        Some(status) => match serde_json::to_vec(&status) {
+            Ok(p) => (Status::Ok, p),
+            Err(e) => (Status::EntityFailed, e.to_string().into_bytes()),
+        },
+        None => (
+            Status::TimedOut,
+            b"control executor did not answer".to_vec(),
+        ),
+    };
+    let c = core.borrow();
+    if let Some(o) = c.conn_outbox(conn) {
+        let f = ServerFrame {
+            request_id,
+            status: code as u8,
+            payload,
+        };
+        let _ = encode_frame(&f, &mut o.buf.borrow_mut());
+        o.flush();
+    }
+}
+
+/// Collects this node's status: the cluster view from the control executor
+/// and the region views from every data executor (waiting at most
+/// `STATUS_TIMEOUT`). `None` when the control executor did not answer.
+pub(crate) async fn collect_status(core: &Rc<RefCell<Core>>) -> Option<NodeStatus> {
     let (ctx, crx) = crossbeam_channel::bounded(1);
     let (rtx, rrx) = crossbeam_channel::bounded(64);
     let (mut status, others) = {
@@ -127,22 +153,5 @@ pub(crate) async fn answer_status(core: Rc<RefCell<Core>>, conn: u64, request_id
     status
         .regions
         .sort_by(|a, b| (a.type_name.as_str(), a.core).cmp(&(b.type_name.as_str(), b.core)));
-    let (code, payload) = match serde_json::to_vec(&status) {
-        Ok(p) if got_cluster => (Status::Ok, p),
-        Ok(_) => (
-            Status::TimedOut,
-            b"control executor did not answer".to_vec(),
-        ),
-        Err(e) => (Status::EntityFailed, e.to_string().into_bytes()),
-    };
-    let c = core.borrow();
-    if let Some(o) = c.conn_outbox(conn) {
-        let f = ServerFrame {
-            request_id,
-            status: code as u8,
-            payload,
-        };
-        let _ = encode_frame(&f, &mut o.buf.borrow_mut());
-        o.flush();
-    }
+    got_cluster.then_some(status)
 }

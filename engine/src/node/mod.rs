@@ -155,6 +155,14 @@ impl Node {
             addr: config.client_address,
             source: e,
         })?;
+        let http_probe = match config.http_address {
+            Some(addr) => Some(reuse_port_probe(addr).map_err(|e| NodeError::Bind {
+                what: "http_address",
+                addr,
+                source: e,
+            })?),
+            None => None,
+        };
         let ncpu = core_affinity::get_core_ids().map(|v| v.len()).unwrap_or(1);
         let mut threads = Vec::new();
         let epoch = Instant::now();
@@ -195,6 +203,7 @@ impl Node {
             .map_err(NodeError::Spawn)?,
         );
         drop(probe);
+        drop(http_probe);
         let node = Node {
             config,
             uid,

@@ -25,6 +25,7 @@ pub mod codec;
 pub mod metrics;
 pub mod response;
 pub mod route;
+pub(crate) mod serve;
 
 use serde::Serialize;
 use shardline_core::ids::{EntityId, TypeName};

@@ -126,6 +126,8 @@ impl Response {
         let detail = String::from_utf8_lossy(&payload);
         if detail.is_empty() {
             Response::text(code, what)
+        } else if detail.starts_with(what) {
+            Response::text(code, detail)
         } else {
             Response::text(code, format!("{what}: {detail}"))
         }

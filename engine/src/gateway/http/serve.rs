@@ -1,0 +1,625 @@
+//! The HTTP/1.1 connection task on a data executor.
+//!
+//! Every data core binds `http_address` with SO_REUSEPORT ([`bind`]) and
+//! accepts its own connections ([`start`]). A connection is read in batches;
+//! each complete request is dispatched at once (pipelining): entity
+//! requests go through `Core::client_request`, the same routing path as the
+//! native protocol, with the request's sequence number as its request id;
+//! the region answers through `Core::send_client`, which hands replies for
+//! HTTP connections to [`deliver`]. Responses are put back in request order
+//! by the connection's [`ResponseQueue`] and written in one batch.
+//!
+//! Bounds (per connection unless noted):
+//! - at most [`MAX_CONNS_PER_CORE`] open connections per core; more are
+//!   answered `503` and closed;
+//! - at most [`MAX_IN_FLIGHT`] pipelined requests without a response; the
+//!   socket is not read while at the limit, nor while the output queue is
+//!   over the core's high-water mark, so the receive buffer holds at most
+//!   one partial request plus one read;
+//! - a request's head must arrive within [`HEADER_TIMEOUT`] of its first
+//!   byte, and its body within [`BODY_TIMEOUT`] of its first byte, else
+//!   `408` and close; an idle keep-alive connection is closed after
+//!   [`IDLE_TIMEOUT`];
+//! - an entity request without an answer after [`ASK_TIMEOUT`] is answered
+//!   `504` (the outcome is unknown).
+//!
+//! After a response that ends the connection (an error, `Connection:
+//! close`), the write side is shut down and the remaining input is read and
+//! discarded for at most [`LINGER`] (a "lingering close", as nginx does), so
+//! that the client receives the response instead of a reset.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use monoio::io::{AsyncReadRent, AsyncWriteRent, Splitable};
+use monoio::net::{TcpListener, TcpStream};
+
+use super::codec::{CodecLimits, Method, Pending, RequestDecoder};
+use super::metrics::{
+    new_latency_histogram, ConnectionCount, DeadLetterCount, LatencySeries, MetricsSnapshot,
+    RegionValue, RequestCount,
+};
+use super::response::{Response, ResponseQueue, CONTINUE};
+use super::route::Route;
+use super::{admin_response, dispatch, error_response, Action};
+use crate::config::NodeConfig;
+use crate::envelope::Status;
+use crate::node::core::Core;
+use crate::node::NodeStatus;
+use crate::transport::{self, Outbox};
+
+/// Most open HTTP connections per data core (count).
+pub const MAX_CONNS_PER_CORE: usize = 10_000;
+/// Most pipelined requests of one connection without a response (count).
+pub const MAX_IN_FLIGHT: u64 = 256;
+/// Time allowed for a request's line and headers, from its first byte.
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time allowed for a whole request (head and body), from its first byte.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(15);
+/// An idle keep-alive connection is closed after this long.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// An entity request is answered `504` after this long without a reply.
+pub const ASK_TIMEOUT: Duration = Duration::from_secs(12);
+/// How long input is drained after the last response of a closing
+/// connection.
+pub const LINGER: Duration = Duration::from_secs(2);
+/// The `type` label of requests for entity types the cluster does not host.
+const UNKNOWN_TYPE_LABEL: &str = "_unknown";
+/// Bytes read from the socket at a time.
+const READ_BYTES: usize = 16 * 1024;
+/// Most bytes discarded during a lingering close.
+const LINGER_MAX_BYTES: usize = 1 << 20;
+/// How often a core sweeps for expired asks and publishes its metrics.
+const SWEEP_PERIOD: Duration = Duration::from_millis(250);
+
+/// What a pending entity request needs for its response.
+struct InFlight {
+    head_only: bool,
+    keep_alive: bool,
+    type_name: String,
+    started: Instant,
+}
+
+/// One HTTP connection's shared state (the connection task and
+/// [`deliver`]).
+struct HttpConn {
+    outbox: Rc<Outbox>,
+    queue: RefCell<ResponseQueue>,
+    asks: RefCell<HashMap<u64, InFlight>>,
+    /// A response that ends the connection was written.
+    closing: Cell<bool>,
+    /// Wakes the reader when responses drain.
+    drained: crate::runtime::LocalNotify,
+}
+
+impl HttpConn {
+    /// Stores a response and writes what is in order.
+    fn complete(&self, seq: u64, bytes: Vec<u8>, close: bool) {
+        let mut q = self.queue.borrow_mut();
+        if !q.complete(seq, bytes, close) {
+            return;
+        }
+        let closed = q.drain_into(&mut self.outbox.buf.borrow_mut());
+        drop(q);
+        if closed {
+            self.closing.set(true);
+        }
+        self.outbox.flush();
+        self.drained.notify();
+    }
+
+    fn respond(&self, seq: u64, r: &Response, head_only: bool, keep_alive: bool) {
+        let mut bytes = Vec::with_capacity(128 + r.body.len());
+        r.encode(head_only, keep_alive, &mut bytes);
+        self.complete(seq, bytes, !keep_alive);
+    }
+}
+
+/// Per-core HTTP counters, published to [`registry`] for `/metrics`.
+#[derive(Clone, Default)]
+struct CoreMetrics {
+    requests: HashMap<(String, u16), u64>,
+    latency: HashMap<String, Histogram<u64>>,
+    open: u64,
+    accepted: u64,
+}
+
+impl CoreMetrics {
+    fn record(&mut self, type_name: &str, code: u16, micros: Option<u64>) {
+        *self
+            .requests
+            .entry((type_name.to_string(), code))
+            .or_insert(0) += 1;
+        if let Some(us) = micros {
+            let h = self
+                .latency
+                .entry(type_name.to_string())
+                .or_insert_with(new_latency_histogram);
+            h.saturating_record(us.max(1));
+        }
+    }
+}
+
+/// The per-executor state of the HTTP front.
+struct CoreHttp {
+    conns: HashMap<u64, Rc<HttpConn>>,
+    metrics: CoreMetrics,
+    dirty: bool,
+    slot: Option<Arc<Mutex<CoreMetrics>>>,
+}
+
+thread_local! {
+    static HTTP: RefCell<CoreHttp> = RefCell::new(CoreHttp {
+        conns: HashMap::new(),
+        metrics: CoreMetrics::default(),
+        dirty: false,
+        slot: None,
+    });
+}
+
+/// Published metrics of every core, by node (cluster address), then core.
+/// Written by each core at most every [`SWEEP_PERIOD`], read by `/metrics`:
+/// never touched on the request path.
+type Registry = Mutex<HashMap<SocketAddr, Vec<(u16, Arc<Mutex<CoreMetrics>>)>>>;
+
+fn registry() -> &'static Registry {
+    static R: OnceLock<Registry> = OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+/// Hands an entity's answer to an HTTP connection of this executor.
+/// Returns `false` (and does nothing) when `conn` is not an HTTP
+/// connection; called by `Core::send_client` for every client reply.
+pub(crate) fn deliver(conn: u64, request_id: u64, status: Status, payload: &mut Vec<u8>) -> bool {
+    let Some(c) = HTTP.with(|h| h.borrow().conns.get(&conn).cloned()) else {
+        return false;
+    };
+    let Some(f) = c.asks.borrow_mut().remove(&request_id) else {
+        return true; // answered already (timed out)
+    };
+    let r = Response::from_status(status, std::mem::take(payload));
+    let micros = f.started.elapsed().as_micros().min(u128::from(u64::MAX)) as u64;
+    // Unknown type names are not labels: a client could create any number.
+    let label = if status == Status::UnknownEntityType {
+        UNKNOWN_TYPE_LABEL
+    } else {
+        f.type_name.as_str()
+    };
+    HTTP.with(|h| {
+        let mut h = h.borrow_mut();
+        h.metrics.record(label, r.code, Some(micros));
+        h.dirty = true;
+    });
+    c.respond(request_id, &r, f.head_only, f.keep_alive);
+    true
+}
+
+/// The HTTP front of one data core, bound before the core starts.
+pub(crate) struct HttpFront {
+    listener: TcpListener,
+    number_of_shards: u32,
+    node: SocketAddr,
+    core: u16,
+    limits: CodecLimits,
+}
+
+/// Binds `http_address` (SO_REUSEPORT) for data core `core`, when the config
+/// names one. A bind error is logged and the core runs without HTTP (the
+/// node checked the address before starting its executors).
+pub(crate) fn bind(config: &NodeConfig, core: u16) -> Option<HttpFront> {
+    let addr = config.http_address?;
+    match transport::listener(addr, true) {
+        Ok(listener) => Some(HttpFront {
+            listener,
+            number_of_shards: config.number_of_shards,
+            node: config.cluster_address,
+            core,
+            limits: CodecLimits::default(),
+        }),
+        Err(e) => {
+            tracing::error!(core, %addr, error = %e, "cannot bind http_address");
+            None
+        }
+    }
+}
+
+/// Starts accepting HTTP connections on this executor (no-op for `None`).
+pub(crate) fn start(core: &Rc<RefCell<Core>>, front: Option<HttpFront>) {
+    let Some(front) = front else { return };
+    let slot = Arc::new(Mutex::new(CoreMetrics::default()));
+    if let Ok(mut r) = registry().lock() {
+        let v = r.entry(front.node).or_default();
+        v.retain(|(c, _)| *c != front.core);
+        v.push((front.core, slot.clone()));
+        v.sort_by_key(|(c, _)| *c);
+    }
+    HTTP.with(|h| h.borrow_mut().slot = Some(slot));
+    let front = Rc::new(front);
+    let core_sweep = core.clone();
+    monoio::spawn(async move {
+        loop {
+            monoio::time::sleep(SWEEP_PERIOD).await;
+            sweep(&core_sweep);
+        }
+    });
+    let core = core.clone();
+    monoio::spawn(async move {
+        loop {
+            match front.listener.accept().await {
+                Ok((stream, _)) => {
+                    transport::tune(&stream);
+                    let full = HTTP.with(|h| {
+                        let mut h = h.borrow_mut();
+                        h.metrics.accepted += 1;
+                        h.dirty = true;
+                        h.conns.len() >= MAX_CONNS_PER_CORE
+                    });
+                    if full {
+                        monoio::spawn(refuse(stream));
+                    } else {
+                        monoio::spawn(serve_http(core.clone(), front.clone(), stream));
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "http accept failed");
+                    monoio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+    });
+}
+
+/// Answers `503` to a connection over the per-core limit and closes it.
+async fn refuse(mut stream: TcpStream) {
+    let mut out = Vec::new();
+    Response::text(503, "too many connections on this core, retry later")
+        .encode(false, false, &mut out);
+    let (_, _) = monoio::io::AsyncWriteRentExt::write_all(&mut stream, out).await;
+    let _ = stream.shutdown().await;
+}
+
+/// Answers expired asks with `504` and publishes this core's metrics.
+fn sweep(_core: &Rc<RefCell<Core>>) {
+    let conns: Vec<Rc<HttpConn>> = HTTP.with(|h| h.borrow().conns.values().cloned().collect());
+    for c in conns {
+        let expired: Vec<(u64, InFlight)> = {
+            let mut asks = c.asks.borrow_mut();
+            let keys: Vec<u64> = asks
+                .iter()
+                .filter(|(_, f)| f.started.elapsed() >= ASK_TIMEOUT)
+                .map(|(k, _)| *k)
+                .collect();
+            keys.into_iter()
+                .filter_map(|k| asks.remove(&k).map(|f| (k, f)))
+                .collect()
+        };
+        for (seq, f) in expired {
+            let r = Response::from_status(
+                Status::TimedOut,
+                format!("no reply within {} s", ASK_TIMEOUT.as_secs()).into_bytes(),
+            );
+            HTTP.with(|h| {
+                let mut h = h.borrow_mut();
+                h.metrics.record(&f.type_name, r.code, None);
+                h.dirty = true;
+            });
+            c.respond(seq, &r, f.head_only, f.keep_alive);
+        }
+    }
+    HTTP.with(|h| {
+        let mut h = h.borrow_mut();
+        if !h.dirty {
+            return;
+        }
+        h.dirty = false;
+        h.metrics.open = h.conns.len() as u64;
+        let snapshot = h.metrics.clone();
+        if let Some(slot) = &h.slot {
+            if let Ok(mut s) = slot.lock() {
+                *s = snapshot;
+            }
+        }
+    });
+}
+
+/// Reads into `buf` with a deadline; `None` when the deadline passed.
+async fn read_until<R: AsyncReadRent>(
+    r: &mut R,
+    buf: Vec<u8>,
+    deadline: Instant,
+) -> Option<(std::io::Result<usize>, Vec<u8>)> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    monoio::time::timeout(left, r.read(buf)).await.ok()
+}
+
+/// Serves one HTTP connection until it closes, breaks the protocol or
+/// times out.
+async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpStream) {
+    let outbox = Rc::new(Outbox::default());
+    let conn_id = core.borrow_mut().add_conn(outbox.clone());
+    let conn = Rc::new(HttpConn {
+        outbox: outbox.clone(),
+        queue: RefCell::new(ResponseQueue::default()),
+        asks: RefCell::new(HashMap::new()),
+        closing: Cell::new(false),
+        drained: Default::default(),
+    });
+    HTTP.with(|h| {
+        let mut h = h.borrow_mut();
+        h.conns.insert(conn_id, conn.clone());
+        h.dirty = true;
+    });
+    let (mut r, mut w) = stream.into_split();
+    let wb = outbox.clone();
+    let writer_done = Rc::new(crate::runtime::LocalNotify::default());
+    let writer_flag = Rc::new(Cell::new(false));
+    {
+        let writer_done = writer_done.clone();
+        let writer_flag = writer_flag.clone();
+        monoio::spawn(async move {
+            let _ = transport::write_loop(&mut w, wb).await;
+            let _ = w.shutdown().await;
+            writer_flag.set(true);
+            writer_done.notify();
+        });
+    }
+    let mut decoder = RequestDecoder::new(front.limits);
+    let origin = Instant::now();
+    let mut last_activity = Instant::now();
+    let mut buf = Vec::with_capacity(READ_BYTES);
+    let mut stop_reading = false;
+    let mut eof = false;
+    'conn: loop {
+        if conn.closing.get() || outbox.closed.get() {
+            break;
+        }
+        if stop_reading {
+            // Wait for the remaining responses (bounded by ASK_TIMEOUT).
+            if conn.queue.borrow().in_flight() == 0 {
+                break;
+            }
+            conn.drained.wait().await;
+            continue;
+        }
+        // Back-pressure: no reading while the client does not take its
+        // responses or too many requests are outstanding.
+        while conn.queue.borrow().in_flight() >= MAX_IN_FLIGHT || core.borrow().high_water(conn_id)
+        {
+            if conn.closing.get() || outbox.closed.get() {
+                break 'conn;
+            }
+            let _ = monoio::time::timeout(Duration::from_millis(5), conn.drained.wait()).await;
+        }
+        let deadline = match decoder.pending() {
+            Some(Pending::Headers { since }) => origin + since + HEADER_TIMEOUT,
+            Some(Pending::Body { since, .. }) => origin + since + BODY_TIMEOUT,
+            None => last_activity + IDLE_TIMEOUT,
+        };
+        let Some((res, b)) = read_until(&mut r, std::mem::take(&mut buf), deadline).await else {
+            if decoder.pending().is_some() {
+                let seq = conn.queue.borrow_mut().begin();
+                let resp = Response::text(408, "request not received in time");
+                conn.respond(seq, &resp, false, false);
+                stop_reading = true;
+                continue;
+            }
+            break;
+        };
+        buf = b;
+        let n = match res {
+            Ok(0) => {
+                eof = true;
+                stop_reading = true;
+                continue;
+            }
+            Ok(n) => n,
+            Err(e) => {
+                tracing::debug!(error = %e, "http read failed");
+                break;
+            }
+        };
+        last_activity = Instant::now();
+        decoder.feed(&buf[..n], origin.elapsed());
+        buf.clear();
+        loop {
+            match decoder.next_request() {
+                Ok(Some(req)) => {
+                    let keep_alive = req.keep_alive;
+                    handle(&core, &front, &conn, conn_id, req);
+                    if !keep_alive {
+                        stop_reading = true;
+                        break;
+                    }
+                    if conn.queue.borrow().in_flight() >= MAX_IN_FLIGHT {
+                        break;
+                    }
+                }
+                Ok(None) => {
+                    if decoder.take_continue() && conn.queue.borrow().in_flight() == 0 {
+                        outbox.buf.borrow_mut().extend_from_slice(CONTINUE);
+                        outbox.flush();
+                    }
+                    break;
+                }
+                Err(e) => {
+                    let seq = conn.queue.borrow_mut().begin();
+                    conn.respond(seq, &error_response(&e), false, false);
+                    stop_reading = true;
+                    break;
+                }
+            }
+        }
+        if decoder.is_poisoned() {
+            stop_reading = true;
+        }
+    }
+    // Lingering close: the writer flushes and shuts down the write side; the
+    // input is drained so the client reads its last response, not a reset.
+    HTTP.with(|h| {
+        let mut h = h.borrow_mut();
+        h.conns.remove(&conn_id);
+        h.dirty = true;
+    });
+    outbox.close();
+    if !eof && conn.closing.get() {
+        let until = Instant::now() + LINGER;
+        let mut drained = 0;
+        while !writer_flag.get() && Instant::now() < until {
+            let _ = monoio::time::timeout(until - Instant::now(), writer_done.wait()).await;
+        }
+        let mut b = std::mem::take(&mut buf);
+        while drained < LINGER_MAX_BYTES {
+            match read_until(&mut r, b, until).await {
+                Some((Ok(n), back)) if n > 0 => {
+                    drained += n;
+                    b = back;
+                    b.clear();
+                }
+                _ => break,
+            }
+        }
+    }
+    core.borrow_mut().remove_conn(conn_id);
+}
+
+/// Dispatches one request: answers at once, asks the entity, or starts an
+/// admin task.
+fn handle(
+    core: &Rc<RefCell<Core>>,
+    front: &Rc<HttpFront>,
+    conn: &Rc<HttpConn>,
+    conn_id: u64,
+    req: super::Request,
+) {
+    let head_only = req.method == Method::Head;
+    let keep_alive = req.keep_alive;
+    let seq = conn.queue.borrow_mut().begin();
+    match dispatch(req) {
+        Action::Respond(r) => {
+            record(None, r.code);
+            conn.respond(seq, &r, head_only, keep_alive);
+        }
+        Action::Ask {
+            type_name,
+            entity_id,
+            payload,
+        } => {
+            conn.asks.borrow_mut().insert(
+                seq,
+                InFlight {
+                    head_only,
+                    keep_alive,
+                    type_name: type_name.as_str().to_string(),
+                    started: Instant::now(),
+                },
+            );
+            core.borrow_mut().client_request(
+                conn_id,
+                seq,
+                type_name.as_str().as_bytes(),
+                entity_id.as_str().as_bytes(),
+                &payload,
+            );
+        }
+        Action::Admin(Route::Live) => {
+            record(None, 200);
+            conn.respond(seq, &Response::text(200, "live"), head_only, keep_alive);
+        }
+        Action::Admin(route) => {
+            let core = core.clone();
+            let front = front.clone();
+            let conn = conn.clone();
+            monoio::spawn(async move {
+                let r = match crate::gateway::collect_status(&core).await {
+                    Some(status) => {
+                        let node = front.node;
+                        admin_response(&route, &status, front.number_of_shards, || {
+                            node_metrics(node, &status)
+                        })
+                    }
+                    None => Response::text(503, "the node's control executor did not answer"),
+                };
+                record(None, r.code);
+                conn.respond(seq, &r, head_only, keep_alive);
+            });
+        }
+    }
+}
+
+fn record(type_name: Option<&str>, code: u16) {
+    HTTP.with(|h| {
+        let mut h = h.borrow_mut();
+        h.metrics.record(type_name.unwrap_or(""), code, None);
+        h.dirty = true;
+    });
+}
+
+/// Builds the metrics snapshot of node `node`: the HTTP counters every core
+/// published, merged, and the regions' figures from the node status.
+fn node_metrics(node: SocketAddr, status: &NodeStatus) -> MetricsSnapshot {
+    let mut m = MetricsSnapshot::default();
+    let cores: Vec<(u16, CoreMetrics)> = registry()
+        .lock()
+        .ok()
+        .and_then(|r| r.get(&node).cloned())
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|(c, slot)| slot.lock().ok().map(|s| (c, s.clone())))
+        .collect();
+    let mut requests: std::collections::BTreeMap<(String, u16), u64> = Default::default();
+    let mut latency: std::collections::BTreeMap<String, Histogram<u64>> = Default::default();
+    for (core, cm) in &cores {
+        for ((t, code), n) in &cm.requests {
+            *requests.entry((t.clone(), *code)).or_insert(0) += n;
+        }
+        for (t, h) in &cm.latency {
+            let merged = latency
+                .entry(t.clone())
+                .or_insert_with(new_latency_histogram);
+            let _ = merged.add(h);
+        }
+        m.connections.push(ConnectionCount {
+            front: "http",
+            core: *core,
+            open: cm.open,
+            accepted: cm.accepted,
+        });
+    }
+    m.requests = requests
+        .into_iter()
+        .map(|((type_name, code), count)| RequestCount {
+            front: "http",
+            type_name,
+            code,
+            count,
+        })
+        .collect();
+    m.request_latency = latency
+        .into_iter()
+        .map(|(type_name, micros)| LatencySeries { type_name, micros })
+        .collect();
+    for r in &status.regions {
+        let v = |value: u64| RegionValue {
+            type_name: r.type_name.clone(),
+            core: r.core,
+            value,
+        };
+        m.buffered_messages.push(v(r.buffered as u64));
+        m.shards.push(v(r.shards.len() as u64));
+        m.active_entities.push(v(r.entities as u64));
+        m.messages_delivered.push(v(r.messages_delivered));
+        if r.dead_letters > 0 {
+            m.dead_letters.push(DeadLetterCount {
+                type_name: r.type_name.clone(),
+                reason: "refused_by_region".into(),
+                count: r.dead_letters,
+            });
+        }
+    }
+    m
+}
