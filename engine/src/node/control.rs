@@ -295,8 +295,12 @@ impl Control {
     fn on_cluster_event(&mut self, e: ClusterEvent) {
         self.state.apply(&e);
         tracing::info!(event = ?short_event(&e), "cluster event");
-        if let Ok(mut subs) = self.shared.subscribers.lock() {
-            subs.retain(|s| s.try_send(e.clone()).is_ok() || !s.is_full());
+        // Subscribers get their own snapshot when they subscribe (see
+        // `ToControl::Subscribe`), then every change.
+        if !matches!(e, ClusterEvent::CurrentClusterState(_)) {
+            if let Ok(mut subs) = self.shared.subscribers.lock() {
+                subs.retain(|s| s.try_send(e.clone()).is_ok() || !s.is_full());
+            }
         }
         if let Some(me) = sharding_event(&e) {
             let now = self.now();

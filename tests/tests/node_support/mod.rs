@@ -61,7 +61,14 @@ impl Ports {
 }
 
 /// A node config for node `i` of `n`.
-pub fn config_text(ports: Ports, i: usize, n: usize, dir: &Path, extra: &str) -> String {
+pub fn config_text(
+    ports: Ports,
+    i: usize,
+    n: usize,
+    cores: u16,
+    dir: &Path,
+    extra: &str,
+) -> String {
     let seeds: Vec<String> = (0..n)
         .map(|j| format!("\"{}\"", ports.cluster(j)))
         .collect();
@@ -69,7 +76,7 @@ pub fn config_text(ports: Ports, i: usize, n: usize, dir: &Path, extra: &str) ->
         r#"cluster_address = "{}"
 client_address = "{}"
 seed_nodes = [{}]
-data_cores = 1
+data_cores = {cores}
 pin_cores = false
 data_dir = "{}"
 number_of_shards = 60
@@ -146,13 +153,19 @@ pub struct Cluster {
 impl Cluster {
     /// Writes the configs of `n` nodes and starts them all at once.
     pub fn start(base_port: u16, n: usize) -> Cluster {
+        Self::start_with_cores(base_port, n, 1)
+    }
+
+    /// Like [`Self::start`] with `cores` data cores per node.
+    pub fn start_with_cores(base_port: u16, n: usize, cores: u16) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let ports = Ports { base: base_port };
         let bin = shardline_bin();
         let mut nodes = Vec::new();
         for i in 0..n {
             let cfg = dir.path().join(format!("node-{i}.toml"));
-            std::fs::write(&cfg, config_text(ports, i, n, dir.path(), "")).expect("write config");
+            std::fs::write(&cfg, config_text(ports, i, n, cores, dir.path(), ""))
+                .expect("write config");
             nodes.push(Some(spawn(
                 &bin,
                 &cfg,
