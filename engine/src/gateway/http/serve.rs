@@ -311,6 +311,11 @@ fn sweep(_core: &Rc<RefCell<Core>>) {
             c.respond(seq, &r, f.head_only, f.keep_alive);
         }
     }
+    publish();
+}
+
+/// Copies this core's counters to its registry slot when they changed.
+fn publish() {
     HTTP.with(|h| {
         let mut h = h.borrow_mut();
         if !h.dirty {
@@ -535,6 +540,9 @@ fn handle(
             let front = front.clone();
             let conn = conn.clone();
             monoio::spawn(async move {
+                if route == Route::Metrics {
+                    publish();
+                }
                 let r = match crate::gateway::collect_status(&core).await {
                     Some(status) => {
                         let node = front.node;
