@@ -4,7 +4,9 @@
 //!
 //! The resolver acts on the leader of each side of a partition once the set
 //! of unreachable members (and the set of members) has not changed for
-//! `stable_after`. Members that are only indirectly connected (they observe
+//! `stable_after`; a member that is not the leader applies only the part of
+//! the decision that downs itself (so a side that loses stops even when its
+//! leader's last gossip is lost). Members that are only indirectly connected (they observe
 //! and are observed unreachable, or are observed unreachable although they
 //! have seen the current gossip) are downed, and the strategy decides between
 //! the remaining sides. There is no auto-down by timeout.
@@ -84,7 +86,8 @@ impl DowningProvider for NoDowning {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SbrStrategy {
     /// Keep the side with more members; on a tie the side with the lowest
-    /// address survives. The default.
+    /// address survives. The default. Members already Down but not yet
+    /// removed count with the unreachable side (they may still run there).
     KeepMajority,
     /// Keep the side with at least `quorum_size` members (count); downs
     /// everything if both sides would have it.
@@ -184,14 +187,26 @@ impl SplitBrainResolver {
     ) -> (BTreeSet<UniqueAddress>, DecisionReason) {
         let r: Vec<&Member> = self.counted(g, reachable).collect();
         let u: Vec<&Member> = self.counted(g, unreachable).collect();
+        // Members already Down but not yet removed may still run on the other
+        // side (they are removed only after `down_removal_margin`, and a
+        // partition can keep them from learning their fate): the counting
+        // strategies count them with the unreachable side, so that a side
+        // that downed them cannot also win against the side they are on.
+        let role = self.config.role.as_deref();
+        let pending: Vec<&Member> = g
+            .members
+            .values()
+            .filter(|m| m.status == MemberStatus::Down && m.up_number != 0 && m.has_role(role))
+            .collect();
+        let u_counted = u.len() + pending.len();
         let down_u = (unreachable.clone(), DecisionReason::DownUnreachable);
         let down_r = (reachable.clone(), DecisionReason::DownReachable);
         let all: BTreeSet<UniqueAddress> = reachable.union(unreachable).cloned().collect();
         match &self.config.strategy {
             SbrStrategy::KeepMajority => {
-                if r.len() > u.len() {
+                if r.len() > u_counted {
                     down_u
-                } else if r.len() < u.len() {
+                } else if r.len() < u_counted {
                     down_r
                 } else {
                     let lowest = if r.is_empty() {
@@ -199,6 +214,7 @@ impl SplitBrainResolver {
                     } else {
                         r.iter()
                             .chain(u.iter())
+                            .chain(pending.iter())
                             .map(|m| m.unique_address.clone())
                             .min()
                     };
@@ -210,7 +226,7 @@ impl SplitBrainResolver {
                 }
             }
             SbrStrategy::StaticQuorum { quorum_size } => {
-                if r.len() >= *quorum_size && u.len() >= *quorum_size {
+                if r.len() >= *quorum_size && u_counted >= *quorum_size {
                     (all, DecisionReason::DownAll)
                 } else if r.len() >= *quorum_size {
                     down_u
@@ -338,34 +354,41 @@ impl DowningProvider for SplitBrainResolver {
             self.stable_deadline = Some(now + self.config.stable_after);
             self.unstable_since.get_or_insert(now);
         }
-        if !view.is_leader {
-            return None;
-        }
-        if self.stable_deadline.is_some_and(|d| now >= d) {
-            let decision = self.decide(g, view.self_address);
-            self.stable_deadline = None;
-            self.unstable_since = None;
+        let decision = if self.stable_deadline.is_some_and(|d| now >= d) {
+            Some(self.decide(g, view.self_address))
+        } else {
+            match (self.config.down_all_when_unstable, self.unstable_since) {
+                (Some(extra), Some(since)) if now >= since + self.config.stable_after + extra => {
+                    let down = g
+                        .members
+                        .values()
+                        .filter(|m| m.status != MemberStatus::Down)
+                        .map(|m| m.unique_address.clone())
+                        .collect();
+                    Some(DowningDecision {
+                        down,
+                        reason: DecisionReason::DownAllWhenUnstable,
+                    })
+                }
+                _ => None,
+            }
+        };
+        let decision = decision?;
+        self.stable_deadline = None;
+        self.unstable_since = None;
+        if view.is_leader {
             return Some(decision);
         }
-        if let (Some(extra), Some(since)) =
-            (self.config.down_all_when_unstable, self.unstable_since)
-        {
-            if now >= since + self.config.stable_after + extra {
-                self.stable_deadline = None;
-                self.unstable_since = None;
-                let down = g
-                    .members
-                    .values()
-                    .filter(|m| m.status != MemberStatus::Down)
-                    .map(|m| m.unique_address.clone())
-                    .collect();
-                return Some(DowningDecision {
-                    down,
-                    reason: DecisionReason::DownAllWhenUnstable,
-                });
-            }
-        }
-        None
+        // A member that is not the leader acts only on the part of the
+        // decision that downs itself: stopping is always safe, and it must not
+        // depend on the leader's last gossip arriving.
+        decision
+            .down
+            .contains(view.self_address)
+            .then(|| DowningDecision {
+                down: BTreeSet::from([view.self_address.clone()]),
+                reason: decision.reason,
+            })
     }
 
     fn next_deadline(&self) -> Option<Duration> {
