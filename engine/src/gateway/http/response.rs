@@ -137,15 +137,16 @@ impl Response {
     /// left out (its length is still announced); with `!keep_alive`
     /// `Connection: close` is added.
     pub fn encode(&self, head_only: bool, keep_alive: bool, out: &mut Vec<u8>) {
-        // Writing to a Vec cannot fail.
-        let _ = write!(
-            out,
-            "HTTP/1.1 {} {}\r\ncontent-type: {}\r\ncontent-length: {}\r\n",
-            self.code,
-            reason_phrase(self.code),
-            self.content_type,
-            self.body.len()
-        );
+        // Hand-written (no formatting machinery): this runs per response.
+        out.extend_from_slice(b"HTTP/1.1 ");
+        push_decimal(out, u64::from(self.code));
+        out.push(b' ');
+        out.extend_from_slice(reason_phrase(self.code).as_bytes());
+        out.extend_from_slice(b"\r\ncontent-type: ");
+        out.extend_from_slice(self.content_type.as_bytes());
+        out.extend_from_slice(b"\r\ncontent-length: ");
+        push_decimal(out, self.body.len() as u64);
+        out.extend_from_slice(b"\r\n");
         if self.retry_after {
             let _ = write!(out, "retry-after: {RETRY_AFTER_SECS}\r\n");
         }
@@ -160,6 +161,21 @@ impl Response {
             out.extend_from_slice(&self.body);
         }
     }
+}
+
+/// Appends `n` in ASCII decimal.
+fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[i..]);
 }
 
 /// The interim response sent when a client waits on `Expect: 100-continue`.
@@ -186,6 +202,22 @@ impl ResponseQueue {
         let s = self.next_seq;
         self.next_seq += 1;
         s
+    }
+
+    /// Whether `seq` is the next response to write with nothing waiting
+    /// before it: the caller may write it straight to the output and call
+    /// [`written_in_order`](Self::written_in_order) (no copy, no map).
+    pub fn is_next(&self, seq: u64) -> bool {
+        seq == self.next_out && seq < self.next_seq && self.ready.is_empty()
+    }
+
+    /// Records that the response [`is_next`](Self::is_next) allowed was
+    /// written; with `close`, later responses are dropped.
+    pub fn written_in_order(&mut self, close: bool) {
+        self.next_out += 1;
+        if close {
+            self.ready.clear();
+        }
     }
 
     /// Stores the encoded response of request `seq`; `close` marks that the
@@ -256,6 +288,12 @@ mod tests {
         let r = Response::from_status(Status::EntityFailed, b"panic: boom".to_vec());
         assert_eq!(r.code, 500);
         assert_eq!(r.body, b"the entity failed: panic: boom\n");
+        let mut d = Vec::new();
+        for n in [0u64, 7, 10, 1_048_576, u64::MAX] {
+            d.clear();
+            push_decimal(&mut d, n);
+            assert_eq!(d, n.to_string().as_bytes());
+        }
         // Every code the fronts send has a reason phrase.
         for c in [100, 200, 400, 404, 405, 408, 411, 413, 431, 500, 503, 504] {
             assert!(!reason_phrase(c).is_empty());
@@ -280,5 +318,26 @@ mod tests {
         assert!(q.drain_into(&mut out));
         assert_eq!(out, b"abc");
         assert!(!q.complete(99, Vec::new(), false));
+    }
+
+    #[test]
+    fn in_order_fast_path_only_when_nothing_waits() {
+        let mut q = ResponseQueue::default();
+        let a = q.begin();
+        let b = q.begin();
+        assert!(q.is_next(a));
+        assert!(!q.is_next(b));
+        assert!(q.complete(b, b"b".to_vec(), false));
+        assert!(!q.is_next(a), "b waits: a must go through the queue");
+        assert!(q.complete(a, b"a".to_vec(), false));
+        let mut out = Vec::new();
+        q.drain_into(&mut out);
+        assert_eq!(out, b"ab");
+        let c = q.begin();
+        assert!(q.is_next(c));
+        q.written_in_order(false);
+        assert_eq!(q.in_flight(), 0);
+        let d = q.begin();
+        assert!(!q.is_next(d + 1));
     }
 }

@@ -114,6 +114,20 @@ impl HttpConn {
     }
 
     fn respond(&self, seq: u64, r: &Response, head_only: bool, keep_alive: bool) {
+        let mut q = self.queue.borrow_mut();
+        if q.is_next(seq) {
+            // In order: encode straight into the output buffer.
+            r.encode(head_only, keep_alive, &mut self.outbox.buf.borrow_mut());
+            q.written_in_order(!keep_alive);
+            drop(q);
+            if !keep_alive {
+                self.closing.set(true);
+            }
+            self.outbox.flush();
+            self.drained.notify();
+            return;
+        }
+        drop(q);
         let mut bytes = Vec::with_capacity(128 + r.body.len());
         r.encode(head_only, keep_alive, &mut bytes);
         self.complete(seq, bytes, !keep_alive);
@@ -123,7 +137,8 @@ impl HttpConn {
 /// Per-core HTTP counters, published to [`registry`] for `/metrics`.
 #[derive(Clone, Default)]
 struct CoreMetrics {
-    requests: HashMap<(String, u16), u64>,
+    /// Requests by entity type, then status code.
+    requests: HashMap<String, HashMap<u16, u64>>,
     latency: HashMap<String, Histogram<u64>>,
     open: u64,
     accepted: u64,
@@ -131,16 +146,22 @@ struct CoreMetrics {
 
 impl CoreMetrics {
     fn record(&mut self, type_name: &str, code: u16, micros: Option<u64>) {
-        *self
-            .requests
-            .entry((type_name.to_string(), code))
-            .or_insert(0) += 1;
+        // Look up before inserting: no allocation on the common path.
+        match self.requests.get_mut(type_name) {
+            Some(by_code) => *by_code.entry(code).or_insert(0) += 1,
+            None => {
+                self.requests
+                    .insert(type_name.to_string(), [(code, 1)].into_iter().collect());
+            }
+        }
         if let Some(us) = micros {
-            let h = self
-                .latency
-                .entry(type_name.to_string())
-                .or_insert_with(new_latency_histogram);
-            h.saturating_record(us.max(1));
+            if !self.latency.contains_key(type_name) {
+                self.latency
+                    .insert(type_name.to_string(), new_latency_histogram());
+            }
+            if let Some(h) = self.latency.get_mut(type_name) {
+                h.saturating_record(us.max(1));
+            }
         }
     }
 }
@@ -582,8 +603,10 @@ fn node_metrics(node: SocketAddr, status: &NodeStatus) -> MetricsSnapshot {
     let mut requests: std::collections::BTreeMap<(String, u16), u64> = Default::default();
     let mut latency: std::collections::BTreeMap<String, Histogram<u64>> = Default::default();
     for (core, cm) in &cores {
-        for ((t, code), n) in &cm.requests {
-            *requests.entry((t.clone(), *code)).or_insert(0) += n;
+        for (t, by_code) in &cm.requests {
+            for (code, n) in by_code {
+                *requests.entry((t.clone(), *code)).or_insert(0) += n;
+            }
         }
         for (t, h) in &cm.latency {
             let merged = latency
