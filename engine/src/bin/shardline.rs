@@ -17,6 +17,8 @@ struct Cli {
 enum Command {
     /// Print the version and exit.
     Version,
+    /// Print the shard of each entity id (`ID SHARD` lines).
+    ShardOf(shardline::cli::shard_of::ShardOfArgs),
     /// Run a node: `shardline node --config FILE`.
     Node(shardline::cli::node::NodeArgs),
     /// Print a node's view of the cluster: `shardline status --node ADDR`.
@@ -41,5 +43,9 @@ fn main() -> anyhow::Result<()> {
             shardline::cli::node::run(&args)
         }
         Command::Status(args) => shardline::cli::status::run(&args, &mut std::io::stdout().lock()),
+        Command::ShardOf(args) => {
+            shardline::cli::shard_of::run(&args, &mut std::io::stdout().lock())?;
+            Ok(())
+        }
     }
 }
