@@ -598,3 +598,140 @@ proptest! {
         prop_assert!(gens.windows(2).all(|w| w[0] < w[1]));
     }
 }
+
+#[test]
+fn remembered_entities_restart_at_a_constant_pace_and_start_entity_works() {
+    use shardline_core::sharding::{RememberEntitiesPace, ShardEvent};
+    let settings = RegionSettings {
+        remember_entities: true,
+        remember_entities_pace: RememberEntitiesPace::Constant {
+            per_interval: 2,
+            interval: Duration::from_millis(100),
+        },
+        ..quiet_settings()
+    };
+    let now = Duration::ZERO;
+    let mut r: Region = Region::new(rid(1), settings, Box::new(LruPolicy::new()), now);
+    r.handle_region_msg(now, RegionMsg::RegisterAck);
+    r.handle_region_msg(
+        now,
+        RegionMsg::ShardHome {
+            shard: ShardId(0),
+            region: rid(1),
+            generation: Generation(1),
+        },
+    );
+    let effects: Vec<_> = r.drain_effects().collect();
+    assert!(effects.iter().any(|e| matches!(
+        e,
+        RegionEffect::RecoverRememberedEntities { shard: ShardId(0) }
+    )));
+    // A message waits until the remembered entities are known.
+    r.handle_message(
+        now,
+        Envelope {
+            entity: eid("m"),
+            shard: ShardId(0),
+            sender: 1,
+            payload: 1,
+        },
+    );
+    assert_eq!(r.drain_effects().count(), 0);
+    r.handle_remembered_entities(now, ShardId(0), vec![eid("a"), eid("b"), eid("c")]);
+    let effects: Vec<_> = r.drain_effects().collect();
+    assert!(effects.iter().any(|e| matches!(
+        e,
+        RegionEffect::Deliver {
+            new_incarnation: true,
+            ..
+        }
+    )));
+    assert!(
+        effects.iter().any(|e| matches!(e,
+        RegionEffect::Persist(ShardEvent::EntityStarted { entity, .. }) if entity.as_str() == "m"))
+    );
+    let started = |effects: &[RegionEffect<u32, u32>]| {
+        effects
+            .iter()
+            .filter(|e| matches!(e, RegionEffect::StartEntity { .. }))
+            .count()
+    };
+    assert_eq!(started(&effects), 0);
+    let t = r.poll_timeout().unwrap();
+    assert_eq!(t, now);
+    r.handle_timeout(t);
+    let effects: Vec<_> = r.drain_effects().collect();
+    assert_eq!(started(&effects), 2, "two per interval");
+    let t = r.poll_timeout().unwrap();
+    assert_eq!(t, Duration::from_millis(100));
+    r.handle_timeout(t);
+    let effects: Vec<_> = r.drain_effects().collect();
+    assert_eq!(started(&effects), 1);
+    assert_eq!(r.active_entities(), 4);
+    // Passivate forgets the entity for good.
+    r.handle_passivate(t, ShardId(0), &eid("a"), None);
+    let effects: Vec<_> = r.drain_effects().collect();
+    assert!(
+        effects.iter().any(|e| matches!(e,
+        RegionEffect::Persist(ShardEvent::EntityStopped { entity, .. }) if entity.as_str() == "a"))
+    );
+    // StartEntity for a running entity does nothing; for a new one starts it.
+    r.handle_start_entity(t, ShardId(0), eid("b"));
+    assert_eq!(started(&r.drain_effects().collect::<Vec<_>>()), 0);
+    r.handle_start_entity(t, ShardId(0), eid("z"));
+    assert_eq!(started(&r.drain_effects().collect::<Vec<_>>()), 1);
+    // StartEntity for a shard homed elsewhere goes to its home.
+    r.handle_region_msg(
+        t,
+        RegionMsg::ShardHome {
+            shard: ShardId(9),
+            region: rid(2),
+            generation: Generation(2),
+        },
+    );
+    let _ = r.drain_effects().count();
+    r.handle_start_entity(t, ShardId(9), eid("y"));
+    assert!(r.drain_effects().any(|e| matches!(e,
+        RegionEffect::SendToRegion { to, msg: RegionMsg::StartEntity { .. } } if to == rid(2))));
+}
+
+#[test]
+fn stale_generations_are_ignored_by_regions() {
+    let now = Duration::ZERO;
+    let mut r: Region = Region::new(rid(1), quiet_settings(), Box::new(LruPolicy::new()), now);
+    r.handle_region_msg(now, RegionMsg::RegisterAck);
+    let home = |g: u64, region: RegionId| RegionMsg::ShardHome {
+        shard: ShardId(3),
+        region,
+        generation: Generation(g),
+    };
+    r.handle_region_msg(now, home(5, rid(2)));
+    r.handle_region_msg(now, home(4, rid(3)));
+    assert_eq!(r.home_of(ShardId(3)), Some(&(rid(2), Generation(5))));
+    // A HandOff of an older generation does not stop a newer shard.
+    r.handle_region_msg(now, home(6, rid(1)));
+    r.handle_message(
+        now,
+        Envelope {
+            entity: eid("q"),
+            shard: ShardId(3),
+            sender: 0,
+            payload: 0,
+        },
+    );
+    let _ = r.drain_effects().count();
+    r.handle_region_msg(
+        now,
+        RegionMsg::HandOff {
+            shard: ShardId(3),
+            generation: Generation(5),
+        },
+    );
+    assert!(r
+        .drain_effects()
+        .all(|e| !matches!(e, RegionEffect::StopEntity { .. })));
+    assert_eq!(
+        r.hosted_shards().collect::<Vec<_>>(),
+        vec![(ShardId(3), Generation(6), false)]
+    );
+}

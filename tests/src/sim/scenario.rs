@@ -61,6 +61,8 @@ pub(crate) struct Params {
     pub skewed: bool,
     /// Crash detection delay (min, max).
     pub detect: (Duration, Duration),
+    /// Node 0 also runs a proxy region (routes, hosts nothing) with a sender.
+    pub proxy: bool,
 }
 
 fn ms(n: u64) -> Duration {
@@ -97,6 +99,7 @@ impl Params {
             dup_shard_stopped: false,
             skewed: false,
             detect: (ms(500), ms(3000)),
+            proxy: false,
         }
     }
 }
@@ -131,6 +134,7 @@ pub static SCENARIOS: &[Scenario] = &[
         build: |rng, cfg| {
             let mut p = Params::base(cfg);
             p.skewed = rng.gen_bool(0.5);
+            p.proxy = true;
             (p, vec![])
         },
     },
@@ -139,6 +143,7 @@ pub static SCENARIOS: &[Scenario] = &[
         about: "nodes join under load; rebalancing converges to a difference of at most 1",
         build: |rng, cfg| {
             let mut p = Params::base(cfg);
+            p.proxy = true;
             p.region.remember_entities = rng.gen_bool(0.5);
             p.workload_until = s(45);
             p.run_until = s(60);
@@ -185,7 +190,8 @@ pub static SCENARIOS: &[Scenario] = &[
         name: "coordinator-crash",
         about: "the coordinator's node crashes; the next oldest recovers the journal",
         build: |rng, cfg| {
-            let p = Params::base(cfg);
+            let mut p = Params::base(cfg);
+            p.proxy = true;
             let t = rand_time(rng, 2000, 10_000);
             let mut script = vec![(t, Action::CrashCoordinatorNode)];
             if rng.gen_bool(0.5) {

@@ -375,7 +375,7 @@ impl World {
         let join_seq = self.next_join_seq;
         self.next_join_seq += 1;
         let sender_base = self.next_sender_base;
-        self.next_sender_base += self.cfg.cores as u32;
+        self.next_sender_base += self.cfg.cores as u32 + 1;
         let node = Node {
             addr: addr.clone(),
             uid,
@@ -385,7 +385,7 @@ impl World {
             join_seq,
             sender_base,
             regions: Vec::new(),
-            actors: (0..self.cfg.cores).map(|_| HashMap::new()).collect(),
+            actors: (0..=self.cfg.cores).map(|_| HashMap::new()).collect(),
             coordinator: None,
         };
         if slot == self.nodes.len() {
@@ -406,6 +406,14 @@ impl World {
                 Box::new(LruPolicy::new()),
                 self.now,
             );
+            self.nodes[slot].regions.push(r);
+            self.drain_region(slot, core);
+        }
+        if self.p.proxy && slot == 0 {
+            // A proxy after the data cores: routes, hosts nothing.
+            let core = self.cfg.cores;
+            let id = self.region_id(slot, core);
+            let r = Region::new_proxy(id, self.p.region.clone(), self.now);
             self.nodes[slot].regions.push(r);
             self.drain_region(slot, core);
         }
@@ -899,6 +907,10 @@ impl World {
     fn deliver(&mut self, slot: usize, core: usize, env: Env, new_incarnation: bool) {
         let id = env.payload.0;
         let entity = env.entity;
+        if self.nodes[slot].regions[core].is_proxy() {
+            let d = format!("proxy {slot}/{core} delivered message {id} to {entity} locally");
+            return self.violate("one home", d);
+        }
         match self.nodes[slot].actors[core].get(&entity) {
             None => {
                 if !new_incarnation {
@@ -1063,7 +1075,7 @@ impl World {
             return;
         }
         let slot = cands[self.rng.gen_range(0..cands.len())];
-        let core = self.rng.gen_range(0..self.cfg.cores);
+        let core = self.rng.gen_range(0..self.nodes[slot].regions.len());
         let n = self.entity_ids.len();
         let e = if self.p.skewed && self.rng.gen_bool(0.8) {
             self.rng.gen_range(0..(n / 10).max(1))
