@@ -5,7 +5,11 @@
 //! Timeline with the test's settings (heartbeat pause 1.5 s, SBR
 //! `stable_after` 2 s, down-removal margin = stable_after): unreachable after
 //! about 2-4 s, downed 2 s later, removed 2 s after that, then the shards are
-//! allocated anew on first use. The stated bound is 30 s.
+//! allocated anew on first use. When the victim ran the coordinator, a new
+//! one starts on the next oldest member once the victim is removed, and
+//! recovers the shard homes from its replicated copy of the coordinator
+//! state. The stated bound for both cases is 45 s (measured: about 8 s for a
+//! plain member and 15-25 s for the coordinator's member on this machine).
 
 mod node_support;
 
@@ -17,26 +21,30 @@ use shardline::client::{Client, Status};
 use node_support::{live_entities, status, Cluster};
 
 const ENTITIES: usize = 150;
-const RECOVERY_BOUND: Duration = Duration::from_secs(30);
+const RECOVERY_BOUND: Duration = Duration::from_secs(45);
+/// A message for a shard whose home is being re-decided waits in a region
+/// buffer (by design) until the new coordinator answers; when the victim ran
+/// the coordinator that includes its removal and the singleton's start.
+const ASK_TIMEOUT: Duration = Duration::from_secs(40);
 
-fn round(clients: &mut [Client], r: usize) -> (usize, usize) {
+fn round(clients: &mut [Client], r: usize, cluster: &Cluster, nodes: &[usize]) -> (usize, usize) {
     let mut ok = 0;
     let mut failed = 0;
     for e in 0..ENTITIES {
         let c = &mut clients[(e + r) % clients.len()];
         let payload = format!("r{r}-e{e}");
-        match c.ask(
-            "echo",
-            &format!("e-{e}"),
-            payload.as_bytes(),
-            Duration::from_secs(15),
-        ) {
+        match c.ask("echo", &format!("e-{e}"), payload.as_bytes(), ASK_TIMEOUT) {
             Ok(resp) if resp.status == Status::Ok => {
                 assert_eq!(resp.payload, payload.as_bytes(), "echo of e-{e} is wrong");
                 ok += 1;
             }
             Ok(_) => failed += 1,
-            Err(e) => panic!("client error: {e}"),
+            Err(err) => {
+                for &i in nodes {
+                    eprintln!("node {i} status: {:?}", status(cluster.ports.client(i)));
+                }
+                panic!("client error on e-{e}: {err}")
+            }
         }
     }
     (ok, failed)
@@ -60,52 +68,83 @@ fn assert_no_duplicates(cluster: &Cluster, nodes: &[usize]) {
 
 #[test]
 fn killed_node_is_downed_and_its_entities_rehomed() {
-    let mut cluster = Cluster::start(23_200, 3);
+    kill_and_recover(23_200, 2);
+}
+
+/// The victim is the oldest member, where the coordinator runs: a new
+/// coordinator starts on the next oldest and rebuilds the shard homes from
+/// the regions' registrations.
+#[test]
+fn killed_coordinator_node_is_replaced() {
+    kill_and_recover(23_600, 0);
+}
+
+fn kill_and_recover(base_port: u16, victim_index: usize) {
+    let mut cluster = Cluster::start(base_port, 3);
     cluster.wait_ready(Duration::from_secs(60));
     cluster.wait_members_up(3, Duration::from_secs(30));
-    let mut clients: Vec<Client> = (0..2)
-        .map(|i| Client::connect(cluster.ports.client(i)).expect("connect"))
+    let survivors: Vec<usize> = (0..3).filter(|i| *i != victim_index).collect();
+    if victim_index == 0 {
+        let st = status(cluster.ports.client(1)).expect("status");
+        assert_eq!(
+            st.coordinator,
+            Some(cluster.ports.cluster(0).to_string()),
+            "node 0 is the oldest"
+        );
+    }
+    let mut clients: Vec<Client> = survivors
+        .iter()
+        .map(|i| Client::connect(cluster.ports.client(*i)).expect("connect"))
         .collect();
-    let (ok, failed) = round(&mut clients, 0);
+    let (ok, failed) = round(&mut clients, 0, &cluster, &survivors);
     assert_eq!((ok, failed), (ENTITIES, 0), "warm-up round");
-    let on_victim = live_entities(cluster.ports.client(2), "echo").expect("status of node 2");
-    assert!(!on_victim.is_empty(), "node 2 hosts some entities");
+    let on_victim =
+        live_entities(cluster.ports.client(victim_index), "echo").expect("status of the victim");
+    assert!(!on_victim.is_empty(), "the victim hosts some entities");
     assert_no_duplicates(&cluster, &[0, 1, 2]);
 
-    let victim = cluster.nodes[2].take().expect("node 2");
+    let victim = cluster.nodes[victim_index].take().expect("victim");
     victim.signal(libc::SIGKILL);
     let killed_at = Instant::now();
     drop(victim);
 
     let mut r = 1;
     let recovered_after = loop {
-        let (ok, failed) = round(&mut clients, r);
-        assert_no_duplicates(&cluster, &[0, 1]);
+        let (ok, failed) = round(&mut clients, r, &cluster, &survivors);
+        assert_no_duplicates(&cluster, &survivors);
         if failed == 0 && ok == ENTITIES {
             break killed_at.elapsed();
         }
         assert!(
             killed_at.elapsed() < RECOVERY_BOUND,
-            "requests still failing {:?} after the kill ({failed} of {ENTITIES} in the last round)\nnode 0 log:\n{}",
+            "requests still failing {:?} after the kill ({failed} of {ENTITIES} in the last round)\nsurvivor log:\n{}",
             killed_at.elapsed(),
-            cluster.log(0)
+            cluster.log(survivors[0])
         );
         std::thread::sleep(Duration::from_millis(100));
         r += 1;
     };
-    eprintln!("all requests succeed again {recovered_after:?} after SIGKILL");
+    eprintln!(
+        "victim {victim_index}: all requests succeed again {recovered_after:?} after SIGKILL"
+    );
 
     // The victim is gone from the survivors' view, its entities live once.
-    let st = status(cluster.ports.client(0)).expect("status");
+    let st = status(cluster.ports.client(survivors[0])).expect("status");
+    let victim_addr = cluster.ports.cluster(victim_index).to_string();
     assert!(
         !st.members
             .iter()
-            .any(|m| m.address == cluster.ports.cluster(2).to_string() && m.status == "Up"),
-        "node 2 still Up: {:?}",
+            .any(|m| m.address == victim_addr && m.status == "Up"),
+        "the victim is still Up: {:?}",
         st.members
     );
+    assert_ne!(
+        st.coordinator,
+        Some(victim_addr),
+        "the coordinator is not on the victim"
+    );
     let mut all: Vec<String> = Vec::new();
-    for i in 0..2 {
+    for &i in &survivors {
         all.extend(live_entities(cluster.ports.client(i), "echo").expect("status"));
     }
     for id in &on_victim {
@@ -115,5 +154,5 @@ fn killed_node_is_downed_and_its_entities_rehomed() {
             "{id} re-homed once"
         );
     }
-    assert_no_duplicates(&cluster, &[0, 1]);
+    assert_no_duplicates(&cluster, &survivors);
 }

@@ -8,7 +8,7 @@
 
 use rkyv::{Archive, Deserialize, Serialize};
 use shardline_core::ids::{Address, EntityId, MemberUid, RegionId, ShardId, UniqueAddress};
-use shardline_core::sharding::{CoordinatorMsg, Generation, RegionMsg};
+use shardline_core::sharding::{CoordinatorEvent, CoordinatorMsg, Generation, RegionMsg};
 
 use super::FrameError;
 
@@ -141,6 +141,118 @@ pub enum WireRegionMsg {
     },
 }
 
+/// [`CoordinatorEvent`] on the wire (field meanings as there).
+#[allow(missing_docs, clippy::enum_variant_names)]
+#[derive(Debug, Clone, PartialEq, Eq, Archive, Serialize, Deserialize)]
+#[rkyv(attr(allow(missing_docs, clippy::enum_variant_names)))]
+pub enum WireCoordinatorEvent {
+    ShardRegionRegistered {
+        region: WireRegion,
+    },
+    ShardRegionProxyRegistered {
+        proxy: WireRegion,
+    },
+    ShardRegionTerminated {
+        region: WireRegion,
+    },
+    ShardRegionProxyTerminated {
+        proxy: WireRegion,
+    },
+    ShardHomeAllocated {
+        shard: u32,
+        region: WireRegion,
+        generation: u64,
+    },
+    ShardHomeDeallocated {
+        shard: u32,
+        generation: u64,
+    },
+}
+
+impl From<&CoordinatorEvent> for WireCoordinatorEvent {
+    fn from(e: &CoordinatorEvent) -> Self {
+        match e {
+            CoordinatorEvent::ShardRegionRegistered { region } => {
+                WireCoordinatorEvent::ShardRegionRegistered {
+                    region: region.into(),
+                }
+            }
+            CoordinatorEvent::ShardRegionProxyRegistered { proxy } => {
+                WireCoordinatorEvent::ShardRegionProxyRegistered {
+                    proxy: proxy.into(),
+                }
+            }
+            CoordinatorEvent::ShardRegionTerminated { region } => {
+                WireCoordinatorEvent::ShardRegionTerminated {
+                    region: region.into(),
+                }
+            }
+            CoordinatorEvent::ShardRegionProxyTerminated { proxy } => {
+                WireCoordinatorEvent::ShardRegionProxyTerminated {
+                    proxy: proxy.into(),
+                }
+            }
+            CoordinatorEvent::ShardHomeAllocated {
+                shard,
+                region,
+                generation,
+            } => WireCoordinatorEvent::ShardHomeAllocated {
+                shard: shard.0,
+                region: region.into(),
+                generation: generation.0,
+            },
+            CoordinatorEvent::ShardHomeDeallocated { shard, generation } => {
+                WireCoordinatorEvent::ShardHomeDeallocated {
+                    shard: shard.0,
+                    generation: generation.0,
+                }
+            }
+        }
+    }
+}
+
+impl From<WireCoordinatorEvent> for CoordinatorEvent {
+    fn from(e: WireCoordinatorEvent) -> Self {
+        match e {
+            WireCoordinatorEvent::ShardRegionRegistered { region } => {
+                CoordinatorEvent::ShardRegionRegistered {
+                    region: region.into(),
+                }
+            }
+            WireCoordinatorEvent::ShardRegionProxyRegistered { proxy } => {
+                CoordinatorEvent::ShardRegionProxyRegistered {
+                    proxy: proxy.into(),
+                }
+            }
+            WireCoordinatorEvent::ShardRegionTerminated { region } => {
+                CoordinatorEvent::ShardRegionTerminated {
+                    region: region.into(),
+                }
+            }
+            WireCoordinatorEvent::ShardRegionProxyTerminated { proxy } => {
+                CoordinatorEvent::ShardRegionProxyTerminated {
+                    proxy: proxy.into(),
+                }
+            }
+            WireCoordinatorEvent::ShardHomeAllocated {
+                shard,
+                region,
+                generation,
+            } => CoordinatorEvent::ShardHomeAllocated {
+                shard: ShardId(shard),
+                region: region.into(),
+                generation: Generation(generation),
+            },
+            WireCoordinatorEvent::ShardHomeDeallocated { shard, generation } => {
+                CoordinatorEvent::ShardHomeDeallocated {
+                    shard: ShardId(shard),
+                    generation: Generation(generation),
+                }
+            }
+        }
+    }
+}
+
 /// A frame on a control lane.
 #[derive(Debug, Clone, PartialEq, Eq, Archive, Serialize, Deserialize)]
 #[rkyv(attr(allow(missing_docs)))]
@@ -156,6 +268,16 @@ pub enum ControlFrame {
         type_name: String,
         /// The message.
         msg: WireCoordinatorMsg,
+    },
+    /// Coordinator events of `type_name`, replicated to every member so
+    /// that the next coordinator (on another member) recovers the state.
+    CoordinatorEvents {
+        /// Entity type.
+        type_name: String,
+        /// Replace the receiver's copy instead of appending (a snapshot).
+        reset: bool,
+        /// The events, in order.
+        events: Vec<WireCoordinatorEvent>,
     },
     /// For region `to` of `type_name`.
     ToRegion {

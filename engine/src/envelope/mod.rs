@@ -21,7 +21,8 @@ mod cluster;
 pub use client_wire::{ArchivedClientFrame, ClientFrame};
 pub use cluster::{
     decode_frame_body, ArchivedControlFrame, ArchivedDataFrame, ArchivedHello, ControlFrame,
-    DataFrame, Hello, HelloAck, Lane, WireCoordinatorMsg, WireMember, WireRegion, WireRegionMsg,
+    DataFrame, Hello, HelloAck, Lane, WireCoordinatorEvent, WireCoordinatorMsg, WireMember,
+    WireRegion, WireRegionMsg,
 };
 
 /// Default and maximum frame body size, in bytes (16 MiB).

@@ -18,9 +18,9 @@ use shardline_core::cluster::{
 };
 use shardline_core::ids::{Address, MemberUid, RegionId, UniqueAddress};
 use shardline_core::sharding::{
-    CoordinatorEffect, CoordinatorEvent, CoordinatorMsg, CoordinatorSettings,
-    LeastShardAllocationStrategy, MemberStatus as ShMemberStatus, MembershipEvent, RegionMsg,
-    ShardCoordinator, SHARD_ID_HASH_NAME,
+    CoordinatorEffect, CoordinatorEvent, CoordinatorMsg, CoordinatorSettings, CoordinatorState,
+    Generation, LeastShardAllocationStrategy, MemberStatus as ShMemberStatus, MembershipEvent,
+    RegionMsg, ShardCoordinator, SHARD_ID_HASH_NAME,
 };
 
 use super::msg::{sharding_event, ClusterView, ToControl, ToCore};
@@ -69,7 +69,9 @@ struct Control {
     cluster: ClusterNode,
     types: BTreeSet<String>,
     coordinators: HashMap<String, ShardCoordinator>,
-    journal: HashMap<String, Vec<CoordinatorEvent>>,
+    /// Each type's coordinator state, replicated from the coordinator to
+    /// every member (its `Persist` effects), so the next one recovers it.
+    coord_state: HashMap<String, CoordinatorState>,
     singleton: bool,
     peers: HashMap<String, Rc<Outbox>>,
     backoff: HashMap<String, (Duration, Duration)>,
@@ -134,7 +136,7 @@ pub(crate) async fn run(init: ControlInit) {
         cluster,
         types: BTreeSet::new(),
         coordinators: HashMap::new(),
-        journal: HashMap::new(),
+        coord_state: HashMap::new(),
         singleton: false,
         peers: HashMap::new(),
         backoff: HashMap::new(),
@@ -302,6 +304,12 @@ impl Control {
                 subs.retain(|s| s.try_send(e.clone()).is_ok() || !s.is_full());
             }
         }
+        if let ClusterEvent::MemberUp(m) = &e {
+            if self.singleton && m.unique_address != self.me {
+                let addr = m.unique_address.address.0.clone();
+                self.send_coordinator_snapshot(&addr);
+            }
+        }
         if let Some(me) = sharding_event(&e) {
             let now = self.now();
             for c in self.coordinators.values_mut() {
@@ -329,7 +337,11 @@ impl Control {
 
     fn new_coordinator(&mut self, t: &str) {
         let now = self.now();
-        let events = self.journal.get(t).cloned().unwrap_or_default();
+        let events = self
+            .coord_state
+            .get(t)
+            .map(snapshot_events)
+            .unwrap_or_default();
         let mut c = ShardCoordinator::recover(
             CoordinatorSettings::default(),
             Box::new(LeastShardAllocationStrategy::default()),
@@ -357,10 +369,6 @@ impl Control {
         }
         self.singleton = false;
         self.coordinators.clear();
-        // The journal is this process's memory only: a coordinator started
-        // on another member starts empty and learns the homes from the
-        // regions' `Register { hosted }`.
-        self.journal.clear();
     }
 
     fn drain_coordinator(&mut self, t: &str) -> bool {
@@ -374,9 +382,52 @@ impl Control {
             match e {
                 CoordinatorEffect::Send { to, msg } => self.send_region(t, to, msg),
                 CoordinatorEffect::Persist(ev) => {
-                    self.journal.entry(t.to_string()).or_default().push(ev)
+                    // "Durable" here means: applied to this member's copy and
+                    // queued to every other member's control lane before any
+                    // later effect (FIFO lanes keep that order per member).
+                    self.coord_state
+                        .entry(t.to_string())
+                        .or_default()
+                        .apply(&ev);
+                    let f = ControlFrame::CoordinatorEvents {
+                        type_name: t.to_string(),
+                        reset: false,
+                        events: vec![(&ev).into()],
+                    };
+                    for addr in self.other_members() {
+                        self.send_control(&addr, &f);
+                    }
                 }
             }
+        }
+    }
+
+    /// Cluster addresses of the other members that are alive.
+    fn other_members(&self) -> Vec<String> {
+        self.state
+            .members
+            .values()
+            .filter(|m| {
+                m.unique_address != self.me
+                    && !matches!(m.status, cl::MemberStatus::Down | cl::MemberStatus::Removed)
+            })
+            .map(|m| m.unique_address.address.0.clone())
+            .collect()
+    }
+
+    /// Sends this member's copy of every coordinator state to `addr`.
+    fn send_coordinator_snapshot(&mut self, addr: &str) {
+        let frames: Vec<ControlFrame> = self
+            .coord_state
+            .iter()
+            .map(|(t, st)| ControlFrame::CoordinatorEvents {
+                type_name: t.clone(),
+                reset: true,
+                events: snapshot_events(st).iter().map(Into::into).collect(),
+            })
+            .collect();
+        for f in frames {
+            self.send_control(addr, &f);
         }
     }
 
@@ -485,6 +536,19 @@ impl Control {
                     }
                 }
             }
+            ControlFrame::CoordinatorEvents {
+                type_name,
+                reset,
+                events,
+            } => {
+                let st = self.coord_state.entry(type_name).or_default();
+                if reset {
+                    *st = CoordinatorState::default();
+                }
+                for e in events {
+                    st.apply(&CoordinatorEvent::from(e));
+                }
+            }
             ControlFrame::ToRegion { type_name, to, msg } => {
                 let to: RegionId = to.into();
                 if to.member == self.me {
@@ -545,7 +609,9 @@ impl Control {
 
     fn on_inbox(&mut self, m: ToControl) {
         match m {
-            ToControl::ToCoordinator { type_name, msg } => self.route_to_coordinator(&type_name, msg),
+            ToControl::ToCoordinator { type_name, msg } => {
+                self.route_to_coordinator(&type_name, msg)
+            }
             ToControl::ToRegion { type_name, to, msg } => self.send_region(&type_name, to, msg),
             ToControl::RegisterType { type_name } => {
                 if self.types.insert(type_name.clone()) && self.singleton {
@@ -625,6 +691,54 @@ impl Control {
             coordinator_here: self.singleton,
         }
     }
+}
+
+/// Events whose fold is `st` (same homes, regions, proxies and
+/// `last_generation`), for recovering a coordinator from a replicated state.
+fn snapshot_events(st: &CoordinatorState) -> Vec<CoordinatorEvent> {
+    let mut ev = Vec::new();
+    let top = st
+        .shards
+        .values()
+        .map(|(_, g)| *g)
+        .max()
+        .unwrap_or(Generation(0));
+    if st.last_generation > top {
+        // Carry the largest generation ever allocated with a placeholder
+        // allocation that is undone at once (shard id outside every range).
+        let phantom = RegionId {
+            member: UniqueAddress {
+                address: Address(String::new()),
+                uid: MemberUid(0),
+            },
+            core: u16::MAX,
+        };
+        let shard = shardline_core::ids::ShardId(u32::MAX);
+        ev.push(CoordinatorEvent::ShardHomeAllocated {
+            shard,
+            region: phantom.clone(),
+            generation: st.last_generation,
+        });
+        ev.push(CoordinatorEvent::ShardHomeDeallocated {
+            shard,
+            generation: st.last_generation,
+        });
+        ev.push(CoordinatorEvent::ShardRegionTerminated { region: phantom });
+    }
+    for r in st.regions.keys() {
+        ev.push(CoordinatorEvent::ShardRegionRegistered { region: r.clone() });
+    }
+    for p in &st.proxies {
+        ev.push(CoordinatorEvent::ShardRegionProxyRegistered { proxy: p.clone() });
+    }
+    for (s, (r, g)) in &st.shards {
+        ev.push(CoordinatorEvent::ShardHomeAllocated {
+            shard: *s,
+            region: r.clone(),
+            generation: *g,
+        });
+    }
+    ev
 }
 
 fn short_event(e: &ClusterEvent) -> String {

@@ -29,8 +29,8 @@ use crate::config::NodeConfig;
 use crate::entity::EntityFactory;
 use crate::envelope::Status;
 use crate::runtime::{ring, RingSender};
-pub(crate) use msg::{ToControl, ToCore};
 pub use crate::status::{MemberStatusView, NodeStatus, RegionStatusView};
+pub(crate) use msg::{ToControl, ToCore};
 
 /// Errors from starting a node.
 #[derive(Debug, Error)]

@@ -228,6 +228,24 @@ impl Cluster {
     }
 }
 
+impl Drop for Cluster {
+    /// On a failing test, keeps the nodes' logs in
+    /// `$TMPDIR/shardline-test-logs/<base port>/` for the post-mortem.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let keep = std::env::temp_dir()
+                .join("shardline-test-logs")
+                .join(self.ports.base.to_string());
+            let _ = std::fs::create_dir_all(&keep);
+            for i in 0..self.nodes.len() {
+                let name = format!("node-{i}.log");
+                let _ = std::fs::copy(self.dir.path().join(&name), keep.join(&name));
+            }
+            eprintln!("node logs kept in {}", keep.display());
+        }
+    }
+}
+
 fn spawn(bin: &Path, cfg: &Path, client: SocketAddr, log: PathBuf) -> NodeProc {
     let logf = std::fs::File::create(&log).expect("log file");
     let mut child = Command::new(bin)
