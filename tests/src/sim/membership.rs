@@ -117,6 +117,9 @@ pub enum Expect {
     /// Nobody stopped unless a failure detector once crossed its threshold;
     /// then the survivors must merely be consistent.
     NoFalseDowning,
+    /// Any outcome that passes the generic end checks: one consistent
+    /// decision (survivors converged, the rest stopped) or down-all.
+    Consistent,
 }
 
 /// One run's parameters and script.
@@ -205,7 +208,7 @@ struct Packet {
 const MAX_STEPS: u64 = 2_000_000;
 const INBOX_LIMIT: usize = 10_000;
 const APP_INTERVAL: Duration = Duration::from_millis(200);
-const TRACE_KEEP: usize = 40;
+const TRACE_KEEP: usize = 60;
 
 /// The membership world.
 pub struct MembershipWorld {
@@ -782,6 +785,7 @@ impl MembershipWorld {
                     );
                 }
             }
+            Expect::Consistent => {}
             Expect::NoFalseDowning => {
                 if self.stats.downed > 0 && !self.ever_unreachable {
                     self.violate(
@@ -949,6 +953,49 @@ fn rolling_restart(rng: &mut ChaCha8Rng) -> Plan {
     p
 }
 
+fn brief_partition(rng: &mut ChaCha8Rng) -> Plan {
+    let mut p = formed(5);
+    let order = shuffled(rng, 5);
+    let cut = rng.gen_range(1..=2);
+    let at = FORMED_BY + ms(rng.gen_range(0..3000));
+    // heals anywhere from well before to just after the decision (detection
+    // about 5 s plus stable_after 5 s)
+    let heal = at + ms(rng.gen_range(2_000..14_000));
+    p.script.push((
+        at,
+        Action::Partition(vec![order[..cut].to_vec(), order[cut..].to_vec()]),
+    ));
+    p.script.push((heal, Action::Heal));
+    p.expect = Expect::Consistent;
+    p
+}
+
+fn unstable(rng: &mut ChaCha8Rng) -> Plan {
+    let mut p = formed(5);
+    let order = shuffled(rng, 5);
+    p.script.push((
+        FORMED_BY,
+        Action::Net(NetParams {
+            latency: (ms(1), ms(100)),
+            loss: rng.gen_range(0.15..0.35),
+            spike: rng.gen_range(0.0..0.1),
+            spike_max: ms(3000),
+        }),
+    ));
+    // and a partition in the middle of it, healed later
+    let at = FORMED_BY + s(10) + ms(rng.gen_range(0..10_000));
+    p.script.push((
+        at,
+        Action::Partition(vec![order[..2].to_vec(), order[2..].to_vec()]),
+    ));
+    p.script
+        .push((at + ms(rng.gen_range(1_000..20_000)), Action::Heal));
+    p.run_until = s(140);
+    p.settle_from = s(100);
+    p.expect = Expect::Consistent;
+    p
+}
+
 /// Every membership scenario.
 pub static MEMBERSHIP_SCENARIOS: &[MembershipScenario] = &[
     MembershipScenario {
@@ -975,6 +1022,16 @@ pub static MEMBERSHIP_SCENARIOS: &[MembershipScenario] = &[
         name: "membership-flaky",
         about: "lossy network with latency spikes: no downing unless phi crossed the threshold",
         build: flaky,
+    },
+    MembershipScenario {
+        name: "membership-brief-partition",
+        about: "a 4|1 or 3|2 partition heals around the decision time: one consistent outcome",
+        build: brief_partition,
+    },
+    MembershipScenario {
+        name: "membership-unstable",
+        about: "heavy loss and spikes plus a partition: one consistent decision or down-all",
+        build: unstable,
     },
     MembershipScenario {
         name: "membership-long-pause",

@@ -60,10 +60,14 @@ pub struct ClusterConfig {
     /// with `stable_after` 20 s.
     pub downing: DowningConfig,
     /// How long a Down member stays before the leader removes it, so that it
-    /// has stopped before its shards move. Default `None` = the split-brain
-    /// resolver's `stable_after` (Akka `down-removal-margin`), or zero
-    /// without one. A Down member whose address already runs a newer
-    /// incarnation is removed at once.
+    /// has stopped before its shards move (Akka `down-removal-margin`).
+    /// Default `None`: with the split-brain resolver, the sum of
+    /// `stable_after`, `down_all_when_unstable` (or `stable_after`),
+    /// `acceptable_heartbeat_pause` and two `heartbeat_interval`s, the latest
+    /// the other side of a partition decides (it must first detect, then
+    /// wait until stable, or unstable for too long); 40 s with the defaults.
+    /// Zero without a resolver. A Down member whose address already runs a
+    /// newer incarnation is removed at once.
     pub down_removal_margin: Option<Duration>,
     /// A gap longer than this between two inputs means this node was paused
     /// (process stopped, VM frozen): it stops serving (fenced) until a member
@@ -216,7 +220,17 @@ impl ClusterNode {
         let (downing, margin): (Box<dyn DowningProvider>, Duration) = match &cfg.downing {
             DowningConfig::None => (Box::new(NoDowning), Duration::ZERO),
             DowningConfig::SplitBrainResolver(c) => {
-                (Box::new(SplitBrainResolver::new(c.clone())), c.stable_after)
+                // The other side may only start to count once its failure
+                // detectors noticed (acceptable pause plus two heartbeat
+                // intervals), then decides within stable_after, or downs
+                // everything at stable_after + down_all_when_unstable.
+                let detection =
+                    cfg.failure_detector.acceptable_heartbeat_pause + cfg.heartbeat_interval * 2;
+                let unstable = c.down_all_when_unstable.unwrap_or(c.stable_after);
+                (
+                    Box::new(SplitBrainResolver::new(c.clone())),
+                    c.stable_after + unstable + detection,
+                )
             }
         };
         let margin = cfg.down_removal_margin.unwrap_or(margin);
