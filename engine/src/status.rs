@@ -61,4 +61,3 @@ pub struct NodeStatus {
     /// This node's regions.
     pub regions: Vec<RegionStatusView>,
 }
-
