@@ -2,6 +2,6 @@
 //! subcommand lives in its own module; `src/bin/shardline.rs` only parses and
 //! dispatches.
 
-pub mod shard_of;
 pub mod node;
+pub mod shard_of;
 pub mod status;
