@@ -1290,6 +1290,12 @@ impl World {
     /// Runs the scenario to its end (or to the first violation).
     pub fn run(&mut self) {
         let end = self.p.run_until;
+        self.run_until(end);
+    }
+
+    /// Runs to virtual time `end` (or to the first violation), then checks
+    /// that everything drained.
+    pub fn run_until(&mut self, end: Duration) {
         while self.violation.is_none() {
             self.stats.steps += 1;
             if self.stats.steps > self.cfg.max_steps {
