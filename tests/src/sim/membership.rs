@@ -38,7 +38,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use shardline_core::cluster::{
     decode, encode, ClusterConfig, ClusterEvent, ClusterMessage, ClusterNode, DowningConfig,
-    MemberStatus, SbrConfig, SingletonCommand, StopReason,
+    MemberStatus, SbrConfig, SbrStrategy, SingletonCommand, StopReason,
 };
 use shardline_core::ids::{Address, MemberUid, UniqueAddress};
 
@@ -140,6 +140,8 @@ pub struct Plan {
     pub expect: Expect,
     /// The slot that is paused for more than 2 x stable_after, if any.
     pub long_pause: Option<usize>,
+    /// The split-brain resolver's strategy.
+    pub strategy: SbrStrategy,
 }
 
 /// A membership scenario.
@@ -312,7 +314,9 @@ impl MembershipWorld {
     fn config(&self, slot: usize) -> ClusterConfig {
         let seeds = self.addrs.iter().take(3).cloned().collect();
         let mut cfg = ClusterConfig::new(self.addrs[slot].clone(), seeds);
-        cfg.downing = DowningConfig::SplitBrainResolver(SbrConfig::with_stable_after(STABLE_AFTER));
+        let mut sbr = SbrConfig::with_stable_after(STABLE_AFTER);
+        sbr.strategy = self.plan.strategy.clone();
+        cfg.downing = DowningConfig::SplitBrainResolver(sbr);
         cfg.random_seed = self.rng.clone().gen();
         cfg
     }
@@ -827,6 +831,7 @@ fn formed(nodes: usize) -> Plan {
         settle_from: s(60),
         expect: Expect::Survivors((0..nodes).collect()),
         long_pause: None,
+        strategy: SbrStrategy::KeepMajority,
     }
 }
 
@@ -996,6 +1001,29 @@ fn unstable(rng: &mut ChaCha8Rng) -> Plan {
     p
 }
 
+fn keep_oldest(rng: &mut ChaCha8Rng) -> Plan {
+    let mut p = partition_3_2(rng);
+    p.strategy = SbrStrategy::KeepOldest {
+        down_if_alone: true,
+    };
+    // slot 0, the first seed, formed the cluster: it is the oldest
+    if let Some((_, Action::Partition(groups))) = p.script.first() {
+        let keep = groups
+            .iter()
+            .find(|g| g.contains(&0))
+            .cloned()
+            .unwrap_or_default();
+        p.expect = Expect::Survivors(keep.into_iter().collect());
+    }
+    p
+}
+
+fn static_quorum(rng: &mut ChaCha8Rng) -> Plan {
+    let mut p = partition_3_2(rng);
+    p.strategy = SbrStrategy::StaticQuorum { quorum_size: 3 };
+    p
+}
+
 /// Every membership scenario.
 pub static MEMBERSHIP_SCENARIOS: &[MembershipScenario] = &[
     MembershipScenario {
@@ -1017,6 +1045,16 @@ pub static MEMBERSHIP_SCENARIOS: &[MembershipScenario] = &[
         name: "membership-asymmetric",
         about: "A cannot reach B, both reach C: the indirectly connected A and B are downed",
         build: asymmetric,
+    },
+    MembershipScenario {
+        name: "membership-keep-oldest",
+        about: "3|2 partition with keep-oldest: the side of the oldest member survives",
+        build: keep_oldest,
+    },
+    MembershipScenario {
+        name: "membership-static-quorum",
+        about: "3|2 partition with static-quorum 3: the side with the quorum survives",
+        build: static_quorum,
     },
     MembershipScenario {
         name: "membership-flaky",

@@ -720,3 +720,42 @@ fn sbr_waits_for_stability_and_downs_all_when_unstable() {
     );
     assert_eq!(d.down.len(), 3);
 }
+
+#[test]
+fn joining_member_becomes_weakly_up_while_a_member_is_unreachable() {
+    let stable = Duration::from_secs(120);
+    let mut net = Net::new(4, stable);
+    net.nodes[3] = None;
+    net.step_until(Duration::from_secs(20));
+    assert!(all_up(&net, &[0, 1, 2]));
+    net.nodes[2] = None; // crashed, not downed for 120 s
+    net.step_until(Duration::from_secs(30));
+    assert!(!net.node(0).gossip().convergence());
+    let joiner = net.make(3, 4, stable);
+    net.nodes[3] = Some(joiner);
+    net.step_until(Duration::from_secs(50));
+    let me = net.node(3).self_address().clone();
+    let status = net.node(0).gossip().member(&me).map(|m| m.status);
+    assert_eq!(status, Some(MemberStatus::WeaklyUp));
+    assert!(net.node(3).is_available());
+    assert!(net.events[0]
+        .iter()
+        .any(|e| matches!(e, ClusterEvent::MemberWeaklyUp(_))));
+    // once the crashed member is downed and removed, it becomes Up
+    let crashed = net
+        .node(0)
+        .gossip()
+        .members
+        .keys()
+        .find(|u| u.address == addr(2))
+        .cloned()
+        .unwrap();
+    let now = net.now;
+    net.nodes[0].as_mut().unwrap().down(now, &crashed);
+    net.drain(0);
+    net.step_until(Duration::from_secs(90));
+    assert_eq!(
+        net.node(0).gossip().member(&me).map(|m| m.status),
+        Some(MemberStatus::Up)
+    );
+}
