@@ -139,6 +139,8 @@ pub(crate) struct Core {
     next_conn: u64,
     links: HashMap<RegionId, Link>,
     backoff: HashMap<RegionId, (Duration, Duration)>,
+    /// Members removed from the cluster (incarnations never come back).
+    removed: std::collections::HashSet<UniqueAddress>,
     pending: FastMap<u64, Pending>,
     local_pending: FastMap<u64, ReplyTo>,
     next_tag: u64,
@@ -181,6 +183,7 @@ pub(crate) async fn run(init: CoreInit) {
         next_conn: 1,
         links: HashMap::new(),
         backoff: HashMap::new(),
+        removed: std::collections::HashSet::new(),
         pending: FastMap::default(),
         local_pending: FastMap::default(),
         next_tag: 1,
@@ -552,6 +555,13 @@ impl Core {
         env: UserEnvelope,
     ) {
         let now = c.now();
+        if c.removed.contains(&to.member) {
+            return c.reply(
+                env.sender,
+                Status::TimedOut,
+                b"home node was removed from the cluster".to_vec(),
+            );
+        }
         if !c.links.contains_key(&to) {
             if let Some((until, _)) = c.backoff.get(&to) {
                 if now < *until {
@@ -972,6 +982,18 @@ impl Core {
                 }
             }
             ToCore::Membership(ev) => {
+                if let shardline_core::sharding::MembershipEvent::MemberRemoved(m) = &ev {
+                    // A removed member is never connected to again: its
+                    // links close and forwards to it fail at once.
+                    c.removed.insert(m.clone());
+                    let gone: Vec<RegionId> =
+                        c.links.keys().filter(|r| r.member == *m).cloned().collect();
+                    for r in gone {
+                        if let Some(l) = c.links.remove(&r) {
+                            l.outbox.close();
+                        }
+                    }
+                }
                 let types: Vec<String> = c.types.keys().cloned().collect();
                 for t in types {
                     if let Some(h) = c.types.get_mut(&t) {
