@@ -138,6 +138,12 @@ run() {
   echo "$rps $(to_us "$p50") $(to_us "$p99")"
 }
 
+# Warm-up (not recorded): entities activated, shard homes cached, caches warm.
+for url in "http://127.0.0.1:$PORT_SL/v1/entities/echo/bench" "http://127.0.0.1:$PORT_SL/v1/entities/counter/bench" "http://127.0.0.1:$PORT_NGINX/"; do
+  taskset -c $WRK_CORE wrk -t1 -c$CONNS -d2s -s "$WORK/get.lua" "$url" >/dev/null
+done
+echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
+
 declare -A RPS
 printf '%-22s %5s %12s %10s %10s\n' "run" "round" "req/s" "p50_us" "p99_us"
 for r in $(seq 1 "$ROUNDS"); do
