@@ -67,6 +67,10 @@ pub struct JournalOptions {
     /// finds bit rot in sealed segments at open instead of on replay).
     /// Default false.
     pub verify_all_on_open: bool,
+    /// With [`Journal::open`] (memory-mapped storage): zero-fill new
+    /// segments after preallocating them (see
+    /// [`MmapStorage::with_zero_fill`]). Default true.
+    pub zero_fill_segments: bool,
 }
 
 impl Default for JournalOptions {
@@ -77,6 +81,7 @@ impl Default for JournalOptions {
             writer_epoch: WriterEpoch(0),
             recovery: RecoveryMode::Strict,
             verify_all_on_open: false,
+            zero_fill_segments: true,
         }
     }
 }

@@ -38,7 +38,9 @@ impl SegmentIndex {
         }
     }
 
-    /// Adds a record that was validated (by scan) or just written.
+    /// Adds a record that was validated (by scan) or just written. (The
+    /// fields are passed one by one: the appender has no decoded view.)
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn add(
         &mut self,
         pid: &str,

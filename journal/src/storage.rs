@@ -114,6 +114,7 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
 #[derive(Debug, Clone)]
 pub struct MmapStorage {
     dir: PathBuf,
+    zero_fill: bool,
 }
 
 impl MmapStorage {
@@ -125,6 +126,7 @@ impl MmapStorage {
         std::fs::create_dir_all(dir.as_ref())?;
         Ok(Self {
             dir: dir.as_ref().to_path_buf(),
+            zero_fill: true,
         })
     }
 
@@ -142,7 +144,18 @@ impl MmapStorage {
         }
         Ok(Self {
             dir: dir.as_ref().to_path_buf(),
+            zero_fill: true,
         })
+    }
+
+    /// Whether new segments are zero-filled (written with zeros and
+    /// `fdatasync`ed) after `posix_fallocate`. Default true: later flushes
+    /// then write data pages only, with no unwritten-extent conversion to
+    /// commit; the price is writing each segment twice. False leaves the
+    /// space as unwritten extents.
+    pub fn with_zero_fill(mut self, zero_fill: bool) -> Self {
+        self.zero_fill = zero_fill;
+        self
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -292,7 +305,9 @@ impl Storage for MmapStorage {
             .truncate(true)
             .open(self.path(name))?;
         preallocate(&file, size_bytes)?;
-        zero_fill(&file, size_bytes)?;
+        if self.zero_fill {
+            zero_fill(&file, size_bytes)?;
+        }
         Ok(Box::new(map_file(file, true, true)?))
     }
 

@@ -92,7 +92,10 @@ impl VerifyReport {
     }
 }
 
-fn segments(storage: &dyn Storage) -> io::Result<(Vec<(Lsn, String)>, BTreeSet<Lsn>)> {
+/// Segment (id, file name) pairs in order, and the ids that have an index.
+type Listing = (Vec<(Lsn, String)>, BTreeSet<Lsn>);
+
+fn segments(storage: &dyn Storage) -> io::Result<Listing> {
     let mut segs = Vec::new();
     let mut idx = BTreeSet::new();
     for n in storage.list()? {
