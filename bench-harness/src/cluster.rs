@@ -224,6 +224,7 @@ pub struct LocalCluster {
     pub nodes: Vec<LocalNode>,
     initial: usize,
     dir: tempfile::TempDir,
+    keep: bool,
 }
 
 impl LocalCluster {
@@ -271,12 +272,19 @@ impl LocalCluster {
             nodes,
             initial,
             dir,
+            keep: false,
         })
     }
 
     /// The temporary directory holding configs, data and logs.
     pub fn dir(&self) -> &Path {
         self.dir.path()
+    }
+
+    /// Keeps the temporary directory (configs, data, logs) after the cluster
+    /// is dropped, e.g. to read the logs of a node that failed.
+    pub fn keep_files(&mut self) {
+        self.keep = true;
     }
 
     /// Client addresses of the initial nodes.
@@ -305,6 +313,7 @@ impl LocalCluster {
             .arg("node")
             .arg("--config")
             .arg(&node.config_path)
+            .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log.try_clone()?));
@@ -391,15 +400,19 @@ impl LocalCluster {
         }
     }
 
-    /// Starts the initial nodes together and waits until all are ready.
+    /// Starts the initial nodes and waits until all are ready: the first
+    /// seed node alone first (it forms the cluster, as Akka's first seed
+    /// node does), then the others together (they join through the seeds).
     ///
     /// # Errors
     /// As [`LocalCluster::start`] and [`LocalCluster::wait_ready`].
     pub fn start_initial(&mut self, connector: &dyn Connector, timeout: Duration) -> Result<()> {
-        for i in 0..self.initial {
+        self.start(0)?;
+        self.wait_ready(0, connector, timeout)?;
+        for i in 1..self.initial {
             self.start(i)?;
         }
-        for i in 0..self.initial {
+        for i in 1..self.initial {
             self.wait_ready(i, connector, timeout)?;
         }
         Ok(())
@@ -454,6 +467,17 @@ impl LocalCluster {
 impl Drop for LocalCluster {
     fn drop(&mut self) {
         self.stop_all(Duration::from_secs(5));
+        if self.keep {
+            let dir = std::mem::replace(
+                &mut self.dir,
+                tempfile::TempDir::new().expect("temporary directory"),
+            );
+            let path = dir.keep();
+            eprintln!(
+                "kept the cluster's configs, data and logs in {}",
+                path.display()
+            );
+        }
     }
 }
 

@@ -29,7 +29,11 @@ pub struct DemoArgs {
     /// Stop replaying after this long (the demo must stay short on a 2-core machine).
     #[arg(long, default_value = "150s")]
     pub max_duration: String,
-    /// Requests in flight per connection (one connection per node).
+    /// Open-loop rate (requests/s in total; latency counted from each request's
+    /// intended send time). 0 = closed loop, as fast as the cluster answers.
+    #[arg(long, default_value_t = 50_000.0)]
+    pub rate: f64,
+    /// Most requests in flight per connection (one connection per node).
     #[arg(long, default_value_t = 64)]
     pub pipeline: usize,
     /// Durability of the counters' nodes: none, always or interval:MS.
@@ -80,6 +84,10 @@ pub fn run_args(demo: &DemoArgs) -> Result<RunArgs> {
         "--plot".into(),
         out("demo.svg"),
     ];
+    if demo.rate > 0.0 {
+        line.push("--rate".into());
+        line.push(demo.rate.to_string());
+    }
     if let Some(max) = demo.max_requests {
         line.push("--max-requests".into());
         line.push(max.to_string());
@@ -102,12 +110,19 @@ pub fn demo(args: DemoArgs, connector: Arc<dyn Connector>) -> Result<RunReport> 
         );
     }
     std::fs::create_dir_all(&args.out_dir)?;
+    let pace = if args.rate > 0.0 {
+        format!(
+            "open loop at {} requests/s (latency from each request's intended send time), at most {} in flight per node",
+            args.rate, args.pipeline
+        )
+    } else {
+        format!("closed loop, {} in flight per node", args.pipeline)
+    };
     println!(
         "demo: a {}-node local cluster; replaying the OLTP trace (ARC paper, Megiddo & Modha, FAST '03: \
          914,145 references to 186,880 pages) as counter adds, one per reference, entity = page number; \
-         closed loop, {} in flight per node; stopping after {}{}; then every counter is read back and checked.",
+         {pace}; stopping after {}{}; then every counter is read back and checked.",
         args.nodes,
-        args.pipeline,
         args.max_duration,
         args.max_requests.map(|m| format!(" or {m} references")).unwrap_or_default()
     );
@@ -148,6 +163,7 @@ mod tests {
             nodes: 3,
             max_requests: Some(1000),
             max_duration: "60s".into(),
+            rate: 1000.0,
             pipeline: 32,
             durability: "none".into(),
             out_dir: PathBuf::from("/tmp/out"),
@@ -159,6 +175,7 @@ mod tests {
         assert!(a.verify);
         assert_eq!(a.max_requests, Some(1000));
         assert_eq!(a.pipeline, 32);
+        assert_eq!(a.rate, Some(1000.0));
         assert_eq!(a.json, Some(PathBuf::from("/tmp/out/demo.json")));
         assert_eq!(a.duration, Some(std::time::Duration::from_secs(60)));
     }

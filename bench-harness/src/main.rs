@@ -16,6 +16,7 @@
 mod cluster;
 mod demo;
 mod driver;
+mod journal_bench;
 mod native;
 mod plot;
 mod report;
@@ -51,6 +52,9 @@ enum Command {
     /// The main job: a 3-node local cluster replays the OLTP trace against counters,
     /// verifies them, and writes demo.hgrm, demo.json and demo.svg.
     Demo(demo::DemoArgs),
+    /// Journal throughput and append-to-durable latency per durability policy,
+    /// against a raw sequential-write baseline measured in the same run.
+    Journal(journal_bench::JournalArgs),
 }
 
 fn exit_code(verify: Option<&verify::Verdict>) -> ExitCode {
@@ -67,6 +71,10 @@ fn main() -> anyhow::Result<ExitCode> {
         Command::Run(args) => {
             let report = run::run(*args, connector, "run")?;
             Ok(exit_code(report.verify.as_ref()))
+        }
+        Command::Journal(args) => {
+            journal_bench::run(&args)?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Demo(args) => {
             let report = demo::demo(args, connector)?;

@@ -144,11 +144,12 @@ where
         .map_err(e)?;
 
     if let (Some(area), Some(t)) = (bottom, timeline) {
+        // The time axis covers the seconds with data; later marks are not drawn.
         let t_max = t
             .p99_ms
             .iter()
             .map(|p| p.0)
-            .chain(t.marks.iter().map(|m| m.t_s))
+            .chain(t.errors.iter().filter(|p| p.1 > 0).map(|p| p.0))
             .fold(1.0f64, f64::max)
             + 1.0;
         let y_max = t
@@ -157,17 +158,20 @@ where
             .map(|p| p.1)
             .fold(0.0f64, f64::max)
             .max(0.001)
-            * 1.15;
+            * 1.3;
+        let errors_max = t.errors.iter().map(|p| p.1).max().unwrap_or(0).max(1) as f64 * 1.3;
         let mut chart = ChartBuilder::on(&area)
             .caption(
-                "p99 latency per second (by intended send time)",
+                "p99 latency and errors per second (by intended send time)",
                 ("sans-serif", 18),
             )
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(70)
+            .right_y_label_area_size(70)
             .build_cartesian_2d(0.0f64..t_max, 0.0f64..y_max)
-            .map_err(e)?;
+            .map_err(e)?
+            .set_secondary_coord(0.0f64..t_max, 0.0f64..errors_max);
         chart
             .configure_mesh()
             .x_desc("time since start (s)")
@@ -175,47 +179,61 @@ where
             .draw()
             .map_err(e)?;
         chart
+            .configure_secondary_axes()
+            .y_desc("errors per second")
+            .draw()
+            .map_err(e)?;
+        chart
             .draw_series(LineSeries::new(
                 t.p99_ms.iter().copied(),
                 BLUE.stroke_width(2),
             ))
-            .map_err(e)?;
+            .map_err(e)?
+            .label("p99 (ms)")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
         chart
             .draw_series(t.p99_ms.iter().map(|&p| Circle::new(p, 2, BLUE.filled())))
             .map_err(e)?;
-        for mark in &t.marks {
-            chart
-                .draw_series(LineSeries::new(
-                    vec![(mark.t_s, 0.0), (mark.t_s, y_max)],
-                    RED.stroke_width(2),
-                ))
-                .map_err(e)?;
-            chart
-                .draw_series(std::iter::once(Text::new(
-                    mark.label.clone(),
-                    (mark.t_s, y_max * 0.95),
-                    ("sans-serif", 14).into_font().color(&RED),
-                )))
-                .map_err(e)?;
-        }
         let errors: Vec<(f64, f64)> = t
             .errors
             .iter()
             .filter(|p| p.1 > 0)
             .map(|&(s, n)| (s, n as f64))
             .collect();
-        if !errors.is_empty() {
-            let most = errors.iter().map(|p| p.1).fold(1.0f64, f64::max);
-            // Error counts drawn as crosses scaled onto the latency axis.
+        chart
+            .draw_secondary_series(
+                errors
+                    .iter()
+                    .map(|&p| Cross::new(p, 4, RED.stroke_width(2))),
+            )
+            .map_err(e)?
+            .label("errors per second")
+            .legend(|(x, y)| Cross::new((x + 10, y), 4, RED.stroke_width(2)));
+        for (n, mark) in t.marks.iter().filter(|m| m.t_s <= t_max).enumerate() {
+            let color = RGBColor(200, 100, 0);
             chart
-                .draw_series(
-                    errors
-                        .iter()
-                        .map(|&(s, n)| Cross::new((s, n / most * y_max * 0.9), 4, RED)),
-                )
-                .map_err(e)?
-                .label(format!("errors per second (max {most:.0})"));
+                .draw_series(LineSeries::new(
+                    vec![(mark.t_s, 0.0), (mark.t_s, y_max)],
+                    color.stroke_width(2),
+                ))
+                .map_err(e)?;
+            // Staggered so that marks close in time stay readable.
+            let y = y_max * (0.95 - 0.07 * (n % 4) as f64);
+            chart
+                .draw_series(std::iter::once(Text::new(
+                    format!(" {}", mark.label),
+                    (mark.t_s, y),
+                    ("sans-serif", 14).into_font().color(&color),
+                )))
+                .map_err(e)?;
         }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .border_style(BLACK)
+            .background_style(WHITE.mix(0.8))
+            .draw()
+            .map_err(e)?;
     }
     root.present().map_err(e)?;
     Ok(())

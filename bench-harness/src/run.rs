@@ -430,10 +430,29 @@ pub fn run(args: RunArgs, connector: Arc<dyn Connector>, command: &str) -> Resul
         };
         let binary = node_binary()?;
         let spare = usize::from(args.scenario == Scenario::Rebalance);
-        let mut c = LocalCluster::prepare(binary, nodes, spare, &spec)?;
-        eprintln!("starting {nodes} node(s) in {} ...", c.dir().display());
         let started = Instant::now();
-        c.start_initial(connector.as_ref(), Duration::from_secs(60))?;
+        let mut attempt = 1;
+        let c = loop {
+            let mut c = LocalCluster::prepare(binary.clone(), nodes, spare, &spec)?;
+            eprintln!("starting {nodes} node(s) in {} ...", c.dir().display());
+            match c.start_initial(connector.as_ref(), CLUSTER_FORMATION_TIMEOUT) {
+                Ok(()) => break c,
+                Err(error) if attempt < CLUSTER_START_ATTEMPTS => {
+                    c.keep_files();
+                    let text = format!("{error:#}");
+                    eprintln!(
+                        "warning: the cluster did not form (attempt {attempt} of {CLUSTER_START_ATTEMPTS}): {}; \
+                         starting a fresh cluster",
+                        text.lines().next().unwrap_or("")
+                    );
+                    attempt += 1;
+                }
+                Err(error) => {
+                    c.keep_files();
+                    return Err(error);
+                }
+            }
+        };
         eprintln!("cluster ready in {:.1} s", started.elapsed().as_secs_f64());
         for node in &c.nodes[..nodes] {
             eprintln!(
@@ -740,6 +759,15 @@ pub fn run(args: RunArgs, connector: Arc<dyn Connector>, command: &str) -> Resul
     Ok(report)
 }
 
+/// How long the harness waits for each spawned node to be ready at start.
+const CLUSTER_FORMATION_TIMEOUT: Duration = Duration::from_secs(30);
+/// Fresh clusters tried before giving up when one does not form (each
+/// failure is printed and its logs kept).
+const CLUSTER_START_ATTEMPTS: u32 = 2;
+
+/// How long a scenario waits for a restarted or added node to be ready.
+const SCENARIO_READY_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Carries out one scenario step. A failure (a node that does not come back)
 /// does not end the run: it is printed and marked, and the load goes on.
 fn run_step(
@@ -772,13 +800,14 @@ fn run_step(
             c.start(i)
         }
         Step::WaitReady(i) => c
-            .wait_ready(i, connector, Duration::from_secs(60))
+            .wait_ready(i, connector, SCENARIO_READY_TIMEOUT)
             .map(|_| mark(format!("{} ready", c.nodes[i].name))),
     };
     if let Err(error) = result {
         let first = format!("{error:#}");
         let first = first.lines().next().unwrap_or("").to_string();
         eprintln!("scenario step failed: {error:#}");
+        c.keep_files();
         mark(format!("step failed: {first}"));
     }
 }
