@@ -123,11 +123,20 @@ to_us() {
     else if (v ~ /m$/) print n * 60000000; else if (v ~ /s$/) print n * 1000000; else print n }'
 }
 
-# run NAME URL LUA: one wrk run; prints "rps p50_us p99_us".
+CLK_TCK=$(getconf CLK_TCK)
+# cpu_ticks PID: utime + stime of the process (all its threads), in ticks.
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
+# run NAME URL LUA PID: one wrk run; prints "rps p50_us p99_us cpu_us_per_request"
+# (server CPU from /proc/PID/stat, less sensitive to a loaded machine than req/s).
 run() {
-  local out
+  local out c0 c1
+  c0=$(cpu_ticks "$4")
   out=$(taskset -c $WRK_CORE wrk -t1 -c$CONNS -d${DURATION}s --latency -s "$3" "$2")
-  local rps p50 p99 errs
+  c1=$(cpu_ticks "$4")
+  local rps p50 p99 errs reqs cpu
+  reqs=$(awk '/requests in/ {print $1}' <<<"$out")
+  cpu=$(awk -v a="$c0" -v b="$c1" -v n="$reqs" -v hz="$CLK_TCK" 'BEGIN {printf "%.2f", (b - a) * 1e6 / hz / n}')
   rps=$(awk '/^Requests\/sec:/ {print $2}' <<<"$out")
   p50=$(awk '$1 == "50%" {print $2}' <<<"$out")
   p99=$(awk '$1 == "99%" {print $2}' <<<"$out")
@@ -135,7 +144,7 @@ run() {
   if [ -n "$errs" ]; then
     echo "warning: $1: $errs non-2xx responses" >&2
   fi
-  echo "$rps $(to_us "$p50") $(to_us "$p99")"
+  echo "$rps $(to_us "$p50") $(to_us "$p99") $cpu"
 }
 
 # Warm-up (not recorded): entities activated, shard homes cached, caches warm.
@@ -145,19 +154,24 @@ done
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 declare -A RPS
-printf '%-22s %5s %12s %10s %10s\n' "run" "round" "req/s" "p50_us" "p99_us"
+ngx_worker=$(pgrep -P "$ngx_pid" | head -1)
+[ -n "$ngx_worker" ] || ngx_worker=$ngx_pid
+declare -A CPU
+printf '%-22s %5s %12s %10s %10s %12s\n' "run" "round" "req/s" "p50_us" "p99_us" "cpu_us/req"
 for r in $(seq 1 "$ROUNDS"); do
   for case in echo get; do
     for server in shardline nginx; do
+      if [ "$server" = shardline ]; then pid=$sl_pid; else pid=$ngx_worker; fi
       if [ "$server" = shardline ]; then
         if [ "$case" = echo ]; then url="http://127.0.0.1:$PORT_SL/v1/entities/echo/bench"
         else url="http://127.0.0.1:$PORT_SL/v1/entities/counter/bench"; fi
       else
         url="http://127.0.0.1:$PORT_NGINX/"
       fi
-      read -r rps p50 p99 < <(run "$server-$case" "$url" "$WORK/$case.lua")
-      printf '%-22s %5s %12.0f %10.0f %10.0f\n' "$server-$case" "$r" "$rps" "$p50" "$p99"
+      read -r rps p50 p99 cpu < <(run "$server-$case" "$url" "$WORK/$case.lua" "$pid")
+      printf '%-22s %5s %12.0f %10.0f %10.0f %12s\n' "$server-$case" "$r" "$rps" "$p50" "$p99" "$cpu"
       RPS[$server-$case]="${RPS[$server-$case]:-} $rps"
+      CPU[$server-$case]="${CPU[$server-$case]:-} $cpu"
     done
   done
 done
@@ -170,5 +184,9 @@ for case in echo get; do
   ratio=$(awk -v s="$s" -v n="$n" 'BEGIN {printf "%.3f", s / n}')
   label=$([ "$case" = echo ] && echo "echo route" || echo "counter get")
   printf 'ratio shardline/nginx (%s, median req/s %.0f / %.0f): %s (target >= 0.8)\n' "$label" "$s" "$n" "$ratio"
+  sc=$(echo "${CPU[shardline-$case]}" | median)
+  nc=$(echo "${CPU[nginx-$case]}" | median)
+  printf '  server CPU per request (%s, median): shardline %.2f us, nginx %.2f us, nginx/shardline %.3f\n' \
+    "$label" "$sc" "$nc" "$(awk -v s="$sc" -v n="$nc" 'BEGIN {printf "%.3f", n / s}')"
 done
 echo "machine: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), rev $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
