@@ -499,6 +499,10 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
             let _ = monoio::time::timeout(until - Instant::now(), writer_done.wait()).await;
         }
         let mut b = std::mem::take(&mut buf);
+        if b.capacity() == 0 {
+            // The buffer went with a read cancelled by a deadline.
+            b = Vec::with_capacity(READ_BYTES);
+        }
         while drained < LINGER_MAX_BYTES {
             match read_until(&mut r, b, until).await {
                 Some((Ok(n), back)) if n > 0 => {
