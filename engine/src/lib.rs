@@ -37,6 +37,7 @@ pub mod entity;
 pub mod envelope;
 pub mod gateway;
 pub mod node;
+pub mod persistence;
 pub mod runtime;
 pub mod status;
 pub mod transport;

@@ -8,6 +8,9 @@
 //!
 //! Built in: [`Echo`] and [`Counter`] (payloads in `notes/INTERFACES.md`).
 
+pub mod persistent;
+pub mod supervision;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,6 +30,11 @@ pub enum EntityError {
 /// What a handler may ask of the runtime.
 pub struct EntityContext<'a> {
     id: &'a EntityId,
+    type_name: &'a str,
+    writer_epoch: u64,
+    reply_token: Option<u64>,
+    reply_deferred: bool,
+    await_durable: bool,
     reply: Option<Vec<u8>>,
     passivate: bool,
     timers: Vec<(u64, Option<Duration>)>,
@@ -38,15 +46,72 @@ impl<'a> EntityContext<'a> {
     pub fn new(id: &'a EntityId) -> Self {
         EntityContext {
             id,
+            type_name: "",
+            writer_epoch: 0,
+            reply_token: None,
+            reply_deferred: false,
+            await_durable: false,
             reply: None,
             passivate: false,
             timers: Vec::new(),
         }
     }
 
+    /// The same context, naming the entity type and the writer epoch (the
+    /// shard's allocation generation) that durable entities append with.
+    pub fn with_type(mut self, type_name: &'a str, writer_epoch: u64) -> Self {
+        self.type_name = type_name;
+        self.writer_epoch = writer_epoch;
+        self
+    }
+
+    /// Gives the message being handled a reply token (the runtime does this
+    /// for every delivered message; see [`Self::defer_reply`]).
+    pub fn with_reply_token(mut self, token: u64) -> Self {
+        self.reply_token = Some(token);
+        self
+    }
+
     /// This entity's id.
     pub fn self_id(&self) -> &EntityId {
         self.id
+    }
+
+    /// This entity's type name (empty when the runtime did not set it).
+    pub fn type_name(&self) -> &str {
+        self.type_name
+    }
+
+    /// The writer epoch of this incarnation's journal appends: the
+    /// allocation generation of its shard (0 when unknown).
+    pub fn writer_epoch(&self) -> u64 {
+        self.writer_epoch
+    }
+
+    /// Takes over the reply of the message being handled: the runtime
+    /// sends nothing when the handler returns; the entity answers later
+    /// with [`crate::persistence::complete`] and the returned token.
+    /// `None` outside a message (timers, start).
+    pub fn defer_reply(&mut self) -> Option<u64> {
+        let t = self.reply_token?;
+        self.reply_deferred = true;
+        Some(t)
+    }
+
+    /// Whether the handler deferred its reply.
+    pub fn reply_deferred(&self) -> bool {
+        self.reply_deferred
+    }
+
+    /// Asks for [`Entity::on_durable`] calls while this entity has journal
+    /// appends that are not durable yet.
+    pub fn await_durable(&mut self) {
+        self.await_durable = true;
+    }
+
+    /// Whether the handler asked for durability notices.
+    pub fn wants_durable(&self) -> bool {
+        self.await_durable
     }
 
     /// Sets the reply to the message being handled (an ask gets it; a tell
@@ -104,6 +169,20 @@ pub trait Entity: 'static {
     /// Called when timer `key` fires.
     fn on_timer(&mut self, _ctx: &mut EntityContext<'_>, _key: u64) {}
 
+    /// Called (after [`EntityContext::await_durable`]) when the core's
+    /// journal's durable LSN advanced to `durable_lsn`; the entity runs the
+    /// handlers of its events up to it. Default: nothing.
+    ///
+    /// # Errors
+    /// [`EntityError`]: the incarnation is stopped.
+    fn on_durable(
+        &mut self,
+        _ctx: &mut EntityContext<'_>,
+        _durable_lsn: u64,
+    ) -> Result<(), EntityError> {
+        Ok(())
+    }
+
     /// Called once when the incarnation stops (passivation, hand-off, leave).
     fn on_stop(&mut self) {}
 }
@@ -125,40 +204,130 @@ impl Entity for Echo {
 /// An i64 counter: `add <n>` replies with the new value, `get` with the
 /// current one (ASCII decimal). An unparsable command is answered with
 /// `error: <reason>` and leaves the value as it was.
+///
+/// Event-sourced ([`persistent::PersistentEntity`]): an accepted `add <n>`
+/// persists the event `n` (8 bytes, i64 little-endian) and replies with the
+/// new value once it is durable; the snapshot is the value (8 bytes LE).
 #[derive(Debug, Default)]
 pub struct Counter {
     value: i64,
 }
 
-impl Entity for Counter {
-    fn handle(&mut self, ctx: &mut EntityContext<'_>, message: &[u8]) -> Result<(), EntityError> {
-        let reply = match std::str::from_utf8(message) {
-            Err(_) => "error: command is not UTF-8".to_string(),
-            Ok("get") => self.value.to_string(),
+impl Counter {
+    /// The current value.
+    pub fn value(&self) -> i64 {
+        self.value
+    }
+
+    fn decide(&self, message: &[u8]) -> Result<Option<i64>, String> {
+        match std::str::from_utf8(message) {
+            Err(_) => Err("error: command is not UTF-8".to_string()),
+            Ok("get") => Ok(None),
             Ok(cmd) => match cmd.strip_prefix("add ") {
-                None => format!("error: unknown command `{}`", cmd.escape_debug()),
+                None => Err(format!("error: unknown command `{}`", cmd.escape_debug())),
                 Some(n) => match n.trim().parse::<i64>() {
-                    Err(e) => format!("error: bad number: {e}"),
+                    Err(e) => Err(format!("error: bad number: {e}")),
                     Ok(n) => match self.value.checked_add(n) {
-                        None => "error: overflow".to_string(),
-                        Some(v) => {
-                            self.value = v;
-                            v.to_string()
-                        }
+                        None => Err("error: overflow".to_string()),
+                        Some(_) => Ok(Some(n)),
                     },
                 },
             },
-        };
-        ctx.reply(reply);
+        }
+    }
+}
+
+fn decode_i64(bytes: &[u8], what: &str) -> Result<i64, EntityError> {
+    let b: [u8; 8] = bytes
+        .try_into()
+        .map_err(|_| EntityError::Failed(format!("{what} is {} bytes, not 8", bytes.len())))?;
+    Ok(i64::from_le_bytes(b))
+}
+
+impl persistent::PersistentEntity for Counter {
+    fn on_command(
+        &mut self,
+        ctx: &mut persistent::PersistContext,
+        command: &[u8],
+    ) -> Result<(), EntityError> {
+        match self.decide(command) {
+            Err(reason) => ctx.reply(reason),
+            Ok(None) => ctx.reply(self.value.to_string()),
+            Ok(Some(n)) => ctx.persist(n.to_le_bytes().to_vec()),
+        }
+        Ok(())
+    }
+
+    fn on_event(
+        &mut self,
+        ctx: &mut persistent::PersistContext,
+        event: &[u8],
+    ) -> Result<(), EntityError> {
+        let n = decode_i64(event, "counter event")?;
+        self.value = self.value.wrapping_add(n);
+        ctx.reply(self.value.to_string());
+        Ok(())
+    }
+
+    fn snapshot(&self) -> Vec<u8> {
+        self.value.to_le_bytes().to_vec()
+    }
+
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), EntityError> {
+        self.value = decode_i64(snapshot, "counter snapshot")?;
         Ok(())
     }
 }
 
-/// The factory of a built-in kind.
+/// Events between two snapshots of a durable built-in entity (count),
+/// when the type's config does not say.
+pub const DEFAULT_SNAPSHOT_EVERY: u64 = 100;
+
+/// The factory of a built-in kind, with default settings.
 pub fn builtin_factory(kind: crate::config::EntityKind) -> EntityFactory {
-    match kind {
+    builtin_factory_with(
+        kind,
+        DEFAULT_SNAPSHOT_EVERY,
+        supervision::SupervisorSettings::default(),
+    )
+}
+
+/// The factory of a built-in kind: `counter` is durable with a snapshot
+/// every `snapshot_every` events (0: never); every kind is supervised.
+pub fn builtin_factory_with(
+    kind: crate::config::EntityKind,
+    snapshot_every: u64,
+    supervisor: supervision::SupervisorSettings,
+) -> EntityFactory {
+    let inner: EntityFactory = match kind {
         crate::config::EntityKind::Echo => Arc::new(|_| Box::new(Echo)),
-        crate::config::EntityKind::Counter => Arc::new(|_| Box::<Counter>::default()),
+        crate::config::EntityKind::Counter => Arc::new(move |_| {
+            Box::new(persistent::Persistent::new(
+                Box::<Counter>::default(),
+                snapshot_every,
+            ))
+        }),
+    };
+    supervision::supervised(inner, supervisor)
+}
+
+#[cfg(test)]
+/// The pre-durability counter semantics, for command parsing tests.
+#[derive(Default)]
+struct CounterInMemory(Counter);
+
+#[cfg(test)]
+impl Entity for CounterInMemory {
+    fn handle(&mut self, ctx: &mut EntityContext<'_>, message: &[u8]) -> Result<(), EntityError> {
+        match self.0.decide(message) {
+            Err(r) => ctx.reply(r),
+            Ok(None) => ctx.reply(self.0.value.to_string()),
+            Ok(Some(n)) => {
+                self.0.value += n;
+                ctx.reply(self.0.value.to_string())
+            }
+        }
+        Ok(())
     }
 }
 
@@ -173,9 +342,70 @@ mod tests {
         String::from_utf8(ctx.take_reply().unwrap()).unwrap()
     }
 
+    /// A durable counter on an in-memory journal with "none" semantics.
+    struct Durable {
+        host: persistent::Persistent,
+        id: EntityId,
+        token: u64,
+    }
+
+    impl Durable {
+        fn start(log: crate::persistence::CoreLog) -> Self {
+            crate::persistence::install(Box::new(log));
+            let id = EntityId::new("x").unwrap();
+            let mut host = persistent::Persistent::new(Box::<Counter>::default(), 3);
+            host.on_start(&mut EntityContext::new(&id).with_type("counter", 1));
+            Durable { host, id, token: 0 }
+        }
+    }
+
+    impl Entity for Durable {
+        fn handle(&mut self, _: &mut EntityContext<'_>, msg: &[u8]) -> Result<(), EntityError> {
+            self.token += 1;
+            let mut ctx = EntityContext::new(&self.id)
+                .with_type("counter", 1)
+                .with_reply_token(self.token);
+            self.host.handle(&mut ctx, msg)?;
+            Ok(())
+        }
+    }
+
+    fn run_durable(e: &mut Durable, msg: &str) -> String {
+        let id = EntityId::new("x").unwrap();
+        let mut ctx = EntityContext::new(&id);
+        e.handle(&mut ctx, msg.as_bytes()).unwrap();
+        let mut c = crate::persistence::take_completions();
+        assert_eq!(c.len(), 1, "{msg}");
+        String::from_utf8(c.remove(0).2).unwrap()
+    }
+
+    #[test]
+    fn durable_counter_recovers_from_snapshot_and_events() {
+        let dir = tempfile::tempdir().unwrap();
+        let none = crate::config::Durability::Named(crate::config::DurabilityName::None);
+        let log = crate::persistence::CoreLog::open(&dir.path().join("node-a"), 0, &none).unwrap();
+        let mut c = Durable::start(log);
+        assert_eq!(run_durable(&mut c, "add 5"), "5");
+        assert_eq!(run_durable(&mut c, "add -7"), "-2");
+        for _ in 0..5 {
+            run_durable(&mut c, "add 1");
+        }
+        assert_eq!(run_durable(&mut c, "get"), "3");
+        assert!(run_durable(&mut c, "mul 2").starts_with("error: "));
+        drop(c);
+        drop(crate::persistence::uninstall());
+        let log = crate::persistence::CoreLog::open(&dir.path().join("node-a"), 0, &none).unwrap();
+        let mut c = Durable::start(log);
+        // 7 events, snapshot every 3: the snapshot holds 6, one event replays.
+        assert_eq!(c.host.recovered_events(), 1);
+        assert_eq!(run_durable(&mut c, "get"), "3");
+        drop(c);
+        drop(crate::persistence::uninstall());
+    }
+
     #[test]
     fn counter_commands() {
-        let mut c = Counter::default();
+        let mut c = CounterInMemory::default();
         assert_eq!(run(&mut c, "add 5"), "5");
         assert_eq!(run(&mut c, "add -7"), "-2");
         assert_eq!(run(&mut c, "get"), "-2");

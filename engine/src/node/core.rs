@@ -108,6 +108,9 @@ struct Live {
     entity: Box<dyn Entity>,
     shard: ShardId,
     incarnation: u64,
+    /// The shard's allocation generation when the entity started (the
+    /// writer epoch of its journal appends).
+    epoch: u64,
 }
 
 struct Link {
@@ -155,6 +158,8 @@ pub(crate) struct Core {
     reported_registered: bool,
     reported_shutdown: bool,
     shutdown: bool,
+    /// Deferred replies and entities awaiting journal durability.
+    durable: crate::persistence::Hooks<ReplyTo>,
 }
 
 type CoreRef = Rc<RefCell<Core>>;
@@ -198,8 +203,28 @@ pub(crate) async fn run(init: CoreInit) {
         reported_registered: false,
         reported_shutdown: false,
         shutdown: false,
+        durable: crate::persistence::Hooks::default(),
     }));
     drop(init.shared);
+    {
+        let c = core.borrow();
+        if let Err(e) =
+            crate::persistence::open_for_core(&c.config.data_dir, c.index, &c.config.durability)
+        {
+            tracing::error!(core = c.index, error = %e, "cannot open the core's journal; durable entities fail");
+        }
+    }
+    let durable_core = core.clone();
+    let wake = core.borrow().durable.wake.clone();
+    monoio::spawn(async move {
+        loop {
+            wake.wait().await;
+            if durable_core.borrow().shutdown {
+                return;
+            }
+            durable_core.borrow_mut().on_durable_advance();
+        }
+    });
     Core::set_self(&core);
     let accept_core = core.clone();
     let accept = monoio::spawn(async move {
@@ -256,6 +281,9 @@ pub(crate) async fn run(init: CoreInit) {
     }
     drop(c);
     drop(accept);
+    if let Some(log) = crate::persistence::uninstall() {
+        drop(log); // syncs and closes the core's journal
+    }
 }
 
 impl Core {
@@ -693,6 +721,8 @@ impl Core {
                     if let Some(h) = self.types.get_mut(t) {
                         if let Some(mut l) = h.entities.remove(&entity) {
                             l.entity.on_stop();
+                            let inc = l.incarnation;
+                            self.fail_deferred(inc);
                         }
                     }
                     let now = self.now();
@@ -721,6 +751,79 @@ impl Core {
             }
         }
         self.check_registered();
+    }
+
+    /// Sends the deferred replies entities answered.
+    fn drain_completions(&mut self) {
+        for (token, status, payload) in crate::persistence::take_completions() {
+            if let Some(to) = self.durable.take(token) {
+                self.reply(to, status, payload);
+            }
+        }
+    }
+
+    /// An incarnation stopped: answers its deferred replies (those it
+    /// answered itself first), the rest with `EntityFailed`.
+    fn fail_deferred(&mut self, inc: u64) {
+        self.drain_completions();
+        for to in self.durable.drop_incarnation(inc) {
+            self.reply(to, Status::EntityFailed, b"entity stopped".to_vec());
+        }
+    }
+
+    /// The journal's durable LSN advanced: entities with events in flight
+    /// run their handlers and answer.
+    fn on_durable_advance(&mut self) {
+        crate::persistence::disarm_if_reached();
+        let Ok(durable) = crate::persistence::with_log(|l| l.durable_lsn().0) else {
+            return;
+        };
+        for (t, id, inc) in self.durable.take_waiting() {
+            let Some(h) = self.types.get_mut(&t) else {
+                continue;
+            };
+            let Some(live) = h.entities.get_mut(&id) else {
+                continue;
+            };
+            if live.incarnation != inc {
+                continue;
+            }
+            let shard = live.shard;
+            let mut ctx = EntityContext::new(&id).with_type(&t, live.epoch);
+            let res = live.entity.on_durable(&mut ctx, durable);
+            let timers = ctx.take_timers();
+            let passivate = ctx.wants_passivation();
+            let again = ctx.wants_durable();
+            self.drain_completions();
+            if let Err(e) = res {
+                tracing::warn!(entity = %id, error = %e, "entity failed on a durable event");
+                if let Some(h) = self.types.get_mut(&t) {
+                    if let Some(mut l) = h.entities.remove(&id) {
+                        l.entity.on_stop();
+                    }
+                }
+                self.fail_deferred(inc);
+                let now = self.now();
+                if let Some(h) = self.types.get_mut(&t) {
+                    h.region.handle_entity_stopped(now, shard, &id);
+                }
+                self.run_effects(&t);
+                continue;
+            }
+            if !timers.is_empty() {
+                self.apply_timers(&t, &id, inc, timers);
+            }
+            if again {
+                self.durable.wait(&t, &id, inc);
+            }
+            if passivate {
+                let now = self.now();
+                if let Some(h) = self.types.get_mut(&t) {
+                    h.region.handle_passivate(now, shard, &id, None);
+                }
+                self.run_effects(&t);
+            }
+        }
     }
 
     fn forward_local(&mut self, t: &str, to_core: u16, env: UserEnvelope) {
@@ -762,8 +865,14 @@ impl Core {
             return false;
         };
         let mut entity = f(id);
-        let mut ctx = EntityContext::new(id);
+        let epoch = h
+            .region
+            .hosted_shards()
+            .find(|(s, _, _)| *s == shard)
+            .map_or(0, |(_, g, _)| g.0);
+        let mut ctx = EntityContext::new(id).with_type(t, epoch);
         entity.on_start(&mut ctx);
+        let wants_durable = ctx.wants_durable();
         h.activated += 1;
         h.entities.insert(
             id.clone(),
@@ -771,11 +880,15 @@ impl Core {
                 entity,
                 shard,
                 incarnation: inc,
+                epoch,
             },
         );
         self.next_incarnation += 1;
         let timers = ctx.take_timers();
         self.apply_timers(t, id, inc, timers);
+        if wants_durable {
+            self.durable.wait(t, id, inc);
+        }
         true
     }
 
@@ -819,15 +932,30 @@ impl Core {
             return;
         };
         h.delivered += 1;
-        let mut ctx = EntityContext::new(&env.entity);
+        let token = self.next_tag;
+        self.next_tag += 1;
+        let epoch = live.epoch;
+        let mut ctx = EntityContext::new(&env.entity)
+            .with_type(t, epoch)
+            .with_reply_token(token);
         let res = live.entity.handle(&mut ctx, &env.payload);
         let inc = live.incarnation;
         let passivate = ctx.wants_passivation();
         let timers = ctx.take_timers();
         let reply = ctx.take_reply().unwrap_or_default();
+        let deferred = ctx.reply_deferred();
+        let wants_durable = ctx.wants_durable();
         match res {
             Ok(()) => {
-                self.reply(env.sender, Status::Ok, reply);
+                if deferred {
+                    self.durable.defer(token, inc, env.sender);
+                    self.drain_completions();
+                } else {
+                    self.reply(env.sender, Status::Ok, reply);
+                }
+                if wants_durable {
+                    self.durable.wait(t, &env.entity, inc);
+                }
                 if !timers.is_empty() {
                     self.apply_timers(t, &env.entity, inc, timers);
                 }
@@ -845,6 +973,7 @@ impl Core {
                         l.entity.on_stop();
                     }
                 }
+                self.fail_deferred(inc);
                 let now = self.now();
                 if let Some(h) = self.types.get_mut(t) {
                     h.region.handle_entity_stopped(now, env.shard, &env.entity);
@@ -908,11 +1037,16 @@ impl Core {
                 continue;
             }
             let shard = live.shard;
-            let mut ctx = EntityContext::new(&id);
+            let mut ctx = EntityContext::new(&id).with_type(&e.type_name, live.epoch);
             live.entity.on_timer(&mut ctx, e.key);
             let timers = ctx.take_timers();
             let passivate = ctx.wants_passivation();
+            let wants_durable = ctx.wants_durable();
             self.apply_timers(&e.type_name, &id, e.incarnation, timers);
+            if wants_durable {
+                self.durable.wait(&e.type_name, &id, e.incarnation);
+            }
+            self.drain_completions();
             if passivate {
                 if let Some(h) = self.types.get_mut(&e.type_name) {
                     h.region.handle_passivate(now, shard, &id, None);
@@ -1085,6 +1219,7 @@ impl Core {
                         }
                     }
                 }
+                c.drain_completions();
                 for o in c.conns.values() {
                     o.close();
                 }

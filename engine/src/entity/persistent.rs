@@ -1,0 +1,622 @@
+//! Event-sourced (durable) entities with the semantics of Akka's
+//! `PersistentActor` `persist` / `persistAsync`
+//! (<https://doc.akka.io/docs/akka/current/persistence.html>).
+//!
+//! A [`PersistentEntity`] decides events in its command handler
+//! ([`PersistContext::persist`], [`PersistContext::persist_all`],
+//! [`PersistContext::persist_async`]). The events are appended to the
+//! core's journal at once; their handler ([`PersistentEntity::on_event`])
+//! runs only after they are durable under the node's policy, in the order
+//! they were persisted. While an event from `persist`/`persist_all` is
+//! pending, new commands are stashed and handled afterwards in arrival
+//! order; `persist_async` events do not stash. The reply to a command (set
+//! by its command handler or its events' handlers; the last one wins) goes
+//! out after the handler of its last event ran, so a reply never speaks of
+//! an event that is not durable.
+//!
+//! Recovery on start: latest snapshot ([`PersistentEntity::restore`]), then
+//! the events after it through `on_event` (replies dropped). A snapshot is
+//! saved every `snapshot_every` events ([`PersistentEntity::snapshot`]).
+//! Persistence id: `{type_name}|{entity_id}`; writer epoch: the shard's
+//! allocation generation, so an old incarnation of a moved shard is fenced
+//! by the journal.
+
+use std::collections::VecDeque;
+
+use shardline_journal::{Lsn, PersistenceId, SequenceNr, WriterEpoch};
+
+use super::{Entity, EntityContext, EntityError};
+use crate::envelope::Status;
+use crate::persistence;
+
+/// How an event was persisted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PersistMode {
+    /// `persist`: new commands wait until its handler ran.
+    Stash,
+    /// `persistAsync`: new commands are handled meanwhile.
+    Async,
+}
+
+/// What a command or event handler may ask.
+#[derive(Default)]
+pub struct PersistContext {
+    events: Vec<(Vec<u8>, PersistMode)>,
+    reply: Option<Vec<u8>>,
+    recovering: bool,
+    passivate: bool,
+}
+
+impl PersistContext {
+    /// Persists one event; new commands are stashed until its handler ran.
+    pub fn persist(&mut self, event: impl Into<Vec<u8>>) {
+        self.events.push((event.into(), PersistMode::Stash));
+    }
+
+    /// Persists events atomically in order (each with stashing).
+    pub fn persist_all<I: IntoIterator<Item = Vec<u8>>>(&mut self, events: I) {
+        for e in events {
+            self.persist(e);
+        }
+    }
+
+    /// Persists one event without stashing new commands; its handler still
+    /// runs in persist order.
+    pub fn persist_async(&mut self, event: impl Into<Vec<u8>>) {
+        self.events.push((event.into(), PersistMode::Async));
+    }
+
+    /// Sets the reply of the current command (last call wins). Ignored
+    /// during recovery.
+    pub fn reply(&mut self, payload: impl Into<Vec<u8>>) {
+        self.reply = Some(payload.into());
+    }
+
+    /// Whether events are being replayed (no replies, no persists).
+    pub fn is_recovering(&self) -> bool {
+        self.recovering
+    }
+
+    /// Asks to be stopped (passivated) after this message.
+    pub fn passivate(&mut self) {
+        self.passivate = true;
+    }
+}
+
+/// A user event-sourced entity. Events and snapshots are opaque bytes.
+pub trait PersistentEntity: 'static {
+    /// Handles a command: validates, then persists events or replies.
+    ///
+    /// # Errors
+    /// [`EntityError`]: the command fails (sender gets `EntityFailed`).
+    fn on_command(&mut self, ctx: &mut PersistContext, command: &[u8]) -> Result<(), EntityError>;
+
+    /// Applies one event to the state (after it is durable, and during
+    /// recovery); may reply.
+    ///
+    /// # Errors
+    /// [`EntityError`]: the incarnation fails (an undecodable event).
+    fn on_event(&mut self, ctx: &mut PersistContext, event: &[u8]) -> Result<(), EntityError>;
+
+    /// The state as bytes.
+    fn snapshot(&self) -> Vec<u8>;
+
+    /// Replaces the state with a snapshot.
+    ///
+    /// # Errors
+    /// [`EntityError`] when the bytes are not a snapshot of this type.
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), EntityError>;
+}
+
+struct InFlight {
+    lsn: Lsn,
+    event: Vec<u8>,
+    mode: PersistMode,
+    command: u64,
+}
+
+struct PendingCommand {
+    id: u64,
+    token: Option<u64>,
+    reply: Option<Vec<u8>>,
+    remaining: usize,
+}
+
+/// Hosts a [`PersistentEntity`] as an [`Entity`]: journal appends,
+/// stashing, deferred replies, recovery and snapshots.
+pub struct Persistent {
+    inner: Box<dyn PersistentEntity>,
+    pid: Option<PersistenceId>,
+    epoch: WriterEpoch,
+    seq: u64,
+    snapshot_every: u64,
+    since_snapshot: u64,
+    in_flight: VecDeque<InFlight>,
+    commands: VecDeque<PendingCommand>,
+    next_command: u64,
+    stashed: VecDeque<(Vec<u8>, Option<u64>)>,
+    stashing: usize,
+    recovered_events: u64,
+}
+
+impl Persistent {
+    /// Wraps `inner`; a snapshot every `snapshot_every` events (0: never).
+    pub fn new(inner: Box<dyn PersistentEntity>, snapshot_every: u64) -> Self {
+        Persistent {
+            inner,
+            pid: None,
+            epoch: WriterEpoch(0),
+            seq: 0,
+            snapshot_every,
+            since_snapshot: 0,
+            in_flight: VecDeque::new(),
+            commands: VecDeque::new(),
+            next_command: 1,
+            stashed: VecDeque::new(),
+            stashing: 0,
+            recovered_events: 0,
+        }
+    }
+
+    /// The last sequence number used.
+    pub fn sequence_nr(&self) -> u64 {
+        self.seq
+    }
+
+    /// Events replayed at the last recovery (count).
+    pub fn recovered_events(&self) -> u64 {
+        self.recovered_events
+    }
+
+    /// Commands stashed now (count).
+    pub fn stashed(&self) -> usize {
+        self.stashed.len()
+    }
+
+    fn recover(&mut self, ctx: &EntityContext<'_>) -> Result<(), EntityError> {
+        let pid = PersistenceId::new(&format!("{}|{}", ctx.type_name(), ctx.self_id()))
+            .map_err(|e| EntityError::Failed(format!("persistence id: {e}")))?;
+        self.epoch = WriterEpoch(ctx.writer_epoch());
+        let rec = persistence::with_log(|l| l.recover(&pid, self.epoch))
+            .and_then(|r| r)
+            .map_err(|e| EntityError::Failed(format!("recovery of {}: {e}", pid.as_str())))?;
+        let mut pc = PersistContext {
+            recovering: true,
+            ..PersistContext::default()
+        };
+        if let Some((seq, data)) = &rec.snapshot {
+            self.inner.restore(data)?;
+            self.seq = *seq;
+        }
+        self.recovered_events = rec.events.len() as u64;
+        for (seq, ev) in &rec.events {
+            self.inner.on_event(&mut pc, ev)?;
+            self.seq = *seq;
+        }
+        self.since_snapshot = self.recovered_events;
+        self.pid = Some(pid);
+        Ok(())
+    }
+
+    fn run_command(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        command: &[u8],
+        token: Option<u64>,
+    ) -> Result<(), EntityError> {
+        let mut pc = PersistContext::default();
+        self.inner.on_command(&mut pc, command)?;
+        if pc.passivate {
+            ctx.passivate();
+        }
+        if pc.events.is_empty() {
+            if let Some(t) = token {
+                persistence::complete(t, Status::Ok, pc.reply.unwrap_or_default());
+            }
+            return Ok(());
+        }
+        let Some(pid) = self.pid.clone() else {
+            return Err(EntityError::Failed("not recovered".into()));
+        };
+        let id = self.next_command;
+        self.next_command += 1;
+        let n = pc.events.len();
+        for (event, mode) in pc.events {
+            let seq = self.seq + 1;
+            let lsn =
+                persistence::with_log(|l| l.append(&pid, SequenceNr(seq), self.epoch, &event))
+                    .and_then(|r| r)
+                    .map_err(|e| EntityError::Failed(format!("journal: {e}")))?;
+            self.seq = seq;
+            persistence::note_appended(lsn);
+            if mode == PersistMode::Stash {
+                self.stashing += 1;
+            }
+            self.in_flight.push_back(InFlight {
+                lsn,
+                event,
+                mode,
+                command: id,
+            });
+        }
+        self.commands.push_back(PendingCommand {
+            id,
+            token,
+            reply: pc.reply,
+            remaining: n,
+        });
+        ctx.await_durable();
+        Ok(())
+    }
+
+    /// Runs the handlers of the events durable up to `durable`, answers the
+    /// commands they complete, then handles stashed commands.
+    fn advance(&mut self, ctx: &mut EntityContext<'_>, durable: Lsn) -> Result<(), EntityError> {
+        loop {
+            while self.in_flight.front().is_some_and(|f| f.lsn <= durable) {
+                let Some(f) = self.in_flight.pop_front() else {
+                    break;
+                };
+                let mut pc = PersistContext::default();
+                self.inner.on_event(&mut pc, &f.event)?;
+                if pc.passivate {
+                    ctx.passivate();
+                }
+                if f.mode == PersistMode::Stash {
+                    self.stashing -= 1;
+                }
+                if let Some(c) = self.commands.iter_mut().find(|c| c.id == f.command) {
+                    if pc.reply.is_some() {
+                        c.reply = pc.reply;
+                    }
+                    c.remaining -= 1;
+                }
+                while self.commands.front().is_some_and(|c| c.remaining == 0) {
+                    if let Some(c) = self.commands.pop_front() {
+                        if let Some(t) = c.token {
+                            persistence::complete(t, Status::Ok, c.reply.unwrap_or_default());
+                        }
+                    }
+                }
+                self.since_snapshot += 1;
+                self.maybe_snapshot();
+            }
+            if self.stashing > 0 || self.stashed.is_empty() {
+                break;
+            }
+            while self.stashing == 0 {
+                let Some((cmd, token)) = self.stashed.pop_front() else {
+                    break;
+                };
+                if let Err(e) = self.run_command(ctx, &cmd, token) {
+                    if let Some(t) = token {
+                        persistence::complete(t, Status::EntityFailed, e.to_string().into_bytes());
+                    }
+                }
+            }
+            // Under "none" the new appends are durable already.
+            let d = persistence::with_log(|l| l.durable_lsn()).unwrap_or(durable);
+            if self.in_flight.front().is_none_or(|f| f.lsn > d) {
+                break;
+            }
+        }
+        if !self.in_flight.is_empty() {
+            ctx.await_durable();
+        }
+        Ok(())
+    }
+
+    fn maybe_snapshot(&mut self) {
+        if self.snapshot_every == 0 || self.since_snapshot < self.snapshot_every {
+            return;
+        }
+        // Only events whose handlers ran are in the state.
+        let seq = self.seq - self.in_flight.len() as u64;
+        let Some(pid) = self.pid.clone() else { return };
+        let data = self.inner.snapshot();
+        match persistence::with_log(|l| l.save_snapshot(&pid, SequenceNr(seq), self.epoch, &data))
+            .and_then(|r| r)
+        {
+            Ok(()) => self.since_snapshot = 0,
+            Err(e) => tracing::warn!(pid = pid.as_str(), error = %e, "snapshot not saved"),
+        }
+    }
+
+    fn fail_pending(&mut self, why: &str) {
+        for c in self.commands.drain(..) {
+            if let Some(t) = c.token {
+                persistence::complete(t, Status::EntityFailed, why.as_bytes().to_vec());
+            }
+        }
+        for (_, t) in self.stashed.drain(..) {
+            if let Some(t) = t {
+                persistence::complete(t, Status::EntityFailed, why.as_bytes().to_vec());
+            }
+        }
+        self.in_flight.clear();
+        self.stashing = 0;
+    }
+}
+
+impl Entity for Persistent {
+    fn on_start(&mut self, ctx: &mut EntityContext<'_>) {
+        if let Err(e) = self.recover(ctx) {
+            tracing::error!(entity = %ctx.self_id(), error = %e, "recovery failed");
+            ctx.passivate();
+        }
+    }
+
+    fn handle(&mut self, ctx: &mut EntityContext<'_>, message: &[u8]) -> Result<(), EntityError> {
+        if self.pid.is_none() {
+            return Err(EntityError::Failed("recovery failed".into()));
+        }
+        let token = ctx.defer_reply();
+        if self.stashing > 0 {
+            self.stashed.push_back((message.to_vec(), token));
+            return Ok(());
+        }
+        self.run_command(ctx, message, token)?;
+        // Under "none" (or a durable LSN already past), run handlers now.
+        if !self.in_flight.is_empty() {
+            let d = persistence::with_log(|l| l.durable_lsn()).unwrap_or(Lsn(0));
+            if self.in_flight.front().is_some_and(|f| f.lsn <= d) {
+                self.advance(ctx, d)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn on_durable(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        durable_lsn: u64,
+    ) -> Result<(), EntityError> {
+        match self.advance(ctx, Lsn(durable_lsn)) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.fail_pending(&e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    fn on_stop(&mut self) {
+        // Events in flight are in the journal; wait for them (at most one
+        // flush) so their commands are answered truthfully.
+        if let Some(last) = self.in_flight.back().map(|f| f.lsn) {
+            let ok = persistence::with_log(|l| l.wait_durable(last)).and_then(|r| r);
+            let id = EntityId::new("stopping").ok();
+            if let (Ok(()), Some(id)) = (ok, id) {
+                let mut ctx = EntityContext::new(&id);
+                if self.advance(&mut ctx, last).is_ok() {
+                    // Stashed commands that appended more are answered
+                    // after one more wait.
+                    if let Some(l2) = self.in_flight.back().map(|f| f.lsn) {
+                        if persistence::with_log(|l| l.wait_durable(l2)).is_ok() {
+                            let _ = self.advance(&mut ctx, l2);
+                        }
+                    }
+                }
+            }
+        }
+        self.fail_pending("entity stopped");
+    }
+}
+
+use shardline_core::ids::EntityId;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::persistence::{EventLog, Recovered};
+    use std::collections::HashMap;
+
+    /// An in-memory log whose durable LSN the test moves by hand.
+    #[derive(Default)]
+    struct MemLog {
+        events: HashMap<String, Vec<(u64, Vec<u8>)>>,
+        snaps: HashMap<String, (u64, Vec<u8>)>,
+        next: u64,
+        durable: std::rc::Rc<std::cell::Cell<u64>>,
+    }
+
+    impl EventLog for MemLog {
+        fn append(
+            &mut self,
+            pid: &PersistenceId,
+            seq: SequenceNr,
+            _epoch: WriterEpoch,
+            payload: &[u8],
+        ) -> Result<Lsn, String> {
+            self.next += 1;
+            self.events
+                .entry(pid.as_str().to_string())
+                .or_default()
+                .push((seq.0, payload.to_vec()));
+            Ok(Lsn(self.next))
+        }
+        fn recover(&mut self, pid: &PersistenceId, _: WriterEpoch) -> Result<Recovered, String> {
+            let snap = self.snaps.get(pid.as_str()).cloned();
+            let from = snap.as_ref().map_or(0, |s| s.0);
+            let events = self
+                .events
+                .get(pid.as_str())
+                .map(|v| v.iter().filter(|(s, _)| *s > from).cloned().collect())
+                .unwrap_or_default();
+            Ok(Recovered {
+                snapshot: snap,
+                events,
+            })
+        }
+        fn save_snapshot(
+            &mut self,
+            pid: &PersistenceId,
+            seq: SequenceNr,
+            _epoch: WriterEpoch,
+            data: &[u8],
+        ) -> Result<(), String> {
+            self.snaps
+                .insert(pid.as_str().to_string(), (seq.0, data.to_vec()));
+            Ok(())
+        }
+        fn durable_lsn(&self) -> Lsn {
+            Lsn(self.durable.get())
+        }
+        fn wait_durable(&mut self, lsn: Lsn) -> Result<(), String> {
+            self.durable.set(self.durable.get().max(lsn.0));
+            Ok(())
+        }
+    }
+
+    /// Records the order of command and event handlers; `s:X` persists
+    /// event X, `a:X` persist_async X, `r` replies without events.
+    #[derive(Default)]
+    struct Recorder {
+        log: std::rc::Rc<std::cell::RefCell<Vec<String>>>,
+    }
+
+    impl PersistentEntity for Recorder {
+        fn on_command(&mut self, ctx: &mut PersistContext, c: &[u8]) -> Result<(), EntityError> {
+            let c = String::from_utf8_lossy(c).to_string();
+            self.log.borrow_mut().push(format!("cmd {c}"));
+            for part in c.split(',') {
+                if let Some(e) = part.strip_prefix("s:") {
+                    ctx.persist(e.as_bytes().to_vec());
+                } else if let Some(e) = part.strip_prefix("a:") {
+                    ctx.persist_async(e.as_bytes().to_vec());
+                } else {
+                    ctx.reply(format!("r {c}"));
+                }
+            }
+            Ok(())
+        }
+        fn on_event(&mut self, ctx: &mut PersistContext, e: &[u8]) -> Result<(), EntityError> {
+            let e = String::from_utf8_lossy(e).to_string();
+            if !ctx.is_recovering() {
+                self.log.borrow_mut().push(format!("evt {e}"));
+                ctx.reply(format!("done {e}"));
+            }
+            Ok(())
+        }
+        fn snapshot(&self) -> Vec<u8> {
+            Vec::new()
+        }
+        fn restore(&mut self, _: &[u8]) -> Result<(), EntityError> {
+            Ok(())
+        }
+    }
+
+    struct Harness {
+        host: Persistent,
+        id: EntityId,
+        log: std::rc::Rc<std::cell::RefCell<Vec<String>>>,
+        durable: std::rc::Rc<std::cell::Cell<u64>>,
+        next_token: u64,
+    }
+
+    impl Harness {
+        fn new() -> Self {
+            let mem = MemLog::default();
+            let durable = mem.durable.clone();
+            persistence::install(Box::new(mem));
+            let log = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+            let inner = Recorder { log: log.clone() };
+            let mut host = Persistent::new(Box::new(inner), 0);
+            let id = EntityId::new("e1").unwrap();
+            let mut ctx = EntityContext::new(&id).with_type("rec", 1);
+            host.on_start(&mut ctx);
+            let _ = persistence::take_completions();
+            Harness {
+                host,
+                id,
+                log,
+                durable,
+                next_token: 1,
+            }
+        }
+        fn send(&mut self, cmd: &str) -> u64 {
+            let t = self.next_token;
+            self.next_token += 1;
+            let mut ctx = EntityContext::new(&self.id)
+                .with_type("rec", 1)
+                .with_reply_token(t);
+            self.host.handle(&mut ctx, cmd.as_bytes()).unwrap();
+            assert!(ctx.reply_deferred());
+            t
+        }
+        fn make_durable(&mut self, lsn: u64) {
+            self.durable.set(lsn);
+            let mut ctx = EntityContext::new(&self.id).with_type("rec", 1);
+            self.host.on_durable(&mut ctx, lsn).unwrap();
+        }
+        fn replies(&self) -> Vec<(u64, String)> {
+            persistence::take_completions()
+                .into_iter()
+                .map(|(t, _, p)| (t, String::from_utf8(p).unwrap()))
+                .collect()
+        }
+        fn trace(&self) -> Vec<String> {
+            std::mem::take(&mut *self.log.borrow_mut())
+        }
+    }
+
+    #[test]
+    fn persist_stashes_new_commands_until_handlers_ran() {
+        let mut h = Harness::new();
+        let a = h.send("s:e1,s:e2");
+        let b = h.send("s:e3");
+        let c = h.send("r");
+        // Only A's command handler ran; B and C wait; nothing answered.
+        assert_eq!(h.trace(), vec!["cmd s:e1,s:e2"]);
+        assert_eq!(h.host.stashed(), 2);
+        assert!(h.replies().is_empty());
+        h.make_durable(1);
+        assert_eq!(h.trace(), vec!["evt e1"]);
+        assert!(h.replies().is_empty(), "A has an event not yet durable");
+        h.make_durable(2);
+        // A's handlers done -> reply; then B handled (persists e3, LSN 3),
+        // C stays stashed behind it.
+        assert_eq!(h.trace(), vec!["evt e2", "cmd s:e3"]);
+        assert_eq!(h.replies(), vec![(a, "done e2".to_string())]);
+        assert_eq!(h.host.stashed(), 1);
+        h.make_durable(3);
+        assert_eq!(h.trace(), vec!["evt e3", "cmd r"]);
+        assert_eq!(
+            h.replies(),
+            vec![(b, "done e3".to_string()), (c, "r r".to_string())]
+        );
+        assert_eq!(h.host.sequence_nr(), 3);
+    }
+
+    #[test]
+    fn persist_async_does_not_stash_and_keeps_handler_order() {
+        let mut h = Harness::new();
+        let a = h.send("a:x1");
+        let b = h.send("a:x2,a:x3");
+        let c = h.send("r");
+        // Every command handler ran at once; C (no events) answered now.
+        assert_eq!(h.trace(), vec!["cmd a:x1", "cmd a:x2,a:x3", "cmd r"]);
+        assert_eq!(h.replies(), vec![(c, "r r".to_string())]);
+        h.make_durable(3);
+        assert_eq!(h.trace(), vec!["evt x1", "evt x2", "evt x3"]);
+        assert_eq!(
+            h.replies(),
+            vec![(a, "done x1".to_string()), (b, "done x3".to_string())]
+        );
+    }
+
+    #[test]
+    fn mixing_async_then_persist_keeps_order() {
+        let mut h = Harness::new();
+        let _a = h.send("a:x1");
+        let _b = h.send("s:y1");
+        let _c = h.send("a:x2");
+        // C is stashed behind B's persist.
+        assert_eq!(h.trace(), vec!["cmd a:x1", "cmd s:y1"]);
+        h.make_durable(2);
+        assert_eq!(h.trace(), vec!["evt x1", "evt y1", "cmd a:x2"]);
+        h.make_durable(3);
+        assert_eq!(h.trace(), vec!["evt x2"]);
+        assert_eq!(h.replies().len(), 3);
+    }
+}

@@ -1,0 +1,369 @@
+//! Supervision: an entity whose handler panics or returns an error is
+//! restarted with exponential backoff, and stopped after too many restarts.
+//!
+//! Semantics follow Akka's `BackoffSupervisor`
+//! (<https://doc.akka.io/docs/akka/current/general/supervision.html>):
+//! the delay before restart `n` (0-based) is
+//! `min(max_backoff, min_backoff * 2^n) * (1 + r * random_factor)` with `r`
+//! uniform in `[0, 1)`; `n` counts the restarts within the last `window`.
+//! The failing message is not redelivered; its sender gets
+//! `EntityFailed`; messages that arrive while the entity waits for its
+//! restart are answered `EntityFailed` ("restarting") as well. A durable
+//! entity recovers its state from the journal on restart (its `on_start`).
+//! More than `max_restarts` failures within `window` stop the entity (it
+//! passivates; the next message starts a fresh incarnation) and the reason
+//! is logged. A panic is caught on the entity's own call
+//! (`catch_unwind`), so neither the core, the shard, nor other entities are
+//! affected.
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::{Duration, Instant};
+
+use super::{Entity, EntityContext, EntityError, EntityFactory};
+use crate::envelope::Status;
+use crate::persistence;
+
+/// The timer key the supervisor reserves for its restarts.
+pub const RESTART_TIMER_KEY: u64 = u64::MAX;
+
+/// Backoff and restart limits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SupervisorSettings {
+    /// First restart delay. Default 100 ms.
+    pub min_backoff: Duration,
+    /// Largest restart delay. Default 10 s.
+    pub max_backoff: Duration,
+    /// Random extra delay as a fraction of the delay (0.0..=1.0). Default 0.2.
+    pub random_factor: f64,
+    /// Most restarts within `window` before the entity is stopped
+    /// (count). Default 10.
+    pub max_restarts: u32,
+    /// The window restarts are counted in. Default 60 s.
+    pub window: Duration,
+}
+
+impl Default for SupervisorSettings {
+    fn default() -> Self {
+        SupervisorSettings {
+            min_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(10),
+            random_factor: 0.2,
+            max_restarts: 10,
+            window: Duration::from_secs(60),
+        }
+    }
+}
+
+impl SupervisorSettings {
+    /// The delay before restart `n` (0-based) for a random draw `r` in
+    /// `[0, 1)`.
+    pub fn backoff(&self, n: u32, r: f64) -> Duration {
+        let base = self
+            .min_backoff
+            .saturating_mul(1u32.checked_shl(n.min(31)).unwrap_or(u32::MAX))
+            .min(self.max_backoff);
+        base.mul_f64(1.0 + r.clamp(0.0, 1.0) * self.random_factor.clamp(0.0, 1.0))
+    }
+}
+
+/// Wraps every entity `inner` makes in a [`Supervisor`].
+pub fn supervised(inner: EntityFactory, settings: SupervisorSettings) -> EntityFactory {
+    std::sync::Arc::new(move |id| {
+        Box::new(Supervisor {
+            factory: inner.clone(),
+            settings: settings.clone(),
+            child: Some(inner(id)),
+            failures: VecDeque::new(),
+            restart_at: None,
+            stopped: false,
+            restarts: 0,
+            seed: seed(),
+        })
+    })
+}
+
+fn seed() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1);
+    t | 1
+}
+
+/// One supervised entity: the child incarnation, its failure history and
+/// the pending restart.
+pub struct Supervisor {
+    factory: EntityFactory,
+    settings: SupervisorSettings,
+    child: Option<Box<dyn Entity>>,
+    failures: VecDeque<Instant>,
+    restart_at: Option<Instant>,
+    stopped: bool,
+    restarts: u64,
+    seed: u64,
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic".to_string()
+    }
+}
+
+impl Supervisor {
+    /// Restarts so far (count).
+    pub fn restarts(&self) -> u64 {
+        self.restarts
+    }
+
+    fn random(&mut self) -> f64 {
+        // xorshift64*
+        let mut x = self.seed;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.seed = x;
+        (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// The child failed: drop it, then schedule a restart or stop.
+    fn failed(&mut self, ctx: &mut EntityContext<'_>, why: &str) {
+        let _ = ctx.take_reply();
+        let _ = ctx.take_timers();
+        if let Some(mut c) = self.child.take() {
+            if catch_unwind(AssertUnwindSafe(|| c.on_stop())).is_err() {
+                tracing::warn!(entity = %ctx.self_id(), "on_stop panicked");
+            }
+        }
+        let now = Instant::now();
+        self.failures.push_back(now);
+        while self
+            .failures
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > self.settings.window)
+        {
+            self.failures.pop_front();
+        }
+        let n = self.failures.len() as u32;
+        if n > self.settings.max_restarts {
+            tracing::error!(
+                entity = %ctx.self_id(),
+                failures = n,
+                window_ms = self.settings.window.as_millis() as u64,
+                reason = why,
+                "entity failed more than max_restarts times within the window; stopping it"
+            );
+            self.stopped = true;
+            ctx.passivate();
+            return;
+        }
+        let delay = {
+            let r = self.random();
+            self.settings.backoff(n.saturating_sub(1), r)
+        };
+        tracing::warn!(entity = %ctx.self_id(), reason = why, delay_ms = delay.as_millis() as u64, "entity failed; restarting after backoff");
+        self.restart_at = Some(now + delay);
+        ctx.set_timer(RESTART_TIMER_KEY, delay);
+    }
+
+    fn restart(&mut self, ctx: &mut EntityContext<'_>) {
+        self.restart_at = None;
+        self.restarts += 1;
+        let id = ctx.self_id().clone();
+        let factory = self.factory.clone();
+        match catch_unwind(AssertUnwindSafe(|| {
+            let mut c = factory(&id);
+            c.on_start(ctx);
+            c
+        })) {
+            Ok(c) => self.child = Some(c),
+            Err(p) => {
+                let why = format!("start panicked: {}", panic_text(p.as_ref()));
+                self.failed(ctx, &why);
+            }
+        }
+    }
+
+    fn reject(ctx: &mut EntityContext<'_>, why: &str) {
+        if let Some(t) = ctx.defer_reply() {
+            persistence::complete(t, Status::EntityFailed, why.as_bytes().to_vec());
+        }
+    }
+}
+
+impl Entity for Supervisor {
+    fn on_start(&mut self, ctx: &mut EntityContext<'_>) {
+        let Some(c) = self.child.as_mut() else { return };
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| c.on_start(ctx))) {
+            let why = format!("start panicked: {}", panic_text(p.as_ref()));
+            self.failed(ctx, &why);
+        }
+    }
+
+    fn handle(&mut self, ctx: &mut EntityContext<'_>, message: &[u8]) -> Result<(), EntityError> {
+        if self.stopped {
+            Self::reject(ctx, "entity stopped after too many failures");
+            return Ok(());
+        }
+        if self.child.is_none() {
+            if self.restart_at.is_some_and(|t| Instant::now() >= t) {
+                self.restart(ctx);
+            }
+            if self.child.is_none() {
+                Self::reject(ctx, "entity is restarting after a failure");
+                return Ok(());
+            }
+        }
+        let Some(c) = self.child.as_mut() else {
+            return Ok(());
+        };
+        let why = match catch_unwind(AssertUnwindSafe(|| c.handle(ctx, message))) {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) => e.to_string(),
+            Err(p) => format!("handler panicked: {}", panic_text(p.as_ref())),
+        };
+        Self::reject(ctx, &why);
+        self.failed(ctx, &why);
+        Ok(())
+    }
+
+    fn on_timer(&mut self, ctx: &mut EntityContext<'_>, key: u64) {
+        if key == RESTART_TIMER_KEY {
+            if self.child.is_none() && !self.stopped && self.restart_at.is_some() {
+                self.restart(ctx);
+            }
+            return;
+        }
+        let Some(c) = self.child.as_mut() else { return };
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| c.on_timer(ctx, key))) {
+            let why = format!("timer panicked: {}", panic_text(p.as_ref()));
+            self.failed(ctx, &why);
+        }
+    }
+
+    fn on_durable(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        durable_lsn: u64,
+    ) -> Result<(), EntityError> {
+        let Some(c) = self.child.as_mut() else {
+            return Ok(());
+        };
+        let why = match catch_unwind(AssertUnwindSafe(|| c.on_durable(ctx, durable_lsn))) {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) => e.to_string(),
+            Err(p) => format!("event handler panicked: {}", panic_text(p.as_ref())),
+        };
+        self.failed(ctx, &why);
+        Ok(())
+    }
+
+    fn on_stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = catch_unwind(AssertUnwindSafe(|| c.on_stop()));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardline_core::ids::EntityId;
+    use std::sync::Arc;
+
+    /// Panics on `boom`, errs on `err`, else replies with its message count.
+    struct Fragile {
+        n: u64,
+    }
+
+    impl Entity for Fragile {
+        fn handle(&mut self, ctx: &mut EntityContext<'_>, m: &[u8]) -> Result<(), EntityError> {
+            match m {
+                b"boom" => panic!("boom requested"),
+                b"err" => Err(EntityError::Failed("bad".into())),
+                _ => {
+                    self.n += 1;
+                    ctx.reply(self.n.to_string());
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    fn settings(max_restarts: u32) -> SupervisorSettings {
+        SupervisorSettings {
+            min_backoff: Duration::ZERO,
+            max_backoff: Duration::ZERO,
+            random_factor: 0.0,
+            max_restarts,
+            window: Duration::from_secs(3600),
+        }
+    }
+
+    fn send(e: &mut dyn Entity, id: &EntityId, m: &str) -> (Status, String) {
+        let mut ctx = EntityContext::new(id).with_reply_token(7);
+        e.handle(&mut ctx, m.as_bytes()).unwrap();
+        if ctx.reply_deferred() {
+            let mut c = persistence::take_completions();
+            let (_, s, p) = c.remove(0);
+            (s, String::from_utf8(p).unwrap())
+        } else {
+            let p = ctx.take_reply().unwrap_or_default();
+            (Status::Ok, String::from_utf8(p).unwrap())
+        }
+    }
+
+    #[test]
+    fn panic_restarts_with_fresh_state_and_answers_failure() {
+        let f = supervised(Arc::new(|_| Box::new(Fragile { n: 0 })), settings(5));
+        let id = EntityId::new("a").unwrap();
+        let mut e = f(&id);
+        e.on_start(&mut EntityContext::new(&id));
+        assert_eq!(send(e.as_mut(), &id, "x"), (Status::Ok, "1".into()));
+        let (s, why) = send(e.as_mut(), &id, "boom");
+        assert_eq!(s, Status::EntityFailed);
+        assert!(why.contains("boom requested"), "{why}");
+        // Zero backoff: the next message restarts a fresh child.
+        assert_eq!(send(e.as_mut(), &id, "x"), (Status::Ok, "1".into()));
+        let (s, _) = send(e.as_mut(), &id, "err");
+        assert_eq!(s, Status::EntityFailed);
+        assert_eq!(send(e.as_mut(), &id, "x"), (Status::Ok, "1".into()));
+    }
+
+    #[test]
+    fn too_many_restarts_stop_the_entity() {
+        let f = supervised(Arc::new(|_| Box::new(Fragile { n: 0 })), settings(2));
+        let id = EntityId::new("a").unwrap();
+        let mut e = f(&id);
+        for _ in 0..2 {
+            assert_eq!(send(e.as_mut(), &id, "boom").0, Status::EntityFailed);
+            assert_eq!(send(e.as_mut(), &id, "x").0, Status::Ok);
+        }
+        let mut ctx = EntityContext::new(&id).with_reply_token(1);
+        e.handle(&mut ctx, b"boom").unwrap();
+        assert!(ctx.wants_passivation(), "third failure stops it");
+        let _ = persistence::take_completions();
+        let (s, why) = send(e.as_mut(), &id, "x");
+        assert_eq!(s, Status::EntityFailed);
+        assert!(why.contains("too many"), "{why}");
+    }
+
+    #[test]
+    fn backoff_grows_and_is_capped() {
+        let s = SupervisorSettings {
+            min_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(1),
+            random_factor: 0.5,
+            ..SupervisorSettings::default()
+        };
+        assert_eq!(s.backoff(0, 0.0), Duration::from_millis(100));
+        assert_eq!(s.backoff(2, 0.0), Duration::from_millis(400));
+        assert_eq!(s.backoff(10, 0.0), Duration::from_secs(1));
+        assert_eq!(s.backoff(0, 1.0), Duration::from_millis(150));
+        assert_eq!(s.backoff(40, 0.0), Duration::from_secs(1));
+    }
+}

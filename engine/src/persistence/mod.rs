@@ -1,0 +1,529 @@
+//! Per-core journal wiring for durable entities.
+//!
+//! Every data core owns one [`shardline_journal::Journal`] in
+//! `{data_dir}/journal/core-{index}`, installed in a thread-local
+//! ([`install`]) because a data core is one thread and its entities run on
+//! it. Entities reach it through [`with_log`] as an [`EventLog`].
+//!
+//! Durability notices never block the executor: after a turn that
+//! appended, [`arm`] registers a callback on the journal's
+//! [`DurabilityWatcher`](shardline_journal::DurabilityWatcher); the sync
+//! thread runs it, and it sets a flag and wakes the core's waiting task
+//! ([`DurableWake::wait`]) through monoio's cross-thread waker (the same
+//! mechanism as the runtime's rings). Under `durability = "none"` an
+//! appended event counts as done at once (nothing is ever flushed on
+//! purpose, so there is nothing to wait for).
+//!
+//! Deployment across machines: see `docs/persistence.md`; a shard that
+//! moves recovers from the journal directory of the core that wrote it,
+//! which must be readable from the new home (one data root per machine,
+//! or a shared filesystem).
+
+use std::cell::RefCell;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Poll, Waker};
+
+use shardline_journal::{
+    Durability, Journal, JournalOptions, Lsn, PersistenceId, SequenceNr, WriterEpoch,
+};
+
+/// The journal operations durable entities need, so that entity logic can
+/// be tested against an in-memory log.
+pub trait EventLog {
+    /// Appends one event; returns its LSN.
+    ///
+    /// # Errors
+    /// A description when the journal refuses it (fenced epoch, poisoned,
+    /// sequence number not increasing, I/O).
+    fn append(
+        &mut self,
+        pid: &PersistenceId,
+        seq: SequenceNr,
+        epoch: WriterEpoch,
+        payload: &[u8],
+    ) -> Result<Lsn, String>;
+
+    /// The latest snapshot `(sequence number, bytes)` of `pid`, and the
+    /// events after it `(sequence number, payload)`, in order, for an
+    /// incarnation appending with `epoch` (the shard's generation).
+    ///
+    /// # Errors
+    /// A description when a record or snapshot cannot be read.
+    fn recover(&mut self, pid: &PersistenceId, epoch: WriterEpoch) -> Result<Recovered, String>;
+
+    /// Saves a snapshot of `pid` that includes events up to `seq`.
+    ///
+    /// # Errors
+    /// A description when the journal refuses it (fenced, bad sequence nr).
+    fn save_snapshot(
+        &mut self,
+        pid: &PersistenceId,
+        seq: SequenceNr,
+        epoch: WriterEpoch,
+        data: &[u8],
+    ) -> Result<(), String>;
+
+    /// The highest LSN whose record is durable under the policy (under
+    /// "none": the highest appended).
+    fn durable_lsn(&self) -> Lsn;
+
+    /// Blocks until `lsn` is durable (used only when an entity with
+    /// events in flight is stopped, at most one flush).
+    ///
+    /// # Errors
+    /// A description when it will never be durable (poisoned, closed).
+    fn wait_durable(&mut self, lsn: Lsn) -> Result<(), String>;
+}
+
+/// A recovered persistence id: latest snapshot and the events after it.
+#[derive(Debug, Default, Clone)]
+pub struct Recovered {
+    /// `(sequence number of the last event it includes, bytes)`.
+    pub snapshot: Option<(u64, Vec<u8>)>,
+    /// `(sequence number, payload)` in order.
+    pub events: Vec<(u64, Vec<u8>)>,
+}
+
+/// Segment size of a core journal, in bytes (16 MiB: about 250,000
+/// counter events; a node preallocates two per data core).
+pub const SEGMENT_SIZE_BYTES: u64 = 16 << 20;
+
+/// The journal of one data core as an [`EventLog`].
+pub struct CoreLog {
+    journal: Journal,
+    none: bool,
+    dir: PathBuf,
+    /// Read-only views of the other journals under the data root, and the
+    /// highest shard generation known when they were opened.
+    foreign: Vec<shardline_journal::JournalReader>,
+    foreign_epoch: Option<WriterEpoch>,
+}
+
+impl CoreLog {
+    /// Opens (creating) the journal of core `index` under `data_dir` with
+    /// the node's durability policy.
+    ///
+    /// # Errors
+    /// [`shardline_journal::OpenError`] when the directory cannot be
+    /// created or recovered.
+    pub fn open(
+        data_dir: &Path,
+        index: u16,
+        durability: &crate::config::Durability,
+    ) -> Result<CoreLog, shardline_journal::OpenError> {
+        let dir = core_dir(data_dir, index);
+        let durability = journal_durability(durability);
+        let options = JournalOptions {
+            durability,
+            segment_size_bytes: SEGMENT_SIZE_BYTES,
+            ..JournalOptions::default()
+        };
+        let (journal, _report) = Journal::open(&dir, options)?;
+        Ok(CoreLog {
+            journal,
+            none: matches!(durability, Durability::None),
+            dir,
+            foreign: Vec::new(),
+            foreign_epoch: None,
+        })
+    }
+
+    /// Every other core journal under the data root (`data_dir`'s parent,
+    /// shared by the nodes of one machine): `{root}/*/journal/core-*`.
+    fn foreign_dirs(&self) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        let own = std::fs::canonicalize(&self.dir).unwrap_or_else(|_| self.dir.clone());
+        let Some(root) = self
+            .dir
+            .parent()
+            .and_then(Path::parent)
+            .and_then(Path::parent)
+        else {
+            return out;
+        };
+        let Ok(nodes) = std::fs::read_dir(root) else {
+            return out;
+        };
+        for n in nodes.flatten() {
+            let Ok(cores) = std::fs::read_dir(n.path().join("journal")) else {
+                continue;
+            };
+            for c in cores.flatten() {
+                let p = c.path();
+                let is_core = p
+                    .file_name()
+                    .and_then(|f| f.to_str())
+                    .is_some_and(|f| f.starts_with("core-"));
+                let canon = std::fs::canonicalize(&p).unwrap_or_else(|_| p.clone());
+                if is_core && canon != own {
+                    out.push(p);
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// Opens the foreign readers again unless they were opened when a
+    /// shard of generation `epoch` was already allocated here (then every
+    /// event an earlier home wrote before the hand-off is visible to them).
+    fn refresh_foreign(&mut self, epoch: WriterEpoch) {
+        if self.foreign_epoch.is_some_and(|e| e >= epoch) {
+            return;
+        }
+        self.foreign.clear();
+        for d in self.foreign_dirs() {
+            match shardline_journal::JournalReader::open(&d) {
+                Ok(r) => self.foreign.push(r),
+                Err(e) => tracing::warn!(dir = %d.display(), error = %e, "cannot read journal"),
+            }
+        }
+        self.foreign_epoch = Some(epoch);
+    }
+
+    /// The journal's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The journal (for the durability watcher).
+    pub fn journal(&self) -> &Journal {
+        &self.journal
+    }
+
+    /// Highest appended LSN.
+    fn written(&self) -> Lsn {
+        Lsn(self.journal.next_lsn().0.saturating_sub(1))
+    }
+}
+
+/// The journal directory of core `index` under a node's `data_dir`.
+pub fn core_dir(data_dir: &Path, index: u16) -> PathBuf {
+    data_dir.join("journal").join(format!("core-{index}"))
+}
+
+/// The journal policy of a node config's `durability`.
+pub fn journal_durability(d: &crate::config::Durability) -> Durability {
+    use crate::config::{Durability as C, DurabilityName};
+    match d {
+        C::Named(DurabilityName::None) => Durability::None,
+        C::Named(DurabilityName::Always) => Durability::Always,
+        C::Interval { interval_ms } => {
+            Durability::Interval(std::time::Duration::from_millis((*interval_ms).max(1)))
+        }
+    }
+}
+
+impl EventLog for CoreLog {
+    fn append(
+        &mut self,
+        pid: &PersistenceId,
+        seq: SequenceNr,
+        epoch: WriterEpoch,
+        payload: &[u8],
+    ) -> Result<Lsn, String> {
+        self.journal
+            .append(pid, seq, epoch, payload)
+            .map_err(|e| e.to_string())
+    }
+
+    fn recover(&mut self, pid: &PersistenceId, epoch: WriterEpoch) -> Result<Recovered, String> {
+        // Merge this core's journal with every other journal of the data
+        // root: the newest snapshot wins, then events after it by sequence
+        // number (a shard that moved left its earlier events elsewhere).
+        let mut parts = vec![self.journal.recover(pid).map_err(|e| e.to_string())?];
+        self.refresh_foreign(epoch);
+        for r in &self.foreign {
+            if r.highest_sequence_nr(pid).0 == 0 {
+                continue;
+            }
+            parts.push(r.recover(pid).map_err(|e| e.to_string())?);
+        }
+        let snapshot = parts
+            .iter()
+            .filter_map(|p| p.snapshot.as_ref())
+            .max_by_key(|s| s.sequence_nr)
+            .map(|s| (s.sequence_nr.0, s.data.clone()));
+        let from = snapshot.as_ref().map_or(0, |s| s.0);
+        let mut events: Vec<(u64, Vec<u8>)> = parts
+            .into_iter()
+            .flat_map(|p| p.events)
+            .filter(|e| e.sequence_nr.0 > from)
+            .map(|e| (e.sequence_nr.0, e.payload))
+            .collect();
+        events.sort_by_key(|e| e.0);
+        events.dedup_by_key(|e| e.0);
+        for (i, e) in events.iter().enumerate() {
+            if e.0 != from + 1 + i as u64 {
+                return Err(format!(
+                    "events of {} are not contiguous: expected {}, found {}",
+                    pid.as_str(),
+                    from + 1 + i as u64,
+                    e.0
+                ));
+            }
+        }
+        Ok(Recovered { snapshot, events })
+    }
+
+    fn save_snapshot(
+        &mut self,
+        pid: &PersistenceId,
+        seq: SequenceNr,
+        epoch: WriterEpoch,
+        data: &[u8],
+    ) -> Result<(), String> {
+        self.journal
+            .save_snapshot(pid, seq, epoch, data)
+            .map_err(|e| e.to_string())
+    }
+
+    fn durable_lsn(&self) -> Lsn {
+        if self.none {
+            self.written()
+        } else {
+            self.journal.durable_lsn()
+        }
+    }
+
+    fn wait_durable(&mut self, lsn: Lsn) -> Result<(), String> {
+        if self.none {
+            return Ok(());
+        }
+        self.journal.wait_durable(lsn).map_err(|e| e.to_string())
+    }
+}
+
+thread_local! {
+    static LOG: RefCell<Option<Box<dyn EventLog>>> = const { RefCell::new(None) };
+    static ARMED: RefCell<Option<(u64, Arc<DurableWake>)>> = const { RefCell::new(None) };
+}
+
+/// Installs this thread's (this core's) event log, replacing any.
+pub fn install(log: Box<dyn EventLog>) {
+    LOG.with(|l| *l.borrow_mut() = Some(log));
+}
+
+/// Removes this thread's event log (the journal closes when dropped).
+pub fn uninstall() -> Option<Box<dyn EventLog>> {
+    LOG.with(|l| l.borrow_mut().take())
+}
+
+/// Runs `f` with this core's event log.
+///
+/// # Errors
+/// `"no journal on this core"` when none is installed (or `f` is already
+/// running on this thread).
+pub fn with_log<R>(f: impl FnOnce(&mut dyn EventLog) -> R) -> Result<R, String> {
+    LOG.with(|l| match l.try_borrow_mut() {
+        Ok(mut g) => match g.as_mut() {
+            Some(log) => Ok(f(log.as_mut())),
+            None => Err("no journal on this core".to_string()),
+        },
+        Err(_) => Err("journal busy (re-entrant use)".to_string()),
+    })
+}
+
+/// A flag set from the journal's sync thread that wakes one task on the
+/// core's executor.
+#[derive(Default)]
+pub struct DurableWake {
+    set: AtomicBool,
+    waker: Mutex<Option<Waker>>,
+}
+
+impl DurableWake {
+    /// Sets the flag and wakes the waiting task (any thread).
+    pub fn notify(&self) {
+        self.set.store(true, Ordering::SeqCst);
+        if let Ok(mut g) = self.waker.lock() {
+            if let Some(w) = g.take() {
+                w.wake();
+            }
+        }
+    }
+
+    /// Waits until [`Self::notify`] was called since the last wait.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn wait(&self) {
+        std::future::poll_fn(|cx| {
+            if self.set.swap(false, Ordering::SeqCst) {
+                return Poll::Ready(());
+            }
+            if let Ok(mut g) = self.waker.lock() {
+                *g = Some(cx.waker().clone());
+            }
+            if self.set.swap(false, Ordering::SeqCst) {
+                return Poll::Ready(());
+            }
+            Poll::Pending
+        })
+        .await
+    }
+}
+
+/// Makes this core's wake fire once `lsn` is durable (at most one
+/// registration in flight per core; a later `lsn` is registered when the
+/// earlier one fires). Under "none" it fires at once.
+pub fn arm(wake: &Arc<DurableWake>, lsn: Lsn) {
+    let watcher = match with_log(|l| l.durable_lsn()) {
+        Ok(d) if d >= lsn => {
+            wake.notify();
+            return;
+        }
+        Ok(_) => LOG.with(|l| {
+            l.borrow()
+                .as_ref()
+                .and_then(|_| CORE_WATCHER.with(|w| w.borrow().clone()))
+        }),
+        Err(_) => return,
+    };
+    let Some(watcher) = watcher else {
+        wake.notify();
+        return;
+    };
+    let already = ARMED.with(|a| a.borrow().as_ref().is_some_and(|(l, _)| *l >= lsn.0));
+    if already {
+        return;
+    }
+    ARMED.with(|a| *a.borrow_mut() = Some((lsn.0, wake.clone())));
+    let w = wake.clone();
+    watcher.on_durable(lsn, move |_| w.notify());
+}
+
+/// Called by the core after its wake fired: clears the registration so
+/// that [`arm`] registers the next LSN.
+pub fn disarm_if_reached() {
+    let durable = with_log(|l| l.durable_lsn()).unwrap_or(Lsn(0));
+    ARMED.with(|a| {
+        let mut g = a.borrow_mut();
+        if g.as_ref().is_some_and(|(l, _)| *l <= durable.0) {
+            *g = None;
+        }
+    });
+}
+
+thread_local! {
+    static CORE_WATCHER: RefCell<Option<shardline_journal::DurabilityWatcher>> =
+        const { RefCell::new(None) };
+}
+
+/// Opens core `index`'s journal under `data_dir` and installs it on this
+/// thread, with its durability watcher.
+///
+/// # Errors
+/// As [`CoreLog::open`].
+pub fn open_for_core(
+    data_dir: &Path,
+    index: u16,
+    durability: &crate::config::Durability,
+) -> Result<(), shardline_journal::OpenError> {
+    let log = CoreLog::open(data_dir, index, durability)?;
+    let watcher = log.journal().watcher();
+    CORE_WATCHER.with(|w| *w.borrow_mut() = Some(watcher));
+    install(Box::new(log));
+    Ok(())
+}
+
+/// A deferred reply, answered: `(token, status, payload)`.
+pub type Completion = (u64, crate::envelope::Status, Vec<u8>);
+
+thread_local! {
+    static COMPLETIONS: RefCell<Vec<Completion>> = const { RefCell::new(Vec::new()) };
+    static APPENDED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Answers the deferred reply `token` (see
+/// [`crate::entity::EntityContext::defer_reply`]); the core sends it after
+/// the current call returns.
+pub fn complete(token: u64, status: crate::envelope::Status, payload: Vec<u8>) {
+    COMPLETIONS.with(|c| c.borrow_mut().push((token, status, payload)));
+}
+
+/// Takes the answered deferred replies of this thread.
+pub fn take_completions() -> Vec<Completion> {
+    COMPLETIONS.with(|c| std::mem::take(&mut *c.borrow_mut()))
+}
+
+/// Records that `lsn` was appended on this thread (the core arms its
+/// durability wake for the highest one).
+pub fn note_appended(lsn: Lsn) {
+    APPENDED.with(|a| a.set(a.get().max(lsn.0)));
+}
+
+/// The highest LSN appended on this thread.
+pub fn appended() -> Lsn {
+    Lsn(APPENDED.with(|a| a.get()))
+}
+
+/// Deferred replies and entities awaiting durability on one core: the
+/// part of the durable-entity protocol the core keeps. `S` is the core's
+/// reply address.
+pub struct Hooks<S> {
+    deferred: std::collections::HashMap<u64, (u64, S)>,
+    waiting: Vec<(String, shardline_core::ids::EntityId, u64)>,
+    /// The core's durability wake.
+    pub wake: Arc<DurableWake>,
+}
+
+impl<S> Default for Hooks<S> {
+    fn default() -> Self {
+        Hooks {
+            deferred: std::collections::HashMap::new(),
+            waiting: Vec::new(),
+            wake: Arc::new(DurableWake::default()),
+        }
+    }
+}
+
+impl<S> Hooks<S> {
+    /// Remembers where the deferred reply `token` of incarnation `inc` goes.
+    pub fn defer(&mut self, token: u64, inc: u64, sender: S) {
+        self.deferred.insert(token, (inc, sender));
+    }
+
+    /// Where the answered `token` goes (removing it).
+    pub fn take(&mut self, token: u64) -> Option<S> {
+        self.deferred.remove(&token).map(|(_, s)| s)
+    }
+
+    /// The reply addresses still waiting on incarnation `inc` (it stopped;
+    /// the caller answers them with a failure).
+    pub fn drop_incarnation(&mut self, inc: u64) -> Vec<S> {
+        if self.deferred.is_empty() {
+            return Vec::new();
+        }
+        let tokens: Vec<u64> = self
+            .deferred
+            .iter()
+            .filter(|(_, (i, _))| *i == inc)
+            .map(|(t, _)| *t)
+            .collect();
+        tokens
+            .into_iter()
+            .filter_map(|t| self.deferred.remove(&t).map(|(_, s)| s))
+            .collect()
+    }
+
+    /// Adds an entity to the ones that get [`crate::entity::Entity::on_durable`].
+    pub fn wait(&mut self, type_name: &str, id: &shardline_core::ids::EntityId, inc: u64) {
+        if !self
+            .waiting
+            .iter()
+            .any(|(t, i, n)| *n == inc && i == id && t == type_name)
+        {
+            self.waiting.push((type_name.to_string(), id.clone(), inc));
+        }
+        arm(&self.wake, appended());
+    }
+
+    /// Takes the waiting entities (the core calls them, then re-adds those
+    /// still waiting).
+    pub fn take_waiting(&mut self) -> Vec<(String, shardline_core::ids::EntityId, u64)> {
+        std::mem::take(&mut self.waiting)
+    }
+}
