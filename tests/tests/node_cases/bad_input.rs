@@ -4,8 +4,6 @@
 //! an error response or a closed connection, and the node keeps answering
 //! other clients (asserted after every case).
 
-mod node_support;
-
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
@@ -16,7 +14,7 @@ use shardline::envelope::{
     encode_frame, ClientFrame, Hello, MAX_FRAME_SIZE_BYTES, PROTOCOL_VERSION,
 };
 
-use node_support::Cluster;
+use super::support::Cluster;
 
 /// Sends `bytes`, half-closes, and reads until the server closes; true when
 /// it closed (EOF or reset) within the timeout.
@@ -70,6 +68,7 @@ fn frame(f: &ClientFrame) -> Vec<u8> {
 
 #[test]
 fn bad_input_gets_an_error_or_a_closed_connection_and_the_node_keeps_serving() {
+    let _one_at_a_time = super::support::serial();
     let cluster = Cluster::start(23_400, 1);
     cluster.wait_ready(Duration::from_secs(60));
     let client_addr = cluster.ports.client(0);

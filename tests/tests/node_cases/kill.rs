@@ -11,14 +11,12 @@
 //! state. The stated bound for both cases is 45 s (measured: about 8 s for a
 //! plain member and 15-25 s for the coordinator's member on this machine).
 
-mod node_support;
-
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use shardline::client::{Client, Status};
 
-use node_support::{live_entities, status, Cluster};
+use super::support::{live_entities, status, Cluster};
 
 const ENTITIES: usize = 150;
 const RECOVERY_BOUND: Duration = Duration::from_secs(45);
@@ -68,6 +66,7 @@ fn assert_no_duplicates(cluster: &Cluster, nodes: &[usize]) {
 
 #[test]
 fn killed_node_is_downed_and_its_entities_rehomed() {
+    let _one_at_a_time = super::support::serial();
     kill_and_recover(23_200, 2);
 }
 
@@ -76,6 +75,7 @@ fn killed_node_is_downed_and_its_entities_rehomed() {
 /// the regions' registrations.
 #[test]
 fn killed_coordinator_node_is_replaced() {
+    let _one_at_a_time = super::support::serial();
     kill_and_recover(23_600, 0);
 }
 

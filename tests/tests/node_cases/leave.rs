@@ -2,20 +2,19 @@
 //! asking through the other two; the node hands its shards off, leaves and
 //! exits 0, and no request fails.
 
-mod node_support;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use shardline::client::{Client, Status};
 
-use node_support::{live_entities, Cluster};
+use super::support::{live_entities, Cluster};
 
 const ENTITIES: usize = 150;
 
 #[test]
 fn sigterm_leaves_gracefully_without_failed_requests() {
+    let _one_at_a_time = super::support::serial();
     let mut cluster = Cluster::start(23_300, 3);
     cluster.wait_ready(Duration::from_secs(60));
     cluster.wait_members_up(3, Duration::from_secs(30));

@@ -82,6 +82,7 @@ fn wait_for(node: &Node, id: &str, msg: &[u8], want: &str) {
 
 #[test]
 fn embedded_entity_with_timers_passivation_and_a_proxy() {
+    let _one_at_a_time = super::support::serial();
     let dir = tempfile::tempdir().expect("tmp");
     let node = Node::start(config(23_700, &[23_700], dir.path())).expect("start");
     node.sharding()

@@ -3,21 +3,20 @@
 //! sent through random nodes with every reply right, and each entity lives on
 //! exactly one node.
 
-mod node_support;
-
 use std::collections::HashMap;
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use shardline::client::{Client, Status};
 
-use node_support::{live_entities, status, Cluster};
+use super::support::{allocate_and_balance, live_entities, status, Cluster};
 
 const COUNTERS: usize = 1_000;
 const ROUNDS: usize = 10;
 
 #[test]
 fn three_nodes_started_at_once_form_one_cluster_and_serve_counters() {
+    let _one_at_a_time = super::support::serial();
     let cluster = Cluster::start(23_100, 3);
     cluster.wait_ready(Duration::from_secs(60));
     cluster.wait_members_up(3, Duration::from_secs(30));
@@ -49,6 +48,11 @@ fn three_nodes_started_at_once_form_one_cluster_and_serve_counters() {
                 .into_split()
         })
         .collect();
+    let mut warm: Vec<Client> = (0..3)
+        .map(|i| Client::connect(cluster.ports.client(i)).expect("connect"))
+        .collect();
+    let addrs: Vec<_> = (0..3).map(|i| cluster.ports.client(i)).collect();
+    allocate_and_balance(&mut warm, &addrs, "c", COUNTERS);
     let mut total = 0;
     for round in 0..ROUNDS {
         let mut sent_on: Vec<Vec<(u64, usize, i64)>> = vec![Vec::new(); 3];

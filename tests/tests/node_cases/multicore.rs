@@ -2,23 +2,23 @@
 //! (SO_REUSEPORT), messages for a shard homed on the other core cross the
 //! core ring, every reply is right, and each entity lives in one region.
 
-mod node_support;
-
 use std::collections::HashMap;
 use std::time::Duration;
 
 use shardline::client::{Client, Status};
 
-use node_support::{status, Cluster};
+use super::support::{allocate_and_balance, status, Cluster};
 
 #[test]
 fn two_data_cores_route_across_the_core_ring() {
+    let _one_at_a_time = super::support::serial();
     let cluster = Cluster::start_with_cores(23_500, 1, 2);
     cluster.wait_ready(Duration::from_secs(60));
     let addr = cluster.ports.client(0);
     let mut clients: Vec<Client> = (0..6)
         .map(|_| Client::connect(addr).expect("connect"))
         .collect();
+    allocate_and_balance(&mut clients, &[addr], "m", 200);
     let mut expected = vec![0i64; 200];
     for round in 0..5 {
         for (c, exp) in expected.iter_mut().enumerate() {

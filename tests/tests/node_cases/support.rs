@@ -1,8 +1,5 @@
-//! Helpers of the multi-process node tests: generate configs into a temp
-//! dir, start `shardline node` children, wait for their ready line, kill
-//! them on drop.
-
-#![allow(dead_code)]
+//! Helpers of the node tests: generate configs into a temp dir, start
+//! `shardline node` children, wait for their ready line, kill them on drop.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -106,7 +103,6 @@ active_entity_limit = 0
 /// One child node.
 pub struct NodeProc {
     pub child: Child,
-    pub client: SocketAddr,
     pub ready: std::sync::mpsc::Receiver<()>,
 }
 
@@ -169,7 +165,6 @@ impl Cluster {
             nodes.push(Some(spawn(
                 &bin,
                 &cfg,
-                ports.client(i),
                 dir.path().join(format!("node-{i}.log")),
             )));
         }
@@ -246,7 +241,7 @@ impl Drop for Cluster {
     }
 }
 
-fn spawn(bin: &Path, cfg: &Path, client: SocketAddr, log: PathBuf) -> NodeProc {
+fn spawn(bin: &Path, cfg: &Path, log: PathBuf) -> NodeProc {
     let logf = std::fs::File::create(&log).expect("log file");
     let mut child = Command::new(bin)
         .args(["node", "--config"])
@@ -267,11 +262,7 @@ fn spawn(bin: &Path, cfg: &Path, client: SocketAddr, log: PathBuf) -> NodeProc {
             }
         }
     });
-    NodeProc {
-        child,
-        client,
-        ready: rx,
-    }
+    NodeProc { child, ready: rx }
 }
 
 /// A node's status, or `None` when it does not answer.
@@ -292,29 +283,53 @@ pub fn live_entities(addr: SocketAddr, type_name: &str) -> Option<Vec<String>> {
     )
 }
 
-/// One ask with retries on transient statuses until `deadline`.
-pub fn ask_retry(
-    clients: &mut [Client],
-    pick: &mut impl FnMut() -> usize,
-    t: &str,
-    id: &str,
-    payload: &[u8],
-    deadline: Instant,
-) -> (Status, Vec<u8>) {
+/// Asks `get` of every counter `prefix-0..n` once (allocating their shards),
+/// then waits until the coordinator's allocation is balanced (the shard
+/// counts of all `counter` regions differ by at most one), so that no
+/// rebalance moves a counter (and resets its in-memory value) during the
+/// test.
+pub fn allocate_and_balance(clients: &mut [Client], nodes: &[SocketAddr], prefix: &str, n: usize) {
+    for c in 0..n {
+        let cl = &mut clients[c % clients.len()];
+        let r = cl
+            .ask(
+                "counter",
+                &format!("{prefix}-{c}"),
+                b"get",
+                Duration::from_secs(20),
+            )
+            .expect("warm-up ask");
+        assert_eq!(r.status, Status::Ok, "warm-up of {prefix}-{c}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let i = pick();
-        let r = clients[i].ask(t, id, payload, Duration::from_secs(5));
-        match r {
-            Ok(r) if r.status == Status::Ok || Instant::now() >= deadline => {
-                return (r.status, r.payload)
-            }
-            Ok(_) => {}
-            Err(e) => {
-                if Instant::now() >= deadline {
-                    panic!("ask failed: {e}");
+        let mut counts = Vec::new();
+        for a in nodes {
+            if let Some(st) = status(*a) {
+                for r in st.regions.iter().filter(|r| r.type_name == "counter") {
+                    counts.push(r.shards.len());
                 }
             }
         }
-        std::thread::sleep(Duration::from_millis(20));
+        let (min, max) = (
+            counts.iter().min().copied().unwrap_or(0),
+            counts.iter().max().copied().unwrap_or(0),
+        );
+        if !counts.is_empty() && max <= min + 1 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "allocation never balanced: {counts:?}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
     }
+}
+
+/// Runs the node tests one at a time: each starts several node processes,
+/// and running them side by side on a 2-core machine would starve the
+/// failure detectors into false suspicions.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
