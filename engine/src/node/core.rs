@@ -865,11 +865,15 @@ impl Core {
             return false;
         };
         let mut entity = f(id);
-        let epoch = h
-            .region
-            .hosted_shards()
-            .find(|(s, _, _)| *s == shard)
-            .map_or(0, |(_, g, _)| g.0);
+        let mut epoch = 0;
+        let mut hosted_max = 0;
+        for (s, g, _) in h.region.hosted_shards() {
+            hosted_max = hosted_max.max(g.0);
+            if s == shard {
+                epoch = g.0;
+            }
+        }
+        crate::persistence::set_hosted_generation(hosted_max);
         let mut ctx = EntityContext::new(id).with_type(t, epoch);
         entity.on_start(&mut ctx);
         let wants_durable = ctx.wants_durable();

@@ -98,7 +98,9 @@ pub struct CoreLog {
     /// Read-only views of the other journals under the data root, and the
     /// highest shard generation known when they were opened.
     foreign: Vec<shardline_journal::JournalReader>,
-    foreign_epoch: Option<WriterEpoch>,
+    /// Per entity type: the highest shard generation hosted here when the
+    /// readers were last opened.
+    foreign_epoch: std::collections::HashMap<String, u64>,
 }
 
 impl CoreLog {
@@ -126,7 +128,7 @@ impl CoreLog {
             none: matches!(durability, Durability::None),
             dir,
             foreign: Vec::new(),
-            foreign_epoch: None,
+            foreign_epoch: std::collections::HashMap::new(),
         })
     }
 
@@ -167,10 +169,18 @@ impl CoreLog {
     }
 
     /// Opens the foreign readers again unless they were opened when a
-    /// shard of generation `epoch` was already allocated here (then every
-    /// event an earlier home wrote before the hand-off is visible to them).
-    fn refresh_foreign(&mut self, epoch: WriterEpoch) {
-        if self.foreign_epoch.is_some_and(|e| e >= epoch) {
+    /// shard of `pid`'s type with generation `epoch` was already hosted
+    /// here (then every event an earlier home wrote before the hand-off is
+    /// visible to them: generations grow with every allocation, and a
+    /// shard is allocated here only after its previous home handed it off
+    /// or was removed).
+    fn refresh_foreign(&mut self, pid: &PersistenceId, epoch: WriterEpoch) {
+        let type_name = pid.as_str().split('|').next().unwrap_or("");
+        if self
+            .foreign_epoch
+            .get(type_name)
+            .is_some_and(|e| *e >= epoch.0)
+        {
             return;
         }
         self.foreign.clear();
@@ -180,7 +190,8 @@ impl CoreLog {
                 Err(e) => tracing::warn!(dir = %d.display(), error = %e, "cannot read journal"),
             }
         }
-        self.foreign_epoch = Some(epoch);
+        let hosted = HOSTED_GENERATION.with(|h| h.get()).max(epoch.0);
+        self.foreign_epoch.insert(type_name.to_string(), hosted);
     }
 
     /// The journal's directory.
@@ -234,7 +245,7 @@ impl EventLog for CoreLog {
         // root: the newest snapshot wins, then events after it by sequence
         // number (a shard that moved left its earlier events elsewhere).
         let mut parts = vec![self.journal.recover(pid).map_err(|e| e.to_string())?];
-        self.refresh_foreign(epoch);
+        self.refresh_foreign(pid, epoch);
         for r in &self.foreign {
             if r.highest_sequence_nr(pid).0 == 0 {
                 continue;
@@ -294,6 +305,18 @@ impl EventLog for CoreLog {
         }
         self.journal.wait_durable(lsn).map_err(|e| e.to_string())
     }
+}
+
+thread_local! {
+    static HOSTED_GENERATION: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Tells the journal wiring the highest shard generation of the type whose
+/// entity is about to start on this core (the core calls it before
+/// `on_start`), so that one reopening of the other journals serves every
+/// shard already hosted.
+pub fn set_hosted_generation(generation: u64) {
+    HOSTED_GENERATION.with(|h| h.set(generation));
 }
 
 thread_local! {
