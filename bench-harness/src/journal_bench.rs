@@ -448,6 +448,10 @@ fn run_journal(
     Ok((elapsed, hist))
 }
 
+/// The raw flusher's output: (bytes durable, time ns) per flush, and the
+/// histogram of `fdatasync` durations.
+type FlushLog = (Vec<(u64, u64)>, Histogram<u64>);
+
 struct RawShared {
     written_bytes: AtomicU64,
     synced: Mutex<u64>,
@@ -491,42 +495,40 @@ fn run_raw(
     let flusher = (policy != Policy::None).then(|| {
         let file = file.clone();
         let shared = shared.clone();
-        std::thread::spawn(
-            move || -> std::io::Result<(Vec<(u64, u64)>, Histogram<u64>)> {
-                let mut events = Vec::new();
-                let mut flush_hist = histogram();
-                let mut synced = 0u64;
-                let mut next_tick = Instant::now();
-                loop {
-                    match policy {
-                        Policy::Interval(d) => {
-                            next_tick += d;
-                            let now = Instant::now();
-                            if next_tick > now {
-                                std::thread::sleep(next_tick - now);
-                            } else {
-                                next_tick = now;
-                            }
-                        }
-                        _ => {
-                            let _ = bell_rx.recv_timeout(Duration::from_millis(50));
+        std::thread::spawn(move || -> std::io::Result<FlushLog> {
+            let mut events = Vec::new();
+            let mut flush_hist = histogram();
+            let mut synced = 0u64;
+            let mut next_tick = Instant::now();
+            loop {
+                match policy {
+                    Policy::Interval(d) => {
+                        next_tick += d;
+                        let now = Instant::now();
+                        if next_tick > now {
+                            std::thread::sleep(next_tick - now);
+                        } else {
+                            next_tick = now;
                         }
                     }
-                    let w = shared.written_bytes.load(Ordering::SeqCst);
-                    if w > synced {
-                        let t0 = Instant::now();
-                        file.sync_data()?;
-                        let _ = flush_hist.record((t0.elapsed().as_nanos() as u64).max(1));
-                        events.push((w, start.elapsed().as_nanos() as u64));
-                        synced = w;
-                        *shared.synced.lock().unwrap_or_else(|e| e.into_inner()) = w;
-                        shared.cond.notify_all();
-                    } else if shared.stop.load(Ordering::SeqCst) {
-                        return Ok((events, flush_hist));
+                    _ => {
+                        let _ = bell_rx.recv_timeout(Duration::from_millis(50));
                     }
                 }
-            },
-        )
+                let w = shared.written_bytes.load(Ordering::SeqCst);
+                if w > synced {
+                    let t0 = Instant::now();
+                    file.sync_data()?;
+                    let _ = flush_hist.record((t0.elapsed().as_nanos() as u64).max(1));
+                    events.push((w, start.elapsed().as_nanos() as u64));
+                    synced = w;
+                    *shared.synced.lock().unwrap_or_else(|e| e.into_inner()) = w;
+                    shared.cond.notify_all();
+                } else if shared.stop.load(Ordering::SeqCst) {
+                    return Ok((events, flush_hist));
+                }
+            }
+        })
     });
     let mut append_ns = vec![0u64; n];
     let mut call_hist = histogram();

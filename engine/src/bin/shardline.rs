@@ -23,6 +23,8 @@ enum Command {
     Node(shardline::cli::node::NodeArgs),
     /// Print a node's view of the cluster: `shardline status --node ADDR`.
     Status(shardline::cli::status::StatusArgs),
+    /// Journal tools: `shardline journal verify DIR`, `shardline journal inspect DIR`.
+    Journal(shardline::cli::journal::JournalArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -43,6 +45,12 @@ fn main() -> anyhow::Result<()> {
             shardline::cli::node::run(&args)
         }
         Command::Status(args) => shardline::cli::status::run(&args, &mut std::io::stdout().lock()),
+        Command::Journal(args) => {
+            if !shardline::cli::journal::run(&args, &mut std::io::stdout().lock())? {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
         Command::ShardOf(args) => {
             shardline::cli::shard_of::run(&args, &mut std::io::stdout().lock())?;
             Ok(())

@@ -2,6 +2,7 @@
 //! subcommand lives in its own module; `src/bin/shardline.rs` only parses and
 //! dispatches.
 
+pub mod journal;
 pub mod node;
 pub mod shard_of;
 pub mod status;

@@ -1,0 +1,307 @@
+//! `shardline journal verify DIR` and `shardline journal inspect DIR
+//! [--persistence-id ID]`: offline tools for a journal directory (see
+//! `journal/FORMAT.md`). Both read every segment in full and change
+//! nothing.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use shardline_journal::format::RecordKind;
+use shardline_journal::verify::{self, SegmentProblem};
+use shardline_journal::{JournalReader, PersistenceId};
+
+/// Arguments of `journal`.
+#[derive(Debug, clap::Args)]
+pub struct JournalArgs {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: JournalCommand,
+}
+
+/// The `journal` subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum JournalCommand {
+    /// Check every segment; exit 0 when the journal is usable (a torn tail
+    /// is usable: opening cuts it), 1 when it is corrupt.
+    Verify {
+        /// The journal directory.
+        dir: PathBuf,
+    },
+    /// List records: `LSN SEQ KIND EPOCH TIMESTAMP_MS LEN PERSISTENCE_ID PAYLOAD`.
+    Inspect {
+        /// The journal directory.
+        dir: PathBuf,
+        /// Only this persistence id's records (and its latest snapshot).
+        #[arg(long)]
+        persistence_id: Option<String>,
+    },
+}
+
+/// Errors of `journal`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum JournalCliError {
+    /// The directory could not be read.
+    #[error("cannot read journal {dir}: {source}")]
+    Read {
+        /// The directory.
+        dir: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// `--persistence-id` is not a valid persistence id.
+    #[error("invalid --persistence-id: {0}")]
+    BadPersistenceId(#[from] shardline_journal::PersistenceIdError),
+    /// Writing the output failed.
+    #[error("cannot write output: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Runs a `journal` subcommand, writing its report to `out`. Returns
+/// whether the journal is usable (`inspect` always returns true).
+///
+/// # Errors
+/// [`JournalCliError::Read`] when the directory cannot be listed or a
+/// segment cannot be opened; [`JournalCliError::Io`] when writing fails.
+pub fn run(args: &JournalArgs, out: &mut impl Write) -> Result<bool, JournalCliError> {
+    match &args.command {
+        JournalCommand::Verify { dir } => verify_cmd(dir, out),
+        JournalCommand::Inspect {
+            dir,
+            persistence_id,
+        } => inspect_cmd(dir, persistence_id.as_deref(), out).map(|()| true),
+    }
+}
+
+fn verify_cmd(dir: &PathBuf, out: &mut impl Write) -> Result<bool, JournalCliError> {
+    let report = verify::verify_dir(dir).map_err(|source| JournalCliError::Read {
+        dir: dir.clone(),
+        source,
+    })?;
+    writeln!(out, "journal {}", dir.display())?;
+    let mut torn = Vec::new();
+    let mut corrupt = Vec::new();
+    for s in &report.segments {
+        let epoch = s
+            .writer_epoch
+            .map_or_else(|| "-".to_string(), |e| e.0.to_string());
+        let state = match &s.problem {
+            None => "ok".to_string(),
+            Some(SegmentProblem::TornTail {
+                offset,
+                bytes,
+                kind,
+            }) => {
+                torn.push(format!(
+                    "segment {} offset {offset} ({bytes} bytes, {kind}; cut on open)",
+                    s.file
+                ));
+                format!("torn tail at offset {offset}")
+            }
+            Some(SegmentProblem::Corrupt { offset, kind }) => {
+                corrupt.push(format!("segment {} offset {offset}: {kind}", s.file));
+                format!("CORRUPT at offset {offset}")
+            }
+            Some(SegmentProblem::Stale { epoch, newer_epoch }) => {
+                corrupt.push(format!(
+                    "segment {} offset 0: stale writer epoch {epoch} after epoch {newer_epoch}",
+                    s.file
+                ));
+                "STALE".to_string()
+            }
+            Some(SegmentProblem::Overlap { expected }) => {
+                corrupt.push(format!(
+                    "segment {} offset 0: overlaps earlier segments (next LSN {expected})",
+                    s.file
+                ));
+                "OVERLAP".to_string()
+            }
+        };
+        writeln!(
+            out,
+            "segment {} epoch {epoch} records {} bytes {} file_bytes {} index {} {state}",
+            s.file,
+            s.records,
+            s.record_bytes,
+            s.file_len_bytes,
+            if s.has_index { "yes" } else { "no" },
+        )?;
+    }
+    writeln!(
+        out,
+        "segments {} records {} persistence_ids {} bytes {}",
+        report.segments.len(),
+        report.records,
+        report.persistence_ids,
+        report.record_bytes
+    )?;
+    if torn.is_empty() {
+        writeln!(out, "torn tail: none")?;
+    }
+    for t in &torn {
+        writeln!(out, "torn tail: {t}")?;
+    }
+    if corrupt.is_empty() {
+        writeln!(out, "corruption: none")?;
+    }
+    for c in &corrupt {
+        writeln!(out, "corruption: {c}")?;
+    }
+    let usable = report.usable();
+    writeln!(out, "result: {}", if usable { "usable" } else { "CORRUPT" })?;
+    Ok(usable)
+}
+
+fn preview(payload: &[u8]) -> String {
+    const MAX: usize = 48;
+    let shown = &payload[..payload.len().min(MAX)];
+    let more = if payload.len() > MAX { "..." } else { "" };
+    if shown.iter().all(|b| (0x20..0x7f).contains(b)) {
+        format!("{:?}{more}", String::from_utf8_lossy(shown))
+    } else {
+        let hex: String = shown.iter().map(|b| format!("{b:02x}")).collect();
+        format!("0x{hex}{more}")
+    }
+}
+
+fn inspect_cmd(
+    dir: &PathBuf,
+    persistence_id: Option<&str>,
+    out: &mut impl Write,
+) -> Result<(), JournalCliError> {
+    let filter = persistence_id.map(PersistenceId::new).transpose()?;
+    let storage = shardline_journal::storage::MmapStorage::existing(dir).map_err(|source| {
+        JournalCliError::Read {
+            dir: dir.clone(),
+            source,
+        }
+    })?;
+    let mut io_result = Ok(());
+    let mut shown = 0u64;
+    writeln!(
+        out,
+        "# lsn seq kind epoch timestamp_ms len persistence_id payload"
+    )?;
+    verify::for_each_record(&storage, |_, r| {
+        if io_result.is_err() {
+            return;
+        }
+        if let Some(p) = &filter {
+            if r.persistence_id != p.as_bytes() {
+                return;
+            }
+        }
+        shown += 1;
+        let kind = match r.kind {
+            RecordKind::Event => "event",
+            RecordKind::Deletion => "delete-to",
+        };
+        io_result = writeln!(
+            out,
+            "{} {} {kind} {} {} {} {} {}",
+            r.lsn,
+            r.sequence_nr,
+            r.writer_epoch,
+            r.timestamp_ms,
+            r.payload.len(),
+            String::from_utf8_lossy(r.persistence_id),
+            preview(r.payload)
+        );
+    })
+    .map_err(|source| JournalCliError::Read {
+        dir: dir.clone(),
+        source,
+    })?;
+    io_result?;
+    writeln!(out, "# {shown} records")?;
+    if let Some(p) = &filter {
+        match JournalReader::open(dir).map(|r| r.load_snapshot(p)) {
+            Ok(Ok(Some(s))) => writeln!(
+                out,
+                "# snapshot of {p} at seq {} (epoch {}, {} bytes): {}",
+                s.sequence_nr,
+                s.writer_epoch,
+                s.data.len(),
+                preview(&s.data)
+            )?,
+            Ok(Ok(None)) => writeln!(out, "# no snapshot of {p}")?,
+            Ok(Err(e)) => writeln!(out, "# snapshot of {p} unreadable: {e}")?,
+            Err(e) => writeln!(out, "# snapshots not read: {e}")?,
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardline_journal::{Durability, Journal, JournalOptions, SequenceNr, WriterEpoch};
+
+    fn sample(dir: &std::path::Path) {
+        let opts = JournalOptions {
+            segment_size_bytes: 4096,
+            durability: Durability::Always,
+            ..JournalOptions::default()
+        };
+        let (mut j, _) = Journal::open(dir, opts).unwrap();
+        let p = PersistenceId::new("counter|a").unwrap();
+        for seq in 1..=100 {
+            j.append(&p, SequenceNr(seq), WriterEpoch(0), b"add 1")
+                .unwrap();
+        }
+        j.save_snapshot(&p, SequenceNr(50), WriterEpoch(0), b"50")
+            .unwrap();
+        j.close().unwrap();
+    }
+
+    fn run_to_string(command: JournalCommand) -> (bool, String) {
+        let mut out = Vec::new();
+        let ok = run(&JournalArgs { command }, &mut out).unwrap();
+        (ok, String::from_utf8(out).unwrap())
+    }
+
+    #[test]
+    fn verify_reports_usable_then_corrupt() {
+        let dir = tempfile::tempdir().unwrap();
+        sample(dir.path());
+        let (ok, text) = run_to_string(JournalCommand::Verify {
+            dir: dir.path().to_path_buf(),
+        });
+        assert!(ok, "{text}");
+        assert!(text.contains("records 100 persistence_ids 1"), "{text}");
+        assert!(text.contains("result: usable"));
+        // Flip a byte inside the first segment's second record (records
+        // are 44 + 9 + 5 = 58 bytes, so it starts at 64 + 58 = 122).
+        let first = dir.path().join("00000000000000000001.seg");
+        let mut b = std::fs::read(&first).unwrap();
+        b[64 + 60 + 20] ^= 0xff;
+        std::fs::write(&first, b).unwrap();
+        let (ok, text) = run_to_string(JournalCommand::Verify {
+            dir: dir.path().to_path_buf(),
+        });
+        assert!(!ok, "{text}");
+        assert!(
+            text.contains("corruption: segment 00000000000000000001.seg offset 122"),
+            "{text}"
+        );
+        assert!(text.contains("result: CORRUPT"));
+    }
+
+    #[test]
+    fn inspect_lists_records_and_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        sample(dir.path());
+        let (_, text) = run_to_string(JournalCommand::Inspect {
+            dir: dir.path().to_path_buf(),
+            persistence_id: Some("counter|a".into()),
+        });
+        assert!(text.contains("1 1 event 0 "), "{text}");
+        assert!(text.contains("# 100 records"), "{text}");
+        assert!(text.contains("# snapshot of counter|a at seq 50"), "{text}");
+        let (_, text) = run_to_string(JournalCommand::Inspect {
+            dir: dir.path().to_path_buf(),
+            persistence_id: Some("nobody".into()),
+        });
+        assert!(text.contains("# 0 records"), "{text}");
+    }
+}
