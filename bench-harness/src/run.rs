@@ -524,12 +524,14 @@ pub fn run(args: RunArgs, connector: Arc<dyn Connector>, command: &str) -> Resul
             let planned: u64 = rates
                 .iter()
                 .zip(&quotas)
-                .map(|(r, q)| {
-                    crate::schedule::OpenLoopSchedule::new(0, *r)
+                .map(|(r, q)| match duration {
+                    Some(_) => crate::schedule::OpenLoopSchedule::new(0, *r)
                         .count_before(end_ns)
-                        .min(*q)
+                        .min(*q),
+                    None => *q,
                 })
-                .sum();
+                .fold(0u64, |a, b| a.saturating_add(b));
+            let planned = planned.min(trace_references.unwrap_or(u64::MAX));
             format!(
                 "open loop at {} requests/s over {connections} connection(s), at most {} in flight each, {planned} requests planned",
                 args.rate.unwrap_or(0.0),

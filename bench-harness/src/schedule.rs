@@ -39,7 +39,8 @@ impl OpenLoopSchedule {
     /// Intended send time of request `index` (ns since origin):
     /// `start + index * 1e9 / rate`, rounded to the nearest ns.
     pub fn send_time_ns(&self, index: u64) -> u64 {
-        self.start_ns + (index as f64 * 1e9 / self.rate_per_s).round() as u64
+        self.start_ns
+            .saturating_add((index as f64 * 1e9 / self.rate_per_s).round() as u64)
     }
 
     /// How many requests are due at `now_ns` (those with an intended send
