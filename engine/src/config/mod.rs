@@ -91,6 +91,23 @@ pub struct EntityTypeConfig {
     /// Maximum live entities of this type per region; 0 = unlimited (default).
     #[serde(default)]
     pub active_entity_limit: u32,
+    /// Remember entities: started entities are recorded in the core's
+    /// journal and started again, without a message, when their shard
+    /// starts after a move or a restart. Default false.
+    #[serde(default)]
+    pub remember_entities: bool,
+    /// Pace of restarting remembered entities, in entities per second per
+    /// shard; 0 = all at once (default).
+    #[serde(default)]
+    pub remember_entities_per_s: u32,
+    /// Events between two snapshots of a durable entity (count); 0 = never.
+    /// Default 100.
+    #[serde(default = "default_snapshot_every")]
+    pub snapshot_every: u64,
+}
+
+fn default_snapshot_every() -> u64 {
+    100
 }
 
 fn default_idle_timeout_ms() -> u64 {

@@ -459,6 +459,12 @@ mod tests {
                 .insert(pid.as_str().to_string(), (seq.0, data.to_vec()));
             Ok(())
         }
+        fn highest_sequence_nr(&self, pid: &PersistenceId) -> u64 {
+            self.events
+                .get(pid.as_str())
+                .and_then(|v| v.last())
+                .map_or(0, |e| e.0)
+        }
         fn durable_lsn(&self) -> Lsn {
             Lsn(self.durable.get())
         }

@@ -730,15 +730,16 @@ impl Core {
                         h.region.handle_entity_stopped(now, shard, &entity);
                     }
                 }
-                RegionEffect::Persist(_) => {
-                    // Remember-entities is not enabled by this node (the
-                    // settings set `remember_entities = false`), so no shard
-                    // event is emitted; nothing to store.
+                RegionEffect::Persist(ev) => {
+                    if let Some(h) = self.types.get(t) {
+                        crate::persistence::remember::record(t, &h.region, &ev);
+                    }
                 }
                 RegionEffect::RecoverRememberedEntities { shard } => {
                     let now = self.now();
                     if let Some(h) = self.types.get_mut(t) {
-                        h.region.handle_remembered_entities(now, shard, Vec::new());
+                        let ids = crate::persistence::remember::recover(t, &h.region, shard);
+                        h.region.handle_remembered_entities(now, shard, ids);
                     }
                 }
                 RegionEffect::Fail { envelope, reason } => {
@@ -1303,6 +1304,8 @@ fn region_settings(s: &EntitySettings) -> RegionSettings {
             idle_timeout: s.idle_timeout,
             active_entity_limit: s.active_entity_limit,
         },
+        remember_entities: s.remember_entities,
+        remember_entities_pace: s.remember_entities_pace,
         ..RegionSettings::default()
     }
 }

@@ -88,6 +88,11 @@ pub struct EntitySettings {
     /// Most messages buffered per region while shard homes are unknown
     /// (count). Default 100,000.
     pub buffer_size: usize,
+    /// Remember entities in the core's journal and restart them when their
+    /// shard starts. Default false.
+    pub remember_entities: bool,
+    /// Pace of restarting remembered entities. Default all at once.
+    pub remember_entities_pace: shardline_core::sharding::RememberEntitiesPace,
 }
 
 impl Default for EntitySettings {
@@ -96,6 +101,8 @@ impl Default for EntitySettings {
             idle_timeout: Some(Duration::from_secs(120)),
             active_entity_limit: None,
             buffer_size: 100_000,
+            remember_entities: false,
+            remember_entities_pace: shardline_core::sharding::RememberEntitiesPace::AllAtOnce,
         }
     }
 }
@@ -215,11 +222,19 @@ impl Node {
         for t in node.config.entity_types.clone() {
             node.sharding().start(
                 &t.name,
-                crate::entity::builtin_factory(t.kind),
+                crate::entity::builtin_factory_with(
+                    t.kind,
+                    t.snapshot_every,
+                    crate::entity::supervision::SupervisorSettings::default(),
+                ),
                 EntitySettings {
                     idle_timeout: NodeConfig::idle_timeout(&t),
                     active_entity_limit: (t.active_entity_limit > 0)
                         .then_some(t.active_entity_limit as usize),
+                    remember_entities: t.remember_entities,
+                    remember_entities_pace: crate::persistence::remember::pace(
+                        t.remember_entities_per_s,
+                    ),
                     ..EntitySettings::default()
                 },
             )?;

@@ -19,6 +19,8 @@
 //! which must be readable from the new home (one data root per machine,
 //! or a shared filesystem).
 
+pub mod remember;
+
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -68,6 +70,9 @@ pub trait EventLog {
     /// The highest LSN whose record is durable under the policy (under
     /// "none": the highest appended).
     fn durable_lsn(&self) -> Lsn;
+
+    /// The last sequence number of `pid` in this journal (0: none).
+    fn highest_sequence_nr(&self, pid: &PersistenceId) -> u64;
 
     /// Blocks until `lsn` is durable (used only when an entity with
     /// events in flight is stopped, at most one flush).
@@ -289,6 +294,10 @@ impl EventLog for CoreLog {
         self.journal
             .save_snapshot(pid, seq, epoch, data)
             .map_err(|e| e.to_string())
+    }
+
+    fn highest_sequence_nr(&self, pid: &PersistenceId) -> u64 {
+        self.journal.highest_sequence_nr(pid).0
     }
 
     fn durable_lsn(&self) -> Lsn {
