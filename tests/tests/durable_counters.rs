@@ -336,3 +336,85 @@ fn remembered_entities_start_again_with_their_shard_after_a_crash() {
     );
     drop(node);
 }
+
+/// Config of node `i` of a two-node cluster on `port`, `port + 1`.
+fn config2(dir: &Path, port: u16, i: u16) -> PathBuf {
+    let text = format!(
+        r#"cluster_address = "127.0.0.1:{}"
+client_address = "127.0.0.1:{}"
+seed_nodes = ["127.0.0.1:{port}", "127.0.0.1:{}"]
+data_cores = 1
+pin_cores = false
+data_dir = "{}"
+number_of_shards = 60
+durability = {{ interval_ms = 1 }}
+
+[[entity_types]]
+name = "counter"
+kind = "counter"
+idle_timeout_ms = 0
+active_entity_limit = 0
+"#,
+        port + i,
+        port + 50 + i,
+        port + 1,
+        dir.join(format!("node-{i}")).display()
+    );
+    let p = dir.join(format!("node-{i}.toml"));
+    std::fs::write(&p, text).expect("config");
+    p
+}
+
+#[test]
+fn a_joining_node_takes_shards_and_durable_counters_keep_their_values() {
+    let bin = shardline_bin();
+    let dir = tempfile::tempdir().expect("tmp");
+    let port = 24_300;
+    let a_addr: SocketAddr = format!("127.0.0.1:{}", port + 50).parse().expect("addr");
+    let b_addr: SocketAddr = format!("127.0.0.1:{}", port + 51).parse().expect("addr");
+    let a = start(
+        &bin,
+        &config2(dir.path(), port, 0),
+        &dir.path().join("a.log"),
+    );
+    let ids: Vec<String> = (0..200).map(|i| format!("m-{i}")).collect();
+    for k in 1..=3 {
+        let r = round(a_addr, &ids, "add 1", 200).expect("adds");
+        assert!(
+            r.iter().all(|(_, v)| v.as_deref() == Some(&k.to_string())),
+            "round {k}"
+        );
+    }
+    let b = start(
+        &bin,
+        &config2(dir.path(), port, 1),
+        &dir.path().join("b.log"),
+    );
+    // Wait until the new node hosts some shards (the coordinator rebalances).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let hosted = Client::connect(b_addr)
+            .and_then(|mut c| c.node_status(Duration::from_secs(5)))
+            .map(|st| {
+                st.regions
+                    .iter()
+                    .filter(|r| r.type_name == "counter" && !r.proxy)
+                    .map(|r| r.shards.len())
+                    .sum::<usize>()
+            })
+            .unwrap_or(0);
+        if hosted > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no shard moved to the new node");
+        // Keep traffic flowing so shards are (re)allocated.
+        let _ = round(a_addr, &ids[..10], "get", 10);
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let values = get_all(b_addr, &ids);
+    assert!(values.iter().all(|v| *v == 3), "{values:?}");
+    let values = get_all(a_addr, &ids);
+    assert!(values.iter().all(|v| *v == 3), "{values:?}");
+    drop(b);
+    drop(a);
+}
