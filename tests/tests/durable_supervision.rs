@@ -1,0 +1,101 @@
+//! Supervision in a running node: a handler that panics answers its sender
+//! `EntityFailed`, the entity restarts after its backoff with fresh state,
+//! and its neighbours on the same core keep answering throughout.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use shardline::client::Status;
+use shardline::config::{Durability, DurabilityName};
+use shardline::entity::supervision::{supervised, SupervisorSettings};
+use shardline::{AskError, Entity, EntityContext, EntityError, EntitySettings, Node, NodeConfig};
+
+/// Counts its messages; `boom` panics.
+#[derive(Default)]
+struct Fragile {
+    n: u64,
+}
+
+impl Entity for Fragile {
+    fn handle(&mut self, ctx: &mut EntityContext<'_>, message: &[u8]) -> Result<(), EntityError> {
+        if message == b"boom" {
+            panic!("asked to panic");
+        }
+        self.n += 1;
+        ctx.reply(self.n.to_string());
+        Ok(())
+    }
+}
+
+#[test]
+fn a_panicking_handler_restarts_with_backoff_and_neighbours_keep_answering() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let port = 24_400;
+    let node = Node::start(NodeConfig {
+        cluster_address: format!("127.0.0.1:{port}").parse().expect("addr"),
+        client_address: format!("127.0.0.1:{}", port + 50).parse().expect("addr"),
+        http_address: None,
+        seed_nodes: vec![format!("127.0.0.1:{port}").parse().expect("addr")],
+        data_cores: 1,
+        pin_cores: false,
+        data_dir: dir.path().join("node"),
+        number_of_shards: 4,
+        durability: Durability::Named(DurabilityName::None),
+        entity_types: Vec::new(),
+        downing_stable_after_ms: 2_000,
+        heartbeat_pause_ms: 1_500,
+    })
+    .expect("start");
+    let settings = SupervisorSettings {
+        min_backoff: Duration::from_millis(300),
+        max_backoff: Duration::from_secs(1),
+        random_factor: 0.0,
+        max_restarts: 3,
+        window: Duration::from_secs(60),
+    };
+    node.sharding()
+        .start(
+            "fragile",
+            supervised(Arc::new(|_| Box::<Fragile>::default()), settings),
+            EntitySettings::default(),
+        )
+        .expect("region");
+    node.wait_ready(Duration::from_secs(30)).expect("ready");
+    let t = Duration::from_secs(5);
+    let victim = node.entity_ref("fragile", "victim").expect("ref");
+    let neighbours: Vec<_> = (0..8)
+        .map(|i| node.entity_ref("fragile", &format!("n-{i}")).expect("ref"))
+        .collect();
+    assert_eq!(victim.ask(b"x", t).expect("ask"), b"1");
+    for n in &neighbours {
+        assert_eq!(n.ask(b"x", t).expect("ask"), b"1");
+    }
+    match victim.ask(b"boom", t) {
+        Err(AskError::Failed(Status::EntityFailed)) => {}
+        other => panic!("expected EntityFailed, got {other:?}"),
+    }
+    // During the backoff the victim answers EntityFailed; neighbours answer.
+    for n in &neighbours {
+        assert_eq!(n.ask(b"x", t).expect("ask"), b"2");
+    }
+    let mut failed_while_backing_off = 0;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match victim.ask(b"x", t) {
+            Ok(v) => {
+                // A fresh incarnation: the failing message was not redelivered.
+                assert_eq!(v, b"1");
+                break;
+            }
+            Err(AskError::Failed(Status::EntityFailed)) => failed_while_backing_off += 1,
+            Err(e) => panic!("unexpected {e:?}"),
+        }
+        assert!(Instant::now() < deadline, "victim never restarted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    println!("victim answered EntityFailed {failed_while_backing_off} times during its backoff");
+    for n in &neighbours {
+        assert_eq!(n.ask(b"x", t).expect("ask"), b"3");
+    }
+    drop(node);
+}
