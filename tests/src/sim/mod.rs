@@ -15,8 +15,10 @@
 //! links reorder; a partition holds packets until it heals (TCP retransmits);
 //! a crash loses everything in flight to or from the node and everything it
 //! held. Membership is scripted (who is up, who crashed, who leaves): the
-//! cluster module will later replace the script with gossip and failure
-//! detection in the same world. Everything random comes from one
+//! `cluster-*` scenarios run in clustered mode instead: every node runs the
+//! real `shardline_core::cluster::ClusterNode`, whose gossip goes over the
+//! same links, and whose events, singleton commands and stop drive the
+//! regions and the coordinator (see `world/clustered.rs`). Everything random comes from one
 //! `ChaCha8Rng` seeded from the run's seed and scenario, so a run replays
 //! exactly.
 //!
@@ -59,7 +61,8 @@ mod tests {
     fn every_scenario_runs_clean_and_replays_exactly() {
         let cfg = SimConfig::default();
         for sc in SCENARIOS {
-            for seed in [7] {
+            {
+                let seed = 7;
                 let a = run(sc, seed, &cfg, false);
                 assert!(
                     a.violation.is_none(),

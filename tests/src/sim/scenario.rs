@@ -38,6 +38,11 @@ pub(crate) enum Action {
     Heal,
     /// Check that the Up regions' shard counts differ by at most 1.
     CheckBalanced,
+    /// Clustered mode: the node at this slot gets no input (a frozen
+    /// process).
+    Pause(usize),
+    /// Clustered mode: it gets input again, its membership first.
+    Resume(usize),
 }
 
 /// The knobs of one run.
@@ -63,6 +68,14 @@ pub(crate) struct Params {
     pub detect: (Duration, Duration),
     /// Node 0 also runs a proxy region (routes, hosts nothing) with a sender.
     pub proxy: bool,
+    /// Membership by the real `ClusterNode` on every node (gossip, failure
+    /// detection, split-brain resolver, singleton placement) instead of the
+    /// script.
+    pub clustered: bool,
+    /// Nodes at the start when the scenario fixes it (else the config's).
+    pub nodes: Option<usize>,
+    /// Clustered mode: exactly these slots run at the end.
+    pub expect_survivors: Option<Vec<usize>>,
 }
 
 fn ms(n: u64) -> Duration {
@@ -100,8 +113,37 @@ impl Params {
             skewed: false,
             detect: (ms(500), ms(3000)),
             proxy: false,
+            clustered: false,
+            nodes: None,
+            expect_survivors: None,
         }
     }
+
+    /// Clustered mode with `nodes` nodes: the cluster forms first (the first
+    /// seed's 5 s timeout and a few gossip rounds), so the load and the run
+    /// are longer.
+    fn clustered(cfg: &SimConfig, nodes: usize) -> Self {
+        let mut p = Self::base(cfg);
+        p.clustered = true;
+        p.nodes = Some(nodes);
+        p.rate_per_s = 25.0 * nodes as f64;
+        p.workload_until = s(45);
+        p.run_until = s(70);
+        p.expect_survivors = Some((0..nodes).collect());
+        p
+    }
+}
+
+/// Clustered runs: the cluster has formed and the coordinator runs by then.
+const FORMED_BY_MS: u64 = 12_000;
+
+fn shuffled(rng: &mut ChaCha8Rng, n: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        let j = rng.gen_range(0..=i);
+        v.swap(i, j);
+    }
+    v
 }
 
 /// A timed script of actions.
@@ -310,6 +352,68 @@ pub static SCENARIOS: &[Scenario] = &[
                 t += rand_time(rng, 1000, 5000);
                 script.push((t, Action::Heal));
                 t += rand_time(rng, 1000, 3000);
+            }
+            (p, script)
+        },
+    },
+    Scenario {
+        name: "cluster-steady",
+        about: "clustered membership (gossip, phi, SBR, singleton) forms under load, no faults",
+        build: |rng, cfg| {
+            let mut p = Params::clustered(cfg, 3 + rng.gen_range(0..3));
+            p.skewed = rng.gen_bool(0.5);
+            (p, vec![])
+        },
+    },
+    Scenario {
+        name: "cluster-partition-3-2",
+        about: "clustered, 5 nodes split 3|2 under load: the minority downs itself, its shards move to the majority",
+        build: |rng, cfg| {
+            let mut p = Params::clustered(cfg, 5);
+            p.region.remember_entities = rng.gen_bool(0.5);
+            let order = shuffled(rng, 5);
+            let mut minor = order[3..].to_vec();
+            minor.sort_unstable();
+            let mut major = order[..3].to_vec();
+            major.sort_unstable();
+            p.expect_survivors = Some(major);
+            let t = rand_time(rng, FORMED_BY_MS, FORMED_BY_MS + 3000);
+            let mut script = vec![(t, Action::Partition(minor))];
+            if rng.gen_bool(0.5) {
+                // Heal after the minority stopped: nothing comes back.
+                script.push((t + rand_time(rng, 20_000, 25_000), Action::Heal));
+            }
+            (p, script)
+        },
+    },
+    Scenario {
+        name: "cluster-pause",
+        about: "clustered, a member is paused longer than 2 x stable_after and resumes: it stops before it handles a message",
+        build: |rng, cfg| {
+            let mut p = Params::clustered(cfg, 5);
+            let victim = rng.gen_range(0..5);
+            p.expect_survivors = Some((0..5).filter(|&i| i != victim).collect());
+            let t = rand_time(rng, FORMED_BY_MS, FORMED_BY_MS + 3000);
+            let pause = rand_time(rng, 11_000, 25_000);
+            (
+                p,
+                vec![(t, Action::Pause(victim)), (t + pause, Action::Resume(victim))],
+            )
+        },
+    },
+    Scenario {
+        name: "cluster-crash",
+        about: "clustered, a member (possibly the coordinator's) crashes; it is downed, removed, its shards move; maybe it restarts",
+        build: |rng, cfg| {
+            let nodes = 3 + rng.gen_range(0..3);
+            let mut p = Params::clustered(cfg, nodes);
+            let victim = rng.gen_range(0..nodes);
+            let t = rand_time(rng, FORMED_BY_MS, FORMED_BY_MS + 3000);
+            let mut script = vec![(t, Action::Crash(victim))];
+            if rng.gen_bool(0.5) {
+                script.push((t + rand_time(rng, 20_000, 25_000), Action::Restart(victim)));
+            } else {
+                p.expect_survivors = Some((0..nodes).filter(|&i| i != victim).collect());
             }
             (p, script)
         },

@@ -16,6 +16,8 @@ use shardline_core::sharding::{
 
 use super::scenario::{Action, Params, Scenario};
 
+mod clustered;
+
 /// The size of the simulated world.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SimConfig {
@@ -78,6 +80,8 @@ pub struct RunStats {
     pub coordinator_starts: u64,
     /// Steps run (count).
     pub steps: u64,
+    /// Clustered mode: nodes stopped by their membership (downed) (count).
+    pub downed: u64,
 }
 
 /// The result of one run.
@@ -152,6 +156,15 @@ struct Node {
     regions: Vec<Region>,
     actors: Vec<HashMap<EntityId, Actor>>,
     coordinator: Option<ShardCoordinator>,
+    /// Clustered mode: the node's membership state machine.
+    cn: Option<shardline_core::cluster::ClusterNode>,
+    /// Clustered mode: frozen (no input at all) since this time.
+    paused: Option<Duration>,
+    /// Inputs held while the node is frozen (paused or fenced), in order.
+    deferred: Vec<Ev>,
+    /// Resumed after a pause longer than 2 x stable_after: it must stop
+    /// before it handles a single message.
+    long_resumed: bool,
 }
 
 impl Node {
@@ -168,6 +181,8 @@ enum Body {
     Coord(CoordinatorMsg),
     Ctl(RegionId, RegionMsg),
     User(RegionId, Env),
+    /// Clustered mode: a membership message, in its wire form.
+    Cluster(Vec<u8>),
 }
 
 #[derive(Debug)]
@@ -322,10 +337,12 @@ impl World {
             let at = w.script[i].0;
             w.schedule(at, Ev::Script(i));
         }
-        for slot in 0..cfg.nodes {
+        for slot in 0..w.p.nodes.unwrap_or(cfg.nodes) {
             w.start_node(slot);
         }
-        w.move_coordinator();
+        if !w.p.clustered {
+            w.move_coordinator();
+        }
         w.schedule(Duration::ZERO, Ev::WorkloadTick);
         w
     }
@@ -387,6 +404,10 @@ impl World {
             regions: Vec::new(),
             actors: (0..=self.cfg.cores).map(|_| HashMap::new()).collect(),
             coordinator: None,
+            cn: None,
+            paused: None,
+            deferred: Vec::new(),
+            long_resumed: false,
         };
         if slot == self.nodes.len() {
             self.nodes.push(node);
@@ -396,8 +417,12 @@ impl World {
         self.slot_of.insert(addr, slot);
         let member = self.nodes[slot].member();
         self.log(|| format!("node {slot} up as {member}"));
-        self.members.insert(member.clone(), MemberStatus::Up);
-        self.notify(MembershipEvent::MemberUp(member));
+        if self.p.clustered {
+            self.start_cluster_node(slot);
+        } else {
+            self.members.insert(member.clone(), MemberStatus::Up);
+            self.notify(MembershipEvent::MemberUp(member));
+        }
         for core in 0..self.cfg.cores {
             let id = self.region_id(slot, core);
             let r = Region::new(
@@ -439,6 +464,10 @@ impl World {
     /// Places the coordinator on the oldest Up member that is alive, taking
     /// the journal over when it moves.
     fn move_coordinator(&mut self) {
+        if self.p.clustered {
+            // The cluster's singleton placement decides.
+            return;
+        }
         let oldest = (0..self.nodes.len())
             .filter(|s| self.nodes[*s].alive && self.nodes[*s].leaving.is_none())
             .filter(|s| self.members.contains_key(&self.nodes[*s].member()))
@@ -495,6 +524,10 @@ impl World {
         self.nodes[slot].coordinator = None;
         self.last_crashed = Some(slot);
         self.lose_everything_at(slot, "node crashed");
+        if self.p.clustered {
+            // The members' failure detectors find out.
+            return;
+        }
         let d = self.rng.gen_range(self.p.detect.0..=self.p.detect.1);
         self.schedule(self.now + d, Ev::Detect(slot, member));
     }
@@ -528,8 +561,10 @@ impl World {
             );
         }
         for core in 0..self.nodes[slot].actors.len() {
-            for (e, _) in self.nodes[slot].actors[core].drain() {
-                self.live.remove(&e);
+            for (e, a) in self.nodes[slot].actors[core].drain() {
+                if self.live.get(&e).is_some_and(|l| l.2 == a.incarnation) {
+                    self.live.remove(&e);
+                }
             }
         }
         self.held
@@ -675,6 +710,8 @@ impl World {
                 }
             }
             Action::CheckBalanced => self.check_balanced(),
+            Action::Pause(s) => self.pause(s),
+            Action::Resume(s) => self.resume(s),
         }
     }
 
@@ -689,7 +726,14 @@ impl World {
             body,
         };
         let blocked = self.isolated.contains(&from) != self.isolated.contains(&to);
-        if blocked {
+        if blocked && matches!(p.body, Body::Cluster(_)) {
+            // Membership messages are datagrams: a partition loses them.
+            return;
+        }
+        let to_gone = !self.nodes[to].alive || self.nodes[to].uid != to_uid;
+        if blocked && !(self.p.clustered && to_gone) {
+            // (In clustered mode a packet to a stopped node fails at once,
+            // as a connection to a dead address does.)
             self.held.entry((from, to)).or_default().push_back(p);
         } else {
             self.transmit(p);
@@ -736,6 +780,7 @@ impl World {
         }
         let slot = p.to;
         match p.body {
+            Body::Cluster(bytes) => self.cluster_arrive(slot, bytes),
             Body::Coord(msg) => {
                 if self.coord_at == Some((slot, p.to_uid)) {
                     if let Some(c) = self.nodes[slot].coordinator.as_mut() {
@@ -752,6 +797,7 @@ impl World {
             }
             Body::User(rid, env) => {
                 let core = rid.core as usize;
+                self.check_may_act(slot, "handled a user message");
                 self.ledger[env.payload.0 as usize].loc = Loc::Region(slot);
                 let now = self.now;
                 self.nodes[slot].regions[core].handle_message(now, env);
@@ -883,7 +929,10 @@ impl World {
     }
 
     fn create_actor(&mut self, slot: usize, core: usize, entity: &EntityId) {
-        if let Some((s, c, inc)) = self.live.get(entity) {
+        // A paused process runs nothing: its incarnation does not count
+        // (clustered mode checks that it stops before it acts again).
+        let frozen = |s: usize| self.nodes[s].alive && self.frozen(s);
+        if let Some((s, c, inc)) = self.live.get(entity).filter(|l| !frozen(l.0)) {
             let detail = format!(
                 "entity {entity} started on {slot}/{core} while incarnation {inc} lives on {s}/{c}"
             );
@@ -985,6 +1034,7 @@ impl World {
         let Some(item) = a.mailbox.pop_front() else {
             return;
         };
+        self.check_may_act(slot, "processed an entity message");
         match item {
             Item::Msg(id) => {
                 self.process_msg(slot, core, &entity, id);
@@ -996,7 +1046,9 @@ impl World {
                 let a = self.nodes[slot].actors[core]
                     .remove(&entity)
                     .expect("present");
-                self.live.remove(&entity);
+                if self.live.get(&entity).is_some_and(|l| l.2 == a.incarnation) {
+                    self.live.remove(&entity);
+                }
                 self.log(|| format!("entity {entity} on {slot}/{core} stopped"));
                 if !a.mailbox.is_empty() {
                     self.violate(
@@ -1070,6 +1122,7 @@ impl World {
         self.schedule(self.now + gap, Ev::WorkloadTick);
         let cands: Vec<usize> = (0..self.nodes.len())
             .filter(|s| self.nodes[*s].alive && self.nodes[*s].leaving.is_none())
+            .filter(|s| !self.frozen(*s))
             .collect();
         if cands.is_empty() {
             return;
@@ -1148,7 +1201,9 @@ impl World {
         let mut bad: Option<(&'static str, String)> = None;
         'outer: for slot in 0..self.nodes.len() {
             let n = &self.nodes[slot];
-            if !n.alive {
+            // A frozen process (paused, or fenced after a pause) acts on
+            // nothing; it must stop before it does.
+            if !n.alive || self.frozen(slot) {
                 continue;
             }
             for (core, r) in n.regions.iter().enumerate() {
@@ -1252,7 +1307,15 @@ impl World {
 
     fn next_timer(&self) -> Option<Duration> {
         let mut t: Option<Duration> = None;
-        for n in self.nodes.iter().filter(|n| n.alive) {
+        for (slot, n) in self.nodes.iter().enumerate().filter(|(_, n)| n.alive) {
+            if n.paused.is_none() {
+                if let Some(cn) = &n.cn {
+                    t = min_opt(t, cn.poll_timeout());
+                }
+            }
+            if self.frozen(slot) {
+                continue;
+            }
             for r in &n.regions {
                 t = min_opt(t, r.poll_timeout());
             }
@@ -1267,6 +1330,10 @@ impl World {
         let now = self.now;
         for slot in 0..self.nodes.len() {
             if !self.nodes[slot].alive {
+                continue;
+            }
+            self.cluster_timer(slot);
+            if !self.nodes[slot].alive || self.frozen(slot) {
                 continue;
             }
             for core in 0..self.nodes[slot].regions.len() {
@@ -1318,17 +1385,29 @@ impl World {
                 self.step(s.ev);
             }
             self.check_homes();
+            if self.p.clustered {
+                self.check_one_coordinator();
+            }
         }
         if self.violation.is_none() {
             self.now = end;
             self.check_drained();
+            if self.p.clustered {
+                self.check_clustered_end();
+            }
         }
     }
 
     fn step(&mut self, ev: Ev) {
+        let ev = match self.defer_if_frozen(ev) {
+            Some(ev) => ev,
+            None => return,
+        };
         match ev {
             Ev::Arrive(p) => {
-                self.log(|| format!("arrive {}->{}: {:?}", p.from, p.to, p.body));
+                if !matches!(p.body, Body::Cluster(_)) {
+                    self.log(|| format!("arrive {}->{}: {:?}", p.from, p.to, p.body));
+                }
                 self.arrive(p)
             }
             Ev::Process {
