@@ -636,8 +636,11 @@ pub fn run(args: RunArgs, connector: Arc<dyn Connector>, command: &str) -> Resul
         }
     }
     let counters_after = node_counters(connector.as_ref(), &addresses);
+    // Node counters restart from zero with a node, so they are only compared
+    // across a run without restarts.
+    let comparable = args.scenario == Scenario::Steady;
     let (delivered, activated, dead_letters) = match (counters_before, counters_after) {
-        (Some(b), Some(a)) => (
+        (Some(b), Some(a)) if comparable => (
             Some(a.0.saturating_sub(b.0)),
             Some(a.1.saturating_sub(b.1)),
             Some(a.2.saturating_sub(b.2)),
