@@ -394,7 +394,9 @@ pub static SCENARIOS: &[Scenario] = &[
             let victim = rng.gen_range(0..5);
             p.expect_survivors = Some((0..5).filter(|&i| i != victim).collect());
             let t = rand_time(rng, FORMED_BY_MS, FORMED_BY_MS + 3000);
-            let pause = rand_time(rng, 11_000, 25_000);
+            // Longer than 2 x stable_after plus detection and removal (as in
+            // the membership simulation): the others have downed it.
+            let pause = rand_time(rng, 20_000, 30_000);
             (
                 p,
                 vec![(t, Action::Pause(victim)), (t + pause, Action::Resume(victim))],
