@@ -383,7 +383,7 @@ impl Journal {
             )));
         }
         let full_scan = options.verify_all_on_open || options.recovery == RecoveryMode::Repair;
-        let rec = recover(&*storage, options.recovery, full_scan, true)?;
+        let rec = recover(&*storage, options.recovery, full_scan, true, false)?;
         if options.writer_epoch < rec.max_segment_epoch {
             return Err(OpenError::Fenced {
                 epoch: options.writer_epoch,
@@ -1060,7 +1060,9 @@ fn write_header(active: &mut Active, epoch: WriterEpoch) -> io::Result<()> {
 /// A read-only view of a journal directory, possibly one another writer is
 /// appending to (for example when a shard moves between cores). It sees
 /// the records present when it was opened; nothing is changed on disk: a
-/// torn tail is reported, not cut.
+/// torn tail is reported, not cut. Bad bytes in the newest segment are taken
+/// for the live writer's record in progress and end the view there (reported
+/// as a torn tail); bad bytes in an older segment fail the open.
 pub struct JournalReader {
     catalog: Catalog,
     report: RecoveryReport,
@@ -1092,7 +1094,7 @@ impl JournalReader {
     /// # Errors
     /// As [`JournalReader::open`].
     pub fn open_with_storage(storage: Arc<dyn Storage>) -> Result<JournalReader, OpenError> {
-        let rec = recover(&*storage, RecoveryMode::Strict, false, false)?;
+        let rec = recover(&*storage, RecoveryMode::Strict, false, false, true)?;
         let sealed = rec.segments.into_iter().map(|s| (s.index.id, s)).collect();
         Ok(JournalReader {
             catalog: Catalog {

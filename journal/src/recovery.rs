@@ -239,12 +239,17 @@ fn later_has_records(storage: &dyn Storage, later: &[(Lsn, String)]) -> bool {
 /// Recovers `storage`. With `writable`, torn tails are cut, leftovers
 /// removed and index files written for scanned segments; otherwise nothing
 /// is changed. With `full_scan`, every segment is scanned even when it has
-/// an index file.
+/// an index file. With `live_writer` (a read-only view of a directory that
+/// another process may be appending to), bad bytes in the newest segment are
+/// the writer's record in progress: they end the view as a torn tail instead
+/// of failing the open, because a reader cannot tell a record being written
+/// from a corrupt one there.
 pub(crate) fn recover(
     storage: &dyn Storage,
     mode: RecoveryMode,
     full_scan: bool,
     writable: bool,
+    live_writer: bool,
 ) -> Result<Recovered, RecoveryError> {
     let names = storage
         .list()
@@ -506,7 +511,9 @@ pub(crate) fn recover(
         // so later records may have been acknowledged), make it corruption.
         // Without an index file this segment was never sealed durably and
         // no later record was ever acknowledged (FORMAT.md, "Durability").
-        let corrupt = valid_after || (idx_exists && later_has_records(storage, later));
+        let in_progress = live_writer && !writable && later.is_empty();
+        let corrupt =
+            !in_progress && (valid_after || (idx_exists && later_has_records(storage, later)));
         if corrupt && mode == RecoveryMode::Strict {
             return Err(RecoveryError::Corrupt {
                 segment: id,

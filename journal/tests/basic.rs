@@ -227,3 +227,52 @@ fn reader_opens_a_live_writers_directory() {
     j.close().unwrap();
     assert_eq!(r.persistence_ids(), vec![pid("s")]);
 }
+
+#[test]
+fn reader_takes_bad_bytes_in_the_newest_segment_for_the_writers_record_in_progress() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut j, _) = Journal::open(dir.path(), opts(8192, Durability::Always, 0)).unwrap();
+    let mut last = Lsn(0);
+    for seq in 1..=100 {
+        last = j
+            .append(
+                &pid("s"),
+                SequenceNr(seq),
+                WriterEpoch(0),
+                &payload("s", seq),
+            )
+            .unwrap();
+    }
+    j.wait_durable(last).unwrap();
+    let newest = common::segment_files(dir.path()).pop().unwrap();
+    let in_newest: Vec<_> = common::records(dir.path())
+        .into_iter()
+        .filter(|r| r.0 == newest)
+        .collect();
+    assert!(in_newest.len() >= 3, "{in_newest:?}");
+    // A record with valid records after it, as a reader racing the live
+    // writer can see it: its CRC does not match (yet).
+    let victim = in_newest[in_newest.len() - 2].clone();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.path().join(&newest))
+        .unwrap();
+    let mut crc = [0u8; 1];
+    f.read_exact_at(&mut crc, victim.1 + 4).unwrap();
+    f.write_all_at(&[crc[0] ^ 0xff], victim.1 + 4).unwrap();
+    drop(f);
+    let r = JournalReader::open(dir.path()).unwrap();
+    let torn = r
+        .report()
+        .torn_tail
+        .clone()
+        .expect("reported as a torn tail");
+    assert_eq!(torn.offset, victim.1);
+    let got = r.replay(&pid("s"), SequenceNr(1)).unwrap();
+    assert_eq!(got.len() as u64, victim.4 - 1);
+    // The writer is not disturbed.
+    j.append(&pid("s"), SequenceNr(101), WriterEpoch(0), b"more")
+        .unwrap();
+}
