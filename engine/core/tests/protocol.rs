@@ -211,6 +211,19 @@ fn allocation_delivers_and_later_messages_skip_the_coordinator() {
 }
 
 #[test]
+fn generations_start_above_min_generation() {
+    let cs = CoordinatorSettings {
+        min_generation: Generation(1_000),
+        ..CoordinatorSettings::default()
+    };
+    let mut w = World::new(2, quiet_settings(), cs);
+    w.send(1, "a", 3, 1);
+    assert_eq!(w.home(3).expect("allocated").1, Generation(1_001));
+    w.send(0, "b", 4, 2);
+    assert_eq!(w.home(4).expect("allocated").1, Generation(1_002));
+}
+
+#[test]
 fn rebalance_hands_off_after_all_acks_and_reallocates() {
     let cs = CoordinatorSettings::default();
     let mut w = World::new(1, quiet_settings(), cs.clone());

@@ -342,8 +342,19 @@ impl Control {
             .get(t)
             .map(snapshot_events)
             .unwrap_or_default();
+        // Generations are the journal's writer epochs: floor them at the wall
+        // clock so a cluster restarted from scratch (whose replicated
+        // coordinator state is gone) never reuses an epoch below the ones
+        // its durable entities already wrote with.
+        let wall_clock_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let settings = CoordinatorSettings {
+            min_generation: shardline_core::sharding::Generation(wall_clock_ms),
+            ..CoordinatorSettings::default()
+        };
         let mut c = ShardCoordinator::recover(
-            CoordinatorSettings::default(),
+            settings,
             Box::new(LeastShardAllocationStrategy::default()),
             events.iter(),
             now,

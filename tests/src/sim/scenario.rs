@@ -93,6 +93,7 @@ impl Params {
                 min_nr_of_members: 1,
                 rebalance_interval: s(2),
                 handoff_timeout: s(10),
+                ..CoordinatorSettings::default()
             },
             region: RegionSettings {
                 buffer_size: 10_000,

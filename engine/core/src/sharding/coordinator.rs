@@ -146,6 +146,16 @@ pub struct CoordinatorSettings {
     /// How long one shard's hand-off may take before it is abandoned.
     /// Default 60 s.
     pub handoff_timeout: Duration,
+    /// A floor for allocation generations: every new allocation gets a
+    /// generation above both this and every recovered one. Default 0.
+    ///
+    /// Generations are the writer epochs of durable entities' journal
+    /// appends, so they must never go backwards, also across a restart of
+    /// the whole cluster. A runtime whose coordinator journal does not
+    /// survive such a restart sets this from a clock at the coordinator's
+    /// start (milliseconds since the Unix epoch), so a new cluster never
+    /// hands out an epoch below one an earlier run wrote with.
+    pub min_generation: Generation,
 }
 
 impl Default for CoordinatorSettings {
@@ -154,6 +164,7 @@ impl Default for CoordinatorSettings {
             min_nr_of_members: 1,
             rebalance_interval: Duration::from_secs(10),
             handoff_timeout: Duration::from_secs(60),
+            min_generation: Generation(0),
         }
     }
 }
@@ -236,10 +247,12 @@ impl ShardCoordinator {
         now: Duration,
     ) -> Self {
         let next_rebalance_at = now + settings.rebalance_interval;
+        let mut state = CoordinatorState::from_events(events);
+        state.last_generation = state.last_generation.max(settings.min_generation);
         Self {
             settings,
             strategy,
-            state: CoordinatorState::from_events(events),
+            state,
             members: BTreeMap::new(),
             removed: BTreeSet::new(),
             shutting_down: BTreeSet::new(),
