@@ -92,7 +92,7 @@ fn toml_string(text: &str) -> String {
     out
 }
 
-/// The TOML config of one node (format in `notes/INTERFACES.md`: node config).
+/// The TOML config of one node (format in `docs/interfaces.md`: node config).
 pub fn node_config(
     spec: &NodeSpec,
     cluster: SocketAddr,

@@ -43,7 +43,7 @@ impl OpKind {
         }
     }
 
-    /// The request payload (ASCII, see the counter protocol in INTERFACES).
+    /// The request payload (ASCII, see the counter protocol in docs/interfaces.md).
     pub fn payload(self) -> &'static [u8] {
         match self {
             OpKind::Echo => ECHO_PAYLOAD,

@@ -1,4 +1,4 @@
-//! The blocking native-protocol client (`notes/INTERFACES.md`, "Native client
+//! The blocking native-protocol client (`docs/interfaces.md`, "Native client
 //! protocol"): one TCP connection to a node's `client_address`, usable for
 //! single round trips ([`Client::ask`]) or split into a writer and a reader for
 //! pipelining ([`Client::into_split`]).

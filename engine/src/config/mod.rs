@@ -1,5 +1,5 @@
 //! The node configuration: the TOML file read by `shardline node --config
-//! FILE` (format in `notes/INTERFACES.md`, "Node config"), parsed strictly:
+//! FILE` (format in `docs/interfaces.md`, "Node config"), parsed strictly:
 //! an unknown key or a bad value is refused with the file, the key and the
 //! reason.
 

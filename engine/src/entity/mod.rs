@@ -6,7 +6,7 @@
 //! [`EntityContext`]: [`EntityContext::reply`], [`EntityContext::passivate`]
 //! (ask to be stopped), timers, and its own id.
 //!
-//! Built in: [`Echo`] and [`Counter`] (payloads in `notes/INTERFACES.md`).
+//! Built in: [`Echo`] and [`Counter`] (payloads in `docs/interfaces.md`).
 
 pub mod persistent;
 pub mod supervision;
