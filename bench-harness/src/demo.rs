@@ -31,7 +31,7 @@ pub struct DemoArgs {
     pub max_duration: String,
     /// Open-loop rate (requests/s in total; latency counted from each request's
     /// intended send time). 0 = closed loop, as fast as the cluster answers.
-    #[arg(long, default_value_t = 50_000.0)]
+    #[arg(long, default_value_t = 20_000.0)]
     pub rate: f64,
     /// Most requests in flight per connection (one connection per node).
     #[arg(long, default_value_t = 64)]
