@@ -43,6 +43,7 @@ fn main() -> anyhow::Result<()> {
         entity_types: Vec::new(),
         downing_stable_after_ms: 20_000,
         heartbeat_pause_ms: 3_000,
+        http: Default::default(),
     };
     let node = Node::start(config)?;
     node.sharding().start(

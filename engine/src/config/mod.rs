@@ -173,6 +173,104 @@ pub struct NodeConfig {
     /// Default 3000 (Akka's `acceptable-heartbeat-pause`). Optional.
     #[serde(default = "default_heartbeat_pause_ms")]
     pub heartbeat_pause_ms: u64,
+    /// Limits and timeouts of the HTTP front (`[http]` table). Every key is
+    /// optional; the defaults are those of [`HttpConfig::default`].
+    #[serde(default)]
+    pub http: HttpConfig,
+}
+
+/// Limits and timeouts of the HTTP/1.1 front (the `[http]` table), applied
+/// per connection by every data core (see `gateway::http::serve`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    /// Largest accepted request body (the issue's `max_body_size`), in
+    /// bytes; a larger `Content-Length` is answered `413` as soon as the
+    /// headers are read. Default 1 MiB (1048576); 1..=64 MiB.
+    pub max_body_size_bytes: u64,
+    /// Time allowed for a request's line and headers from its first byte,
+    /// in milliseconds; when it passes the client gets `408` and the
+    /// connection is closed. Default 5000; at least 10.
+    pub header_timeout_ms: u64,
+    /// Time allowed for a whole request (head and body) from its first
+    /// byte, in milliseconds; else `408` and close. Default 15000; at least
+    /// `header_timeout_ms`.
+    pub body_timeout_ms: u64,
+    /// An idle keep-alive connection (no partial request) is closed after
+    /// this long, in milliseconds. Default 60000; at least 10.
+    pub idle_timeout_ms: u64,
+    /// Most open HTTP connections per data core (count); more are answered
+    /// `503` and closed. Default 10000; 1..=1000000.
+    pub max_connections_per_core: u32,
+}
+
+/// Default of [`HttpConfig::max_body_size_bytes`]: 1 MiB.
+pub const DEFAULT_HTTP_MAX_BODY_SIZE_BYTES: u64 = 1024 * 1024;
+/// Upper bound of [`HttpConfig::max_body_size_bytes`]: 64 MiB (a body is
+/// held in memory whole).
+pub const MAX_HTTP_MAX_BODY_SIZE_BYTES: u64 = 64 * 1024 * 1024;
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            max_body_size_bytes: DEFAULT_HTTP_MAX_BODY_SIZE_BYTES,
+            header_timeout_ms: 5_000,
+            body_timeout_ms: 15_000,
+            idle_timeout_ms: 60_000,
+            max_connections_per_core: 10_000,
+        }
+    }
+}
+
+impl HttpConfig {
+    /// [`Self::header_timeout_ms`] as a Duration.
+    pub fn header_timeout(&self) -> Duration {
+        Duration::from_millis(self.header_timeout_ms)
+    }
+    /// [`Self::body_timeout_ms`] as a Duration.
+    pub fn body_timeout(&self) -> Duration {
+        Duration::from_millis(self.body_timeout_ms)
+    }
+    /// [`Self::idle_timeout_ms`] as a Duration.
+    pub fn idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.idle_timeout_ms)
+    }
+
+    /// Checks value ranges; `bad(key, reason)` builds the error.
+    fn validate(&self, bad: impl Fn(&str, String) -> ConfigError) -> Result<(), ConfigError> {
+        if self.max_body_size_bytes == 0 || self.max_body_size_bytes > MAX_HTTP_MAX_BODY_SIZE_BYTES
+        {
+            return Err(bad(
+                "http.max_body_size_bytes",
+                format!(
+                    "{} is not in 1..={MAX_HTTP_MAX_BODY_SIZE_BYTES}",
+                    self.max_body_size_bytes
+                ),
+            ));
+        }
+        if self.header_timeout_ms < 10 {
+            return Err(bad("http.header_timeout_ms", "must be at least 10".into()));
+        }
+        if self.body_timeout_ms < self.header_timeout_ms {
+            return Err(bad(
+                "http.body_timeout_ms",
+                format!(
+                    "{} is less than http.header_timeout_ms ({}); both count from the request's first byte",
+                    self.body_timeout_ms, self.header_timeout_ms
+                ),
+            ));
+        }
+        if self.idle_timeout_ms < 10 {
+            return Err(bad("http.idle_timeout_ms", "must be at least 10".into()));
+        }
+        if self.max_connections_per_core == 0 || self.max_connections_per_core > 1_000_000 {
+            return Err(bad(
+                "http.max_connections_per_core",
+                format!("{} is not in 1..=1000000", self.max_connections_per_core),
+            ));
+        }
+        Ok(())
+    }
 }
 
 fn default_stable_after_ms() -> u64 {
@@ -249,6 +347,7 @@ impl NodeConfig {
         if self.heartbeat_pause_ms < 100 {
             return Err(bad("heartbeat_pause_ms", "must be at least 100".into()));
         }
+        self.http.validate(bad)?;
         let mut seen = std::collections::HashSet::new();
         for (i, t) in self.entity_types.iter().enumerate() {
             if let Err(e) = shardline_core::ids::TypeName::new(t.name.clone()) {
@@ -317,5 +416,56 @@ active_entity_limit = 0
             "durability = \"sometimes\"",
         );
         assert!(NodeConfig::from_toml(&text, Path::new("x.toml")).is_err());
+    }
+
+    /// `GOOD` with an `[http]` table inserted before the entity types.
+    fn with_http(table: &str) -> String {
+        GOOD.replace(
+            "[[entity_types]]",
+            &format!("[http]\n{table}\n[[entity_types]]"),
+        )
+    }
+
+    #[test]
+    fn http_table_defaults_and_overrides() {
+        let c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
+        assert_eq!(c.http, HttpConfig::default());
+        assert_eq!(c.http.max_body_size_bytes, 1024 * 1024);
+        let c = NodeConfig::from_toml(
+            &with_http("max_body_size_bytes = 16\nheader_timeout_ms = 300"),
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.http.max_body_size_bytes, 16);
+        assert_eq!(c.http.header_timeout(), Duration::from_millis(300));
+        assert_eq!(c.http.body_timeout_ms, 15_000);
+        assert_eq!(c.http.max_connections_per_core, 10_000);
+    }
+
+    #[test]
+    fn http_table_is_strict_and_validated() {
+        for (table, key) in [
+            ("max_body_size = 5", "max_body_size"),
+            ("max_body_size_bytes = 0", "http.max_body_size_bytes"),
+            ("max_body_size_bytes = 67108865", "http.max_body_size_bytes"),
+            ("header_timeout_ms = 5", "http.header_timeout_ms"),
+            (
+                "header_timeout_ms = 2000\nbody_timeout_ms = 1000",
+                "http.body_timeout_ms",
+            ),
+            ("idle_timeout_ms = 0", "http.idle_timeout_ms"),
+            (
+                "max_connections_per_core = 0",
+                "http.max_connections_per_core",
+            ),
+            ("header_timeout_ms = -1", "header_timeout_ms"),
+        ] {
+            let e = NodeConfig::from_toml(&with_http(table), Path::new("x.toml")).unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                msg.contains(key) && msg.contains("x.toml"),
+                "{table}: {msg}"
+            );
+        }
     }
 }

@@ -61,6 +61,19 @@ impl Ports {
 
 /// The config of node `i` of `n`.
 pub fn config_text(ports: Ports, i: usize, n: usize, cores: u16, dir: &Path) -> String {
+    config_text_with(ports, i, n, cores, dir, "")
+}
+
+/// The config of node `i` of `n` with `http_table` as the body of its
+/// `[http]` table (empty: defaults).
+pub fn config_text_with(
+    ports: Ports,
+    i: usize,
+    n: usize,
+    cores: u16,
+    dir: &Path,
+    http_table: &str,
+) -> String {
     let seeds: Vec<String> = (0..n)
         .map(|j| format!("\"{}\"", ports.cluster(j)))
         .collect();
@@ -76,6 +89,9 @@ number_of_shards = 60
 durability = "none"
 downing_stable_after_ms = 2000
 heartbeat_pause_ms = 1500
+
+[http]
+{http_table}
 
 [[entity_types]]
 name = "counter"
@@ -120,11 +136,22 @@ impl Drop for HttpNode {
 /// Starts `n` nodes with `data_cores` executors each and HTTP fronts, and
 /// waits for their ready lines.
 pub fn start_nodes(dir: &Path, ports: Ports, n: usize, data_cores: u16) -> Vec<HttpNode> {
+    start_nodes_with(dir, ports, n, data_cores, "")
+}
+
+/// As [`start_nodes`], with `http_table` as the `[http]` table's body.
+pub fn start_nodes_with(
+    dir: &Path,
+    ports: Ports,
+    n: usize,
+    data_cores: u16,
+    http_table: &str,
+) -> Vec<HttpNode> {
     let bin = shardline_bin();
     let mut nodes = Vec::new();
     let mut readies = Vec::new();
     for i in 0..n {
-        let text = config_text(ports, i, n, data_cores, dir);
+        let text = config_text_with(ports, i, n, data_cores, dir, http_table);
         let cfg = dir.join(format!("node-{i}.toml"));
         std::fs::write(&cfg, text).expect("write config");
         let log = std::fs::File::create(dir.join(format!("node-{i}.log"))).expect("log");

@@ -9,17 +9,19 @@
 //! HTTP connections to [`deliver`]. Responses are put back in request order
 //! by the connection's [`ResponseQueue`] and written in one batch.
 //!
-//! Bounds (per connection unless noted):
-//! - at most [`MAX_CONNS_PER_CORE`] open connections per core; more are
-//!   answered `503` and closed;
+//! Bounds (per connection unless noted; the configurable ones come from
+//! the `[http]` table of the node config, [`crate::config::HttpConfig`]):
+//! - at most `max_connections_per_core` (default 10,000) open connections
+//!   per core; more are answered `503` and closed;
 //! - at most [`MAX_IN_FLIGHT`] pipelined requests without a response; the
 //!   socket is not read while at the limit, nor while the output queue is
 //!   over the core's high-water mark, so the receive buffer holds at most
 //!   one partial request plus one read;
-//! - a request's head must arrive within [`HEADER_TIMEOUT`] of its first
-//!   byte, and its body within [`BODY_TIMEOUT`] of its first byte, else
-//!   `408` and close; an idle keep-alive connection is closed after
-//!   [`IDLE_TIMEOUT`];
+//! - a body over `max_body_size_bytes` (default 1 MiB) is answered `413`;
+//! - a request's head must arrive within `header_timeout_ms` (default 5 s)
+//!   of its first byte, and its body within `body_timeout_ms` (default
+//!   15 s) of its first byte, else `408` and close; an idle keep-alive
+//!   connection is closed after `idle_timeout_ms` (default 60 s);
 //! - an entity request without an answer after [`ASK_TIMEOUT`] is answered
 //!   `504` (the outcome is unknown).
 //!
@@ -53,16 +55,8 @@ use crate::node::core::Core;
 use crate::node::NodeStatus;
 use crate::transport::{self, Outbox};
 
-/// Most open HTTP connections per data core (count).
-pub const MAX_CONNS_PER_CORE: usize = 10_000;
 /// Most pipelined requests of one connection without a response (count).
 pub const MAX_IN_FLIGHT: u64 = 256;
-/// Time allowed for a request's line and headers, from its first byte.
-pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
-/// Time allowed for a whole request (head and body), from its first byte.
-pub const BODY_TIMEOUT: Duration = Duration::from_secs(15);
-/// An idle keep-alive connection is closed after this long.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// An entity request is answered `504` after this long without a reply.
 pub const ASK_TIMEOUT: Duration = Duration::from_secs(12);
 /// How long input is drained after the last response of a closing
@@ -227,6 +221,14 @@ pub(crate) struct HttpFront {
     node: SocketAddr,
     core: u16,
     limits: CodecLimits,
+    /// Time allowed for a request's line and headers, from its first byte.
+    header_timeout: Duration,
+    /// Time allowed for a whole request, from its first byte.
+    body_timeout: Duration,
+    /// An idle keep-alive connection is closed after this long.
+    idle_timeout: Duration,
+    /// Most open connections on this core (count).
+    max_conns: usize,
 }
 
 /// Binds `http_address` (SO_REUSEPORT) for data core `core`, when the config
@@ -240,7 +242,16 @@ pub(crate) fn bind(config: &NodeConfig, core: u16) -> Option<HttpFront> {
             number_of_shards: config.number_of_shards,
             node: config.cluster_address,
             core,
-            limits: CodecLimits::default(),
+            limits: CodecLimits {
+                // Validated to at most 64 MiB, so it fits usize.
+                max_body_bytes: usize::try_from(config.http.max_body_size_bytes)
+                    .unwrap_or(usize::MAX),
+                ..CodecLimits::default()
+            },
+            header_timeout: config.http.header_timeout(),
+            body_timeout: config.http.body_timeout(),
+            idle_timeout: config.http.idle_timeout(),
+            max_conns: config.http.max_connections_per_core as usize,
         }),
         Err(e) => {
             tracing::error!(core, %addr, error = %e, "cannot bind http_address");
@@ -278,7 +289,7 @@ pub(crate) fn start(core: &Rc<RefCell<Core>>, front: Option<HttpFront>) {
                         let mut h = h.borrow_mut();
                         h.metrics.accepted += 1;
                         h.dirty = true;
-                        h.conns.len() >= MAX_CONNS_PER_CORE
+                        h.conns.len() >= front.max_conns
                     });
                     if full {
                         monoio::spawn(refuse(stream));
@@ -422,9 +433,9 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
             let _ = monoio::time::timeout(Duration::from_millis(5), conn.drained.wait()).await;
         }
         let deadline = match decoder.pending() {
-            Some(Pending::Headers { since }) => origin + since + HEADER_TIMEOUT,
-            Some(Pending::Body { since, .. }) => origin + since + BODY_TIMEOUT,
-            None => last_activity + IDLE_TIMEOUT,
+            Some(Pending::Headers { since }) => origin + since + front.header_timeout,
+            Some(Pending::Body { since, .. }) => origin + since + front.body_timeout,
+            None => last_activity + front.idle_timeout,
         };
         let Some((res, b)) = read_until(&mut r, std::mem::take(&mut buf), deadline).await else {
             if decoder.pending().is_some() {
