@@ -5,44 +5,16 @@
 //! time of all entities (`SHARDLINE_DURABLE_ENTITIES`, default 300; the
 //! note's figure uses 100,000 in a release build).
 
-use std::io::{BufRead, BufReader};
+#[path = "node_cases/support.rs"]
+#[allow(dead_code)]
+mod support;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use shardline::client::{Client, Status};
-
-fn shardline_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("profile dir")
-        .to_path_buf();
-    let target_dir = profile_dir.parent().expect("target dir").to_path_buf();
-    let release = profile_dir.file_name().is_some_and(|n| n == "release");
-    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    cmd.args(["build", "-q", "-p", "shardline", "--bin", "shardline"])
-        .env("CARGO_TARGET_DIR", &target_dir)
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    if release {
-        cmd.arg("--release");
-    }
-    assert!(cmd.status().expect("cargo build").success(), "build failed");
-    profile_dir.join("shardline")
-}
-
-struct NodeProc {
-    child: Child,
-}
-
-impl Drop for NodeProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use support::{shardline_bin, start_ready, NodeProc};
 
 fn config(dir: &Path, port: u16, durability: &str, type_keys: &str) -> PathBuf {
     let text = format!(
@@ -72,37 +44,7 @@ active_entity_limit = 0
 
 /// Starts the node and waits (bounded) for its ready line.
 fn start(bin: &Path, cfg: &Path, log: &Path) -> NodeProc {
-    let logf = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .expect("log");
-    let mut child = Command::new(bin)
-        .args(["node", "--config"])
-        .arg(cfg)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::from(logf))
-        .spawn()
-        .expect("spawn");
-    let out = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines() {
-            let Ok(line) = line else { break };
-            if line.starts_with("shardline: ready") {
-                let _ = tx.send(());
-            }
-        }
-    });
-    let node = NodeProc { child };
-    if rx.recv_timeout(Duration::from_secs(60)).is_err() {
-        panic!(
-            "node not ready; log:\n{}",
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-    }
-    node
+    start_ready(bin, cfg, log, "warn", Duration::from_secs(60))
 }
 
 /// Pipelined rounds of `payload` to every entity in `ids`; stops at the

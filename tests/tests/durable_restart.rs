@@ -9,13 +9,11 @@
 #[allow(dead_code)]
 mod support;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use shardline::client::{Client, Status};
-use support::{config_text, shardline_bin, NodeProc, Ports};
+use support::{config_text, shardline_bin, spawn_node, NodeProc, Ports};
 
 /// Cluster port of the node; its client port is `BASE_PORT + 50`.
 const BASE_PORT: u16 = 24_800;
@@ -26,31 +24,7 @@ const SHARDS: u32 = 20;
 
 /// Starts `shardline node` with `cfg`, its stderr appended to `log`.
 fn spawn(cfg: &Path, log: &Path) -> NodeProc {
-    let logf = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .expect("log file");
-    let mut child = Command::new(shardline_bin())
-        .args(["node", "--config"])
-        .arg(cfg)
-        .env("RUST_LOG", "warn")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::from(logf))
-        .spawn()
-        .expect("spawn shardline node");
-    let out = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines() {
-            let Ok(line) = line else { break };
-            if line.starts_with("shardline: ready") {
-                let _ = tx.send(());
-            }
-        }
-    });
-    NodeProc { child, ready: rx }
+    spawn_node(&shardline_bin(), cfg, log, "warn")
 }
 
 /// Time left before `deadline`, failing the test when none is.

@@ -4,60 +4,16 @@
 
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-/// The `shardline` binary of the same profile as this test binary, brought
-/// up to date with `cargo build` once per test process.
-pub fn shardline_bin() -> PathBuf {
-    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let exe = std::env::current_exe().expect("current exe");
-            // target/<profile>/deps/<test>-<hash>
-            let profile_dir = exe
-                .parent()
-                .and_then(Path::parent)
-                .expect("profile dir")
-                .to_path_buf();
-            let target_dir = profile_dir.parent().expect("target dir").to_path_buf();
-            let release = profile_dir.file_name().is_some_and(|n| n == "release");
-            let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-            cmd.args(["build", "-q", "-p", "shardline", "--bin", "shardline"])
-                .env("CARGO_TARGET_DIR", &target_dir)
-                .current_dir(env!("CARGO_MANIFEST_DIR"));
-            if release {
-                cmd.arg("--release");
-            }
-            let st = cmd.status().expect("run cargo build");
-            assert!(st.success(), "building the shardline binary failed");
-            profile_dir.join("shardline")
-        })
-        .clone()
-}
+#[path = "../node_cases/support.rs"]
+mod node_support;
 
-/// Ports of one test's nodes: node i uses `base + i` (cluster),
-/// `base + 50 + i` (native clients) and `base + 100 + i` (HTTP).
-#[derive(Debug, Clone, Copy)]
-pub struct Ports {
-    /// First cluster port.
-    pub base: u16,
-}
-
-impl Ports {
-    pub fn cluster(&self, i: usize) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], self.base + i as u16))
-    }
-    pub fn client(&self, i: usize) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], self.base + 50 + i as u16))
-    }
-    pub fn http(&self, i: usize) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], self.base + 100 + i as u16))
-    }
-}
+pub use node_support::{shardline_bin, Ports};
+use node_support::{spawn_node, NodeProc};
 
 /// The config of node `i` of `n`.
 pub fn config_text(ports: Ports, i: usize, n: usize, cores: u16, dir: &Path) -> String {
@@ -115,21 +71,15 @@ active_entity_limit = 0
 
 /// A running node child; killed on drop.
 pub struct HttpNode {
-    pub child: Child,
+    pub node: NodeProc,
     pub http: SocketAddr,
 }
 
 impl HttpNode {
     /// SIGKILL.
     pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for HttpNode {
-    fn drop(&mut self) {
-        self.kill();
+        let _ = self.node.child.kill();
+        let _ = self.node.child.wait();
     }
 }
 
@@ -149,39 +99,18 @@ pub fn start_nodes_with(
 ) -> Vec<HttpNode> {
     let bin = shardline_bin();
     let mut nodes = Vec::new();
-    let mut readies = Vec::new();
     for i in 0..n {
         let text = config_text_with(ports, i, n, data_cores, dir, http_table);
         let cfg = dir.join(format!("node-{i}.toml"));
         std::fs::write(&cfg, text).expect("write config");
-        let log = std::fs::File::create(dir.join(format!("node-{i}.log"))).expect("log");
-        let mut child = Command::new(&bin)
-            .args(["node", "--config"])
-            .arg(&cfg)
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .expect("spawn shardline node");
-        let out = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines() {
-                let Ok(line) = line else { break };
-                if line.starts_with("shardline: ready") {
-                    let _ = tx.send(());
-                }
-            }
-        });
-        readies.push(rx);
+        let log = dir.join(format!("node-{i}.log"));
         nodes.push(HttpNode {
-            child,
+            node: spawn_node(&bin, &cfg, &log, "info"),
             http: ports.http(i),
         });
     }
-    for (i, rx) in readies.iter().enumerate() {
-        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
+    for (i, n) in nodes.iter().enumerate() {
+        if n.node.ready.recv_timeout(Duration::from_secs(30)).is_err() {
             let log =
                 std::fs::read_to_string(dir.join(format!("node-{i}.log"))).unwrap_or_default();
             panic!("node {i} not ready; log:\n{log}");

@@ -1,6 +1,8 @@
 //! Helpers of the node tests: generate configs into a temp dir, start
 //! `shardline node` children, wait for their ready line, kill them on drop.
 
+#![allow(dead_code)]
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -41,7 +43,8 @@ pub fn shardline_bin() -> PathBuf {
 }
 
 /// Ports of one test's cluster: node i (0-based) uses `base + i` for the
-/// cluster and `base + 50 + i` for clients.
+/// cluster, `base + 50 + i` for native clients and `base + 100 + i` for
+/// HTTP.
 #[derive(Debug, Clone, Copy)]
 pub struct Ports {
     /// First cluster port.
@@ -54,6 +57,9 @@ impl Ports {
     }
     pub fn client(&self, i: usize) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], self.base + 50 + i as u16))
+    }
+    pub fn http(&self, i: usize) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.base + 100 + i as u16))
     }
 }
 
@@ -162,10 +168,11 @@ impl Cluster {
             let cfg = dir.path().join(format!("node-{i}.toml"));
             std::fs::write(&cfg, config_text(ports, i, n, cores, dir.path(), ""))
                 .expect("write config");
-            nodes.push(Some(spawn(
+            nodes.push(Some(spawn_node(
                 &bin,
                 &cfg,
-                dir.path().join(format!("node-{i}.log")),
+                &dir.path().join(format!("node-{i}.log")),
+                "info",
             )));
         }
         Cluster { nodes, ports, dir }
@@ -241,12 +248,19 @@ impl Drop for Cluster {
     }
 }
 
-fn spawn(bin: &Path, cfg: &Path, log: PathBuf) -> NodeProc {
-    let logf = std::fs::File::create(&log).expect("log file");
+/// Starts `shardline node --config cfg` (binary `bin`) with `RUST_LOG =
+/// rust_log`, its stderr appended to `log`; the returned child's `ready`
+/// receives once when the node prints its ready line.
+pub fn spawn_node(bin: &Path, cfg: &Path, log: &Path, rust_log: &str) -> NodeProc {
+    let logf = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .expect("log file");
     let mut child = Command::new(bin)
         .args(["node", "--config"])
         .arg(cfg)
-        .env("RUST_LOG", "info")
+        .env("RUST_LOG", rust_log)
         .env("NO_COLOR", "1")
         .stdout(Stdio::piped())
         .stderr(Stdio::from(logf))
@@ -263,6 +277,25 @@ fn spawn(bin: &Path, cfg: &Path, log: PathBuf) -> NodeProc {
         }
     });
     NodeProc { child, ready: rx }
+}
+
+/// [`spawn_node`], then waits up to `timeout` for the ready line; panics
+/// with the log's contents when it does not come.
+pub fn start_ready(
+    bin: &Path,
+    cfg: &Path,
+    log: &Path,
+    rust_log: &str,
+    timeout: Duration,
+) -> NodeProc {
+    let node = spawn_node(bin, cfg, log, rust_log);
+    if node.ready.recv_timeout(timeout).is_err() {
+        panic!(
+            "node not ready within {timeout:?}; log:\n{}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+    }
+    node
 }
 
 /// A node's status, or `None` when it does not answer.
