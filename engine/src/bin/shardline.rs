@@ -28,6 +28,21 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    match run() {
+        // A closed stdout (`shardline status | head`) ends the output quietly.
+        Err(e)
+            if e.chain().any(|c| {
+                c.downcast_ref::<std::io::Error>()
+                    .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            }) =>
+        {
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Version => {

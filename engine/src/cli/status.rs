@@ -20,10 +20,19 @@ pub struct StatusArgs {
 /// Prints the status.
 ///
 /// # Errors
-/// Connection or protocol errors.
+/// Connection or protocol errors, naming the address and the likely cause
+/// (an address that is not a node's `client_address`).
 pub fn run(args: &StatusArgs, out: &mut impl std::io::Write) -> anyhow::Result<()> {
-    let mut c = Client::connect(args.node)?;
-    let st = c.node_status(Duration::from_secs(5))?;
+    use anyhow::Context as _;
+    let mut c =
+        Client::connect(args.node).with_context(|| format!("cannot connect to {}", args.node))?;
+    let st = c.node_status(Duration::from_secs(5)).with_context(|| {
+        format!(
+            "{} did not answer as a Shardline node's native client port \
+             (give the node's `client_address`, not its http or cluster address)",
+            args.node
+        )
+    })?;
     if args.json {
         writeln!(out, "{}", serde_json::to_string_pretty(&st)?)?;
         return Ok(());
