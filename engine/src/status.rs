@@ -61,3 +61,74 @@ pub struct NodeStatus {
     /// This node's regions.
     pub regions: Vec<RegionStatusView>,
 }
+
+/// One region's figures in [`ClusterShardingStats`] (Akka's
+/// `ShardRegionStats`: shard → number of live entities).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionShardStats {
+    /// Data core index of the region on its member.
+    pub core: u16,
+    /// Whether it is a proxy (hosts nothing).
+    pub proxy: bool,
+    /// Whether the coordinator acknowledged its registration.
+    pub registered: bool,
+    /// Hosted shards → live entities in each (count).
+    pub shards: std::collections::BTreeMap<u32, u32>,
+    /// Messages waiting in the region's buffers (count).
+    pub buffered: u64,
+    /// Messages refused by the region (count).
+    pub dead_letters: u64,
+}
+
+impl RegionShardStats {
+    /// The stats of one region status (entity ids counted per shard).
+    pub fn of(r: &RegionStatusView) -> Self {
+        RegionShardStats {
+            core: r.core,
+            proxy: r.proxy,
+            registered: r.registered,
+            shards: r
+                .shards
+                .iter()
+                .map(|(s, ids)| (*s, u32::try_from(ids.len()).unwrap_or(u32::MAX)))
+                .collect(),
+            buffered: r.buffered as u64,
+            dead_letters: r.dead_letters,
+        }
+    }
+}
+
+/// One member's answer in [`ClusterShardingStats`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberShardStats {
+    /// The member's cluster address.
+    pub address: String,
+    /// Its incarnation uid.
+    pub uid: u64,
+    /// Its regions of the asked type, by core.
+    pub regions: Vec<RegionShardStats>,
+}
+
+/// A member that was asked for (or could not be asked for) its stats and
+/// did not answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailedMember {
+    /// The member's cluster address.
+    pub address: String,
+    /// Its incarnation uid.
+    pub uid: u64,
+    /// `"unreachable"` (the failure detector marks it; not asked) or
+    /// `"no answer within N ms"`.
+    pub reason: String,
+}
+
+/// Cluster-wide sharding stats of one entity type, gathered from every Up
+/// member (Akka's `GetClusterShardingStats` / `ClusterShardingStats`,
+/// where regions that do not answer in time are reported as failed).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct ClusterShardingStats {
+    /// Members that answered, by address.
+    pub members: Vec<MemberShardStats>,
+    /// Members that did not answer, by address.
+    pub failed: Vec<FailedMember>,
+}

@@ -288,6 +288,41 @@ pub enum ControlFrame {
         /// The message.
         msg: WireRegionMsg,
     },
+    /// Asks the receiver for its regions' stats of `type_name` (Akka's
+    /// `GetClusterShardingStats` fan-out); answered with
+    /// [`ControlFrame::StatsReply`] on the control lane to `reply_to`.
+    StatsRequest {
+        /// Chosen by the asker to match the answer.
+        id: u64,
+        /// Entity type.
+        type_name: String,
+        /// The asker's cluster address.
+        reply_to: String,
+    },
+    /// The answer to a [`ControlFrame::StatsRequest`].
+    StatsReply {
+        /// The request's id.
+        id: u64,
+        /// The answering member.
+        member: WireMember,
+        /// Its regions of the type.
+        regions: Vec<WireRegionStats>,
+    },
+}
+
+/// One region's stats in a [`ControlFrame::StatsReply`] (fields as in
+/// `status::RegionShardStats`).
+#[derive(Debug, Clone, PartialEq, Eq, Archive, Serialize, Deserialize)]
+#[rkyv(attr(allow(missing_docs)))]
+#[allow(missing_docs)]
+pub struct WireRegionStats {
+    pub core: u16,
+    pub proxy: bool,
+    pub registered: bool,
+    /// (shard, live entities).
+    pub shards: Vec<(u32, u32)>,
+    pub buffered: u64,
+    pub dead_letters: u64,
 }
 
 /// A frame on a data lane.

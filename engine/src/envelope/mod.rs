@@ -22,7 +22,7 @@ pub use client_wire::{ArchivedClientFrame, ClientFrame};
 pub use cluster::{
     decode_frame_body, ArchivedControlFrame, ArchivedDataFrame, ArchivedHello, ControlFrame,
     DataFrame, Hello, HelloAck, Lane, WireCoordinatorEvent, WireCoordinatorMsg, WireMember,
-    WireRegion, WireRegionMsg,
+    WireRegion, WireRegionMsg, WireRegionStats,
 };
 
 /// Default and maximum frame body size, in bytes (16 MiB).

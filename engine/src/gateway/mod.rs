@@ -155,3 +155,90 @@ pub(crate) async fn collect_status(core: &Rc<RefCell<Core>>) -> Option<NodeStatu
         .sort_by(|a, b| (a.type_name.as_str(), a.core).cmp(&(b.type_name.as_str(), b.core)));
     got_cluster.then_some(status)
 }
+
+/// How long a cluster-wide stats request waits for the other members.
+pub(crate) const CLUSTER_STATS_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Gathers the cluster-wide sharding stats of `type_name` (Akka's
+/// `GetClusterShardingStats`): this node's regions from `local`, and every
+/// other Up member's over the control lanes, waiting at most `wait`.
+/// Members that are unreachable, or that do not answer in time, are listed
+/// in `failed` with the reason. `None` when the control executor did not
+/// answer at all.
+pub(crate) async fn collect_cluster_stats(
+    core: &Rc<RefCell<Core>>,
+    type_name: &str,
+    local: &NodeStatus,
+    wait: Duration,
+) -> Option<crate::status::ClusterShardingStats> {
+    use crate::node::StatsEvent;
+    use crate::status::{ClusterShardingStats, FailedMember, MemberShardStats, RegionShardStats};
+    let (tx, rx) = crossbeam_channel::unbounded();
+    core.borrow()
+        .to_control()
+        .send(ToControl::ShardingStats {
+            type_name: type_name.to_string(),
+            wait,
+            reply: tx,
+        })
+        .ok()?;
+    let mut stats = ClusterShardingStats::default();
+    stats.members.push(MemberShardStats {
+        address: local.address.clone(),
+        uid: local.uid,
+        regions: local
+            .regions
+            .iter()
+            .filter(|r| r.type_name == type_name)
+            .map(RegionShardStats::of)
+            .collect(),
+    });
+    let deadline = Instant::now() + wait;
+    let mut asked: Option<Vec<(String, u64)>> = None;
+    loop {
+        while let Ok(ev) = rx.try_recv() {
+            match ev {
+                StatsEvent::Asked {
+                    asked: a,
+                    unreachable,
+                } => {
+                    stats
+                        .failed
+                        .extend(unreachable.into_iter().map(|(address, uid)| FailedMember {
+                            address,
+                            uid,
+                            reason: "unreachable".into(),
+                        }));
+                    asked = Some(a);
+                }
+                StatsEvent::Answer(m) => {
+                    if let Some(a) = &mut asked {
+                        if let Some(i) = a
+                            .iter()
+                            .position(|(addr, uid)| *addr == m.address && *uid == m.uid)
+                        {
+                            a.swap_remove(i);
+                            stats.members.push(m);
+                        }
+                    }
+                }
+            }
+        }
+        let done = asked.as_ref().is_some_and(|a| a.is_empty());
+        if done || Instant::now() >= deadline {
+            break;
+        }
+        monoio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let missing = asked?;
+    stats
+        .failed
+        .extend(missing.into_iter().map(|(address, uid)| FailedMember {
+            address,
+            uid,
+            reason: format!("no answer within {} ms", wait.as_millis()),
+        }));
+    stats.members.sort_by(|a, b| a.address.cmp(&b.address));
+    stats.failed.sort_by(|a, b| a.address.cmp(&b.address));
+    Some(stats)
+}

@@ -23,13 +23,13 @@ use shardline_core::sharding::{
     RegionMsg, ShardCoordinator, SHARD_ID_HASH_NAME,
 };
 
-use super::msg::{sharding_event, ClusterView, ToControl, ToCore};
+use super::msg::{sharding_event, ClusterView, StatsEvent, ToControl, ToCore};
 use super::{MemberStatusView, Shared};
 use crate::config::NodeConfig;
 use crate::envelope::{
     decode_frame_body, encode_frame, FrameError, MAX_FRAME_SIZE_BYTES, PROTOCOL_VERSION,
 };
-use crate::envelope::{ControlFrame, Hello, Lane};
+use crate::envelope::{ControlFrame, Hello, Lane, WireMember, WireRegionStats};
 use crate::runtime::{RingReceiver, RingSender};
 use crate::transport::{self, Fingerprint, FrameReader, Outbox, TransportError};
 
@@ -86,6 +86,9 @@ struct Control {
     state: CurrentClusterState,
     subscribers_initialized: usize,
     shared: Arc<Shared>,
+    /// Pending cluster-wide stats requests: id → (asker, expiry).
+    stats_waiters: HashMap<u64, (crossbeam_channel::Sender<StatsEvent>, Duration)>,
+    next_stats_id: u64,
 }
 
 type ControlRef = Rc<RefCell<Control>>;
@@ -151,6 +154,8 @@ pub(crate) async fn run(init: ControlInit) {
         state: CurrentClusterState::default(),
         subscribers_initialized: 0,
         shared: init.shared,
+        stats_waiters: HashMap::new(),
+        next_stats_id: 0,
     }));
     CTL_SELF.with(|c| *c.borrow_mut() = Some(ctl.clone()));
     ctl.borrow_mut().drive();
@@ -569,6 +574,20 @@ impl Control {
                     }
                 }
             }
+            ControlFrame::StatsRequest {
+                id,
+                type_name,
+                reply_to,
+            } => self.answer_stats(id, type_name, reply_to),
+            ControlFrame::StatsReply {
+                id,
+                member,
+                regions,
+            } => {
+                if let Some((tx, _)) = self.stats_waiters.get(&id) {
+                    let _ = tx.send(StatsEvent::Answer(member_stats(member, regions)));
+                }
+            }
         }
         self.drive();
         Ok(())
@@ -600,6 +619,7 @@ impl Control {
                 }
             }
         }
+        self.stats_waiters.retain(|_, (_, until)| now < *until);
         if self.leave.as_ref().is_some_and(|l| now >= l.deadline) {
             if let Some(l) = self.leave.take() {
                 tracing::warn!("leave did not complete in time");
@@ -650,6 +670,11 @@ impl Control {
             ToControl::Status { reply } => {
                 let _ = reply.send(self.view());
             }
+            ToControl::ShardingStats {
+                type_name,
+                wait,
+                reply,
+            } => self.ask_stats(type_name, wait, reply),
             ToControl::Subscribe => {
                 if let Ok(subs) = self.shared.subscribers.lock() {
                     let snapshot = ClusterEvent::CurrentClusterState(self.state.clone());
@@ -681,6 +706,101 @@ impl Control {
         self.drive();
     }
 
+    // ----- cluster-wide sharding stats -----
+
+    /// Sends a stats request for `type_name` to every other Up member that
+    /// is reachable; reports who was asked, then forwards their answers
+    /// for `wait`.
+    fn ask_stats(
+        &mut self,
+        type_name: String,
+        wait: Duration,
+        reply: crossbeam_channel::Sender<StatsEvent>,
+    ) {
+        let now = self.now();
+        let unreachable_set = &self.cluster.current_state().unreachable;
+        let mut asked = Vec::new();
+        let mut unreachable = Vec::new();
+        for m in self.cluster.gossip().members.values() {
+            if m.status != cl::MemberStatus::Up || m.unique_address == self.me {
+                continue;
+            }
+            let who = (m.unique_address.address.0.clone(), m.unique_address.uid.0);
+            if unreachable_set.contains(&m.unique_address) {
+                unreachable.push(who);
+            } else {
+                asked.push(who);
+            }
+        }
+        self.next_stats_id += 1;
+        let id = self.next_stats_id;
+        if !asked.is_empty() {
+            self.stats_waiters.insert(id, (reply.clone(), now + wait));
+        }
+        let frame = ControlFrame::StatsRequest {
+            id,
+            type_name,
+            reply_to: self.me.address.0.clone(),
+        };
+        for (addr, _) in &asked {
+            self.send_control(addr, &frame);
+        }
+        let _ = reply.send(StatsEvent::Asked { asked, unreachable });
+    }
+
+    /// Collects this node's regions of `type_name` from every data core and
+    /// answers `reply_to` on its control lane (from a spawned task).
+    fn answer_stats(&mut self, id: u64, type_name: String, reply_to: String) {
+        let (tx, rx) = crossbeam_channel::bounded(self.to_cores.len().max(1));
+        let cores = self
+            .to_cores
+            .iter()
+            .filter(|c| c.send(ToCore::Status { reply: tx.clone() }).is_ok())
+            .count();
+        let member = WireMember {
+            address: self.me.address.0.clone(),
+            uid: self.me.uid.0,
+        };
+        let Some(ctl) = CTL_SELF.with(|c| c.borrow().clone()) else {
+            return;
+        };
+        monoio::spawn(async move {
+            let deadline = Instant::now() + STATS_CORE_WAIT;
+            let mut regions = Vec::new();
+            let mut got = 0;
+            while got < cores && Instant::now() < deadline {
+                while let Ok(rs) = rx.try_recv() {
+                    got += 1;
+                    regions.extend(
+                        rs.into_iter()
+                            .filter(|r| r.type_name == type_name)
+                            .map(|r| {
+                                let st = crate::status::RegionShardStats::of(&r);
+                                WireRegionStats {
+                                    core: st.core,
+                                    proxy: st.proxy,
+                                    registered: st.registered,
+                                    shards: st.shards.into_iter().collect(),
+                                    buffered: st.buffered,
+                                    dead_letters: st.dead_letters,
+                                }
+                            }),
+                    );
+                }
+                if got < cores {
+                    monoio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+            regions.sort_by_key(|r| r.core);
+            let frame = ControlFrame::StatsReply {
+                id,
+                member,
+                regions,
+            };
+            ctl.borrow_mut().send_control(&reply_to, &frame);
+        });
+    }
+
     fn view(&self) -> ClusterView {
         let st = self.cluster.current_state();
         let g = self.cluster.gossip();
@@ -701,6 +821,32 @@ impl Control {
             coordinator: self.cluster.oldest().map(|o| o.address.0),
             coordinator_here: self.singleton,
         }
+    }
+}
+
+/// How long a member waits for its data cores' region status when
+/// answering a stats request.
+const STATS_CORE_WAIT: Duration = Duration::from_millis(1500);
+
+/// A [`ControlFrame::StatsReply`] as [`crate::status::MemberShardStats`].
+fn member_stats(
+    member: WireMember,
+    regions: Vec<WireRegionStats>,
+) -> crate::status::MemberShardStats {
+    crate::status::MemberShardStats {
+        address: member.address,
+        uid: member.uid,
+        regions: regions
+            .into_iter()
+            .map(|r| crate::status::RegionShardStats {
+                core: r.core,
+                proxy: r.proxy,
+                registered: r.registered,
+                shards: r.shards.into_iter().collect(),
+                buffered: r.buffered,
+                dead_letters: r.dead_letters,
+            })
+            .collect(),
     }
 }
 

@@ -30,7 +30,7 @@ use crate::entity::EntityFactory;
 use crate::envelope::Status;
 use crate::runtime::{ring, RingSender};
 pub use crate::status::{MemberStatusView, NodeStatus, RegionStatusView};
-pub(crate) use msg::{ToControl, ToCore};
+pub(crate) use msg::{StatsEvent, ToControl, ToCore};
 
 /// Errors from starting a node.
 #[derive(Debug, Error)]

@@ -37,6 +37,19 @@ pub(crate) struct ClusterView {
     pub coordinator_here: bool,
 }
 
+/// What the control executor reports to a [`ToControl::ShardingStats`].
+#[derive(Debug)]
+pub(crate) enum StatsEvent {
+    /// Sent first: the other Up members asked, and those not asked because
+    /// they are unreachable, as (address, uid).
+    Asked {
+        asked: Vec<(String, u64)>,
+        unreachable: Vec<(String, u64)>,
+    },
+    /// One asked member's answer.
+    Answer(crate::status::MemberShardStats),
+}
+
 /// To a data executor.
 pub(crate) enum ToCore {
     /// Start a region (factory `None`: a proxy).
@@ -107,6 +120,13 @@ pub(crate) enum ToControl {
     /// Cluster part of a status request.
     Status {
         reply: crossbeam_channel::Sender<ClusterView>,
+    },
+    /// Cluster-wide sharding stats of `type_name`: ask every other Up
+    /// member; report on `reply` ([`StatsEvent`]) for `wait`.
+    ShardingStats {
+        type_name: String,
+        wait: Duration,
+        reply: crossbeam_channel::Sender<StatsEvent>,
     },
     /// A new subscriber was added to the shared list.
     Subscribe,

@@ -32,6 +32,7 @@ use shardline_core::ids::{EntityId, TypeName};
 use shardline_core::sharding::shard_id_of;
 
 use crate::node::NodeStatus;
+use crate::status::{ClusterShardingStats, FailedMember, MemberShardStats, RegionShardStats};
 pub use codec::{CodecLimits, HttpError, Method, Pending, Request, RequestDecoder};
 pub use metrics::{write_prometheus, MetricsSnapshot};
 pub use response::{status_code_of, Response, ResponseQueue};
@@ -116,22 +117,35 @@ struct MembersJson<'a> {
 
 #[derive(Serialize)]
 struct RegionStatsJson<'a> {
-    node: &'a str,
     core: u16,
     proxy: bool,
     registered: bool,
-    shards: usize,
-    entities: usize,
-    buffered: usize,
+    /// Hosted shards (count).
+    shard_count: usize,
+    /// Live entities in all its shards (count).
+    entities: u64,
+    /// Shard id → live entities.
+    shards: &'a std::collections::BTreeMap<u32, u32>,
+    buffered: u64,
     dead_letters: u64,
-    messages_delivered: u64,
-    entities_activated: u64,
+}
+
+#[derive(Serialize)]
+struct MemberStatsJson<'a> {
+    address: &'a str,
+    uid: u64,
+    regions: Vec<RegionStatsJson<'a>>,
 }
 
 #[derive(Serialize)]
 struct StatsJson<'a> {
     type_name: &'a str,
-    regions: Vec<RegionStatsJson<'a>>,
+    /// Shards hosted by the members that answered (count).
+    total_shards: usize,
+    /// Live entities on the members that answered (count).
+    total_entities: u64,
+    members: Vec<MemberStatsJson<'a>>,
+    failed: &'a [FailedMember],
 }
 
 #[derive(Serialize)]
@@ -218,30 +232,29 @@ pub fn admin_response(
             })
         }
         Route::ShardingStats { type_name } => {
-            let regions: Vec<_> = status
+            // This node only; the connection task gathers the other
+            // members' regions and calls `sharding_stats_response` itself.
+            if !status
                 .regions
                 .iter()
-                .filter(|r| r.type_name == type_name.as_str())
-                .map(|r| RegionStatsJson {
-                    node: &status.address,
-                    core: r.core,
-                    proxy: r.proxy,
-                    registered: r.registered,
-                    shards: r.shards.len(),
-                    entities: r.entities,
-                    buffered: r.buffered,
-                    dead_letters: r.dead_letters,
-                    messages_delivered: r.messages_delivered,
-                    entities_activated: r.entities_activated,
-                })
-                .collect();
-            if regions.is_empty() {
+                .any(|r| r.type_name == type_name.as_str())
+            {
                 return unknown_type(type_name);
             }
-            json(&StatsJson {
-                type_name: type_name.as_str(),
-                regions,
-            })
+            let local = ClusterShardingStats {
+                members: vec![MemberShardStats {
+                    address: status.address.clone(),
+                    uid: status.uid,
+                    regions: status
+                        .regions
+                        .iter()
+                        .filter(|r| r.type_name == type_name.as_str())
+                        .map(RegionShardStats::of)
+                        .collect(),
+                }],
+                failed: Vec::new(),
+            };
+            sharding_stats_response(type_name, &local)
         }
         Route::Region { type_name } => {
             let regions: Vec<_> = status
@@ -295,6 +308,43 @@ pub fn admin_response(
         }
         Route::Entity { .. } => Response::text(500, "entity route reached the admin handler"),
     }
+}
+
+/// `GET /v1/sharding/{type}/stats` from gathered stats: every member that
+/// answered with its regions (shard → live entities) and the totals, and
+/// the members that did not answer under `failed` with the reason (Akka's
+/// `ClusterShardingStats`).
+pub fn sharding_stats_response(type_name: &TypeName, stats: &ClusterShardingStats) -> Response {
+    let members: Vec<MemberStatsJson<'_>> = stats
+        .members
+        .iter()
+        .map(|m| MemberStatsJson {
+            address: &m.address,
+            uid: m.uid,
+            regions: m
+                .regions
+                .iter()
+                .map(|r| RegionStatsJson {
+                    core: r.core,
+                    proxy: r.proxy,
+                    registered: r.registered,
+                    shard_count: r.shards.len(),
+                    entities: r.shards.values().map(|n| u64::from(*n)).sum(),
+                    shards: &r.shards,
+                    buffered: r.buffered,
+                    dead_letters: r.dead_letters,
+                })
+                .collect(),
+        })
+        .collect();
+    let regions = || members.iter().flat_map(|m| m.regions.iter());
+    json(&StatsJson {
+        type_name: type_name.as_str(),
+        total_shards: regions().map(|r| r.shard_count).sum(),
+        total_entities: regions().map(|r| r.entities).sum(),
+        failed: &stats.failed,
+        members,
+    })
 }
 
 fn unknown_type(t: &TypeName) -> Response {
@@ -384,7 +434,10 @@ mod tests {
             Default::default,
         );
         let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
-        assert_eq!(v["regions"][0]["shards"], 1);
+        assert_eq!(v["members"][0]["regions"][0]["shard_count"], 1);
+        assert_eq!(v["members"][0]["regions"][0]["shards"]["3"], 1);
+        assert_eq!(v["total_entities"], 1);
+        assert_eq!(v["failed"].as_array().map(Vec::len), Some(0));
         let r = admin_response(&Route::Region { type_name: t }, &st, 100, Default::default);
         assert!(body(&r).contains("\"a\""));
         let other = TypeName::new("nope").unwrap();

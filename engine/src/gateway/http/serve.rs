@@ -580,6 +580,9 @@ fn handle(
                     publish();
                 }
                 let r = match crate::gateway::collect_status(&core).await {
+                    Some(status) if matches!(route, Route::ShardingStats { .. }) => {
+                        sharding_stats(&core, &route, &status, front.number_of_shards).await
+                    }
                     Some(status) => {
                         let node = front.node;
                         admin_response(&route, &status, front.number_of_shards, || {
@@ -592,6 +595,38 @@ fn handle(
                 conn.respond(seq, &r, head_only, keep_alive);
             });
         }
+    }
+}
+
+/// `GET /v1/sharding/{type}/stats`: this node's regions and every other Up
+/// member's, gathered over the control lanes (404 when this node has no
+/// region of the type; 503 when the control executor does not answer).
+async fn sharding_stats(
+    core: &Rc<RefCell<Core>>,
+    route: &Route,
+    status: &NodeStatus,
+    number_of_shards: u32,
+) -> Response {
+    let Route::ShardingStats { type_name } = route else {
+        return admin_response(route, status, number_of_shards, Default::default);
+    };
+    if !status
+        .regions
+        .iter()
+        .any(|r| r.type_name == type_name.as_str())
+    {
+        return admin_response(route, status, number_of_shards, Default::default);
+    }
+    match crate::gateway::collect_cluster_stats(
+        core,
+        type_name.as_str(),
+        status,
+        crate::gateway::CLUSTER_STATS_TIMEOUT,
+    )
+    .await
+    {
+        Some(stats) => super::sharding_stats_response(type_name, &stats),
+        None => Response::text(503, "the node's control executor did not answer"),
     }
 }
 

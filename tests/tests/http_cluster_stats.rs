@@ -1,0 +1,100 @@
+//! `GET /v1/sharding/{type}/stats` is cluster-wide: on a three-node
+//! cluster, any node answers with every member's regions (shard → live
+//! entities), whose totals equal the entities the test started; after one
+//! node is SIGKILLed, it is listed under `failed` (unreachable or no
+//! answer), never silently dropped, and the live members still answer.
+
+mod http_support;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use http_support::{start_nodes, wait_ready, Conn, Ports};
+use serde_json::Value;
+
+fn stats(addr: std::net::SocketAddr) -> Value {
+    let mut c = Conn::open(addr);
+    let r = c.get("/v1/sharding/counter/stats");
+    assert_eq!(r.code, 200, "{}", r.text());
+    serde_json::from_slice(&r.body).expect("stats JSON")
+}
+
+fn addresses(v: &Value, key: &str) -> BTreeSet<String> {
+    v[key]
+        .as_array()
+        .expect(key)
+        .iter()
+        .map(|m| m["address"].as_str().expect("address").to_string())
+        .collect()
+}
+
+#[test]
+fn sharding_stats_cover_every_member_and_list_the_silent_ones() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ports = Ports { base: 25_610 };
+    let mut nodes = start_nodes(dir.path(), ports, 3, 1);
+    for n in &nodes {
+        wait_ready(n.http, Duration::from_secs(30));
+    }
+    let all: BTreeSet<String> = (0..3).map(|i| ports.cluster(i).to_string()).collect();
+
+    let mut c = Conn::open(nodes[0].http);
+    const ENTITIES: u64 = 40;
+    for i in 0..ENTITIES {
+        let r = c.post(&format!("/v1/entities/counter/k{i}"), b"add 1");
+        assert_eq!((r.code, r.text()), (200, "1".to_string()));
+    }
+
+    for n in &nodes {
+        let v = stats(n.http);
+        assert_eq!(addresses(&v, "members"), all, "{v:#}");
+        assert!(addresses(&v, "failed").is_empty(), "{v:#}");
+        assert_eq!(v["total_entities"], ENTITIES, "{v:#}");
+        let mut shards = BTreeSet::new();
+        let mut entities = 0;
+        for m in v["members"].as_array().expect("members") {
+            for r in m["regions"].as_array().expect("regions") {
+                for (s, n) in r["shards"].as_object().expect("shards") {
+                    assert!(shards.insert(s.clone()), "shard {s} hosted twice: {v:#}");
+                    entities += n.as_u64().expect("count");
+                }
+            }
+        }
+        assert_eq!(entities, ENTITIES);
+        assert_eq!(v["total_shards"], shards.len() as u64);
+        // 40 ids over 60 shards land on more than one member.
+        let hosting = v["members"]
+            .as_array()
+            .expect("members")
+            .iter()
+            .filter(|m| m["regions"][0]["shard_count"].as_u64().unwrap_or(0) > 0)
+            .count();
+        assert!(hosting >= 2, "{v:#}");
+    }
+
+    // A member that cannot answer is reported, not dropped.
+    nodes[2].kill();
+    let v = stats(nodes[0].http);
+    let killed = ports.cluster(2).to_string();
+    let failed = addresses(&v, "failed");
+    let members = addresses(&v, "members");
+    assert!(!members.contains(&killed), "{v:#}");
+    assert!(members.contains(&ports.cluster(0).to_string()));
+    assert!(members.contains(&ports.cluster(1).to_string()));
+    let reasons: Vec<&str> = v["failed"]
+        .as_array()
+        .expect("failed")
+        .iter()
+        .filter_map(|f| f["reason"].as_str())
+        .collect();
+    assert!(
+        reasons
+            .iter()
+            .all(|r| *r == "unreachable" || r.starts_with("no answer within")),
+        "{v:#}"
+    );
+    assert!(
+        failed.contains(&killed),
+        "the killed member is listed as failed: {v:#}"
+    );
+}
