@@ -43,5 +43,7 @@ pub mod status;
 pub mod transport;
 
 pub use config::NodeConfig;
+pub use entity::worker::WorkerSettings;
 pub use entity::{Entity, EntityContext, EntityError, EntityFactory};
 pub use node::{AskError, EntityRef, EntitySettings, Node, NodeError, NodeStatus, RegionHandle};
+pub use status::WorkerPoolStatus;

@@ -39,6 +39,33 @@ pub struct RegionStatusView {
     pub dead_letters: u64,
     /// Messages waiting in the region's buffers (count).
     pub buffered: usize,
+    /// The core's pool of a stateless worker type (`None` for other types).
+    #[serde(default)]
+    pub worker: Option<WorkerPoolStatus>,
+}
+
+/// One core's pool of a stateless worker type (all counts; counters since
+/// the node started).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerPoolStatus {
+    /// The type's `max_local_workers` on this node.
+    pub max_local_workers: usize,
+    /// The part of it this core runs (0: its requests go to another core).
+    pub core_limit: usize,
+    /// Activations now.
+    pub activations: usize,
+    /// Most activations at one time.
+    pub max_activations_seen: usize,
+    /// Requests waiting for an idle activation now.
+    pub queued: usize,
+    /// Requests executed by activations on this core.
+    pub executed_locally: u64,
+    /// Activations created.
+    pub created: u64,
+    /// Activations collected after their idle timeout.
+    pub collected: u64,
+    /// Requests refused because the queue was full.
+    pub rejected: u64,
 }
 
 /// A node's view of the cluster (`shardline status`, `Client::node_status`).

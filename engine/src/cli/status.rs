@@ -79,6 +79,23 @@ pub fn run(args: &StatusArgs, out: &mut impl std::io::Write) -> anyhow::Result<(
             r.buffered,
             r.dead_letters
         )?;
+        if let Some(w) = &r.worker {
+            writeln!(
+                out,
+                "  {:<12} core {:<3} stateless worker: activations {} (max seen {}, core limit {}, node max {}) queued {} executed {} created {} collected {} rejected {}",
+                r.type_name,
+                r.core,
+                w.activations,
+                w.max_activations_seen,
+                w.core_limit,
+                w.max_local_workers,
+                w.queued,
+                w.executed_locally,
+                w.created,
+                w.collected,
+                w.rejected
+            )?;
+        }
     }
     Ok(())
 }

@@ -75,6 +75,17 @@ pub enum EntityKind {
     Echo,
     /// `add <n>` / `get` on an i64.
     Counter,
+    /// A pre-aggregating stateless worker: `add <key> <n>` / `get <key>`,
+    /// partial sums forwarded to a `counter` type (`aggregate_to`).
+    Aggregate,
+}
+
+impl EntityKind {
+    /// Whether the kind runs as a stateless worker when its type does not
+    /// say (`echo` and `aggregate` do, `counter` does not).
+    pub fn worker_by_default(self) -> bool {
+        matches!(self, EntityKind::Echo | EntityKind::Aggregate)
+    }
 }
 
 /// One hosted entity type (`[[entity_types]]`).
@@ -104,6 +115,51 @@ pub struct EntityTypeConfig {
     /// Default 100.
     #[serde(default = "default_snapshot_every")]
     pub snapshot_every: u64,
+    /// Run the type as a stateless worker (Orleans semantics: local
+    /// activations, no routing; see `entity::worker`). Default: true for
+    /// `echo` and `aggregate`, false for `counter` (which refuses true;
+    /// `aggregate` refuses false).
+    #[serde(default)]
+    pub stateless_worker: Option<bool>,
+    /// Most activations of a stateless worker type on this node (count);
+    /// 0 = the node's `data_cores` (default).
+    #[serde(default)]
+    pub max_local_workers: u32,
+    /// Most requests of a stateless worker type waiting per data core while
+    /// every activation is busy (count); a full queue answers `BufferFull`.
+    /// Default 10000.
+    #[serde(default = "default_worker_queue_size")]
+    pub worker_queue_size: u32,
+    /// `aggregate` only: the entity type (kind `counter`, declared in the
+    /// same file) that keeps the totals. Default `"aggregate_totals"`.
+    #[serde(default)]
+    pub aggregate_to: Option<String>,
+    /// `aggregate` only: how often an activation sends its partial sums, in
+    /// milliseconds (1..=3600000). Default 1000.
+    #[serde(default = "default_aggregate_interval_ms")]
+    pub aggregate_interval_ms: u64,
+}
+
+impl EntityTypeConfig {
+    /// Whether the type runs as a stateless worker.
+    pub fn is_stateless_worker(&self) -> bool {
+        self.stateless_worker
+            .unwrap_or_else(|| self.kind.worker_by_default())
+    }
+
+    /// The target type of an `aggregate` kind.
+    pub fn aggregate_target(&self) -> &str {
+        self.aggregate_to
+            .as_deref()
+            .unwrap_or(crate::entity::aggregate::DEFAULT_TARGET_TYPE)
+    }
+}
+
+fn default_worker_queue_size() -> u32 {
+    crate::entity::worker::DEFAULT_WORKER_QUEUE_SIZE as u32
+}
+fn default_aggregate_interval_ms() -> u64 {
+    1000
 }
 
 fn default_snapshot_every() -> u64 {
@@ -359,6 +415,49 @@ impl NodeConfig {
                     format!("type `{}` is declared twice", t.name),
                 ));
             }
+            let worker = t.is_stateless_worker();
+            if worker && t.kind == EntityKind::Counter {
+                return Err(bad(
+                    &format!("entity_types[{i}].stateless_worker"),
+                    "a counter keeps state per id and cannot be a stateless worker".into(),
+                ));
+            }
+            if !worker && t.kind == EntityKind::Aggregate {
+                return Err(bad(
+                    &format!("entity_types[{i}].stateless_worker"),
+                    "an aggregate is always a stateless worker".into(),
+                ));
+            }
+            if !worker && t.max_local_workers > 0 {
+                return Err(bad(
+                    &format!("entity_types[{i}].max_local_workers"),
+                    "only for stateless workers".into(),
+                ));
+            }
+            if t.kind == EntityKind::Aggregate {
+                if !(1..=3_600_000).contains(&t.aggregate_interval_ms) {
+                    return Err(bad(
+                        &format!("entity_types[{i}].aggregate_interval_ms"),
+                        format!("{} is not in 1..=3600000", t.aggregate_interval_ms),
+                    ));
+                }
+                let to = t.aggregate_target();
+                if !self
+                    .entity_types
+                    .iter()
+                    .any(|o| o.name == to && o.kind == EntityKind::Counter)
+                {
+                    return Err(bad(
+                        &format!("entity_types[{i}].aggregate_to"),
+                        format!("no entity type `{to}` of kind \"counter\" is declared"),
+                    ));
+                }
+            } else if t.aggregate_to.is_some() {
+                return Err(bad(
+                    &format!("entity_types[{i}].aggregate_to"),
+                    "only for kind \"aggregate\"".into(),
+                ));
+            }
         }
         Ok(())
     }
@@ -366,6 +465,17 @@ impl NodeConfig {
     /// The idle timeout of an entity type as a Duration (None when disabled).
     pub fn idle_timeout(t: &EntityTypeConfig) -> Option<Duration> {
         (t.idle_timeout_ms > 0).then(|| Duration::from_millis(t.idle_timeout_ms))
+    }
+
+    /// The stateless-worker settings of an entity type (None when it is not
+    /// a worker).
+    pub fn worker_settings(t: &EntityTypeConfig) -> Option<crate::entity::worker::WorkerSettings> {
+        t.is_stateless_worker()
+            .then(|| crate::entity::worker::WorkerSettings {
+                max_local_workers: (t.max_local_workers > 0)
+                    .then_some(t.max_local_workers as usize),
+                queue_size: t.worker_queue_size as usize,
+            })
     }
 }
 
@@ -402,6 +512,32 @@ active_entity_limit = 0
         let e = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap_err();
         let msg = e.to_string();
         assert!(msg.contains("x.toml") && msg.contains("bogus"), "{msg}");
+    }
+
+    #[test]
+    fn worker_keys() {
+        let c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
+        assert!(NodeConfig::worker_settings(&c.entity_types[0]).is_none());
+        let text = GOOD.replace(
+            "active_entity_limit = 0",
+            "active_entity_limit = 0\nstateless_worker = true",
+        );
+        let e = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap_err();
+        assert!(e.to_string().contains("stateless_worker"), "{e}");
+        let agg = format!(
+            "{GOOD}\n[[entity_types]]\nname = \"agg\"\nkind = \"aggregate\"\naggregate_to = \"counter\"\nmax_local_workers = 3\naggregate_interval_ms = 20\n[[entity_types]]\nname = \"e\"\nkind = \"echo\"\n"
+        );
+        let c = NodeConfig::from_toml(&agg, Path::new("x.toml")).unwrap();
+        let w = NodeConfig::worker_settings(&c.entity_types[1]).unwrap();
+        assert_eq!(w.max_local_workers, Some(3));
+        let w = NodeConfig::worker_settings(&c.entity_types[2]).unwrap();
+        assert_eq!(w.max_local_workers, None);
+        let e = NodeConfig::from_toml(
+            &agg.replace("aggregate_to = \"counter\"", "aggregate_to = \"e\""),
+            Path::new("x.toml"),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("aggregate_to"), "{e}");
     }
 
     #[test]

@@ -6,10 +6,19 @@
 //! [`EntityContext`]: [`EntityContext::reply`], [`EntityContext::passivate`]
 //! (ask to be stopped), timers, and its own id.
 //!
-//! Built in: [`Echo`] and [`Counter`] (payloads in `docs/interfaces.md`).
+//! Entities send messages to other entities with [`EntityContext::tell`]
+//! and [`EntityContext::forward`] (through the normal routing path).
+//!
+//! Built in: [`Echo`] (a stateless worker), [`Counter`] (durable) and
+//! [`Aggregate`] (a pre-aggregating stateless worker); payloads in
+//! `docs/interfaces.md`.
 
+pub mod aggregate;
 pub mod persistent;
 pub mod supervision;
+pub mod worker;
+
+pub use aggregate::Aggregate;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,6 +47,24 @@ pub struct EntityContext<'a> {
     reply: Option<Vec<u8>>,
     passivate: bool,
     timers: Vec<(u64, Option<Duration>)>,
+    outgoing: Vec<Outgoing>,
+}
+
+/// A message an entity sends to another entity ([`EntityContext::tell`],
+/// [`EntityContext::forward`]); the runtime routes it after the handler
+/// returns, through the sending core's inbox and the normal routing path
+/// (region, shard home, another node), at most once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outgoing {
+    /// The target's entity type.
+    pub type_name: String,
+    /// The target's id.
+    pub entity_id: EntityId,
+    /// The message.
+    pub payload: Vec<u8>,
+    /// Whether the target answers the sender of the message being handled
+    /// (a forward) instead of nobody (a tell).
+    pub forward: bool,
 }
 
 impl<'a> EntityContext<'a> {
@@ -54,6 +81,7 @@ impl<'a> EntityContext<'a> {
             reply: None,
             passivate: false,
             timers: Vec::new(),
+            outgoing: Vec::new(),
         }
     }
 
@@ -148,6 +176,48 @@ impl<'a> EntityContext<'a> {
         self.passivate
     }
 
+    /// Sends `payload` to entity `entity_id` of type `type_name` without
+    /// waiting for an answer (its reply is dropped). Delivered at most
+    /// once: a full inbox or buffer, an unknown type or an unreachable home
+    /// drops it (logged, counted as a dead letter where the region drops it).
+    pub fn tell(&mut self, type_name: &str, entity_id: &EntityId, payload: impl Into<Vec<u8>>) {
+        self.outgoing.push(Outgoing {
+            type_name: type_name.to_string(),
+            entity_id: entity_id.clone(),
+            payload: payload.into(),
+            forward: false,
+        });
+    }
+
+    /// Sends `payload` to entity `entity_id` of type `type_name` on behalf
+    /// of the sender of the message being handled (Akka's `forward`): the
+    /// target's reply goes to that sender, and this handler's own reply is
+    /// not sent. Outside a message (timers, start) it is a [`Self::tell`].
+    /// The last forward of a handler carries the sender; earlier ones are
+    /// tells.
+    pub fn forward(&mut self, type_name: &str, entity_id: &EntityId, payload: impl Into<Vec<u8>>) {
+        for o in &mut self.outgoing {
+            o.forward = false;
+        }
+        self.outgoing.push(Outgoing {
+            type_name: type_name.to_string(),
+            entity_id: entity_id.clone(),
+            payload: payload.into(),
+            forward: self.reply_token.is_some(),
+        });
+    }
+
+    /// Whether the handler forwarded the message being handled (its sender
+    /// is answered by the target).
+    pub fn forwarded(&self) -> bool {
+        self.outgoing.iter().any(|o| o.forward)
+    }
+
+    /// Takes the messages the handler sent ([`Self::tell`], [`Self::forward`]).
+    pub fn take_outgoing(&mut self) -> Vec<Outgoing> {
+        std::mem::take(&mut self.outgoing)
+    }
+
     /// Takes the timer commands (`(key, Some(delay))` set, `(key, None)` cancel).
     pub fn take_timers(&mut self) -> Vec<(u64, Option<Duration>)> {
         std::mem::take(&mut self.timers)
@@ -190,7 +260,7 @@ pub trait Entity: 'static {
 /// Creates an entity for an id; shared by every data core of a node.
 pub type EntityFactory = Arc<dyn Fn(&EntityId) -> Box<dyn Entity> + Send + Sync>;
 
-/// Replies with the payload unchanged.
+/// Replies with the payload unchanged. A stateless worker by default.
 #[derive(Debug, Default)]
 pub struct Echo;
 
@@ -293,14 +363,37 @@ pub fn builtin_factory(kind: crate::config::EntityKind) -> EntityFactory {
 }
 
 /// The factory of a built-in kind: `counter` is durable with a snapshot
-/// every `snapshot_every` events (0: never); every kind is supervised.
+/// every `snapshot_every` events (0: never); `aggregate` forwards to the
+/// type and at the interval of `aggregate` (defaults when `None`: type
+/// `aggregate_totals`, 1 s); every kind is supervised.
 pub fn builtin_factory_with(
     kind: crate::config::EntityKind,
     snapshot_every: u64,
     supervisor: supervision::SupervisorSettings,
 ) -> EntityFactory {
+    builtin_factory_full(kind, snapshot_every, supervisor, None)
+}
+
+/// As [`builtin_factory_with`], with the `aggregate` kind's target type and
+/// flush interval.
+pub fn builtin_factory_full(
+    kind: crate::config::EntityKind,
+    snapshot_every: u64,
+    supervisor: supervision::SupervisorSettings,
+    aggregate: Option<(String, Duration)>,
+) -> EntityFactory {
     let inner: EntityFactory = match kind {
         crate::config::EntityKind::Echo => Arc::new(|_| Box::new(Echo)),
+        crate::config::EntityKind::Aggregate => {
+            let (to, every) = aggregate.unwrap_or_else(|| {
+                (
+                    aggregate::DEFAULT_TARGET_TYPE.to_string(),
+                    aggregate::DEFAULT_INTERVAL,
+                )
+            });
+            let to: Arc<str> = to.into();
+            Arc::new(move |_| Box::new(Aggregate::new(to.clone(), every)))
+        }
         crate::config::EntityKind::Counter => Arc::new(move |_| {
             Box::new(persistent::Persistent::new(
                 Box::<Counter>::default(),

@@ -31,6 +31,8 @@ use crate::envelope::{ArchivedDataFrame, DataFrame, Hello, Lane};
 use crate::runtime::{RingReceiver, RingSender};
 use crate::transport::{self, FrameReader, Outbox};
 
+mod workers;
+
 /// Everything a data executor starts with.
 pub(crate) struct CoreInit {
     pub index: u16,
@@ -102,6 +104,8 @@ struct TypeHost {
     entities: FastMap<EntityId, Live>,
     delivered: u64,
     activated: u64,
+    /// `Some` for a stateless worker type: its requests bypass the region.
+    worker: Option<workers::WorkerHost>,
 }
 
 struct Live {
@@ -478,8 +482,12 @@ impl Core {
         self.route(t, env);
     }
 
-    /// Hands a user message to this core's region of `t` and runs the effects.
+    /// Hands a user message to this core's region of `t` and runs the effects
+    /// (a stateless worker type's message runs here, without the region).
     fn route(&mut self, t: &str, env: UserEnvelope) {
+        if self.is_worker(t) {
+            return self.worker_route(t, env);
+        }
         let now = self.now();
         match self.types.get_mut(t) {
             Some(h) => h.region.handle_message(now, env),
@@ -760,6 +768,7 @@ impl Core {
             if let Some(to) = self.durable.take(token) {
                 self.reply(to, status, payload);
             }
+            self.worker_completed(token);
         }
     }
 
@@ -950,13 +959,19 @@ impl Core {
         let reply = ctx.take_reply().unwrap_or_default();
         let deferred = ctx.reply_deferred();
         let wants_durable = ctx.wants_durable();
+        let out = ctx.take_outgoing();
+        let mut sender = Some(env.sender);
+        if !out.is_empty() {
+            self.send_outgoing(out, &mut sender);
+        }
+        let sender = sender.unwrap_or(ReplyTo::Nobody);
         match res {
             Ok(()) => {
                 if deferred {
-                    self.durable.defer(token, inc, env.sender);
+                    self.durable.defer(token, inc, sender);
                     self.drain_completions();
                 } else {
-                    self.reply(env.sender, Status::Ok, reply);
+                    self.reply(sender, Status::Ok, reply);
                 }
                 if wants_durable {
                     self.durable.wait(t, &env.entity, inc);
@@ -972,7 +987,7 @@ impl Core {
                 }
             }
             Err(e) => {
-                self.reply(env.sender, Status::EntityFailed, e.to_string().into_bytes());
+                self.reply(sender, Status::EntityFailed, e.to_string().into_bytes());
                 if let Some(h) = self.types.get_mut(t) {
                     if let Some(mut l) = h.entities.remove(&env.entity) {
                         l.entity.on_stop();
@@ -1044,10 +1059,12 @@ impl Core {
             let shard = live.shard;
             let mut ctx = EntityContext::new(&id).with_type(&e.type_name, live.epoch);
             live.entity.on_timer(&mut ctx, e.key);
+            let out = ctx.take_outgoing();
             let timers = ctx.take_timers();
             let passivate = ctx.wants_passivation();
             let wants_durable = ctx.wants_durable();
             self.apply_timers(&e.type_name, &id, e.incarnation, timers);
+            self.send_outgoing(out, &mut None);
             if wants_durable {
                 self.durable.wait(&e.type_name, &id, e.incarnation);
             }
@@ -1059,6 +1076,7 @@ impl Core {
                 self.run_effects(&e.type_name);
             }
         }
+        self.workers_tick(now);
         // Forwarded messages without a reply.
         if !self.pending.is_empty() {
             let late: Vec<u64> = self
@@ -1095,6 +1113,15 @@ impl Core {
                     return;
                 }
                 let rs = region_settings(&settings);
+                let worker = match (&settings.stateless_worker, &factory) {
+                    (Some(w), Some(_)) => Some(workers::WorkerHost::new(
+                        w,
+                        settings.idle_timeout,
+                        c.to_cores.len(),
+                        c.index,
+                    )),
+                    _ => None,
+                };
                 let id = c.region_id();
                 let region = if factory.is_some() {
                     ShardRegion::new(id, rs, Box::new(LruPolicy::new()), now)
@@ -1109,6 +1136,7 @@ impl Core {
                         entities: FastMap::default(),
                         delivered: 0,
                         activated: 0,
+                        worker,
                     },
                 );
                 c.reported_registered = true; // force a report of the new state
@@ -1224,6 +1252,7 @@ impl Core {
                         }
                     }
                 }
+                c.workers_stop();
                 c.drain_completions();
                 for o in c.conns.values() {
                     o.close();
@@ -1259,6 +1288,7 @@ impl Core {
                     entities_activated: h.activated,
                     dead_letters: h.region.dead_letters(),
                     buffered: h.region.buffered(),
+                    worker: h.worker.as_ref().map(|w| w.status()),
                 }
             })
             .collect();

@@ -93,6 +93,11 @@ pub struct EntitySettings {
     pub remember_entities: bool,
     /// Pace of restarting remembered entities. Default all at once.
     pub remember_entities_pace: shardline_core::sharding::RememberEntitiesPace,
+    /// `Some`: the type is a stateless worker (Orleans semantics, see
+    /// [`crate::entity::worker`]): a request runs on a local activation of
+    /// the node that received it, never routed to a shard; `idle_timeout`
+    /// collects idle activations (`None`: never). Default `None`.
+    pub stateless_worker: Option<crate::entity::worker::WorkerSettings>,
 }
 
 impl Default for EntitySettings {
@@ -103,6 +108,7 @@ impl Default for EntitySettings {
             buffer_size: 100_000,
             remember_entities: false,
             remember_entities_pace: shardline_core::sharding::RememberEntitiesPace::AllAtOnce,
+            stateless_worker: None,
         }
     }
 }
@@ -222,10 +228,14 @@ impl Node {
         for t in node.config.entity_types.clone() {
             node.sharding().start(
                 &t.name,
-                crate::entity::builtin_factory_with(
+                crate::entity::builtin_factory_full(
                     t.kind,
                     t.snapshot_every,
                     crate::entity::supervision::SupervisorSettings::default(),
+                    Some((
+                        t.aggregate_target().to_string(),
+                        Duration::from_millis(t.aggregate_interval_ms),
+                    )),
                 ),
                 EntitySettings {
                     idle_timeout: NodeConfig::idle_timeout(&t),
@@ -235,6 +245,7 @@ impl Node {
                     remember_entities_pace: crate::persistence::remember::pace(
                         t.remember_entities_per_s,
                     ),
+                    stateless_worker: NodeConfig::worker_settings(&t),
                     ..EntitySettings::default()
                 },
             )?;
@@ -404,6 +415,29 @@ impl Sharding<'_> {
         factory: EntityFactory,
         settings: EntitySettings,
     ) -> Result<RegionHandle, NodeError> {
+        self.register(type_name, Some(factory), settings)
+    }
+
+    /// Starts `type_name` as a stateless worker on this node (Orleans
+    /// `[StatelessWorker(maxLocalWorkers)]`): requests to it, from clients
+    /// of this node or its embedding API, run on local activations made by
+    /// `factory`, at most `worker.max_local_workers` on this node, collected
+    /// after `settings.idle_timeout` idle. `settings.stateless_worker` is
+    /// replaced by `worker`.
+    ///
+    /// # Errors
+    /// As [`Self::start`].
+    pub fn start_stateless_worker(
+        &self,
+        type_name: &str,
+        factory: EntityFactory,
+        worker: crate::entity::worker::WorkerSettings,
+        settings: EntitySettings,
+    ) -> Result<RegionHandle, NodeError> {
+        let settings = EntitySettings {
+            stateless_worker: Some(worker),
+            ..settings
+        };
         self.register(type_name, Some(factory), settings)
     }
 

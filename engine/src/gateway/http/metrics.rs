@@ -105,6 +105,18 @@ pub struct MetricsSnapshot {
     pub messages_delivered: Vec<RegionValue>,
     /// `shardline_hand_offs_total{type,core}`: shards handed off from here.
     pub hand_offs: Vec<RegionValue>,
+    /// `shardline_worker_activations{type,core}` (gauge): activations of a
+    /// stateless worker type now.
+    pub worker_activations: Vec<RegionValue>,
+    /// `shardline_worker_activations_max{type,core}` (gauge): most
+    /// activations at one time since start.
+    pub worker_activations_max: Vec<RegionValue>,
+    /// `shardline_worker_queued{type,core}` (gauge): requests waiting for an
+    /// idle activation.
+    pub worker_queued: Vec<RegionValue>,
+    /// `shardline_worker_executed_total{type,core}`: requests executed by a
+    /// core's activations.
+    pub worker_executed: Vec<RegionValue>,
     /// `shardline_journal_flush_duration_seconds{core}` (histogram), in
     /// microseconds, one per core with a journal.
     pub journal_flush_micros: Vec<(u16, Histogram<u64>)>,
@@ -295,6 +307,34 @@ pub fn write_prometheus(m: &MetricsSnapshot) -> String {
         "counter",
         "Shards handed off by a region.",
         &m.hand_offs,
+    );
+    region_values(
+        &mut out,
+        "shardline_worker_activations",
+        "gauge",
+        "Activations of a stateless worker type on a core.",
+        &m.worker_activations,
+    );
+    region_values(
+        &mut out,
+        "shardline_worker_activations_max",
+        "gauge",
+        "Most activations of a stateless worker type on a core at one time.",
+        &m.worker_activations_max,
+    );
+    region_values(
+        &mut out,
+        "shardline_worker_queued",
+        "gauge",
+        "Requests of a stateless worker type waiting for an idle activation.",
+        &m.worker_queued,
+    );
+    region_values(
+        &mut out,
+        "shardline_worker_executed_total",
+        "counter",
+        "Requests of a stateless worker type executed on a core.",
+        &m.worker_executed,
     );
     header(
         &mut out,

@@ -395,6 +395,7 @@ mod tests {
                 entities_activated: 1,
                 dead_letters: 0,
                 buffered: 0,
+                worker: None,
             }],
         }
     }

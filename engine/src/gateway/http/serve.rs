@@ -694,6 +694,13 @@ fn node_metrics(node: SocketAddr, status: &NodeStatus) -> MetricsSnapshot {
         m.shards.push(v(r.shards.len() as u64));
         m.active_entities.push(v(r.entities as u64));
         m.messages_delivered.push(v(r.messages_delivered));
+        if let Some(w) = &r.worker {
+            m.worker_activations.push(v(w.activations as u64));
+            m.worker_activations_max
+                .push(v(w.max_activations_seen as u64));
+            m.worker_queued.push(v(w.queued as u64));
+            m.worker_executed.push(v(w.executed_locally));
+        }
         if r.dead_letters > 0 {
             m.dead_letters.push(DeadLetterCount {
                 type_name: r.type_name.clone(),
