@@ -96,6 +96,7 @@ active_entity_limit = 0
 [[entity_types]]
 name = "echo"
 kind = "echo"
+stateless_worker = false
 idle_timeout_ms = 0
 active_entity_limit = 0
 "#,
@@ -160,13 +161,21 @@ impl Cluster {
 
     /// Like [`Self::start`] with `cores` data cores per node.
     pub fn start_with_cores(base_port: u16, n: usize, cores: u16) -> Cluster {
+        Self::start_with_extra(base_port, n, cores, "")
+    }
+
+    /// Like [`Self::start_with_cores`], with `extra` TOML appended to every
+    /// node's config before the built-in entity types (top-level keys, or
+    /// more `[[entity_types]]` tables).
+    #[allow(dead_code)] // not every test binary including this file uses it
+    pub fn start_with_extra(base_port: u16, n: usize, cores: u16, extra: &str) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let ports = Ports { base: base_port };
         let bin = shardline_bin();
         let mut nodes = Vec::new();
         for i in 0..n {
             let cfg = dir.path().join(format!("node-{i}.toml"));
-            std::fs::write(&cfg, config_text(ports, i, n, cores, dir.path(), ""))
+            std::fs::write(&cfg, config_text(ports, i, n, cores, dir.path(), extra))
                 .expect("write config");
             nodes.push(Some(spawn_node(
                 &bin,

@@ -112,6 +112,9 @@ impl Core {
         });
         if created {
             self.next_incarnation += 1;
+            if let Some(h) = self.types.get_mut(t) {
+                h.activated += 1;
+            }
         }
         match admit {
             Admit::Run(slot, env) => self.worker_run(t, slot, env),
@@ -132,7 +135,11 @@ impl Core {
             let now = self.now();
             let token = self.next_tag;
             self.next_tag += 1;
-            let Some(w) = self.types.get_mut(t).and_then(|h| h.worker.as_mut()) else {
+            let Some(h) = self.types.get_mut(t) else {
+                return;
+            };
+            h.delivered += 1;
+            let Some(w) = h.worker.as_mut() else {
                 return;
             };
             let Some(a) = w.pool.get_mut(slot) else {
@@ -199,6 +206,9 @@ impl Core {
         });
         if created {
             self.next_incarnation += 1;
+            if let Some(h) = self.types.get_mut(t) {
+                h.activated += 1;
+            }
         }
         if let Some(mut a) = gone {
             a.entity.on_stop();

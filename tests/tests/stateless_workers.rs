@@ -1,0 +1,220 @@
+//! Stateless workers across `shardline node` processes (2 nodes, 2 data
+//! cores each, ports 25000-25199): concurrent load on one node's client
+//! port makes the worker pool grow but never past `max_local_workers`, no
+//! request crosses to the other node, and the pool shrinks after the load
+//! stops; the `aggregate` built-in's totals are right after adds through
+//! both nodes.
+
+#[path = "node_cases/support.rs"]
+#[allow(dead_code)] // this binary uses part of the shared helpers
+mod support;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use shardline::client::{Client, Status};
+use shardline::WorkerPoolStatus;
+use support::{status, Cluster};
+
+const ASK_TIMEOUT: Duration = Duration::from_secs(10);
+
+const WORKER_TYPES: &str = r#"
+[[entity_types]]
+name = "work"
+kind = "echo"
+max_local_workers = 2
+idle_timeout_ms = 400
+
+[[entity_types]]
+name = "work1"
+kind = "echo"
+max_local_workers = 1
+idle_timeout_ms = 400
+
+[[entity_types]]
+name = "agg"
+kind = "aggregate"
+aggregate_to = "counter"
+aggregate_interval_ms = 200
+"#;
+
+/// The pools of `type_name` on the node at `addr`, one per core.
+fn pools(addr: SocketAddr, type_name: &str) -> Vec<WorkerPoolStatus> {
+    let st = status(addr).expect("node status");
+    st.regions
+        .iter()
+        .filter(|r| r.type_name == type_name)
+        .map(|r| r.worker.expect("a stateless worker type reports its pool"))
+        .collect()
+}
+
+fn sum(p: &[WorkerPoolStatus], f: impl Fn(&WorkerPoolStatus) -> u64) -> u64 {
+    p.iter().map(f).sum()
+}
+
+fn start() -> Cluster {
+    let cluster = Cluster::start_with_extra(25_000, 2, 2, WORKER_TYPES);
+    cluster.wait_ready(Duration::from_secs(60));
+    cluster.wait_members_up(2, Duration::from_secs(60));
+    cluster
+}
+
+#[test]
+fn worker_pool_grows_within_the_limit_stays_local_and_shrinks() {
+    let _serial = support::serial();
+    let cluster = start();
+    let (a, b) = (cluster.ports.client(0), cluster.ports.client(1));
+    for t in ["work", "work1"] {
+        let p = pools(a, t);
+        assert_eq!(p.len(), 2, "one pool per data core");
+        assert_eq!(sum(&p, |w| w.activations as u64), 0, "{t}: no load yet");
+    }
+    // Concurrent load on node 0 only: 8 connections (SO_REUSEPORT spreads
+    // them over both cores), each 300 asks on distinct ids of both types.
+    let threads: Vec<_> = (0..8)
+        .map(|c| {
+            std::thread::spawn(move || {
+                let mut cl = Client::connect(a).expect("connect");
+                let mut n = 0u64;
+                for i in 0..300 {
+                    let t = if i % 3 == 0 { "work1" } else { "work" };
+                    let payload = format!("{c}-{i}");
+                    let r = cl
+                        .ask(t, &format!("id-{c}-{i}"), payload.as_bytes(), ASK_TIMEOUT)
+                        .expect("ask");
+                    assert_eq!(r.status, Status::Ok);
+                    assert_eq!(r.payload, payload.as_bytes());
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let mut peak = 0u64;
+    while !threads.iter().all(|t| t.is_finished()) {
+        let p = pools(a, "work");
+        let now = sum(&p, |w| w.activations as u64);
+        assert!(now <= 2, "activations {now} > max_local_workers 2: {p:?}");
+        peak = peak.max(now);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let sent: u64 = threads
+        .into_iter()
+        .map(|t| t.join().expect("load thread"))
+        .sum();
+    assert_eq!(sent, 2400);
+    let (work, work1) = (pools(a, "work"), pools(a, "work1"));
+    eprintln!("work pools on node 0 after the load: {work:?} (peak seen by polling {peak})");
+    // Grew under load, never past the limit (per core and node-wide).
+    let max_seen = sum(&work, |w| w.max_activations_seen as u64);
+    assert!((1..=2).contains(&max_seen), "{work:?}");
+    assert!(work.iter().all(|w| w.max_activations_seen <= w.core_limit));
+    assert_eq!(
+        sum(&work1, |w| w.max_activations_seen as u64),
+        1,
+        "{work1:?}"
+    );
+    // Every request ran on node 0: 1600 + 800 executions there.
+    assert_eq!(sum(&work, |w| w.executed_locally), 1600);
+    assert_eq!(sum(&work1, |w| w.executed_locally), 800);
+    // max_local_workers = 1 on 2 cores: core 1 hands its requests to core 0.
+    assert_eq!(work1[1].core_limit, 0);
+    assert_eq!(work1[1].executed_locally, 0);
+    // Nothing crossed to node 1.
+    for t in ["work", "work1"] {
+        let p = pools(b, t);
+        assert_eq!(sum(&p, |w| w.executed_locally), 0, "{t} on node 1: {p:?}");
+        assert_eq!(sum(&p, |w| w.created), 0, "{t} on node 1: {p:?}");
+    }
+    // The pool shrinks to nothing after the 400 ms idle timeout.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let p = pools(a, "work");
+        if sum(&p, |w| w.activations as u64) == 0 {
+            assert_eq!(sum(&p, |w| w.collected), sum(&p, |w| w.created), "{p:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "pool never shrank: {p:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn aggregate_totals_are_right_after_the_interval() {
+    let _serial = support::serial();
+    let cluster = start();
+    let nodes = [cluster.ports.client(0), cluster.ports.client(1)];
+    let mut clients: Vec<Client> = nodes
+        .iter()
+        .map(|a| Client::connect(*a).expect("connect"))
+        .collect();
+    // 10 keys; through both nodes; key k gets 1 + 2 + ... (k + 1) per node
+    // pass, 3 passes.
+    let mut expected = [0i64; 10];
+    for pass in 0..3 {
+        for (ni, cl) in clients.iter_mut().enumerate() {
+            for k in 0..10usize {
+                for n in 1..=(k as i64 + 1) {
+                    let msg = format!("add key-{k} {n}");
+                    let r = cl
+                        .ask(
+                            "agg",
+                            &format!("w-{pass}-{ni}"),
+                            msg.as_bytes(),
+                            ASK_TIMEOUT,
+                        )
+                        .expect("add");
+                    assert_eq!((r.status, r.payload.as_slice()), (Status::Ok, &b"ok"[..]));
+                    expected[k] += n;
+                }
+            }
+        }
+    }
+    let bad = clients[0]
+        .ask("agg", "w", b"add key-0 x", ASK_TIMEOUT)
+        .expect("bad add");
+    assert!(bad.payload.starts_with(b"error: "));
+    // After the 200 ms interval every partial sum reached its aggregator;
+    // `get` through either node reads the totals.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let mut got = Vec::new();
+        for k in 0..10 {
+            let cl = &mut clients[k % 2];
+            let r = cl
+                .ask(
+                    "agg",
+                    "reader",
+                    format!("get key-{k}").as_bytes(),
+                    ASK_TIMEOUT,
+                )
+                .expect("get");
+            assert_eq!(r.status, Status::Ok);
+            got.push(
+                String::from_utf8_lossy(&r.payload)
+                    .parse::<i64>()
+                    .unwrap_or(-1),
+            );
+        }
+        if got == expected {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "totals {got:?}, expected {expected:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The aggregator is the sharded counter: read directly, same totals.
+    for (k, want) in expected.iter().enumerate() {
+        let r = clients[1]
+            .ask("counter", &format!("key-{k}"), b"get", ASK_TIMEOUT)
+            .expect("counter get");
+        assert_eq!(String::from_utf8_lossy(&r.payload), want.to_string());
+    }
+    // The adds ran on the worker pools of the nodes that received them.
+    for a in nodes {
+        let p = pools(a, "agg");
+        assert!(sum(&p, |w| w.executed_locally) >= 165, "{p:?}");
+    }
+}
