@@ -23,13 +23,8 @@ fn config(i: u16, dir: &std::path::Path) -> anyhow::Result<NodeConfig> {
         number_of_shards: 16,
         durability: Durability::Named(DurabilityName::None),
         entity_types: vec![EntityTypeConfig {
-            name: "counter".into(),
-            kind: EntityKind::Counter,
             idle_timeout_ms: 0,
-            active_entity_limit: 0,
-            remember_entities: false,
-            remember_entities_per_s: 0,
-            snapshot_every: 100,
+            ..EntityTypeConfig::new("counter", EntityKind::Counter)
         }],
         downing_stable_after_ms: 5_000,
         heartbeat_pause_ms: 3_000,

@@ -6,7 +6,6 @@
 //! note's figure uses 100,000 in a release build).
 
 #[path = "node_cases/support.rs"]
-#[allow(dead_code)]
 mod support;
 
 use std::net::SocketAddr;

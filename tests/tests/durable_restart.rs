@@ -6,7 +6,6 @@
 //! counters answer `EntityFailed`.
 
 #[path = "node_cases/support.rs"]
-#[allow(dead_code)]
 mod support;
 
 use std::path::Path;

@@ -6,7 +6,6 @@
 //! both nodes.
 
 #[path = "node_cases/support.rs"]
-#[allow(dead_code)] // this binary uses part of the shared helpers
 mod support;
 
 use std::net::SocketAddr;
@@ -153,7 +152,7 @@ fn aggregate_totals_are_right_after_the_interval() {
     let mut expected = [0i64; 10];
     for pass in 0..3 {
         for (ni, cl) in clients.iter_mut().enumerate() {
-            for k in 0..10usize {
+            for (k, total) in expected.iter_mut().enumerate() {
                 for n in 1..=(k as i64 + 1) {
                     let msg = format!("add key-{k} {n}");
                     let r = cl
@@ -165,7 +164,7 @@ fn aggregate_totals_are_right_after_the_interval() {
                         )
                         .expect("add");
                     assert_eq!((r.status, r.payload.as_slice()), (Status::Ok, &b"ok"[..]));
-                    expected[k] += n;
+                    *total += n;
                 }
             }
         }

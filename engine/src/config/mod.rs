@@ -141,6 +141,24 @@ pub struct EntityTypeConfig {
 }
 
 impl EntityTypeConfig {
+    /// A type named `name` of `kind` with every other key at its default.
+    pub fn new(name: impl Into<String>, kind: EntityKind) -> Self {
+        EntityTypeConfig {
+            name: name.into(),
+            kind,
+            idle_timeout_ms: default_idle_timeout_ms(),
+            active_entity_limit: 0,
+            remember_entities: false,
+            remember_entities_per_s: 0,
+            snapshot_every: default_snapshot_every(),
+            stateless_worker: None,
+            max_local_workers: 0,
+            worker_queue_size: default_worker_queue_size(),
+            aggregate_to: None,
+            aggregate_interval_ms: default_aggregate_interval_ms(),
+        }
+    }
+
     /// Whether the type runs as a stateless worker.
     pub fn is_stateless_worker(&self) -> bool {
         self.stateless_worker

@@ -167,7 +167,6 @@ impl Cluster {
     /// Like [`Self::start_with_cores`], with `extra` TOML appended to every
     /// node's config before the built-in entity types (top-level keys, or
     /// more `[[entity_types]]` tables).
-    #[allow(dead_code)] // not every test binary including this file uses it
     pub fn start_with_extra(base_port: u16, n: usize, cores: u16, extra: &str) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let ports = Ports { base: base_port };
