@@ -3,16 +3,23 @@
 //! port makes the worker pool grow but never past `max_local_workers`, no
 //! request crosses to the other node, and the pool shrinks after the load
 //! stops; the `aggregate` built-in's totals are right after adds through
-//! both nodes.
+//! both nodes. In one process (embedding API, ports 25150-25151): a worker
+//! whose handler defers its reply keeps its activation busy, so one core's
+//! pool grows to the limit, then queues, then refuses, and shrinks after.
 
 #[path = "node_cases/support.rs"]
 mod support;
 
+use std::cell::RefCell;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use shardline::client::{Client, Status};
-use shardline::WorkerPoolStatus;
+use shardline::{
+    AskError, Entity, EntityContext, EntityError, EntitySettings, Node, NodeConfig,
+    WorkerPoolStatus, WorkerSettings,
+};
 use support::{status, Cluster};
 
 const ASK_TIMEOUT: Duration = Duration::from_secs(10);
@@ -216,4 +223,142 @@ fn aggregate_totals_are_right_after_the_interval() {
         let p = pools(a, "agg");
         assert!(sum(&p, |w| w.executed_locally) >= 165, "{p:?}");
     }
+}
+
+thread_local! {
+    /// Reply tokens of the `slow` workers' deferred replies (the node's
+    /// single data core runs every entity, so one thread-local list).
+    static HELD: RefCell<Vec<(u64, Vec<u8>)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A worker that holds its reply until a `release` entity answers it.
+struct Slow;
+
+impl Entity for Slow {
+    fn handle(&mut self, ctx: &mut EntityContext<'_>, message: &[u8]) -> Result<(), EntityError> {
+        if let Some(token) = ctx.defer_reply() {
+            HELD.with(|h| h.borrow_mut().push((token, message.to_vec())));
+        }
+        Ok(())
+    }
+}
+
+/// Answers every held reply of the `slow` workers, and itself with their
+/// number.
+struct Release;
+
+impl Entity for Release {
+    fn handle(&mut self, ctx: &mut EntityContext<'_>, _: &[u8]) -> Result<(), EntityError> {
+        let held = HELD.with(|h| std::mem::take(&mut *h.borrow_mut()));
+        let n = held.len();
+        for (token, payload) in held {
+            shardline::persistence::complete(token, Status::Ok, payload);
+        }
+        if let Some(me) = ctx.defer_reply() {
+            shardline::persistence::complete(me, Status::Ok, n.to_string().into_bytes());
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_busy_worker_makes_the_pool_grow_then_queue_then_refuse() {
+    let _serial = support::serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let text = format!(
+        "cluster_address = \"127.0.0.1:25150\"\nclient_address = \"127.0.0.1:25151\"\n\
+         seed_nodes = [\"127.0.0.1:25150\"]\ndata_cores = 1\npin_cores = false\n\
+         data_dir = \"{}\"\nnumber_of_shards = 8\n",
+        dir.path().join("n").display()
+    );
+    let node = Node::start(NodeConfig::from_toml(&text, "<test>".as_ref()).expect("config"))
+        .expect("start");
+    let sharding = node.sharding();
+    sharding
+        .start_stateless_worker(
+            "slow",
+            Arc::new(|_| Box::new(Slow)),
+            WorkerSettings {
+                max_local_workers: Some(3),
+                queue_size: 2,
+            },
+            EntitySettings {
+                idle_timeout: Some(Duration::from_millis(300)),
+                ..EntitySettings::default()
+            },
+        )
+        .expect("start slow");
+    sharding
+        .start(
+            "release",
+            Arc::new(|_| Box::new(Release)),
+            EntitySettings::default(),
+        )
+        .expect("start release");
+    node.wait_ready(Duration::from_secs(30)).expect("ready");
+    let client = node.config().client_address;
+    // Five asks at once: three busy activations, two queued.
+    let asks: Vec<_> = (0..5)
+        .map(|i| {
+            let r = node.entity_ref("slow", &format!("s{i}")).expect("ref");
+            std::thread::spawn(move || r.ask(format!("m{i}").as_bytes(), Duration::from_secs(20)))
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let p = pools(client, "slow");
+        assert!(p[0].activations <= 3, "{p:?}");
+        if p[0].activations == 3 && p[0].queued == 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "pool never filled: {p:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The sixth is refused: the queue is full.
+    let sixth = node
+        .entity_ref("slow", "s5")
+        .expect("ref")
+        .ask(b"m5", Duration::from_secs(10));
+    assert!(
+        matches!(sixth, Err(AskError::Failed(Status::BufferFull))),
+        "{sixth:?}"
+    );
+    // Release the three; the two queued run on freed activations; release them.
+    let release = node.entity_ref("release", "r").expect("ref");
+    let mut released = 0;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while released < 5 {
+        let n: usize = String::from_utf8_lossy(
+            &release
+                .ask(b"go", Duration::from_secs(10))
+                .expect("release"),
+        )
+        .parse()
+        .expect("count");
+        released += n;
+        assert!(Instant::now() < deadline, "released {released} of 5");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for (i, a) in asks.into_iter().enumerate() {
+        let got = a.join().expect("ask thread").expect("ask");
+        assert_eq!(got, format!("m{i}").as_bytes());
+    }
+    let p = pools(client, "slow")[0];
+    assert_eq!(
+        (
+            p.created,
+            p.max_activations_seen,
+            p.executed_locally,
+            p.rejected
+        ),
+        (3, 3, 5, 1),
+        "{p:?}"
+    );
+    // Idle for 300 ms: collected.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pools(client, "slow")[0].activations > 0 {
+        assert!(Instant::now() < deadline, "pool never shrank");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    node.leave(Duration::from_secs(5));
 }

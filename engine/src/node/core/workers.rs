@@ -269,6 +269,8 @@ impl Core {
             }
             self.send_outgoing(out, &mut None);
         }
+        // Deferred replies completed by timers.
+        self.drain_completions();
     }
 
     /// The core stops: every activation is stopped; waiting requests are
