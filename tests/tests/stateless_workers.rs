@@ -3,7 +3,7 @@
 //! port makes the worker pool grow but never past `max_local_workers`, no
 //! request crosses to the other node, and the pool shrinks after the load
 //! stops; the `aggregate` built-in's totals are right after adds through
-//! both nodes. In one process (embedding API, ports 25150-25151): a worker
+//! both nodes. In one process (embedding API, ports 25150-25171): a worker
 //! whose handler defers its reply keeps its activation busy, so one core's
 //! pool grows to the limit, then queues, then refuses, and shrinks after.
 
@@ -361,4 +361,58 @@ fn a_busy_worker_makes_the_pool_grow_then_queue_then_refuse() {
         std::thread::sleep(Duration::from_millis(50));
     }
     node.leave(Duration::from_secs(5));
+}
+
+#[test]
+fn aggregate_sends_its_partial_sums_when_the_node_leaves() {
+    let _serial = support::serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A flush interval of 10 minutes: only the leave sends the sums; the
+    // totals are durable counters, read after a restart on the same data.
+    let text = format!(
+        "cluster_address = \"127.0.0.1:25160\"\nclient_address = \"127.0.0.1:25161\"\n\
+         seed_nodes = [\"127.0.0.1:25160\"]\ndata_cores = 1\npin_cores = false\n\
+         data_dir = \"{}\"\nnumber_of_shards = 8\ndurability = \"always\"\n\
+         [[entity_types]]\nname = \"totals\"\nkind = \"counter\"\n\
+         [[entity_types]]\nname = \"agg\"\nkind = \"aggregate\"\naggregate_to = \"totals\"\n\
+         aggregate_interval_ms = 600000\n",
+        dir.path().join("n").display()
+    );
+    let config = NodeConfig::from_toml(&text, "<test>".as_ref()).expect("config");
+    let node = Node::start(config).expect("start");
+    node.wait_ready(Duration::from_secs(30)).expect("ready");
+    let agg = node.entity_ref("agg", "any").expect("ref");
+    for k in 0..4 {
+        for n in 1..=10 {
+            let r = agg
+                .ask(format!("add k{k} {n}").as_bytes(), Duration::from_secs(10))
+                .expect("add");
+            assert_eq!(r, b"ok");
+        }
+    }
+    // Nothing sent before the interval or a leave. (This also gives the
+    // totals' shards a home: a leaving node cannot allocate new shards.)
+    for k in 0..4 {
+        let before = node
+            .entity_ref("totals", &format!("k{k}"))
+            .expect("ref")
+            .ask(b"get", Duration::from_secs(10))
+            .expect("get");
+        assert_eq!(before, b"0", "k{k}");
+    }
+    node.leave(Duration::from_secs(10));
+    // Restarted on other ports (the old listener may linger), same data.
+    let restarted = text.replace("2516", "2517");
+    let config = NodeConfig::from_toml(&restarted, "<test>".as_ref()).expect("config");
+    let node = Node::start(config).expect("restart");
+    node.wait_ready(Duration::from_secs(30)).expect("ready");
+    for k in 0..4 {
+        let got = node
+            .entity_ref("totals", &format!("k{k}"))
+            .expect("ref")
+            .ask(b"get", Duration::from_secs(10))
+            .expect("get");
+        assert_eq!(got, b"55", "k{k}");
+    }
+    node.leave(Duration::from_secs(10));
 }

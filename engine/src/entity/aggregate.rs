@@ -12,8 +12,11 @@
 //!
 //! Guarantees of a partial sum (no more): an `ok` means the add is held in
 //! one worker's memory. It reaches the aggregator with the next flush,
-//! sent at most once through the normal routing path; it is lost if the
-//! node stops or crashes before the flush, or if the message is dropped on
+//! sent at most once through the normal routing path (the runtime also
+//! fires the flush when it collects an idle activation and when the node
+//! starts a graceful leave, when only aggregators whose shard has a home
+//! get it); it is lost if the node crashes or is downed
+//! before the flush, or if the message is dropped on
 //! the way (aggregator's home unreachable, buffer full). Once the
 //! aggregator applied it, the total is as durable as the aggregator type
 //! (the built-in `counter` journals it under the node's durability policy).

@@ -1181,6 +1181,7 @@ impl Core {
             ToCore::Available(a) => c.available = a,
             ToCore::GracefulShutdown => {
                 c.shutting_down = true;
+                c.workers_flush(now);
                 let types: Vec<String> = c.types.keys().cloned().collect();
                 for t in types {
                     if let Some(h) = c.types.get_mut(&t) {

@@ -273,6 +273,27 @@ impl Core {
         self.drain_completions();
     }
 
+    /// The node starts leaving: the pending timers of every idle activation
+    /// fire now (an `aggregate` activation sends its partial sums while the
+    /// cluster can still route them).
+    pub(super) fn workers_flush(&mut self, now: Duration) {
+        let mut out = Vec::new();
+        for (t, h) in self.types.entries.iter_mut() {
+            let Some(w) = h.worker.as_mut() else { continue };
+            for (_, busy, a) in w.pool.iter_mut() {
+                if busy {
+                    continue;
+                }
+                while let Some((key, _)) = a.timers.first().copied() {
+                    a.timers.remove(0);
+                    fire(a, t, key, now, &mut out);
+                }
+            }
+        }
+        self.send_outgoing(out, &mut None);
+        self.drain_completions();
+    }
+
     /// The core stops: every activation is stopped; waiting requests are
     /// answered `ShuttingDown`.
     pub(super) fn workers_stop(&mut self) {
