@@ -42,6 +42,12 @@ pub struct RegionStatusView {
     /// The core's pool of a stateless worker type (`None` for other types).
     #[serde(default)]
     pub worker: Option<WorkerPoolStatus>,
+    /// Shard hand-offs this region began (count).
+    #[serde(default)]
+    pub hand_offs_begun: u64,
+    /// Shard hand-offs this region completed (count).
+    #[serde(default)]
+    pub hand_offs_completed: u64,
 }
 
 /// One core's pool of a stateless worker type (all counts; counters since

@@ -335,6 +335,27 @@ pub struct Journal {
     poisoned: Option<String>,
 }
 
+/// The `fdatasync` latency of one journal's sync thread (every sync of the
+/// current segment and of each sealed segment), from
+/// [`Journal::flush_latency`]. Cheap to clone; `Send + Sync`.
+#[derive(Clone)]
+pub struct FlushLatency(Arc<Shared>);
+
+impl FlushLatency {
+    /// A copy of the histogram, in microseconds (1 µs .. 60 s, two
+    /// significant digits); empty while nothing was synced (durability
+    /// `None` never syncs).
+    pub fn snapshot_micros(&self) -> hdrhistogram::Histogram<u64> {
+        self.0.flush_micros()
+    }
+}
+
+impl std::fmt::Debug for FlushLatency {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FlushLatency").finish_non_exhaustive()
+    }
+}
+
 impl std::fmt::Debug for Journal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Journal")
@@ -490,6 +511,12 @@ impl Journal {
     /// The policy this journal was opened with.
     pub fn durability(&self) -> Durability {
         self.options.durability
+    }
+
+    /// A handle on this journal's `fdatasync` latency histogram, readable
+    /// from any thread (for metrics).
+    pub fn flush_latency(&self) -> FlushLatency {
+        FlushLatency(self.shared.clone())
     }
 
     /// A handle to observe durability (poll, block, or callback).

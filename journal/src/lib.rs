@@ -54,7 +54,8 @@ pub use error::{
 pub use format::{RecordKind, RecordView, Snapshot};
 pub use ids::{Lsn, PersistenceId, PersistenceIdError, SequenceNr, WriterEpoch};
 pub use journal::{
-    Durability, Journal, JournalOptions, JournalReader, Record, Recovery, RecoveryMode,
+    Durability, FlushLatency, Journal, JournalOptions, JournalReader, Record, Recovery,
+    RecoveryMode,
 };
 pub use recovery::{RecoveryReport, Repair, TornTail};
 pub use sync::{DurabilityError, DurabilityWatcher, DurableCallback};

@@ -49,6 +49,13 @@ struct WaitState {
     callbacks: BTreeMap<u64, Vec<DurableCallback>>,
 }
 
+/// A histogram for `fdatasync` latencies: 1 µs .. 60 s, 2 significant
+/// digits.
+fn new_flush_histogram() -> hdrhistogram::Histogram<u64> {
+    hdrhistogram::Histogram::new_with_bounds(1, 60_000_000, 2)
+        .expect("constant histogram bounds are valid")
+}
+
 /// State shared by the writer, the sync thread and watchers.
 pub(crate) struct Shared {
     pub(crate) written_lsn: AtomicU64,
@@ -57,6 +64,8 @@ pub(crate) struct Shared {
     pub(crate) poisoned: AtomicBool,
     state: Mutex<WaitState>,
     cond: Condvar,
+    /// Latency of every segment `fdatasync`, in microseconds.
+    flush_micros: Mutex<hdrhistogram::Histogram<u64>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -72,7 +81,22 @@ impl Shared {
             poisoned: AtomicBool::new(false),
             state: Mutex::new(WaitState::default()),
             cond: Condvar::new(),
+            flush_micros: Mutex::new(new_flush_histogram()),
         }
+    }
+
+    /// A copy of the `fdatasync` latency histogram, in microseconds.
+    pub(crate) fn flush_micros(&self) -> hdrhistogram::Histogram<u64> {
+        lock(&self.flush_micros).clone()
+    }
+
+    /// Runs one segment `fdatasync` and records its latency.
+    fn timed_sync(&self, seg: &dyn SegmentSync) -> std::io::Result<()> {
+        let t0 = Instant::now();
+        let r = seg.sync();
+        let us = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
+        lock(&self.flush_micros).saturating_record(us.max(1));
+        r
     }
 
     pub(crate) fn poison_reason(&self) -> Option<String> {
@@ -369,8 +393,8 @@ pub(crate) fn run(
                     index,
                     next,
                 } => {
-                    let r = sealed
-                        .sync()
+                    let r = shared
+                        .timed_sync(&*sealed)
                         .map_err(|e| format!("fdatasync of a sealed segment failed: {e}"))
                         .and_then(|()| {
                             storage
@@ -412,8 +436,8 @@ pub(crate) fn run(
             }
         }
         if want_sync && target > shared.durable_lsn.load(Ordering::SeqCst) {
-            let r = current
-                .sync()
+            let r = shared
+                .timed_sync(&*current)
                 .map_err(|e| format!("fdatasync of the current segment failed: {e}"))
                 .and_then(|()| {
                     if dir_dirty {

@@ -248,6 +248,14 @@ fn rebalance_hands_off_after_all_acks_and_reallocates() {
     assert_eq!(moving.len(), 1);
     assert_eq!(w.stopping.len(), 1, "the owner stops the shard's entity");
     assert_eq!(w.stopping[0].3, StopReason::HandOff);
+    assert_eq!(
+        (
+            w.regions[0].hand_offs_begun(),
+            w.regions[0].hand_offs_completed()
+        ),
+        (1, 0),
+        "begun, not completed while the entity stops"
+    );
     // A message for the moving shard waits while the entity stops.
     let s = moving[0].0;
     w.send(1, &format!("e{s}"), s, 100);
@@ -258,6 +266,14 @@ fn rebalance_hands_off_after_all_acks_and_reallocates() {
     assert_eq!(home, rid(2));
     assert!(g > Generation(1));
     assert!(w.delivered.iter().any(|d| d.2 == 100 && d.0 == 1));
+    assert_eq!(
+        (
+            w.regions[0].hand_offs_begun(),
+            w.regions[0].hand_offs_completed()
+        ),
+        (1, 1)
+    );
+    assert_eq!(w.regions[1].hand_offs_begun(), 0);
     // Converges to a difference of at most 1.
     for _ in 0..10 {
         for s in 0..6u32 {

@@ -31,6 +31,7 @@ pub(crate) async fn serve_client(core: Rc<RefCell<Core>>, stream: TcpStream) {
     let peer = stream.peer_addr().ok();
     let outbox = Rc::new(Outbox::default());
     let conn = core.borrow_mut().add_conn(outbox.clone());
+    http::serve::native_connection(true);
     let (mut r, mut w) = stream.into_split();
     let wb = outbox.clone();
     monoio::spawn(async move {
@@ -78,6 +79,7 @@ pub(crate) async fn serve_client(core: Rc<RefCell<Core>>, stream: TcpStream) {
         }
     }
     core.borrow_mut().remove_conn(conn);
+    http::serve::native_connection_closed(conn);
 }
 
 /// Answers a `NodeStatus` request: collects the cluster view from the control

@@ -336,6 +336,7 @@ impl Core {
         if crate::gateway::http::serve::deliver(conn, request_id, status, &mut payload) {
             return;
         }
+        crate::gateway::http::serve::native_request_answered(conn, request_id, status);
         if let Some(o) = self.conns.get(&conn) {
             let f = ServerFrame {
                 request_id,
@@ -406,6 +407,11 @@ impl Core {
                 payload,
             } => {
                 let request_id = request_id.to_native();
+                crate::gateway::http::serve::native_request_begun(
+                    conn,
+                    request_id,
+                    type_name.as_slice(),
+                );
                 let mut c = core.borrow_mut();
                 c.client_request(
                     conn,
@@ -1289,6 +1295,8 @@ impl Core {
                     entities_activated: h.activated,
                     dead_letters: h.region.dead_letters(),
                     buffered: h.region.buffered(),
+                    hand_offs_begun: h.region.hand_offs_begun(),
+                    hand_offs_completed: h.region.hand_offs_completed(),
                     worker: h.worker.as_ref().map(|w| w.status()),
                 }
             })

@@ -455,10 +455,38 @@ pub fn open_for_core(
     durability: &crate::config::Durability,
 ) -> Result<(), shardline_journal::OpenError> {
     let log = CoreLog::open(data_dir, index, durability)?;
+    if let Ok(mut r) = flush_registry().lock() {
+        r.insert(core_dir(data_dir, index), log.journal().flush_latency());
+    }
     let watcher = log.journal().watcher();
     CORE_WATCHER.with(|w| *w.borrow_mut() = Some(watcher));
     install(Box::new(log));
     Ok(())
+}
+
+type FlushRegistry =
+    std::sync::Mutex<std::collections::HashMap<PathBuf, shardline_journal::FlushLatency>>;
+
+/// The flush-latency handles of the core journals opened in this process,
+/// by journal directory.
+fn flush_registry() -> &'static FlushRegistry {
+    static R: std::sync::OnceLock<FlushRegistry> = std::sync::OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+/// The `fdatasync` latency histogram (microseconds) of core `index`'s
+/// journal under `data_dir`, when that journal was opened in this process
+/// by [`open_for_core`]; `None` otherwise.
+pub fn journal_flush_latency_micros(
+    data_dir: &Path,
+    index: u16,
+) -> Option<hdrhistogram::Histogram<u64>> {
+    let h = flush_registry()
+        .lock()
+        .ok()?
+        .get(&core_dir(data_dir, index))?
+        .clone();
+    Some(h.snapshot_micros())
 }
 
 /// A deferred reply, answered: `(token, status, payload)`.

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 #[path = "../node_cases/support.rs"]
 mod node_support;
 
-pub use node_support::{shardline_bin, Ports};
-use node_support::{spawn_node, NodeProc};
+use node_support::NodeProc;
+pub use node_support::{shardline_bin, spawn_node, Ports};
 
 /// The config of node `i` of `n`.
 pub fn config_text(ports: Ports, i: usize, n: usize, cores: u16, dir: &Path) -> String {

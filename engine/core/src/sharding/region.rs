@@ -258,6 +258,8 @@ pub struct ShardRegion<M, S> {
     policy: Box<dyn ReplacementPolicy + Send>,
     active_count: usize,
     dead_letters: u64,
+    hand_offs_begun: u64,
+    hand_offs_completed: u64,
     dead_regions: HashSet<RegionId>,
     next_retry_at: Duration,
     next_idle_check_at: Option<Duration>,
@@ -324,6 +326,8 @@ impl<M, S> ShardRegion<M, S> {
             policy,
             active_count: 0,
             dead_letters: 0,
+            hand_offs_begun: 0,
+            hand_offs_completed: 0,
             dead_regions: HashSet::new(),
             next_idle_check_at: if proxy { None } else { next_idle_check_at },
             paced_starts: VecDeque::new(),
@@ -352,6 +356,18 @@ impl<M, S> ShardRegion<M, S> {
     /// Messages refused with a failure so far (count).
     pub fn dead_letters(&self) -> u64 {
         self.dead_letters
+    }
+
+    /// Hand-offs begun here: shards told to stop by the coordinator's
+    /// `HandOff` that started stopping their entities (count).
+    pub fn hand_offs_begun(&self) -> u64 {
+        self.hand_offs_begun
+    }
+
+    /// Hand-offs completed here: shards stopped after a `HandOff` and
+    /// reported to the coordinator with `ShardStopped` (count).
+    pub fn hand_offs_completed(&self) -> u64 {
+        self.hand_offs_completed
     }
 
     /// Messages waiting in this region's buffers (count).
@@ -765,6 +781,7 @@ impl<M, S> ShardRegion<M, S> {
 
     fn finish_stop(&mut self, now: Duration, s: ShardId) {
         let sh = self.shards.remove(&s).expect("hosted");
+        self.hand_offs_completed += 1;
         self.effects.push_back(RegionEffect::SendToCoordinator(
             CoordinatorMsg::ShardStopped {
                 shard: s,
@@ -956,6 +973,7 @@ impl<M, S> ShardRegion<M, S> {
             return; // stale, or already stopping
         }
         let old = std::mem::replace(&mut sh.state, ShardState::Stopping);
+        self.hand_offs_begun += 1;
         if let ShardState::Recovering { pending } = old {
             let q = self.buffers.entry(s).or_default();
             for env in pending.into_iter().rev() {

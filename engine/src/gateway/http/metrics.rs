@@ -39,9 +39,12 @@ pub struct RequestCount {
     pub count: u64,
 }
 
-/// A latency histogram of one entity type (merged over the cores).
+/// A latency histogram of one front and entity type (merged over the
+/// cores).
 #[derive(Debug, Clone)]
 pub struct LatencySeries {
+    /// `"http"` or `"native"`.
+    pub front: &'static str,
     /// The entity type.
     pub type_name: String,
     /// Recorded latencies, in microseconds.
@@ -91,7 +94,7 @@ pub struct ConnectionCount {
 pub struct MetricsSnapshot {
     /// `shardline_requests_total{front,type,code}`.
     pub requests: Vec<RequestCount>,
-    /// `shardline_request_duration_seconds{type}` (histogram).
+    /// `shardline_request_duration_seconds{front,type}` (histogram).
     pub request_latency: Vec<LatencySeries>,
     /// `shardline_buffered_messages{type,core}` (gauge).
     pub buffered_messages: Vec<RegionValue>,
@@ -103,8 +106,12 @@ pub struct MetricsSnapshot {
     pub active_entities: Vec<RegionValue>,
     /// `shardline_messages_delivered_total{type,core}`.
     pub messages_delivered: Vec<RegionValue>,
-    /// `shardline_hand_offs_total{type,core}`: shards handed off from here.
-    pub hand_offs: Vec<RegionValue>,
+    /// `shardline_hand_offs_total{type,core,phase="begun"}`: hand-offs a
+    /// region started (shards told to stop by the coordinator).
+    pub hand_offs_begun: Vec<RegionValue>,
+    /// `shardline_hand_offs_total{type,core,phase="completed"}`: hand-offs
+    /// a region finished (shard stopped and reported).
+    pub hand_offs_completed: Vec<RegionValue>,
     /// `shardline_worker_activations{type,core}` (gauge): activations of a
     /// stateless worker type now.
     pub worker_activations: Vec<RegionValue>,
@@ -255,7 +262,7 @@ pub fn write_prometheus(m: &MetricsSnapshot) -> String {
         histogram(
             &mut out,
             "shardline_request_duration_seconds",
-            &[("type", &s.type_name)],
+            &[("front", s.front), ("type", &s.type_name)],
             &s.micros,
         );
     }
@@ -301,13 +308,26 @@ pub fn write_prometheus(m: &MetricsSnapshot) -> String {
         "Messages handed to entities in a region.",
         &m.messages_delivered,
     );
-    region_values(
+    header(
         &mut out,
         "shardline_hand_offs_total",
         "counter",
-        "Shards handed off by a region.",
-        &m.hand_offs,
+        "Shard hand-offs of a region, by phase: begun (the coordinator's HandOff stopped the shard's entities) and completed (the shard stopped and was reported).",
     );
+    for (phase, v) in [
+        ("begun", &m.hand_offs_begun),
+        ("completed", &m.hand_offs_completed),
+    ] {
+        for r in v {
+            let core = r.core.to_string();
+            sample(
+                &mut out,
+                "shardline_hand_offs_total",
+                &[("type", &r.type_name), ("core", &core), ("phase", phase)],
+                r.value,
+            );
+        }
+    }
     region_values(
         &mut out,
         "shardline_worker_activations",
@@ -340,7 +360,7 @@ pub fn write_prometheus(m: &MetricsSnapshot) -> String {
         &mut out,
         "shardline_journal_flush_duration_seconds",
         "histogram",
-        "Journal group-commit flush latency per core, in seconds.",
+        "Latency of each fdatasync of a data core's journal (group commit and sealed segments), in seconds.",
     );
     for (core, h) in &m.journal_flush_micros {
         let core = core.to_string();
@@ -421,6 +441,7 @@ mod tests {
                 count: 4,
             }],
             request_latency: vec![LatencySeries {
+                front: "http",
                 type_name: "counter".into(),
                 micros: h1,
             }],
@@ -443,22 +464,24 @@ mod tests {
         ));
         assert!(
             text.contains(
-                "shardline_request_duration_seconds_bucket{type=\"counter\",le=\"0.00005\"} 1\n"
+                "shardline_request_duration_seconds_bucket{front=\"http\",type=\"counter\",le=\"0.00005\"} 1\n"
             ),
             "{text}"
         );
         assert!(text.contains(
-            "shardline_request_duration_seconds_bucket{type=\"counter\",le=\"0.001\"} 3\n"
+            "shardline_request_duration_seconds_bucket{front=\"http\",type=\"counter\",le=\"0.001\"} 3\n"
         ));
         assert!(text
-            .contains("shardline_request_duration_seconds_bucket{type=\"counter\",le=\"1\"} 3\n"));
+            .contains("shardline_request_duration_seconds_bucket{front=\"http\",type=\"counter\",le=\"1\"} 3\n"));
         assert!(text.contains(
-            "shardline_request_duration_seconds_bucket{type=\"counter\",le=\"2.5\"} 4\n"
+            "shardline_request_duration_seconds_bucket{front=\"http\",type=\"counter\",le=\"2.5\"} 4\n"
         ));
         assert!(text.contains(
-            "shardline_request_duration_seconds_bucket{type=\"counter\",le=\"+Inf\"} 4\n"
+            "shardline_request_duration_seconds_bucket{front=\"http\",type=\"counter\",le=\"+Inf\"} 4\n"
         ));
-        assert!(text.contains("shardline_request_duration_seconds_count{type=\"counter\"} 4\n"));
+        assert!(text.contains(
+            "shardline_request_duration_seconds_count{front=\"http\",type=\"counter\"} 4\n"
+        ));
         assert!(text.contains("shardline_dead_letters_total{type=\"we\\\"ird\\\\\\n\",reason=\"buffer_full\"} 2\n"), "{text}");
         assert!(text.contains("shardline_shards{type=\"counter\",core=\"1\"} 33\n"));
         assert!(text.contains("shardline_ready 1\n"));
@@ -495,6 +518,7 @@ mod tests {
         }
         let m = MetricsSnapshot {
             request_latency: vec![LatencySeries {
+                front: "native",
                 type_name: "echo".into(),
                 micros: h,
             }],

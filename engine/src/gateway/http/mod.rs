@@ -396,6 +396,8 @@ mod tests {
                 dead_letters: 0,
                 buffered: 0,
                 worker: None,
+                hand_offs_begun: 0,
+                hand_offs_completed: 0,
             }],
         }
     }

@@ -160,18 +160,40 @@ impl CoreMetrics {
     }
 }
 
-/// The per-executor state of the HTTP front.
+/// What one core publishes for `/metrics`: the counters of both fronts.
+#[derive(Clone, Default)]
+struct Published {
+    http: CoreMetrics,
+    native: CoreMetrics,
+}
+
+/// Most distinct type names the native front remembers for its latency
+/// labels (a client can send any name; unknown ones are labelled
+/// [`UNKNOWN_TYPE_LABEL`] when answered).
+const MAX_NATIVE_TYPE_NAMES: usize = 256;
+
+/// The per-executor state of the HTTP front, and the native front's
+/// request counters.
 struct CoreHttp {
     conns: HashMap<u64, Rc<HttpConn>>,
     metrics: CoreMetrics,
+    /// Native-protocol requests, latencies and connections on this core.
+    native: CoreMetrics,
+    /// Native requests without an answer: (conn, request id) → (start,
+    /// index in `native_types`, or `usize::MAX` when not remembered).
+    native_in_flight: HashMap<(u64, u64), (Instant, usize)>,
+    native_types: Vec<String>,
     dirty: bool,
-    slot: Option<Arc<Mutex<CoreMetrics>>>,
+    slot: Option<Arc<Mutex<Published>>>,
 }
 
 thread_local! {
     static HTTP: RefCell<CoreHttp> = RefCell::new(CoreHttp {
         conns: HashMap::new(),
         metrics: CoreMetrics::default(),
+        native: CoreMetrics::default(),
+        native_in_flight: HashMap::new(),
+        native_types: Vec::new(),
         dirty: false,
         slot: None,
     });
@@ -180,7 +202,79 @@ thread_local! {
 /// Published metrics of every core, by node (cluster address), then core.
 /// Written by each core at most every [`SWEEP_PERIOD`], read by `/metrics`:
 /// never touched on the request path.
-type Registry = Mutex<HashMap<SocketAddr, Vec<(u16, Arc<Mutex<CoreMetrics>>)>>>;
+type Registry = Mutex<HashMap<SocketAddr, Vec<(u16, Arc<Mutex<Published>>)>>>;
+
+/// A native-protocol request was read on this core (`Core::on_client_frame`);
+/// its answer is counted by [`native_request_answered`].
+pub(crate) fn native_request_begun(conn: u64, request_id: u64, type_name: &[u8]) {
+    HTTP.with(|h| {
+        let mut h = h.borrow_mut();
+        let idx = match h
+            .native_types
+            .iter()
+            .position(|t| t.as_bytes() == type_name)
+        {
+            Some(i) => i,
+            None if h.native_types.len() < MAX_NATIVE_TYPE_NAMES => {
+                match std::str::from_utf8(type_name) {
+                    Ok(t) => {
+                        h.native_types.push(t.to_string());
+                        h.native_types.len() - 1
+                    }
+                    Err(_) => usize::MAX,
+                }
+            }
+            None => usize::MAX,
+        };
+        h.native_in_flight
+            .insert((conn, request_id), (Instant::now(), idx));
+    });
+}
+
+/// A native-protocol request is answered (`Core::send_client`): counts it
+/// by type and mapped status code, with its latency.
+pub(crate) fn native_request_answered(conn: u64, request_id: u64, status: Status) {
+    HTTP.with(|h| {
+        let mut h = h.borrow_mut();
+        let Some((started, idx)) = h.native_in_flight.remove(&(conn, request_id)) else {
+            return;
+        };
+        let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let code = super::response::status_code_of(status);
+        let h = &mut *h;
+        let label = match h.native_types.get(idx) {
+            Some(t) if status != Status::UnknownEntityType => t.as_str(),
+            _ => UNKNOWN_TYPE_LABEL,
+        };
+        h.native.record(label, code, Some(micros));
+        h.dirty = true;
+    });
+}
+
+/// A native-protocol connection opened (`true`) or closed (`false`) on
+/// this core.
+pub(crate) fn native_connection(opened: bool) {
+    HTTP.with(|h| {
+        let mut h = h.borrow_mut();
+        if opened {
+            h.native.accepted += 1;
+            h.native.open += 1;
+        } else {
+            h.native.open = h.native.open.saturating_sub(1);
+        }
+        h.dirty = true;
+    });
+}
+
+/// Forgets the native requests of a closed connection.
+pub(crate) fn native_connection_closed(conn: u64) {
+    HTTP.with(|h| {
+        h.borrow_mut()
+            .native_in_flight
+            .retain(|(c, _), _| *c != conn);
+    });
+    native_connection(false);
+}
 
 fn registry() -> &'static Registry {
     static R: OnceLock<Registry> = OnceLock::new();
@@ -229,6 +323,10 @@ pub(crate) struct HttpFront {
     idle_timeout: Duration,
     /// Most open connections on this core (count).
     max_conns: usize,
+    /// The node's data directory (its cores' journals, for `/metrics`).
+    data_dir: std::path::PathBuf,
+    /// Data cores of the node (count).
+    data_cores: u16,
 }
 
 /// Binds `http_address` (SO_REUSEPORT) for data core `core`, when the config
@@ -252,6 +350,8 @@ pub(crate) fn bind(config: &NodeConfig, core: u16) -> Option<HttpFront> {
             body_timeout: config.http.body_timeout(),
             idle_timeout: config.http.idle_timeout(),
             max_conns: config.http.max_connections_per_core as usize,
+            data_dir: config.data_dir.clone(),
+            data_cores: config.data_cores,
         }),
         Err(e) => {
             tracing::error!(core, %addr, error = %e, "cannot bind http_address");
@@ -263,7 +363,7 @@ pub(crate) fn bind(config: &NodeConfig, core: u16) -> Option<HttpFront> {
 /// Starts accepting HTTP connections on this executor (no-op for `None`).
 pub(crate) fn start(core: &Rc<RefCell<Core>>, front: Option<HttpFront>) {
     let Some(front) = front else { return };
-    let slot = Arc::new(Mutex::new(CoreMetrics::default()));
+    let slot = Arc::new(Mutex::new(Published::default()));
     if let Ok(mut r) = registry().lock() {
         let v = r.entry(front.node).or_default();
         v.retain(|(c, _)| *c != front.core);
@@ -355,10 +455,10 @@ fn publish() {
         }
         h.dirty = false;
         h.metrics.open = h.conns.len() as u64;
-        let snapshot = h.metrics.clone();
         if let Some(slot) = &h.slot {
             if let Ok(mut s) = slot.lock() {
-                *s = snapshot;
+                s.http.clone_from(&h.metrics);
+                s.native.clone_from(&h.native);
             }
         }
     });
@@ -583,12 +683,9 @@ fn handle(
                     Some(status) if matches!(route, Route::ShardingStats { .. }) => {
                         sharding_stats(&core, &route, &status, front.number_of_shards).await
                     }
-                    Some(status) => {
-                        let node = front.node;
-                        admin_response(&route, &status, front.number_of_shards, || {
-                            node_metrics(node, &status)
-                        })
-                    }
+                    Some(status) => admin_response(&route, &status, front.number_of_shards, || {
+                        node_metrics(&front, &status)
+                    }),
                     None => Response::text(503, "the node's control executor did not answer"),
                 };
                 record(None, r.code);
@@ -638,43 +735,49 @@ fn record(type_name: Option<&str>, code: u16) {
     });
 }
 
-/// Builds the metrics snapshot of node `node`: the HTTP counters every core
-/// published, merged, and the regions' figures from the node status.
-fn node_metrics(node: SocketAddr, status: &NodeStatus) -> MetricsSnapshot {
+/// Builds the metrics snapshot of this node: both fronts' counters every
+/// core published (merged), the regions' figures from the node status, and
+/// the `fdatasync` latency of every data core's journal.
+fn node_metrics(front: &HttpFront, status: &NodeStatus) -> MetricsSnapshot {
     let mut m = MetricsSnapshot::default();
-    let cores: Vec<(u16, CoreMetrics)> = registry()
+    let cores: Vec<(u16, Published)> = registry()
         .lock()
         .ok()
-        .and_then(|r| r.get(&node).cloned())
+        .and_then(|r| r.get(&front.node).cloned())
         .unwrap_or_default()
         .into_iter()
         .filter_map(|(c, slot)| slot.lock().ok().map(|s| (c, s.clone())))
         .collect();
-    let mut requests: std::collections::BTreeMap<(String, u16), u64> = Default::default();
-    let mut latency: std::collections::BTreeMap<String, Histogram<u64>> = Default::default();
-    for (core, cm) in &cores {
-        for (t, by_code) in &cm.requests {
-            for (code, n) in by_code {
-                *requests.entry((t.clone(), *code)).or_insert(0) += n;
+    type Requests = std::collections::BTreeMap<(&'static str, String, u16), u64>;
+    type Latency = std::collections::BTreeMap<(&'static str, String), Histogram<u64>>;
+    let mut requests: Requests = Default::default();
+    let mut latency: Latency = Default::default();
+    for (core, p) in &cores {
+        for (front_name, cm) in [("http", &p.http), ("native", &p.native)] {
+            for (t, by_code) in &cm.requests {
+                for (code, n) in by_code {
+                    *requests.entry((front_name, t.clone(), *code)).or_insert(0) += n;
+                }
             }
+            for (t, h) in &cm.latency {
+                let merged = latency
+                    .entry((front_name, t.clone()))
+                    .or_insert_with(new_latency_histogram);
+                let _ = merged.add(h);
+            }
+            m.connections.push(ConnectionCount {
+                front: front_name,
+                core: *core,
+                open: cm.open,
+                accepted: cm.accepted,
+            });
         }
-        for (t, h) in &cm.latency {
-            let merged = latency
-                .entry(t.clone())
-                .or_insert_with(new_latency_histogram);
-            let _ = merged.add(h);
-        }
-        m.connections.push(ConnectionCount {
-            front: "http",
-            core: *core,
-            open: cm.open,
-            accepted: cm.accepted,
-        });
     }
+    m.connections.sort_by_key(|c| (c.front, c.core));
     m.requests = requests
         .into_iter()
-        .map(|((type_name, code), count)| RequestCount {
-            front: "http",
+        .map(|((front, type_name, code), count)| RequestCount {
+            front,
             type_name,
             code,
             count,
@@ -682,7 +785,11 @@ fn node_metrics(node: SocketAddr, status: &NodeStatus) -> MetricsSnapshot {
         .collect();
     m.request_latency = latency
         .into_iter()
-        .map(|(type_name, micros)| LatencySeries { type_name, micros })
+        .map(|((front, type_name), micros)| LatencySeries {
+            front,
+            type_name,
+            micros,
+        })
         .collect();
     for r in &status.regions {
         let v = |value: u64| RegionValue {
@@ -694,6 +801,8 @@ fn node_metrics(node: SocketAddr, status: &NodeStatus) -> MetricsSnapshot {
         m.shards.push(v(r.shards.len() as u64));
         m.active_entities.push(v(r.entities as u64));
         m.messages_delivered.push(v(r.messages_delivered));
+        m.hand_offs_begun.push(v(r.hand_offs_begun));
+        m.hand_offs_completed.push(v(r.hand_offs_completed));
         if let Some(w) = &r.worker {
             m.worker_activations.push(v(w.activations as u64));
             m.worker_activations_max
@@ -707,6 +816,11 @@ fn node_metrics(node: SocketAddr, status: &NodeStatus) -> MetricsSnapshot {
                 reason: "refused_by_region".into(),
                 count: r.dead_letters,
             });
+        }
+    }
+    for core in 0..front.data_cores {
+        if let Some(h) = crate::persistence::journal_flush_latency_micros(&front.data_dir, core) {
+            m.journal_flush_micros.push((core, h));
         }
     }
     m
