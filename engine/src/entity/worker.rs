@@ -2,7 +2,11 @@
 //! local activations of one worker type on one data core.
 //!
 //! Semantics, after the Orleans documentation ("Stateless worker grains",
-//! `StatelessWorkerAttribute(maxLocalWorkers)`):
+//! <https://learn.microsoft.com/dotnet/orleans/grains/stateless-worker-grains>,
+//! and `StatelessWorkerAttribute(maxLocalWorkers)`; a node that starts the
+//! type only as a proxy routes its requests, like a sharded type's, to a
+//! node that hosts it, which runs them on its pool — as an incompatible
+//! Orleans silo forwards them to a compatible one):
 //! - activations are not individually addressable; a request is executed on
 //!   the node that received it, never routed through the coordinator or a
 //!   shard, so it makes no network hop;
