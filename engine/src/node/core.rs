@@ -418,7 +418,7 @@ impl Core {
                     request_id,
                     type_name.as_slice(),
                     entity_id.as_slice(),
-                    payload.as_slice(),
+                    payload.as_slice().to_vec(),
                 );
                 Ok(())
             }
@@ -440,7 +440,7 @@ impl Core {
         request_id: u64,
         type_name: &[u8],
         entity_id: &[u8],
-        payload: &[u8],
+        payload: Vec<u8>,
     ) {
         let Ok(t) = std::str::from_utf8(type_name) else {
             return self.send_client(
@@ -483,7 +483,7 @@ impl Core {
             entity: id,
             shard,
             sender: ReplyTo::Client { conn, request_id },
-            payload: payload.to_vec(),
+            payload,
         };
         self.route(t, env);
     }

@@ -21,7 +21,10 @@
 //! - a request's head must arrive within `header_timeout_ms` (default 5 s)
 //!   of its first byte, and its body within `body_timeout_ms` (default
 //!   15 s) of its first byte, else `408` and close; an idle keep-alive
-//!   connection is closed after `idle_timeout_ms` (default 60 s);
+//!   connection is closed after `idle_timeout_ms` (default 60 s). These
+//!   deadlines are checked by the core's periodic sweep (every 250 ms, or a
+//!   quarter of the shortest of these timeouts when that is less), not by
+//!   a timer per read, so they fire up to one sweep period late;
 //! - an entity request without an answer after [`ASK_TIMEOUT`] is answered
 //!   `504` (the outcome is unknown).
 //!
@@ -32,6 +35,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -68,7 +72,8 @@ const UNKNOWN_TYPE_LABEL: &str = "_unknown";
 const READ_BYTES: usize = 16 * 1024;
 /// Most bytes discarded during a lingering close.
 const LINGER_MAX_BYTES: usize = 1 << 20;
-/// How often a core sweeps for expired asks and publishes its metrics.
+/// How often a core sweeps for expired reads and asks and publishes its
+/// metrics (shorter when a configured timeout is under 1 s).
 const SWEEP_PERIOD: Duration = Duration::from_millis(250);
 
 /// What a pending entity request needs for its response.
@@ -89,6 +94,18 @@ struct HttpConn {
     closing: Cell<bool>,
     /// Wakes the reader when responses drain.
     drained: crate::runtime::LocalNotify,
+    /// When the read in progress times out ([`far_future`] while not
+    /// reading); checked by the core's sweep, which then wakes `expired`.
+    /// (No timer per read: a timer entry per request cost more than the
+    /// request's routing.)
+    deadline: Cell<Instant>,
+    /// Woken by the sweep when `deadline` passed.
+    expired: crate::runtime::LocalNotify,
+}
+
+/// A deadline that never comes (100 years from `now`).
+fn far_future(now: Instant) -> Instant {
+    now + Duration::from_secs(100 * 365 * 24 * 3600)
 }
 
 impl HttpConn {
@@ -371,11 +388,17 @@ pub(crate) fn start(core: &Rc<RefCell<Core>>, front: Option<HttpFront>) {
         v.sort_by_key(|(c, _)| *c);
     }
     HTTP.with(|h| h.borrow_mut().slot = Some(slot));
+    // Read deadlines are enforced by the sweep: at most a quarter of the
+    // shortest timeout late.
+    let sweep_period = SWEEP_PERIOD
+        .min(front.header_timeout / 4)
+        .min(front.idle_timeout / 4)
+        .max(Duration::from_millis(5));
     let front = Rc::new(front);
     let core_sweep = core.clone();
     monoio::spawn(async move {
         loop {
-            monoio::time::sleep(SWEEP_PERIOD).await;
+            monoio::time::sleep(sweep_period).await;
             sweep(&core_sweep);
         }
     });
@@ -418,7 +441,11 @@ async fn refuse(mut stream: TcpStream) {
 /// Answers expired asks with `504` and publishes this core's metrics.
 fn sweep(_core: &Rc<RefCell<Core>>) {
     let conns: Vec<Rc<HttpConn>> = HTTP.with(|h| h.borrow().conns.values().cloned().collect());
+    let now = Instant::now();
     for c in conns {
+        if now >= c.deadline.get() {
+            c.expired.notify();
+        }
         let expired: Vec<(u64, InFlight)> = {
             let mut asks = c.asks.borrow_mut();
             let keys: Vec<u64> = asks
@@ -464,6 +491,27 @@ fn publish() {
     });
 }
 
+/// Reads into `buf` until the read completes or `expired` is woken (then
+/// `None`; the read is cancelled and the buffer dropped).
+async fn read_or_expire<R: AsyncReadRent>(
+    r: &mut R,
+    buf: Vec<u8>,
+    expired: &crate::runtime::LocalNotify,
+) -> Option<(std::io::Result<usize>, Vec<u8>)> {
+    let mut read = std::pin::pin!(r.read(buf));
+    let mut wait = std::pin::pin!(expired.wait());
+    std::future::poll_fn(|cx| {
+        if let std::task::Poll::Ready(v) = read.as_mut().poll(cx) {
+            return std::task::Poll::Ready(Some(v));
+        }
+        if wait.as_mut().poll(cx).is_ready() {
+            return std::task::Poll::Ready(None);
+        }
+        std::task::Poll::Pending
+    })
+    .await
+}
+
 /// Reads into `buf` with a deadline; `None` when the deadline passed.
 async fn read_until<R: AsyncReadRent>(
     r: &mut R,
@@ -485,6 +533,8 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
         asks: RefCell::new(HashMap::new()),
         closing: Cell::new(false),
         drained: Default::default(),
+        deadline: Cell::new(far_future(Instant::now())),
+        expired: Default::default(),
     });
     HTTP.with(|h| {
         let mut h = h.borrow_mut();
@@ -537,7 +587,16 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
             Some(Pending::Body { since, .. }) => origin + since + front.body_timeout,
             None => last_activity + front.idle_timeout,
         };
-        let Some((res, b)) = read_until(&mut r, std::mem::take(&mut buf), deadline).await else {
+        conn.deadline.set(deadline);
+        let got = read_or_expire(&mut r, std::mem::take(&mut buf), &conn.expired).await;
+        conn.deadline.set(far_future(deadline));
+        let Some((res, b)) = got else {
+            if Instant::now() < deadline {
+                // A wake-up for an earlier deadline: read again (the
+                // buffer went with the cancelled read).
+                buf = Vec::with_capacity(READ_BYTES);
+                continue;
+            }
             if decoder.pending().is_some() {
                 let seq = conn.queue.borrow_mut().begin();
                 let resp = Response::text(408, "request not received in time");
@@ -560,14 +619,16 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
                 break;
             }
         };
-        last_activity = Instant::now();
-        decoder.feed(&buf[..n], origin.elapsed());
+        // One clock read per batch of requests.
+        let now = Instant::now();
+        last_activity = now;
+        decoder.feed(&buf[..n], now.saturating_duration_since(origin));
         buf.clear();
         loop {
             match decoder.next_request() {
                 Ok(Some(req)) => {
                     let keep_alive = req.keep_alive;
-                    handle(&core, &front, &conn, conn_id, req);
+                    handle(&core, &front, &conn, conn_id, req, now);
                     if !keep_alive {
                         stop_reading = true;
                         break;
@@ -636,6 +697,7 @@ fn handle(
     conn: &Rc<HttpConn>,
     conn_id: u64,
     req: super::Request,
+    now: Instant,
 ) {
     let head_only = req.method == Method::Head;
     let keep_alive = req.keep_alive;
@@ -656,7 +718,7 @@ fn handle(
                     head_only,
                     keep_alive,
                     type_name: type_name.as_str().to_string(),
-                    started: Instant::now(),
+                    started: now,
                 },
             );
             core.borrow_mut().client_request(
@@ -664,7 +726,7 @@ fn handle(
                 seq,
                 type_name.as_str().as_bytes(),
                 entity_id.as_str().as_bytes(),
-                &payload,
+                payload,
             );
         }
         Action::Admin(Route::Live) => {
