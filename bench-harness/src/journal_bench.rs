@@ -34,7 +34,8 @@ use serde::Serialize;
 use shardline_journal::format::{self, RecordFields, RecordKind};
 use shardline_journal::storage;
 use shardline_journal::{
-    Durability, Journal, JournalOptions, Lsn, PersistenceId, SequenceNr, WriterEpoch,
+    Durability, DurabilityWatcher, Journal, JournalOptions, Lsn, PersistenceId, SequenceNr,
+    WriterEpoch,
 };
 
 /// Arguments of `shardline-bench journal`.
@@ -69,6 +70,25 @@ pub struct JournalArgs {
     /// file alike): space stays as unwritten extents.
     #[arg(long)]
     pub no_zero_fill: bool,
+    /// Open loop: offer this many records per second (journal and raw
+    /// alike) and measure latency from each record's intended append time.
+    /// Without it the appender runs flat out, and under `interval` the
+    /// latency then measures the backlog of a producer faster than the disk.
+    #[arg(long)]
+    pub rate: Option<f64>,
+}
+
+/// Sleeps until record `i`'s intended time under an open-loop `rate`
+/// (records/s) and returns that time (ns since `start`); without a rate,
+/// returns now.
+fn pace(start: Instant, rate: Option<f64>, i: u64) -> u64 {
+    let now = start.elapsed().as_nanos() as u64;
+    let Some(r) = rate else { return now };
+    let intended = (i as f64 * 1e9 / r) as u64;
+    if intended > now {
+        std::thread::sleep(Duration::from_nanos(intended - now));
+    }
+    intended
 }
 
 /// Percentiles of one histogram, in nanoseconds.
@@ -146,6 +166,9 @@ pub struct JournalResult {
     pub latency: Percentiles,
     /// Raw write-to-durable latency (`none`: write call latency).
     pub raw_latency: Percentiles,
+    /// Journal: the append call itself, from the intended append time
+    /// (with `--rate`) or from the call (without).
+    pub append_call: Percentiles,
     /// Raw baseline: duration of each `fdatasync` call.
     pub raw_flush: Option<Percentiles>,
     /// Journal p99 over raw p99 latency.
@@ -171,6 +194,7 @@ struct JsonReport {
     window: u64,
     segment_size_bytes: u64,
     zero_fill: bool,
+    rate_per_s: Option<f64>,
     dir: String,
     git_revision: Option<String>,
     cpus: usize,
@@ -228,9 +252,13 @@ pub fn run(args: &JournalArgs) -> Result<Vec<JournalResult>> {
             other => anyhow::bail!("unknown policy {other:?} (none, interval, always)"),
         });
     }
+    if args.rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
+        anyhow::bail!("--rate must be a positive number of records per second");
+    }
     println!(
-        "journal bench: {} records per run, payload sizes {:?} B, interval {} µs, always-window {}, segments {} MiB, zero-fill {}, dir {}",
+        "journal bench: {} records per run{}, payload sizes {:?} B, interval {} µs, always-window {}, segments {} MiB, zero-fill {}, dir {}",
         args.records,
+        args.rate.map_or(String::new(), |r| format!(" offered at {r:.0} rec/s")),
         args.size,
         args.interval_us,
         args.window,
@@ -261,6 +289,7 @@ pub fn run(args: &JournalArgs) -> Result<Vec<JournalResult>> {
             println!("         {what:<18} journal: {}", r.latency.line());
             println!("         {what:<18} raw:     {}", r.raw_latency.line());
             if let Some(f) = &r.raw_flush {
+                println!("         journal append:    {}", r.append_call.line());
                 println!("         raw fdatasync:     {}", f.line());
                 println!(
                     "         p99 journal/raw: {:.2}x (vs raw write-to-durable), {:.2}x (vs raw fdatasync)",
@@ -279,6 +308,7 @@ pub fn run(args: &JournalArgs) -> Result<Vec<JournalResult>> {
             window: args.window,
             segment_size_bytes: args.segment_size_bytes,
             zero_fill: !args.no_zero_fill,
+            rate_per_s: args.rate,
             dir: dir.display().to_string(),
             git_revision: git_revision(),
             cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -333,7 +363,7 @@ fn run_one(dir: &Path, args: &JournalArgs, policy: Policy, size: usize) -> Resul
     let ids = ids();
     let data = payload(size);
     let record_bytes = format::record_len_bytes(ids[0].as_bytes().len(), size);
-    let (j_elapsed, j_hist) = run_journal(dir, args, policy, &ids, &data)?;
+    let (j_elapsed, j_hist, j_calls) = run_journal(dir, args, policy, &ids, &data)?;
     let (r_elapsed, r_hist, r_flush) = run_raw(dir, args, policy, &ids, &data)?;
     let bytes = (record_bytes * n) as f64;
     let mb_per_s = bytes / j_elapsed.as_secs_f64() / 1e6;
@@ -357,6 +387,7 @@ fn run_one(dir: &Path, args: &JournalArgs, policy: Policy, size: usize) -> Resul
             .map(|f| latency.p99_ns as f64 / f.p99_ns.max(1) as f64),
         latency,
         raw_latency,
+        append_call: Percentiles::of(&j_calls),
         raw_flush,
     })
 }
@@ -367,7 +398,7 @@ fn run_journal(
     policy: Policy,
     ids: &[PersistenceId],
     data: &[u8],
-) -> Result<(Duration, Histogram<u64>)> {
+) -> Result<(Duration, Histogram<u64>, Histogram<u64>)> {
     let jdir = dir.join(format!("journal-{}-{}", policy.name(), data.len()));
     let _ = std::fs::remove_dir_all(&jdir);
     let options = JournalOptions {
@@ -386,26 +417,14 @@ fn run_journal(
     let first = j.next_lsn().0;
     let mut append_ns = vec![0u64; n];
     let watcher = j.watcher();
-    let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
-    let observer = (policy != Policy::None).then(|| {
-        let w = watcher.clone();
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            let mut events: Vec<(u64, u64)> = Vec::new();
-            let mut seen = w.durable_lsn().0;
-            loop {
-                let _ = w.wait_durable_timeout(Lsn(seen + 1), Duration::from_millis(50));
-                let d = w.durable_lsn().0;
-                if d > seen {
-                    events.push((d, start.elapsed().as_nanos() as u64));
-                    seen = d;
-                } else if stop.load(Ordering::SeqCst) {
-                    return events;
-                }
-            }
-        })
-    });
+    // Durable times are taken on the journal's sync thread, right after its
+    // flush (as the raw flusher takes them), through a chain of `on_durable`
+    // callbacks: no observer thread whose wake-up delay would count.
+    let events = Arc::new(Mutex::new(Vec::<(u64, u64)>::new()));
+    if policy != Policy::None {
+        observe_durable(watcher.clone(), Lsn(first), events.clone(), start);
+    }
     let mut call_hist = histogram();
     let mut seqs = vec![0u64; ids.len()];
     let mut last = Lsn(0);
@@ -417,15 +436,13 @@ fn run_journal(
         }
         let k = i % ids.len();
         seqs[k] += 1;
-        let t0 = start.elapsed().as_nanos() as u64;
+        let t0 = pace(start, args.rate, i as u64);
         last = j
             .append(&ids[k], SequenceNr(seqs[k]), WriterEpoch(1), data)
             .context("append")?;
         let t1 = start.elapsed().as_nanos() as u64;
         *slot = t0;
-        if policy == Policy::None {
-            let _ = call_hist.record((t1 - t0).max(1));
-        }
+        let _ = call_hist.record(t1.saturating_sub(t0).max(1));
     }
     let elapsed = if policy == Policy::None {
         start.elapsed()
@@ -435,17 +452,39 @@ fn run_journal(
             .context("final durability wait")?;
         start.elapsed()
     };
-    stop.store(true, Ordering::SeqCst);
-    let hist = match observer {
-        Some(o) => {
-            let events = o.join().map_err(|_| anyhow::anyhow!("observer panicked"))?;
-            durable_latencies(&append_ns, first, &events)
-        }
-        None => call_hist,
-    };
+    // Closing joins the sync thread: every callback has run.
     j.close().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let hist = if policy == Policy::None {
+        call_hist.clone()
+    } else {
+        let events = events.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        durable_latencies(&append_ns, first, &events)
+    };
     let _ = std::fs::remove_dir_all(&jdir);
-    Ok((elapsed, hist))
+    Ok((elapsed, hist, call_hist))
+}
+
+/// Records `(durable LSN, ns since start)` each time the journal publishes
+/// a durable LSN at or past `next`, then waits for the one after it. The
+/// callback runs on the sync thread (or here, when already durable); it
+/// stops when the journal closes.
+fn observe_durable(
+    watcher: DurabilityWatcher,
+    next: Lsn,
+    events: Arc<Mutex<Vec<(u64, u64)>>>,
+    start: Instant,
+) {
+    let w = watcher.clone();
+    watcher.on_durable(next, move |r| {
+        if r.is_ok() {
+            let d = w.durable_lsn().0;
+            events
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((d, start.elapsed().as_nanos() as u64));
+            observe_durable(w, Lsn(d + 1), events, start);
+        }
+    });
 }
 
 /// The raw flusher's output: (bytes durable, time ns) per flush, and the
@@ -544,7 +583,7 @@ fn run_raw(
         }
         let k = i % ids.len();
         seqs[k] += 1;
-        let t0 = start.elapsed().as_nanos() as u64;
+        let t0 = pace(start, args.rate, i as u64);
         let fields = RecordFields {
             lsn: Lsn(i as u64 + 1),
             sequence_nr: SequenceNr(seqs[k]),
@@ -668,5 +707,187 @@ fn sync_comparison(dir: &Path) -> Result<SyncComparison> {
     Ok(SyncComparison {
         msync: Percentiles::of(&msync),
         fdatasync: Percentiles::of(&fsync),
+    })
+}
+
+/// Figures of [`raw_closed_loop`].
+#[derive(Debug)]
+pub struct RawLoop {
+    /// Records written and made durable (count).
+    pub records: u64,
+    /// From the first write to the last record durable.
+    pub elapsed: Duration,
+    /// Write-to-durable latency per record (ns).
+    pub latency_ns: Histogram<u64>,
+    /// Duration of each `fdatasync` (ns).
+    pub flush_ns: Histogram<u64>,
+}
+
+impl RawLoop {
+    /// Records per second.
+    pub fn records_per_s(&self) -> f64 {
+        self.records as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+/// Size of the file [`raw_closed_loop`] writes, in bytes (the node's
+/// segment size: 16 MiB); it wraps around at the end.
+pub const RAW_LOOP_FILE_BYTES: u64 = 16 << 20;
+
+/// The raw baseline of a closed-loop client: `pwrite` of one encoded record
+/// (persistence id `pid`, `payload`) at a time into a preallocated,
+/// zero-filled file in `dir`, with at most `window` records written and not
+/// yet durable (the writer waits for the oldest, like `window` clients each
+/// waiting for its acknowledgement). A flusher thread calls `fdatasync` every
+/// `interval` (`Some`, like `Durability::Interval`) or as soon as anything
+/// is written (`None`, like `Durability::Always`: writes that arrive during
+/// a flush share the next one). Runs for `duration`, then waits for the last
+/// record to be durable. The file is removed afterwards.
+///
+/// # Errors
+/// I/O errors on the file; `window` of 0.
+pub fn raw_closed_loop(
+    dir: &Path,
+    interval: Option<Duration>,
+    window: u64,
+    pid: &PersistenceId,
+    payload: &[u8],
+    duration: Duration,
+) -> Result<RawLoop> {
+    anyhow::ensure!(window > 0, "the raw baseline needs a window of at least 1");
+    let path = dir.join(format!("raw-loop-{}.dat", std::process::id()));
+    let record_len = format::record_len_bytes(pid.as_bytes().len(), payload.len());
+    let slots = (RAW_LOOP_FILE_BYTES / record_len).max(1);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    let outcome = (|| {
+        storage::preallocate(&file, slots * record_len)?;
+        storage::zero_fill(&file, slots * record_len)?;
+        raw_loop_on(&file, interval, window, pid, payload, duration, slots)
+    })();
+    drop(file);
+    let _ = std::fs::remove_file(&path);
+    outcome
+}
+
+fn raw_loop_on(
+    file: &File,
+    interval: Option<Duration>,
+    window: u64,
+    pid: &PersistenceId,
+    payload: &[u8],
+    duration: Duration,
+    slots: u64,
+) -> Result<RawLoop> {
+    let record_len = format::record_len_bytes(pid.as_bytes().len(), payload.len());
+    // Counts of records, not bytes: the file wraps around.
+    let shared = RawShared {
+        written_bytes: AtomicU64::new(0),
+        synced: Mutex::new(0),
+        cond: Condvar::new(),
+        stop: AtomicBool::new(false),
+    };
+    let (bell_tx, bell_rx) = std::sync::mpsc::sync_channel::<()>(1);
+    let start = Instant::now();
+    let mut head = Vec::with_capacity(128);
+    let mut append_ns: Vec<u64> = Vec::new();
+    let sh = &shared;
+    std::thread::scope(|s| -> Result<RawLoop> {
+        let flusher = s.spawn(move || -> std::io::Result<FlushLog> {
+            let shared = sh;
+            let mut events = Vec::new();
+            let mut flush_hist = histogram();
+            let mut synced = 0u64;
+            let mut next_tick = Instant::now();
+            loop {
+                match interval {
+                    Some(d) => {
+                        next_tick += d;
+                        let now = Instant::now();
+                        if next_tick > now {
+                            std::thread::sleep(next_tick - now);
+                        } else {
+                            next_tick = now;
+                        }
+                    }
+                    None => {
+                        let _ = bell_rx.recv_timeout(Duration::from_millis(50));
+                    }
+                }
+                let w = shared.written_bytes.load(Ordering::SeqCst);
+                if w > synced {
+                    let t0 = Instant::now();
+                    file.sync_data()?;
+                    let _ = flush_hist.record((t0.elapsed().as_nanos() as u64).max(1));
+                    events.push((w, start.elapsed().as_nanos() as u64));
+                    synced = w;
+                    *shared.synced.lock().unwrap_or_else(|e| e.into_inner()) = w;
+                    shared.cond.notify_all();
+                } else if shared.stop.load(Ordering::SeqCst) {
+                    return Ok((events, flush_hist));
+                }
+            }
+        });
+        let written = (|| -> Result<u64> {
+            let mut i = 0u64;
+            while start.elapsed() < duration {
+                if i >= window {
+                    let mut g = shared.synced.lock().unwrap_or_else(|e| e.into_inner());
+                    while *g < i + 1 - window {
+                        g = shared.cond.wait(g).unwrap_or_else(|e| e.into_inner());
+                    }
+                }
+                let t0 = start.elapsed().as_nanos() as u64;
+                let fields = RecordFields {
+                    lsn: Lsn(i + 1),
+                    sequence_nr: SequenceNr(i + 1),
+                    writer_epoch: WriterEpoch(1),
+                    timestamp_ms: 0,
+                    kind: RecordKind::Event,
+                    persistence_id: pid.as_bytes(),
+                };
+                format::encode_record_head(&fields, payload, &mut head);
+                let off = (i % slots) * record_len;
+                file.write_all_at(&head, off)?;
+                file.write_all_at(payload, off + head.len() as u64)?;
+                append_ns.push(t0);
+                i += 1;
+                shared.written_bytes.store(i, Ordering::SeqCst);
+                if interval.is_none() {
+                    let _ = bell_tx.try_send(());
+                }
+            }
+            Ok(i)
+        })();
+        // Let the flusher finish whatever happened above.
+        let n = written.as_ref().copied().unwrap_or(0);
+        let _ = bell_tx.try_send(());
+        {
+            let mut g = shared.synced.lock().unwrap_or_else(|e| e.into_inner());
+            while *g < n && !flusher.is_finished() {
+                g = shared
+                    .cond
+                    .wait_timeout(g, Duration::from_millis(50))
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+        }
+        let elapsed = start.elapsed();
+        shared.stop.store(true, Ordering::SeqCst);
+        let (events, flush_ns) = flusher
+            .join()
+            .map_err(|_| anyhow::anyhow!("flusher panicked"))??;
+        let n = written?;
+        Ok(RawLoop {
+            records: n,
+            elapsed,
+            latency_ns: durable_latencies(&append_ns, 1, &events),
+            flush_ns,
+        })
     })
 }

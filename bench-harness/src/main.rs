@@ -11,11 +11,14 @@
 //! ```
 //!
 //! Subcommands: `run` (any load against `--connect` or `--spawn` targets)
-//! and `demo` (the main job: a 3-node cluster replaying the OLTP trace).
+//! and `demo` (the main job: a 3-node cluster replaying the OLTP trace),
+//! `journal` (the journal against raw `pwrite` + `fdatasync`) and `durable`
+//! (durable counter adds per data core against that raw baseline).
 
 mod cluster;
 mod demo;
 mod driver;
+mod durable;
 mod journal_bench;
 mod native;
 mod plot;
@@ -55,6 +58,10 @@ enum Command {
     /// Journal throughput and append-to-durable latency per durability policy,
     /// against a raw sequential-write baseline measured in the same run.
     Journal(journal_bench::JournalArgs),
+    /// Durable counter adds per second on one data core per durability
+    /// policy and depth, with p50/p99/p99.9, against the raw write +
+    /// fdatasync baseline measured in the same run.
+    Durable(durable::DurableArgs),
 }
 
 fn exit_code(verify: Option<&verify::Verdict>) -> ExitCode {
@@ -74,6 +81,10 @@ fn main() -> anyhow::Result<ExitCode> {
         }
         Command::Journal(args) => {
             journal_bench::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Durable(args) => {
+            durable::run(&args, connector)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo(args) => {

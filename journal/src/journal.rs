@@ -21,7 +21,7 @@ use crate::format::{
 use crate::ids::{Lsn, PersistenceId, SequenceNr, WriterEpoch};
 use crate::recovery::{recover, PidState, RecoveryReport, SealedSegment, SegmentIndex};
 use crate::storage::{MmapStorage, SegmentFile, Storage};
-use crate::sync::{self, DurabilityError, DurabilityWatcher, Shared, SyncMsg};
+use crate::sync::{self, DurabilityError, DurabilityWatcher, PendingSnapshots, Shared, SyncMsg};
 
 /// When appended records become durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,6 +143,9 @@ struct Catalog {
     pids: HashMap<PersistenceId, PidState>,
     snapshot_files: Vec<String>,
     snapshot_names: std::sync::Mutex<HashMap<PersistenceId, String>>,
+    /// Snapshots saved by this writer whose file is not durable in place
+    /// yet (the meta thread renames them): read from here meanwhile.
+    pending_snapshots: PendingSnapshots,
 }
 
 fn snapshot_hash(pid: &PersistenceId) -> String {
@@ -259,7 +262,17 @@ impl Catalog {
             None => self.snapshot_candidates(pid),
         };
         for name in candidates {
-            let bytes = match self.storage.read_file(&name) {
+            let pending = self
+                .pending_snapshots
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&name)
+                .cloned();
+            let read = match pending {
+                Some(b) => Ok(b.to_vec()),
+                None => self.storage.read_file(&name),
+            };
+            let bytes = match read {
                 Ok(b) => b,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
                 Err(source) => {
@@ -331,6 +344,8 @@ pub struct Journal {
     tx: Sender<SyncMsg>,
     sync_thread: Option<JoinHandle<()>>,
     spare: Option<SpareJob>,
+    /// Saves so far, for unique temporary snapshot names.
+    snapshot_serial: u64,
     head: Vec<u8>,
     poisoned: Option<String>,
 }
@@ -479,6 +494,7 @@ impl Journal {
                 pids: rec.pids,
                 snapshot_files: rec.snapshot_files,
                 snapshot_names: Default::default(),
+                pending_snapshots: Default::default(),
             },
             max_segment_epoch: rec.max_segment_epoch.max(options.writer_epoch),
             options,
@@ -491,6 +507,7 @@ impl Journal {
             tx,
             sync_thread: Some(thread),
             spare: None,
+            snapshot_serial: 0,
             head: Vec::with_capacity(128),
             poisoned: None,
         };
@@ -504,7 +521,10 @@ impl Journal {
         let size = self.options.segment_size_bytes;
         self.spare = std::thread::Builder::new()
             .name("journal-prealloc".into())
-            .spawn(move || storage.create_segment(&name, size).map(|f| (name, f)))
+            .spawn(move || {
+                crate::storage::lower_thread_priority();
+                storage.create_segment(&name, size).map(|f| (name, f))
+            })
             .ok();
     }
 
@@ -919,14 +939,23 @@ impl Journal {
     }
 
     /// Saves `data` as the latest snapshot of `pid` at `sequence_nr`,
-    /// replacing any older one. Blocks for the file write and its
-    /// `fsync`; call it off a latency-critical thread.
+    /// replacing any older one. The caller's thread only writes a
+    /// temporary file (no `fsync`); the journal's meta thread then makes it
+    /// durable (`fsync`), renames it into place and syncs the directory.
+    /// Until then the previous snapshot file and every event stay on disk:
+    /// segments that the new snapshot makes obsolete are removed only after
+    /// it is durable (the removal is queued behind it), so a crash at any
+    /// point loses nothing that was durable. This journal reads the new
+    /// snapshot at once ([`Journal::recover`]); readers of the directory
+    /// see it once it is durable. A failure to make it durable poisons the
+    /// journal, reported like a failed flush: every later append fails and
+    /// every durability wait gets [`DurabilityError::Poisoned`].
     ///
     /// # Errors
     /// [`SnapshotError::Fenced`] for a stale epoch;
     /// [`SnapshotError::BadSequenceNr`] when `sequence_nr` is above the id's
     /// last event or below the saved snapshot's; [`SnapshotError::Poisoned`];
-    /// [`SnapshotError::Io`].
+    /// [`SnapshotError::Io`] when the temporary file cannot be written.
     pub fn save_snapshot(
         &mut self,
         pid: &PersistenceId,
@@ -956,15 +985,16 @@ impl Journal {
                 reason: "above the last event's sequence number",
             });
         }
-        let existing = self.catalog.load_snapshot(pid)?;
-        if let Some(old) = &existing {
-            if old.sequence_nr > sequence_nr {
-                return Err(SnapshotError::BadSequenceNr {
-                    persistence_id: pid.clone(),
-                    sequence_nr,
-                    reason: "below the saved snapshot's sequence number",
-                });
-            }
+        let saved = match self.snapshot_seqs.get(pid.as_str()) {
+            Some(s) => Some(*s),
+            None => self.catalog.load_snapshot(pid)?.map(|s| s.sequence_nr),
+        };
+        if saved.is_some_and(|s| s > sequence_nr) {
+            return Err(SnapshotError::BadSequenceNr {
+                persistence_id: pid.clone(),
+                sequence_nr,
+                reason: "below the saved snapshot's sequence number",
+            });
         }
         let name = match self
             .catalog
@@ -993,13 +1023,34 @@ impl Journal {
             timestamp_ms: now_ms(),
             data: data.to_vec(),
         };
+        let bytes = Arc::new(snap.encode());
+        // A fresh temporary name per save: an earlier save of the same id
+        // may still be waiting for the meta thread.
+        self.snapshot_serial += 1;
+        let tmp = format!("{name}.{}{TMP_SUFFIX}", self.snapshot_serial);
         self.catalog
             .storage
-            .write_file_durable(&name, &snap.encode())
+            .write_file(&tmp, &bytes)
             .map_err(|source| SnapshotError::Io {
-                op: format!("writing {name}"),
+                op: format!("writing {tmp}"),
                 source,
             })?;
+        self.catalog
+            .pending_snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.clone(), bytes.clone());
+        let msg = SyncMsg::Snapshot {
+            tmp,
+            name: name.clone(),
+            bytes,
+            pending: self.catalog.pending_snapshots.clone(),
+        };
+        if self.tx.send(msg).is_err() {
+            let reason = "sync thread stopped".to_string();
+            self.poison(reason.clone());
+            return Err(SnapshotError::Poisoned { reason });
+        }
         if !self.catalog.snapshot_files.contains(&name) {
             self.catalog.snapshot_files.push(name.clone());
         }
@@ -1130,6 +1181,7 @@ impl JournalReader {
                 pids: rec.pids,
                 snapshot_files: rec.snapshot_files,
                 snapshot_names: Default::default(),
+                pending_snapshots: Default::default(),
             },
             report: rec.report,
         })

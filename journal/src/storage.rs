@@ -2,8 +2,8 @@
 //! on how bytes reach the disk. Three implementations:
 //!
 //! - [`MmapStorage`]: a directory of files; segments are preallocated with
-//!   `posix_fallocate`, zero-filled, made durable, then memory-mapped with
-//!   `MAP_POPULATE` (prefaulted). Durability is `fdatasync` of the file.
+//!   `posix_fallocate`, zero-filled in written-back chunks, made durable,
+//!   then memory-mapped with `MAP_POPULATE` (prefaulted). Durability is `fdatasync` of the file.
 //! - [`MemoryStorage`]: files in memory, shared by clones (a "directory"
 //!   that survives closing and reopening a journal within one process).
 //! - [`FaultyStorage`]: wraps another storage and injects `EIO` on write or
@@ -90,6 +90,18 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// # Errors
     /// The I/O error; the old contents are then still in place.
     fn write_file_durable(&self, name: &str, bytes: &[u8]) -> io::Result<()>;
+    /// Creates or replaces `name` with `bytes`, without making it durable
+    /// (see [`Storage::sync_file`]).
+    ///
+    /// # Errors
+    /// The I/O error.
+    fn write_file(&self, name: &str, bytes: &[u8]) -> io::Result<()>;
+    /// Makes the contents of `name` durable (`fsync`); its directory entry
+    /// is durable after [`Storage::sync_dir`].
+    ///
+    /// # Errors
+    /// `NotFound`, or the I/O error of the flush.
+    fn sync_file(&self, name: &str) -> io::Result<()>;
     /// Renames `from` to `to` (replacing `to`). Durable after
     /// [`Storage::sync_dir`].
     ///
@@ -178,22 +190,89 @@ pub fn preallocate(file: &File, size_bytes: u64) -> io::Result<()> {
     Ok(())
 }
 
-/// Writes zeros over the first `size_bytes` of `file` (1 MiB at a time) and
-/// `fdatasync`s it, so that later writes through a mapping hit already
-/// allocated, written blocks and a later `fdatasync` has no extent
-/// conversion to commit.
+/// Bytes [`zero_fill`] writes and writes back at a time (256 KiB).
+pub const ZERO_FILL_CHUNK_BYTES: usize = 256 << 10;
+
+/// Writes zeros over the first `size_bytes` of `file` and `fdatasync`s it,
+/// so that later writes through a mapping hit already allocated, written
+/// blocks and a later `fdatasync` has no extent conversion to commit.
+///
+/// It goes [`ZERO_FILL_CHUNK_BYTES`] at a time, writing each chunk back
+/// and waiting for it (`sync_file_range`) before the next: the device
+/// queue never holds more than one chunk of zeros, so a journal's own
+/// flushes running meanwhile (the spare segment is prepared while the
+/// active one takes appends) wait behind at most that much, instead of
+/// behind a whole segment's writeback. The final `fdatasync` then only
+/// commits the metadata (extent conversions).
 ///
 /// # Errors
 /// The I/O error of writing or syncing.
 pub fn zero_fill(file: &File, size_bytes: u64) -> io::Result<()> {
-    let chunk = vec![0u8; 1 << 20];
+    let chunk = vec![0u8; ZERO_FILL_CHUNK_BYTES];
     let mut at = 0u64;
     while at < size_bytes {
         let n = (size_bytes - at).min(chunk.len() as u64) as usize;
         file.write_all_at(&chunk[..n], at)?;
+        write_back(file, at, n as u64)?;
         at += n as u64;
     }
     file.sync_data()
+}
+
+/// Starts writeback of `len` bytes at `offset` and waits for it (data
+/// only: not a durability point, no metadata, no cache flush).
+#[cfg(target_os = "linux")]
+fn write_back(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+        return Ok(());
+    };
+    // SAFETY: plain syscall on an open descriptor; no memory is passed.
+    let rc = unsafe {
+        libc::sync_file_range(
+            file.as_raw_fd(),
+            offset,
+            len,
+            libc::SYNC_FILE_RANGE_WAIT_BEFORE
+                | libc::SYNC_FILE_RANGE_WRITE
+                | libc::SYNC_FILE_RANGE_WAIT_AFTER,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn write_back(_file: &File, _offset: u64, _len: u64) -> io::Result<()> {
+    Ok(())
+}
+
+/// Lowers the calling thread's CPU priority (nice 10) and I/O priority
+/// (idle class), best effort: for the thread that prepares the spare
+/// segment, whose work must not delay appends or flushes. Errors (no
+/// permission, an unsupported I/O scheduler) are ignored: the work is the
+/// same, only its priority differs.
+pub fn lower_thread_priority() {
+    #[cfg(target_os = "linux")]
+    {
+        // ioprio_set(2): IOPRIO_WHO_PROCESS = 1 (a thread id), value =
+        // class << 13 with IOPRIO_CLASS_IDLE = 3 (linux/ioprio.h).
+        const IOPRIO_WHO_PROCESS: libc::c_long = 1;
+        const IOPRIO_IDLE: libc::c_long = 3 << 13;
+        // SAFETY: gettid, setpriority and ioprio_set take no pointers and
+        // only change the calling thread's scheduling attributes.
+        unsafe {
+            let tid = libc::gettid();
+            let _ = libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 10);
+            let _ = libc::syscall(
+                libc::SYS_ioprio_set,
+                IOPRIO_WHO_PROCESS,
+                libc::c_long::from(tid),
+                IOPRIO_IDLE,
+            );
+        }
+    }
 }
 
 struct FileSync(Arc<File>);
@@ -340,6 +419,14 @@ impl Storage for MmapStorage {
         self.sync_dir()
     }
 
+    fn write_file(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
+        std::fs::write(self.path(name), bytes)
+    }
+
+    fn sync_file(&self, name: &str) -> io::Result<()> {
+        File::open(self.path(name))?.sync_all()
+    }
+
     fn rename(&self, from: &str, to: &str) -> io::Result<()> {
         std::fs::rename(self.path(from), self.path(to))
     }
@@ -475,6 +562,12 @@ impl Storage for MemoryStorage {
         lock(&self.files).insert(name.to_string(), Arc::new(Mutex::new(bytes.to_vec())));
         Ok(())
     }
+    fn write_file(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
+        self.write_file_durable(name, bytes)
+    }
+    fn sync_file(&self, name: &str) -> io::Result<()> {
+        self.get(name).map(|_| ())
+    }
     fn rename(&self, from: &str, to: &str) -> io::Result<()> {
         let mut files = lock(&self.files);
         let f = files
@@ -608,6 +701,18 @@ impl<S: Storage> Storage for FaultyStorage<S> {
             return Err(eio());
         }
         self.inner.write_file_durable(name, bytes)
+    }
+    fn write_file(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
+        if self.faults.fail_write.load(Ordering::SeqCst) {
+            return Err(eio());
+        }
+        self.inner.write_file(name, bytes)
+    }
+    fn sync_file(&self, name: &str) -> io::Result<()> {
+        if self.faults.fail_sync.load(Ordering::SeqCst) {
+            return Err(eio());
+        }
+        self.inner.sync_file(name)
     }
     fn rename(&self, from: &str, to: &str) -> io::Result<()> {
         self.inner.rename(from, to)

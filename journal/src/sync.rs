@@ -176,8 +176,118 @@ pub(crate) enum SyncMsg {
         checkpoint: Vec<u8>,
         names: Vec<String>,
     },
+    /// The writer wrote a snapshot to `tmp` (not durable yet): make it
+    /// durable as `name`, then drop `bytes` from `pending`.
+    Snapshot {
+        tmp: String,
+        name: String,
+        bytes: Arc<Vec<u8>>,
+        pending: PendingSnapshots,
+    },
     /// Sync everything written and exit.
     Shutdown,
+}
+
+/// Snapshots written but not yet renamed into place, by file name: the
+/// writer's process reads them from here until the meta thread made them
+/// durable.
+pub(crate) type PendingSnapshots = Arc<Mutex<std::collections::HashMap<String, Arc<Vec<u8>>>>>;
+
+/// Work of the meta thread.
+enum MetaJob {
+    Index {
+        name: String,
+        bytes: Vec<u8>,
+    },
+    Remove {
+        checkpoint: Vec<u8>,
+        names: Vec<String>,
+    },
+    Snapshot {
+        tmp: String,
+        name: String,
+        bytes: Arc<Vec<u8>>,
+        pending: PendingSnapshots,
+    },
+}
+
+/// The meta thread's body: runs jobs in order until the channel closes.
+/// Consecutive snapshots share one directory `fsync`. After a failure (the
+/// journal is poisoned) it drops the remaining jobs: files stay as they are,
+/// which recovery handles (a missing index is rebuilt by a scan, a `.tmp`
+/// is removed, segments are kept).
+fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage>) {
+    let mut dir_dirty = false;
+    let mut failed = false;
+    loop {
+        let job = if dir_dirty {
+            match rx.try_recv() {
+                Ok(j) => Some(j),
+                Err(_) => None,
+            }
+        } else {
+            match rx.recv() {
+                Ok(j) => Some(j),
+                Err(_) => return,
+            }
+        };
+        if failed || shared.poisoned.load(Ordering::SeqCst) {
+            failed = true;
+            if job.is_none() {
+                dir_dirty = false;
+            }
+            continue;
+        }
+        let is_snapshot = matches!(job, Some(MetaJob::Snapshot { .. }));
+        // A directory sync owed by earlier snapshots comes before anything
+        // else (a removal must not overtake a snapshot).
+        if dir_dirty && !is_snapshot {
+            if let Err(e) = storage.sync_dir() {
+                shared.poison(format!("fsync of the journal directory failed: {e}"));
+                failed = true;
+                continue;
+            }
+            dir_dirty = false;
+        }
+        let r = match job {
+            None => Ok(()),
+            Some(MetaJob::Index { name, bytes }) => storage
+                .write_file_durable(&name, &bytes)
+                .map_err(|e| format!("writing index {name} failed: {e}")),
+            Some(MetaJob::Remove { checkpoint, names }) => storage
+                .write_file_durable(crate::format::CHECKPOINT_NAME, &checkpoint)
+                .map_err(|e| format!("writing the checkpoint failed: {e}"))
+                .map(|()| {
+                    for n in &names {
+                        // A file that cannot be removed is only wasted
+                        // space: the checkpoint already covers it, and
+                        // the next open removes it again.
+                        let _ = storage.remove(n);
+                    }
+                    let _ = storage.sync_dir();
+                }),
+            Some(MetaJob::Snapshot {
+                tmp,
+                name,
+                bytes,
+                pending,
+            }) => storage
+                .sync_file(&tmp)
+                .and_then(|()| storage.rename(&tmp, &name))
+                .map_err(|e| format!("making snapshot {name} durable failed: {e}"))
+                .map(|()| {
+                    dir_dirty = true;
+                    let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
+                    if p.get(&name).is_some_and(|b| Arc::ptr_eq(b, &bytes)) {
+                        p.remove(&name);
+                    }
+                }),
+        };
+        if let Err(reason) = r {
+            shared.poison(reason);
+            failed = true;
+        }
+    }
 }
 
 /// Handle a runtime uses to learn when LSNs are durable, without blocking
@@ -352,6 +462,23 @@ pub(crate) fn run(
     };
     let mut next_tick = interval.map(|d| Instant::now() + d);
     let mut dir_dirty = true;
+    let (meta_tx, meta_rx) = crossbeam_channel::unbounded::<MetaJob>();
+    let meta = {
+        let shared = shared.clone();
+        let storage = storage.clone();
+        std::thread::Builder::new()
+            .name("journal-meta".into())
+            .spawn(move || run_meta(meta_rx, shared, storage))
+    };
+    let meta = match meta {
+        Ok(h) => h,
+        Err(e) => {
+            shared.poison(format!("starting the journal's meta thread failed: {e}"));
+            shared.close();
+            return;
+        }
+    };
+
     // Set when a doorbell may have been consumed by the drain below after
     // its LSN was already past `target`: go round again without blocking.
     let mut again = false;
@@ -393,35 +520,44 @@ pub(crate) fn run(
                     index,
                     next,
                 } => {
+                    // The index describes the sealed segment's records: it
+                    // is written (on the meta thread) only after they are
+                    // durable. Until then recovery scans the segment.
                     let r = shared
                         .timed_sync(&*sealed)
                         .map_err(|e| format!("fdatasync of a sealed segment failed: {e}"))
-                        .and_then(|()| {
-                            storage
-                                .write_file_durable(&index_name, &index.to_file().encode())
-                                .map_err(|e| format!("writing index {index_name} failed: {e}"))
+                        .map(|()| {
+                            let _ = meta_tx.send(MetaJob::Index {
+                                name: index_name,
+                                bytes: index.to_file().encode(),
+                            });
                         });
                     current = next;
                     dir_dirty = true;
                     r
                 }
-                SyncMsg::Remove { checkpoint, names } => storage
-                    .write_file_durable(crate::format::CHECKPOINT_NAME, &checkpoint)
-                    .map_err(|e| format!("writing the checkpoint failed: {e}"))
-                    .map(|()| {
-                        for n in &names {
-                            // A file that cannot be removed is only wasted
-                            // space: the checkpoint already covers it, and
-                            // the next open removes it again.
-                            let _ = storage.remove(n);
-                        }
-                        let _ = storage.sync_dir();
-                    }),
+                SyncMsg::Remove { checkpoint, names } => {
+                    let _ = meta_tx.send(MetaJob::Remove { checkpoint, names });
+                    Ok(())
+                }
+                SyncMsg::Snapshot {
+                    tmp,
+                    name,
+                    bytes,
+                    pending,
+                } => {
+                    let _ = meta_tx.send(MetaJob::Snapshot {
+                        tmp,
+                        name,
+                        bytes,
+                        pending,
+                    });
+                    Ok(())
+                }
             };
             if let Err(reason) = result {
                 shared.poison(reason);
-                shared.close();
-                return;
+                break;
             }
         }
         if let (Some(d), Some(t)) = (interval, next_tick) {
@@ -434,6 +570,10 @@ pub(crate) fn run(
                 }
                 next_tick = Some(n);
             }
+        }
+        if shared.poisoned.load(Ordering::SeqCst) {
+            // Nothing more becomes durable.
+            break;
         }
         if want_sync && target > shared.durable_lsn.load(Ordering::SeqCst) {
             let r = shared
@@ -455,15 +595,18 @@ pub(crate) fn run(
                 }
                 Err(reason) => {
                     shared.poison(reason);
-                    shared.close();
-                    return;
+                    break;
                 }
             }
         }
         if shutdown {
-            shared.close();
-            return;
+            break;
         }
         again = shared.doorbell_pending.load(Ordering::SeqCst);
     }
+    // The meta thread finishes its queued work (it sees the channel close),
+    // so that a closed journal leaves every file in place.
+    drop(meta_tx);
+    let _ = meta.join();
+    shared.close();
 }

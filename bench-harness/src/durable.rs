@@ -1,0 +1,518 @@
+//! `shardline-bench durable`: durable counter adds per second on one data
+//! core, per durability policy and load depth, against the journal's raw
+//! baseline (`pwrite` + `fdatasync`) measured in the same run on the same
+//! filesystem.
+//!
+//! ```text
+//!  per policy:  spawn node (data_cores = 1, durability = policy)
+//!    per depth D:  raw baseline: D records in flight, pwrite + fdatasync
+//!                  (same cadence as the policy, file in the node's data root)
+//!                  durable run: closed loop, D counter adds in flight over
+//!                  min(D, --connections) native connections
+//!  print: adds/s, p50/p99/p99.9 (HdrHistogram), raw rec/s and p99, ratios
+//! ```
+//!
+//! The raw baseline is what the hardware gives a client that waits for its
+//! write to be durable: the best a durable counter can do with the same
+//! number of requests in flight. Ratios: `adds/s ÷ raw records/s` and
+//! `p99 ÷ raw p99`.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use shardline_journal::PersistenceId;
+
+use crate::cluster::{node_binary, Durability, LocalCluster, NodeSpec};
+use crate::driver::{Driver, DriverConfig, LoopMode};
+use crate::journal_bench::raw_closed_loop;
+use crate::report::{LatencySummary, Machine};
+use crate::transport::Connector;
+use crate::units::{format_latency_us, parse_duration};
+use crate::workload::{KeyDist, OpMix, Request, RequestSource, Workload, COUNTER_TYPE};
+
+/// Options of `shardline-bench durable`.
+#[derive(clap::Args, Clone, Debug, Serialize)]
+pub struct DurableArgs {
+    /// Durability policies to measure, comma separated: always, interval:MS.
+    #[arg(long, value_delimiter = ',', value_parser = Durability::parse, default_value = "interval:1,always")]
+    pub policies: Vec<Durability>,
+    /// Counter adds in flight (closed loop), comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    pub depths: Vec<usize>,
+    /// Most connections per depth; a depth D uses min(D, this) connections
+    /// and spreads its D requests over them (pipelined).
+    #[arg(long, default_value_t = 4)]
+    pub connections: usize,
+    /// Measured time per policy and depth.
+    #[arg(long, value_parser = parse_duration, default_value = "6s")]
+    pub duration: Duration,
+    /// Warm-up before each measured time (entities activate, recover).
+    #[arg(long, value_parser = parse_duration, default_value = "1s")]
+    pub warmup: Duration,
+    /// Length of each raw baseline run.
+    #[arg(long, value_parser = parse_duration, default_value = "2s")]
+    pub raw_duration: Duration,
+    /// Counters (entities) the adds go to, uniformly.
+    #[arg(long, default_value_t = 1000)]
+    pub entities: u64,
+    /// A connection with requests waiting and no reply for this long is
+    /// declared dead.
+    #[arg(long, value_parser = parse_duration, default_value = "5s")]
+    pub request_timeout: Duration,
+    /// Write every figure, the configuration and the machine as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+impl DurableArgs {
+    /// Checks the combination of options.
+    ///
+    /// # Errors
+    /// No policy or depth; policy `none` (nothing to compare with a flush);
+    /// a depth or connection count of 0; fewer entities than connections;
+    /// a zero duration.
+    pub fn validate(&self) -> Result<()> {
+        if self.policies.is_empty() || self.depths.is_empty() {
+            bail!("--policies and --depths need at least one value each");
+        }
+        if self.policies.contains(&Durability::None) {
+            bail!("policy `none` never flushes: there is no durable add to measure (use always or interval:MS)");
+        }
+        if self.depths.contains(&0) || self.connections == 0 {
+            bail!("--depths and --connections must be at least 1");
+        }
+        let most = self.depths.iter().map(|d| (*d).min(self.connections)).max();
+        if most.is_some_and(|c| self.entities < c as u64) {
+            bail!("--entities must be at least the number of connections");
+        }
+        if self.duration.is_zero() || self.raw_duration.is_zero() {
+            bail!("--duration and --raw-duration must be above 0");
+        }
+        Ok(())
+    }
+}
+
+/// One policy × depth result.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct DurableRow {
+    /// `always` or `interval:MS`.
+    pub policy: String,
+    /// Requests in flight (count).
+    pub depth: usize,
+    /// Connections carrying them (count).
+    pub connections: usize,
+    /// Acknowledged adds per second of measured time.
+    pub adds_per_s: f64,
+    /// Failed adds after warm-up (count).
+    pub errors: u64,
+    /// Add latency, send to acknowledgement (µs).
+    pub latency: LatencySummary,
+    /// Raw baseline: records per second, same depth and policy.
+    pub raw_records_per_s: f64,
+    /// Raw baseline: write-to-durable latency (µs).
+    pub raw_latency: LatencySummary,
+    /// `adds_per_s / raw_records_per_s`.
+    pub throughput_ratio: f64,
+    /// `latency.p99_us / raw_latency.p99_us`.
+    pub p99_ratio: f64,
+}
+
+/// Everything `--json` writes.
+#[derive(Serialize)]
+struct DurableReport {
+    machine: Machine,
+    config: DurableArgs,
+    rows: Vec<DurableRow>,
+    wall_s: f64,
+}
+
+/// `always` or `interval:MS`, as `--policies` spells it.
+pub fn policy_label(d: &Durability) -> String {
+    match d {
+        Durability::None => "none".into(),
+        Durability::Always => "always".into(),
+        Durability::IntervalMs(ms) => format!("interval:{ms}"),
+    }
+}
+
+/// Ratio of two figures; 0 when the denominator is 0.
+fn ratio(num: f64, den: f64) -> f64 {
+    if den > 0.0 {
+        num / den
+    } else {
+        0.0
+    }
+}
+
+impl DurableRow {
+    /// Assembles a row and its ratios.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        policy: String,
+        depth: usize,
+        connections: usize,
+        adds_per_s: f64,
+        errors: u64,
+        latency: LatencySummary,
+        raw_records_per_s: f64,
+        raw_latency: LatencySummary,
+    ) -> DurableRow {
+        DurableRow {
+            throughput_ratio: ratio(adds_per_s, raw_records_per_s),
+            p99_ratio: ratio(latency.p99_us as f64, raw_latency.p99_us as f64),
+            policy,
+            depth,
+            connections,
+            adds_per_s,
+            errors,
+            latency,
+            raw_records_per_s,
+            raw_latency,
+        }
+    }
+}
+
+/// The results as a table, one line per policy and depth.
+pub fn format_report(rows: &[DurableRow]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<12} {:>5} {:>10} {:>10} {:>10} {:>10} | {:>10} {:>10} | {:>7} {:>7} {:>6}",
+        "policy",
+        "depth",
+        "adds/s",
+        "p50",
+        "p99",
+        "p99.9",
+        "raw rec/s",
+        "raw p99",
+        "x tput",
+        "x p99",
+        "errors"
+    );
+    for r in rows {
+        let _ = writeln!(
+            out,
+            "{:<12} {:>5} {:>10.0} {:>10} {:>10} {:>10} | {:>10.0} {:>10} | {:>6.2}x {:>6.2}x {:>6}",
+            r.policy,
+            r.depth,
+            r.adds_per_s,
+            format_latency_us(r.latency.p50_us),
+            format_latency_us(r.latency.p99_us),
+            format_latency_us(r.latency.p99_9_us),
+            r.raw_records_per_s,
+            format_latency_us(r.raw_latency.p99_us),
+            r.throughput_ratio,
+            r.p99_ratio,
+            r.errors
+        );
+    }
+    out
+}
+
+const FORMATION_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Runs the benchmark; prints the table and returns its rows.
+///
+/// # Errors
+/// Invalid options, a node that does not start, a raw baseline I/O error,
+/// a load that fails, or a JSON file that cannot be written.
+pub fn run(args: &DurableArgs, connector: Arc<dyn Connector>) -> Result<Vec<DurableRow>> {
+    args.validate()?;
+    let wall = Instant::now();
+    let binary = node_binary()?;
+    let pid = PersistenceId::new(&format!("{COUNTER_TYPE}|{}", args.entities - 1))
+        .context("persistence id of the raw baseline")?;
+    // A counter add event: one i64 delta.
+    let payload = 1i64.to_le_bytes();
+    let mut rows = Vec::new();
+    for policy in &args.policies {
+        let spec = NodeSpec {
+            data_cores: 1,
+            pin_cores: false,
+            number_of_shards: 100,
+            durability: policy.clone(),
+            idle_timeout_ms: 0,
+            active_entity_limit: 0,
+        };
+        let mut cluster = LocalCluster::prepare(binary.clone(), 1, 0, &spec)?;
+        eprintln!(
+            "durable bench: {} on one node, 1 data core, in {} ...",
+            policy_label(policy),
+            cluster.dir().display()
+        );
+        if let Err(e) = cluster.start_initial(connector.as_ref(), FORMATION_TIMEOUT) {
+            cluster.keep_files();
+            return Err(e.context("the bench node did not start"));
+        }
+        let addrs = cluster.client_addresses();
+        let interval = match policy {
+            Durability::IntervalMs(ms) => Some(Duration::from_millis(*ms)),
+            _ => None,
+        };
+        for &depth in &args.depths {
+            // Raw baseline first, while the node is idle, on its filesystem.
+            let raw = raw_closed_loop(
+                cluster.dir(),
+                interval,
+                depth as u64,
+                &pid,
+                &payload,
+                args.raw_duration,
+            )?;
+            let raw_us = ns_to_us(&raw.latency_ns);
+            let (adds_per_s, errors, latency, conns) = drive(args, &connector, &addrs, depth)
+                .with_context(|| format!("durable adds, {} depth {depth}", policy_label(policy)))?;
+            let row = DurableRow::new(
+                policy_label(policy),
+                depth,
+                conns,
+                adds_per_s,
+                errors,
+                latency,
+                raw.records_per_s(),
+                LatencySummary::of(&raw_us),
+            );
+            eprint!("{}", format_report(std::slice::from_ref(&row)));
+            rows.push(row);
+        }
+        cluster.stop_all(Duration::from_secs(5));
+    }
+    print!("{}", format_report(&rows));
+    if let Some(path) = &args.json {
+        let report = DurableReport {
+            machine: Machine::read(),
+            config: args.clone(),
+            rows: rows.clone(),
+            wall_s: wall.elapsed().as_secs_f64(),
+        };
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(rows)
+}
+
+/// A histogram in ns as one in µs (values rounded down, at least 1).
+fn ns_to_us(h: &hdrhistogram::Histogram<u64>) -> hdrhistogram::Histogram<u64> {
+    let mut out = crate::stats::latency_histogram(3);
+    for v in h.iter_recorded() {
+        let _ = out.record_n((v.value_iterated_to() / 1000).max(1), v.count_at_value());
+    }
+    out
+}
+
+/// One closed-loop run of counter adds: `(adds/s, errors, latency, connections)`.
+fn drive(
+    args: &DurableArgs,
+    connector: &Arc<dyn Connector>,
+    addrs: &[std::net::SocketAddr],
+    depth: usize,
+) -> Result<(f64, u64, LatencySummary, usize)> {
+    let conns = depth.min(args.connections).max(1);
+    let n = conns as u64;
+    let workload = Workload::Synthetic {
+        entities: args.entities,
+        dist: KeyDist::Uniform,
+    };
+    let op = OpMix::parse("counter-add").map_err(anyhow::Error::msg)?;
+    let mut sources: Vec<Box<dyn Iterator<Item = Result<Request>> + Send>> = Vec::new();
+    for c in 0..n {
+        sources.push(Box::new(RequestSource::new(&workload, &op, 1, c, n)?));
+    }
+    let windows = (0..conns)
+        .map(|c| depth / conns + usize::from(c < depth % conns))
+        .collect();
+    let config = DriverConfig {
+        addresses: addrs.to_vec(),
+        mode: LoopMode::Closed,
+        rates_per_s: vec![0.0; conns],
+        windows,
+        quotas: vec![u64::MAX; conns],
+        warmup: args.warmup,
+        duration: Some(args.duration),
+        request_timeout: args.request_timeout,
+        capture_values: false,
+    };
+    let out = Driver::start(
+        config,
+        connector.clone(),
+        sources,
+        Instant::now(),
+        Arc::new(AtomicBool::new(false)),
+    )
+    .join()?;
+    let warmup_ns = args.warmup.as_nanos() as u64;
+    let measured_s = out.recorder.last_completion_ns.saturating_sub(warmup_ns) as f64 / 1e9;
+    let adds_per_s = ratio(out.recorder.ok as f64, measured_s);
+    Ok((
+        adds_per_s,
+        out.recorder.error_count(),
+        LatencySummary::of(&out.recorder.histogram),
+        conns,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: DurableArgs,
+    }
+
+    fn parse(argv: &[&str]) -> Result<DurableArgs, clap::Error> {
+        Cli::try_parse_from(std::iter::once("durable").chain(argv.iter().copied())).map(|c| c.args)
+    }
+
+    #[test]
+    fn defaults_measure_interval_and_always_at_depths_1_and_16() {
+        let a = parse(&[]).unwrap();
+        assert_eq!(
+            a.policies,
+            vec![Durability::IntervalMs(1), Durability::Always]
+        );
+        assert_eq!(a.depths, vec![1, 16]);
+        assert_eq!(a.duration, Duration::from_secs(6));
+        assert_eq!(a.warmup, Duration::from_secs(1));
+        assert_eq!(a.raw_duration, Duration::from_secs(2));
+        a.validate().unwrap();
+        // Bounded: about a minute with the defaults (cluster starts aside).
+        let runs = (a.policies.len() * a.depths.len()) as u32;
+        assert!((a.duration + a.warmup + a.raw_duration) * runs <= Duration::from_secs(60));
+    }
+
+    #[test]
+    fn options_parse() {
+        let a = parse(&[
+            "--policies",
+            "interval:5",
+            "--depths",
+            "2,8,32",
+            "--connections",
+            "2",
+            "--duration",
+            "500ms",
+            "--entities",
+            "10",
+        ])
+        .unwrap();
+        assert_eq!(a.policies, vec![Durability::IntervalMs(5)]);
+        assert_eq!(a.depths, vec![2, 8, 32]);
+        assert_eq!(a.connections, 2);
+        assert_eq!(a.duration, Duration::from_millis(500));
+        a.validate().unwrap();
+    }
+
+    #[test]
+    fn bad_options_are_refused() {
+        assert!(parse(&["--policies", "sometimes"]).is_err());
+        assert!(parse(&["--depths", "x"]).is_err());
+        assert!(parse(&["--policies", "none"]).unwrap().validate().is_err());
+        assert!(parse(&["--depths", "0"]).unwrap().validate().is_err());
+        assert!(parse(&["--connections", "0"]).unwrap().validate().is_err());
+        assert!(parse(&["--entities", "2", "--depths", "16"])
+            .unwrap()
+            .validate()
+            .is_err());
+        assert!(parse(&["--duration", "0s"]).unwrap().validate().is_err());
+    }
+
+    fn summary(p50: u64, p99: u64, p999: u64) -> LatencySummary {
+        LatencySummary {
+            count: 10,
+            min_us: 1,
+            p50_us: p50,
+            p90_us: p99,
+            p99_us: p99,
+            p99_9_us: p999,
+            p99_99_us: p999,
+            max_us: p999,
+        }
+    }
+
+    #[test]
+    fn rows_carry_ratios_against_the_raw_baseline() {
+        let r = DurableRow::new(
+            "always".into(),
+            16,
+            4,
+            5000.0,
+            0,
+            summary(2_000, 4_000, 9_000),
+            10_000.0,
+            summary(500, 1_000, 2_000),
+        );
+        assert!((r.throughput_ratio - 0.5).abs() < 1e-9);
+        assert!((r.p99_ratio - 4.0).abs() < 1e-9);
+        let zero = DurableRow::new(
+            "always".into(),
+            1,
+            1,
+            10.0,
+            0,
+            summary(1, 1, 1),
+            0.0,
+            LatencySummary::of(&crate::stats::latency_histogram(3)),
+        );
+        assert_eq!(zero.throughput_ratio, 0.0);
+        assert_eq!(zero.p99_ratio, 0.0);
+    }
+
+    #[test]
+    fn report_has_a_header_and_one_line_per_row() {
+        let rows = vec![
+            DurableRow::new(
+                "interval:1".into(),
+                1,
+                1,
+                812.4,
+                0,
+                summary(1_150, 1_900, 2_300),
+                960.0,
+                summary(1_000, 1_100, 1_200),
+            ),
+            DurableRow::new(
+                "always".into(),
+                16,
+                4,
+                5000.0,
+                3,
+                summary(2_000, 4_000, 9_000),
+                10_000.0,
+                summary(500, 1_000, 2_000),
+            ),
+        ];
+        let text = format_report(&rows);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert!(lines[0].starts_with("policy"), "{text}");
+        for h in [
+            "adds/s",
+            "p50",
+            "p99",
+            "p99.9",
+            "raw rec/s",
+            "raw p99",
+            "x tput",
+        ] {
+            assert!(lines[0].contains(h), "{h} missing: {text}");
+        }
+        assert!(lines[1].starts_with("interval:1"), "{text}");
+        assert!(lines[1].contains(" 812 "), "{text}");
+        assert!(lines[1].contains("1.150 ms"), "{text}");
+        assert!(lines[1].contains("0.85x"), "{text}");
+        assert!(lines[2].starts_with("always"), "{text}");
+        assert!(lines[2].contains("0.50x"), "{text}");
+        assert!(lines[2].contains("4.00x"), "{text}");
+        assert!(lines[2].trim_end().ends_with('3'), "{text}");
+    }
+}
