@@ -317,9 +317,11 @@ type SpareJob = JoinHandle<io::Result<(String, Box<dyn SegmentFile>)>>;
 ///  append(): encode, CRC32C, memcpy      fdatasync(segment) per tick / doorbell
 ///  into the mmap'd segment,     --LSN-->  publish durable_lsn, wake waiters,
 ///  store written_lsn                      run on_durable callbacks
-///  roll: take the spare segment --Roll--> sync sealed segment, write its .idx
-///        (preallocated+prefaulted
-///         by a helper thread)
+///  roll: take the spare segment --Roll--> sync sealed segment
+///        (preallocated+prefaulted        |
+///         by a helper thread)            v meta thread (in order): its .idx,
+///  save_snapshot: write <snap>.tmp  ---> snapshot fsync + rename + dir fsync,
+///                                        checkpoint + segment removals
 /// ```
 ///
 /// Threading: `Journal` is `Send`; all mutation takes `&mut self`, so

@@ -18,8 +18,10 @@
 //!
 //! Threading model: one [`Journal`] per directory, owned by one thread (one
 //! per data core); it appends with `memcpy` into the mapped segment and
-//! never flushes. A sync thread per journal runs every `fdatasync`
-//! (crossbeam channel), a helper thread preallocates the next segment, and
+//! never flushes. A sync thread per journal runs every flush that an
+//! acknowledgement waits for (crossbeam channel), a meta thread makes index,
+//! checkpoint and snapshot files durable in order (behind the sync thread),
+//! a helper thread preallocates the next segment, and
 //! [`DurabilityWatcher`] tells any thread when an LSN is durable (poll,
 //! block, or callback). [`JournalReader`] opens another writer's directory
 //! read-only.

@@ -197,9 +197,9 @@ pub const ZERO_FILL_CHUNK_BYTES: usize = 256 << 10;
 /// so that later writes through a mapping hit already allocated, written
 /// blocks and a later `fdatasync` has no extent conversion to commit.
 ///
-/// It goes [`ZERO_FILL_CHUNK_BYTES`] at a time, writing each chunk back
-/// and waiting for it (`sync_file_range`) before the next: the device
-/// queue never holds more than one chunk of zeros, so a journal's own
+/// It goes [`ZERO_FILL_CHUNK_BYTES`] at a time, starting each chunk's
+/// writeback (`sync_file_range`) and waiting for the chunk before: the
+/// device queue never holds more than two chunks of zeros, so a journal's own
 /// flushes running meanwhile (the spare segment is prepared while the
 /// active one takes appends) wait behind at most that much, instead of
 /// behind a whole segment's writeback. The final `fdatasync` then only
@@ -210,33 +210,39 @@ pub const ZERO_FILL_CHUNK_BYTES: usize = 256 << 10;
 pub fn zero_fill(file: &File, size_bytes: u64) -> io::Result<()> {
     let chunk = vec![0u8; ZERO_FILL_CHUNK_BYTES];
     let mut at = 0u64;
+    let mut previous: Option<(u64, u64)> = None;
     while at < size_bytes {
-        let n = (size_bytes - at).min(chunk.len() as u64) as usize;
-        file.write_all_at(&chunk[..n], at)?;
-        write_back(file, at, n as u64)?;
-        at += n as u64;
+        let n = (size_bytes - at).min(chunk.len() as u64);
+        file.write_all_at(&chunk[..n as usize], at)?;
+        // Start this chunk's writeback, then wait for the one before: at
+        // most two chunks are queued at any time.
+        write_back(file, at, n, false)?;
+        if let Some((o, l)) = previous {
+            write_back(file, o, l, true)?;
+        }
+        previous = Some((at, n));
+        at += n;
     }
     file.sync_data()
 }
 
-/// Starts writeback of `len` bytes at `offset` and waits for it (data
-/// only: not a durability point, no metadata, no cache flush).
+/// Starts writeback of `len` bytes at `offset`, and waits for it to
+/// complete when `wait` (data only: not a durability point, no metadata,
+/// no cache flush).
 #[cfg(target_os = "linux")]
-fn write_back(file: &File, offset: u64, len: u64) -> io::Result<()> {
+fn write_back(file: &File, offset: u64, len: u64, wait: bool) -> io::Result<()> {
     let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
         return Ok(());
     };
-    // SAFETY: plain syscall on an open descriptor; no memory is passed.
-    let rc = unsafe {
-        libc::sync_file_range(
-            file.as_raw_fd(),
-            offset,
-            len,
-            libc::SYNC_FILE_RANGE_WAIT_BEFORE
-                | libc::SYNC_FILE_RANGE_WRITE
-                | libc::SYNC_FILE_RANGE_WAIT_AFTER,
-        )
+    let flags = if wait {
+        libc::SYNC_FILE_RANGE_WAIT_BEFORE
+            | libc::SYNC_FILE_RANGE_WRITE
+            | libc::SYNC_FILE_RANGE_WAIT_AFTER
+    } else {
+        libc::SYNC_FILE_RANGE_WRITE
     };
+    // SAFETY: plain syscall on an open descriptor; no memory is passed.
+    let rc = unsafe { libc::sync_file_range(file.as_raw_fd(), offset, len, flags) };
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
@@ -244,22 +250,25 @@ fn write_back(file: &File, offset: u64, len: u64) -> io::Result<()> {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn write_back(_file: &File, _offset: u64, _len: u64) -> io::Result<()> {
+fn write_back(_file: &File, _offset: u64, _len: u64, _wait: bool) -> io::Result<()> {
     Ok(())
 }
 
 /// Lowers the calling thread's CPU priority (nice 10) and I/O priority
-/// (idle class), best effort: for the thread that prepares the spare
-/// segment, whose work must not delay appends or flushes. Errors (no
-/// permission, an unsupported I/O scheduler) are ignored: the work is the
-/// same, only its priority differs.
+/// (best-effort class, lowest level), best effort: for the thread that
+/// prepares the spare segment, whose work must not delay appends or
+/// flushes. Not the idle I/O class: a scheduler may starve it for seconds
+/// while anything else does I/O, and the next roll waits for the spare.
+/// Errors (no permission) are ignored: the work is the same, only its
+/// priority differs.
 pub fn lower_thread_priority() {
     #[cfg(target_os = "linux")]
     {
         // ioprio_set(2): IOPRIO_WHO_PROCESS = 1 (a thread id), value =
-        // class << 13 with IOPRIO_CLASS_IDLE = 3 (linux/ioprio.h).
+        // class << 13 | level, IOPRIO_CLASS_BE = 2, level 7 the lowest
+        // (linux/ioprio.h).
         const IOPRIO_WHO_PROCESS: libc::c_long = 1;
-        const IOPRIO_IDLE: libc::c_long = 3 << 13;
+        const IOPRIO_LOW: libc::c_long = (2 << 13) | 7;
         // SAFETY: gettid, setpriority and ioprio_set take no pointers and
         // only change the calling thread's scheduling attributes.
         unsafe {
@@ -269,7 +278,7 @@ pub fn lower_thread_priority() {
                 libc::SYS_ioprio_set,
                 IOPRIO_WHO_PROCESS,
                 libc::c_long::from(tid),
-                IOPRIO_IDLE,
+                IOPRIO_LOW,
             );
         }
     }

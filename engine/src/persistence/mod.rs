@@ -55,7 +55,11 @@ pub trait EventLog {
     /// A description when a record or snapshot cannot be read.
     fn recover(&mut self, pid: &PersistenceId, epoch: WriterEpoch) -> Result<Recovered, String>;
 
-    /// Saves a snapshot of `pid` that includes events up to `seq`.
+    /// Saves a snapshot of `pid` that includes events up to `seq`. The
+    /// journal writes it without flushing on this (the core's) thread and
+    /// makes it durable on its own thread; the events it covers stay until
+    /// it is durable, and a failure poisons the journal (every later
+    /// durability wait reports it).
     ///
     /// # Errors
     /// A description when the journal refuses it (fenced, bad sequence nr).
