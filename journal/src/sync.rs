@@ -221,10 +221,7 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
     let mut failed = false;
     loop {
         let job = if dir_dirty {
-            match rx.try_recv() {
-                Ok(j) => Some(j),
-                Err(_) => None,
-            }
+            rx.try_recv().ok()
         } else {
             match rx.recv() {
                 Ok(j) => Some(j),
