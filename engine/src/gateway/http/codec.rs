@@ -365,6 +365,25 @@ impl RequestDecoder {
             return Ok(None);
         }
         let limit = self.limits.max_header_bytes;
+        // Fast path: a request whose head arrived whole with the first read
+        // (the common case) is parsed once by `httparse`, without the
+        // byte-wise search for the blank line below.
+        if self.scanned == 0 {
+            let window = &data[lead..data.len().min(limit + lead)];
+            let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS_LIMIT];
+            let mut req = httparse::Request::new(&mut headers[..self.limits.max_headers]);
+            // Incomplete, or an error the full path reports with the same
+            // status (it parses the same bytes again): the slow path below.
+            if let Ok(httparse::Status::Complete(n)) = req.parse(window) {
+                let buffered = data.len();
+                let (head, continue_due) =
+                    interpret(&req, lead + n, self.limits.max_body_bytes, buffered)?;
+                if continue_due {
+                    self.continue_due = true;
+                }
+                return Ok(Some(head));
+            }
+        }
         // Search for "\n\r\n" or "\n\n" from where the last search stopped,
         // so a client sending one byte at a time costs linear, not
         // quadratic, work.
@@ -410,72 +429,89 @@ impl RequestDecoder {
             }
             Err(e) => return Err(HttpError::Malformed(parse_error_text(e))),
         }
-        let (Some(method), Some(path), Some(version)) = (req.method, req.path, req.version) else {
-            return Err(HttpError::Malformed("missing method, target or version"));
-        };
-        if !path.starts_with('/') {
-            return Err(HttpError::Malformed(
-                "request target must be in origin form (start with `/`)",
-            ));
-        }
-        let mut keep_alive = version == 1;
-        let mut content_length: Option<u64> = None;
-        let mut expect_continue = false;
-        for h in req.headers.iter() {
-            if h.name.eq_ignore_ascii_case("content-length") {
-                let v = parse_content_length(h.value)?;
-                if content_length.is_some_and(|c| c != v) {
-                    return Err(HttpError::Malformed("conflicting Content-Length headers"));
-                }
-                content_length = Some(v);
-            } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
-                if req
-                    .headers
-                    .iter()
-                    .any(|h| h.name.eq_ignore_ascii_case("content-length"))
-                {
-                    return Err(HttpError::Malformed(
-                        "both Transfer-Encoding and Content-Length",
-                    ));
-                }
-                return Err(HttpError::LengthRequired);
-            } else if h.name.eq_ignore_ascii_case("connection") {
-                for token in h.value.split(|b| *b == b',') {
-                    let t = token.trim_ascii();
-                    if t.eq_ignore_ascii_case(b"close") {
-                        keep_alive = false;
-                    } else if t.eq_ignore_ascii_case(b"keep-alive") && version == 0 {
-                        keep_alive = true;
-                    }
-                }
-            } else if h.name.eq_ignore_ascii_case("expect") {
-                if h.value.trim_ascii().eq_ignore_ascii_case(b"100-continue") {
-                    expect_continue = true;
-                } else {
-                    return Err(HttpError::Malformed("unsupported Expect header"));
-                }
-            }
-        }
-        let body_len = content_length.unwrap_or(0);
-        if body_len > self.limits.max_body_bytes as u64 {
-            return Err(HttpError::BodyTooLarge {
-                len_bytes: body_len,
-                max_bytes: self.limits.max_body_bytes,
-            });
-        }
-        let body_len = body_len as usize;
-        let head = Head {
-            method: Method::parse(method),
-            target: path.to_string(),
-            keep_alive,
-            head_len: end,
-            body_len,
-        };
-        if expect_continue && body_len > 0 && self.buffered_bytes() < end + body_len {
-            self.continue_due = version == 1;
+        let buffered = self.buffered_bytes();
+        let (head, continue_due) = interpret(&req, end, self.limits.max_body_bytes, buffered)?;
+        if continue_due {
+            self.continue_due = true;
         }
         Ok(Some(head))
     }
+}
+
+/// The request head from a complete `httparse` parse of `end` bytes:
+/// method, target, keep-alive and body length (checked against
+/// `max_body_bytes`), and whether a `100 Continue` is due (the client
+/// expects one and the body is not in the `buffered_bytes` yet).
+fn interpret(
+    req: &httparse::Request<'_, '_>,
+    end: usize,
+    max_body_bytes: usize,
+    buffered_bytes: usize,
+) -> Result<(Head, bool), HttpError> {
+    let (Some(method), Some(path), Some(version)) = (req.method, req.path, req.version) else {
+        return Err(HttpError::Malformed("missing method, target or version"));
+    };
+    if !path.starts_with('/') {
+        return Err(HttpError::Malformed(
+            "request target must be in origin form (start with `/`)",
+        ));
+    }
+    let mut keep_alive = version == 1;
+    let mut content_length: Option<u64> = None;
+    let mut expect_continue = false;
+    for h in req.headers.iter() {
+        if h.name.eq_ignore_ascii_case("content-length") {
+            let v = parse_content_length(h.value)?;
+            if content_length.is_some_and(|c| c != v) {
+                return Err(HttpError::Malformed("conflicting Content-Length headers"));
+            }
+            content_length = Some(v);
+        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+            if req
+                .headers
+                .iter()
+                .any(|h| h.name.eq_ignore_ascii_case("content-length"))
+            {
+                return Err(HttpError::Malformed(
+                    "both Transfer-Encoding and Content-Length",
+                ));
+            }
+            return Err(HttpError::LengthRequired);
+        } else if h.name.eq_ignore_ascii_case("connection") {
+            for token in h.value.split(|b| *b == b',') {
+                let t = token.trim_ascii();
+                if t.eq_ignore_ascii_case(b"close") {
+                    keep_alive = false;
+                } else if t.eq_ignore_ascii_case(b"keep-alive") && version == 0 {
+                    keep_alive = true;
+                }
+            }
+        } else if h.name.eq_ignore_ascii_case("expect") {
+            if h.value.trim_ascii().eq_ignore_ascii_case(b"100-continue") {
+                expect_continue = true;
+            } else {
+                return Err(HttpError::Malformed("unsupported Expect header"));
+            }
+        }
+    }
+    let body_len = content_length.unwrap_or(0);
+    if body_len > max_body_bytes as u64 {
+        return Err(HttpError::BodyTooLarge {
+            len_bytes: body_len,
+            max_bytes: max_body_bytes,
+        });
+    }
+    let body_len = body_len as usize;
+    let head = Head {
+        method: Method::parse(method),
+        target: path.to_string(),
+        keep_alive,
+        head_len: end,
+        body_len,
+    };
+    let continue_due =
+        expect_continue && body_len > 0 && buffered_bytes < end + body_len && version == 1;
+    Ok((head, continue_due))
 }
 
 /// Runs `httparse` on an incomplete head to refuse garbage before the blank

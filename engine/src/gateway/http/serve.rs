@@ -166,12 +166,13 @@ impl CoreMetrics {
             }
         }
         if let Some(us) = micros {
-            if !self.latency.contains_key(type_name) {
-                self.latency
-                    .insert(type_name.to_string(), new_latency_histogram());
-            }
-            if let Some(h) = self.latency.get_mut(type_name) {
-                h.saturating_record(us.max(1));
+            match self.latency.get_mut(type_name) {
+                Some(h) => h.saturating_record(us.max(1)),
+                None => {
+                    let mut h = new_latency_histogram();
+                    h.saturating_record(us.max(1));
+                    self.latency.insert(type_name.to_string(), h);
+                }
             }
         }
     }
