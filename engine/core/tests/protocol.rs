@@ -764,3 +764,96 @@ fn stale_generations_are_ignored_by_regions() {
         vec![(ShardId(3), Generation(6), false)]
     );
 }
+
+// A recovered coordinator keeps the recorded homes of regions that register
+// again, and deallocates (at the re-register deadline) the shards of a
+// recorded region that never does.
+#[test]
+fn recovered_regions_that_do_not_reregister_are_terminated_at_the_deadline() {
+    let mut now = Duration::ZERO;
+    let strategy = || Box::new(LeastShardAllocationStrategy::default());
+    let mut c = ShardCoordinator::new(CoordinatorSettings::default(), strategy(), now);
+    let up = |c: &mut ShardCoordinator, now| {
+        for m in 1..=2 {
+            c.handle_membership(now, MembershipEvent::MemberUp(member(m)));
+        }
+    };
+    up(&mut c, now);
+    let mut journal = Vec::new();
+    for (r, s) in [(1, 0u32), (2, 1), (1, 2), (2, 3)] {
+        c.handle_message(
+            now,
+            CoordinatorMsg::Register {
+                region: rid(r),
+                hosted: vec![],
+            },
+        );
+        c.handle_message(
+            now,
+            CoordinatorMsg::GetShardHome {
+                region: rid(r),
+                shard: ShardId(s),
+            },
+        );
+    }
+    for e in c.drain_effects() {
+        if let CoordinatorEffect::Persist(ev) = e {
+            journal.push(ev);
+        }
+    }
+    assert_eq!(c.state().shards.len(), 4);
+    let cs = CoordinatorSettings {
+        reregister_timeout: Duration::from_secs(5),
+        ..CoordinatorSettings::default()
+    };
+    let state = CoordinatorState::from_events(journal.iter());
+    let mut r = ShardCoordinator::recover_state(cs, strategy(), state, now);
+    up(&mut r, now);
+    assert_eq!(r.unconfirmed_regions().count(), 2);
+    assert!(r.poll_timeout().unwrap() <= now + Duration::from_secs(5));
+    // Region 1 registers again, reporting what it hosts; region 2 is silent.
+    let hosted: Vec<(ShardId, Generation)> = c.state().regions[&rid(1)]
+        .iter()
+        .map(|s| (*s, c.state().shards[s].1))
+        .collect();
+    r.handle_message(
+        now,
+        CoordinatorMsg::Register {
+            region: rid(1),
+            hosted,
+        },
+    );
+    let sent: Vec<CoordinatorEffect> = r.drain_effects().collect();
+    assert!(
+        !sent.iter().any(|e| matches!(
+            e,
+            CoordinatorEffect::Send {
+                msg: RegionMsg::HandOff { .. },
+                ..
+            }
+        )),
+        "agreeing hosted shards are kept: {sent:?}"
+    );
+    now += Duration::from_secs(1);
+    r.handle_timeout(now);
+    assert_eq!(
+        r.state().shards.len(),
+        4,
+        "nothing dropped before the deadline"
+    );
+    now += Duration::from_secs(5);
+    r.handle_timeout(now);
+    assert_eq!(r.unconfirmed_regions().count(), 0);
+    assert_eq!(r.state().shards.len(), 2, "region 2's shards deallocated");
+    assert!(r.state().shards.values().all(|(reg, _)| *reg == rid(1)));
+    assert!(!r.state().regions.contains_key(&rid(2)));
+    // They are allocated again on demand, to the region that is there.
+    r.handle_message(
+        now,
+        CoordinatorMsg::GetShardHome {
+            region: rid(1),
+            shard: ShardId(1),
+        },
+    );
+    assert_eq!(r.state().shards[&ShardId(1)].0, rid(1));
+}

@@ -19,6 +19,7 @@
 //! which must be readable from the new home (one data root per machine,
 //! or a shared filesystem).
 
+pub mod coordinator;
 pub mod remember;
 
 use std::cell::RefCell;

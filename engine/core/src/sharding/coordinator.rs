@@ -156,6 +156,13 @@ pub struct CoordinatorSettings {
     /// start (milliseconds since the Unix epoch), so a new cluster never
     /// hands out an epoch below one an earlier run wrote with.
     pub min_generation: Generation,
+    /// How long a recovered coordinator waits for the regions of its
+    /// recovered state to register again before it terminates the ones that
+    /// did not (their shards are deallocated and allocated anew on demand).
+    /// Regions of members that are no longer in the membership are
+    /// terminated at once. Default 10 s. (Akka: a recovered coordinator
+    /// watches the recorded regions and drops those that are gone.)
+    pub reregister_timeout: Duration,
 }
 
 impl Default for CoordinatorSettings {
@@ -165,6 +172,7 @@ impl Default for CoordinatorSettings {
             rebalance_interval: Duration::from_secs(10),
             handoff_timeout: Duration::from_secs(60),
             min_generation: Generation(0),
+            reregister_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -216,6 +224,9 @@ pub struct ShardCoordinator {
     next_rebalance_at: Duration,
     effects: VecDeque<CoordinatorEffect>,
     strategy_errors: u64,
+    /// Recovered regions and proxies that have not registered again yet.
+    unconfirmed: BTreeSet<RegionId>,
+    reregister_deadline: Duration,
 }
 
 impl std::fmt::Debug for ShardCoordinator {
@@ -246,9 +257,34 @@ impl ShardCoordinator {
         events: impl IntoIterator<Item = &'a CoordinatorEvent>,
         now: Duration,
     ) -> Self {
+        Self::recover_state(
+            settings,
+            strategy,
+            CoordinatorState::from_events(events),
+            now,
+        )
+    }
+
+    /// A coordinator that takes over `state` (a snapshot of an earlier
+    /// coordinator's state, e.g. recovered from a journal). As
+    /// [`recover`](Self::recover): the recorded regions must register again
+    /// within [`CoordinatorSettings::reregister_timeout`], or they are
+    /// terminated and their shards allocated anew.
+    pub fn recover_state(
+        settings: CoordinatorSettings,
+        strategy: Box<dyn ShardAllocationStrategy + Send>,
+        mut state: CoordinatorState,
+        now: Duration,
+    ) -> Self {
         let next_rebalance_at = now + settings.rebalance_interval;
-        let mut state = CoordinatorState::from_events(events);
         state.last_generation = state.last_generation.max(settings.min_generation);
+        let unconfirmed = state
+            .regions
+            .keys()
+            .chain(state.proxies.iter())
+            .cloned()
+            .collect();
+        let reregister_deadline = now + settings.reregister_timeout;
         Self {
             settings,
             strategy,
@@ -261,7 +297,15 @@ impl ShardCoordinator {
             next_rebalance_at,
             effects: VecDeque::new(),
             strategy_errors: 0,
+            unconfirmed,
+            reregister_deadline,
         }
+    }
+
+    /// Recovered regions and proxies that have not registered again yet
+    /// (terminated at the re-register deadline).
+    pub fn unconfirmed_regions(&self) -> impl Iterator<Item = &RegionId> + '_ {
+        self.unconfirmed.iter()
     }
 
     /// The current durable state.
@@ -293,9 +337,14 @@ impl ShardCoordinator {
     /// must be called.
     pub fn poll_timeout(&self) -> Option<Duration> {
         let d = self.rebalance.values().map(|h| h.deadline).min();
-        Some(match d {
+        let t = match d {
             Some(d) => d.min(self.next_rebalance_at),
             None => self.next_rebalance_at,
+        };
+        Some(if self.unconfirmed.is_empty() {
+            t
+        } else {
+            t.min(self.reregister_deadline)
         })
     }
 
@@ -379,6 +428,7 @@ impl ShardCoordinator {
 
     fn terminate_region(&mut self, r: &RegionId) {
         self.shutting_down.remove(r);
+        self.unconfirmed.remove(r);
         let mut freed = Vec::new();
         if let Some(shards) = self.state.regions.get(r).cloned() {
             for s in shards {
@@ -418,6 +468,7 @@ impl ShardCoordinator {
                 if self.removed.contains(&region.member) {
                     return;
                 }
+                self.unconfirmed.remove(&region);
                 if !self.state.regions.contains_key(&region) {
                     self.persist(CoordinatorEvent::ShardRegionRegistered {
                         region: region.clone(),
@@ -450,6 +501,7 @@ impl ShardCoordinator {
                 if self.removed.contains(&proxy.member) {
                     return;
                 }
+                self.unconfirmed.remove(&proxy);
                 if !self.state.proxies.contains(&proxy) {
                     self.persist(CoordinatorEvent::ShardRegionProxyRegistered {
                         proxy: proxy.clone(),
@@ -618,9 +670,17 @@ impl ShardCoordinator {
         }
     }
 
-    /// Runs the timers that are due: the rebalance round and abandoned
-    /// hand-offs.
+    /// Runs the timers that are due: the re-register deadline of a
+    /// recovered coordinator, abandoned hand-offs, and the rebalance round.
     pub fn handle_timeout(&mut self, now: Duration) {
+        if !self.unconfirmed.is_empty() && now >= self.reregister_deadline {
+            // Recovered regions that did not register again in time are
+            // gone: their shards are allocated anew on demand.
+            let gone: Vec<RegionId> = std::mem::take(&mut self.unconfirmed).into_iter().collect();
+            for r in gone {
+                self.terminate_region(&r);
+            }
+        }
         let expired: Vec<ShardId> = self
             .rebalance
             .iter()
