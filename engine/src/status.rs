@@ -93,6 +93,34 @@ pub struct NodeStatus {
     pub coordinator_here: bool,
     /// This node's regions.
     pub regions: Vec<RegionStatusView>,
+    /// The coordinators running on this node (one per entity type; empty
+    /// unless `coordinator_here`).
+    #[serde(default)]
+    pub coordinators: Vec<CoordinatorStatusView>,
+}
+
+/// One coordinator in a [`NodeStatus`]: how its incarnation recovered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CoordinatorStatusView {
+    /// Entity type.
+    pub type_name: String,
+    /// The incarnation's journal writer epoch (0 without a journal).
+    pub writer_epoch: u64,
+    /// Where its state came from: `journal` (a control journal of the data
+    /// root), `replicated` (the in-memory copy other coordinators sent this
+    /// member), or `empty`.
+    pub recovered_from: String,
+    /// The control journal directory it recovered from, if any.
+    pub journal_dir: Option<String>,
+    /// Journal records (snapshot + events) replayed (count).
+    pub recovered_records: u64,
+    /// Allocated shards in the recovered state (count).
+    pub recovered_shards: u64,
+    /// Allocated shards now (count).
+    pub shards: u64,
+    /// Why the coordinator refused to start or stopped (config mismatch,
+    /// fenced or failed journal), if it did.
+    pub refused: Option<String>,
 }
 
 /// One region's figures in [`ClusterShardingStats`] (Akka's

@@ -49,6 +49,26 @@ pub fn run(args: &StatusArgs, out: &mut impl std::io::Write) -> anyhow::Result<(
         st.coordinator.as_deref().unwrap_or("-"),
         if st.coordinator_here { " (here)" } else { "" }
     )?;
+    for c in &st.coordinators {
+        writeln!(
+            out,
+            "  coordinator {}: epoch {}, recovered from {}{} ({} records, {} shards), {} shards now{}",
+            c.type_name,
+            c.writer_epoch,
+            c.recovered_from,
+            c.journal_dir
+                .as_deref()
+                .map(|d| format!(" {d}"))
+                .unwrap_or_default(),
+            c.recovered_records,
+            c.recovered_shards,
+            c.shards,
+            c.refused
+                .as_deref()
+                .map(|r| format!("; REFUSED: {r}"))
+                .unwrap_or_default(),
+        )?;
+    }
     writeln!(out, "members:")?;
     for m in &st.members {
         writeln!(

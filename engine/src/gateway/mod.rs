@@ -132,6 +132,7 @@ pub(crate) async fn collect_status(core: &Rc<RefCell<Core>>) -> Option<NodeStatu
             coordinator: None,
             coordinator_here: false,
             regions: c.status(),
+            coordinators: Vec::new(),
         };
         (st, others)
     };
@@ -144,6 +145,7 @@ pub(crate) async fn collect_status(core: &Rc<RefCell<Core>>) -> Option<NodeStatu
             status.leader = v.leader;
             status.coordinator = v.coordinator;
             status.coordinator_here = v.coordinator_here;
+            status.coordinators = v.coordinators;
             got_cluster = true;
         }
         while let Ok(mut r) = rrx.try_recv() {

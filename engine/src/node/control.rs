@@ -4,7 +4,7 @@
 //! listener (which hands data lanes over to the data executors).
 
 use std::cell::RefCell;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::os::fd::IntoRawFd;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
@@ -30,7 +30,10 @@ use crate::envelope::{
     decode_frame_body, encode_frame, FrameError, MAX_FRAME_SIZE_BYTES, PROTOCOL_VERSION,
 };
 use crate::envelope::{ControlFrame, Hello, Lane, WireMember, WireRegionStats};
+use crate::persistence::coordinator::{next_epoch, ControlJournal, CoordinatorConfig};
+use crate::persistence::DurableWake;
 use crate::runtime::{RingReceiver, RingSender};
+use crate::status::CoordinatorStatusView;
 use crate::transport::{self, Fingerprint, FrameReader, Outbox, TransportError};
 
 /// Everything the control executor starts with.
@@ -89,6 +92,21 @@ struct Control {
     /// Pending cluster-wide stats requests: id → (asker, expiry).
     stats_waiters: HashMap<u64, (crossbeam_channel::Sender<StatsEvent>, Duration)>,
     next_stats_id: u64,
+    /// The control core's journal (the coordinators' events), if it opened.
+    journal: Option<ControlJournal>,
+    /// What the coordinator journal records and checks.
+    journal_config: CoordinatorConfig,
+    /// Per type: the coordinator's region messages held until the events
+    /// persisted before them are durable: `(barrier LSN, to, msg)`.
+    held: HashMap<String, VecDeque<(u64, RegionId, RegionMsg)>>,
+    /// Per type: LSN of the coordinator's last appended event.
+    barrier: HashMap<String, u64>,
+    /// Woken by the journal's sync thread when held messages may go.
+    durable_wake: Arc<DurableWake>,
+    /// The highest LSN a durability callback is registered for.
+    armed_lsn: u64,
+    /// How each coordinator on this node recovered (status).
+    coord_status: BTreeMap<String, CoordinatorStatusView>,
 }
 
 type ControlRef = Rc<RefCell<Control>>;
@@ -129,7 +147,25 @@ pub(crate) async fn run(init: ControlInit) {
             return;
         }
     };
+    let journal = match ControlJournal::open(&init.config.data_dir, &init.config.durability) {
+        Ok(j) => Some(j),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot open the control journal; coordinator state is kept in memory only");
+            None
+        }
+    };
+    let journal_config = CoordinatorConfig {
+        number_of_shards: init.config.number_of_shards,
+        hash_name: SHARD_ID_HASH_NAME.to_string(),
+    };
     let ctl = Rc::new(RefCell::new(Control {
+        journal,
+        journal_config,
+        held: HashMap::new(),
+        barrier: HashMap::new(),
+        durable_wake: Arc::new(DurableWake::default()),
+        armed_lsn: 0,
+        coord_status: BTreeMap::new(),
         me,
         epoch: init.epoch,
         fp: Fingerprint {
@@ -175,6 +211,19 @@ pub(crate) async fn run(init: ControlInit) {
             if actl.borrow().shutdown {
                 return;
             }
+        }
+    });
+    let dctl = ctl.clone();
+    let wake = ctl.borrow().durable_wake.clone();
+    monoio::spawn(async move {
+        loop {
+            wake.wait().await;
+            if dctl.borrow().shutdown {
+                return;
+            }
+            let mut c = dctl.borrow_mut();
+            c.release_held();
+            c.drive();
         }
     });
     let tctl = ctl.clone();
@@ -340,32 +389,158 @@ impl Control {
         MembershipEvent::CurrentMembers(list)
     }
 
+    /// Starts `t`'s coordinator here: recovers its state (the newest
+    /// control journal of the data root; else the copy replicated to this
+    /// member; else empty), begins a new journal incarnation with a writer
+    /// epoch above every recorded one, then reconciles with the membership
+    /// (regions of members that are gone are terminated at once; the others
+    /// must register again within the re-register timeout).
     fn new_coordinator(&mut self, t: &str) {
         let now = self.now();
-        let events = self
-            .coord_state
-            .get(t)
-            .map(snapshot_events)
-            .unwrap_or_default();
         // Generations are the journal's writer epochs: floor them at the wall
-        // clock so a cluster restarted from scratch (whose replicated
-        // coordinator state is gone) never reuses an epoch below the ones
-        // its durable entities already wrote with.
+        // clock so a cluster whose coordinator journals are gone never reuses
+        // an epoch below the ones its durable entities already wrote with.
         let wall_clock_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let mut status = CoordinatorStatusView {
+            type_name: t.to_string(),
+            writer_epoch: 0,
+            recovered_from: "empty".to_string(),
+            journal_dir: None,
+            recovered_records: 0,
+            recovered_shards: 0,
+            shards: 0,
+            refused: None,
+        };
+        let replicated = self.coord_state.get(t).cloned();
+        let mut state = CoordinatorState::default();
+        if let Some(j) = self.journal.as_mut() {
+            let rec = match j.recover(t, &self.journal_config) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::error!(type_name = t, error = %e, "coordinator refused to start");
+                    status.refused = Some(e.to_string());
+                    self.coord_status.insert(t.to_string(), status);
+                    return;
+                }
+            };
+            if let Some(dir) = &rec.source {
+                status.recovered_from = "journal".to_string();
+                status.journal_dir = Some(dir.display().to_string());
+                status.recovered_records = rec.records;
+                state = rec.state;
+            } else if let Some(r) = replicated {
+                status.recovered_from = "replicated".to_string();
+                state = r;
+            }
+            let epoch = next_epoch(rec.highest_epoch, wall_clock_ms);
+            match j.begin(t, epoch, &state, &self.journal_config) {
+                Ok(lsn) => {
+                    self.barrier.insert(t.to_string(), lsn.0);
+                }
+                Err(e) => {
+                    tracing::error!(type_name = t, error = %e, "coordinator refused to start");
+                    status.refused = Some(e.to_string());
+                    self.coord_status.insert(t.to_string(), status);
+                    return;
+                }
+            }
+            status.writer_epoch = epoch.0;
+        } else if let Some(r) = replicated {
+            status.recovered_from = "replicated".to_string();
+            state = r;
+        }
+        status.recovered_shards = state.shards.len() as u64;
+        tracing::info!(
+            type_name = t,
+            writer_epoch = status.writer_epoch,
+            from = %status.recovered_from,
+            dir = status.journal_dir.as_deref().unwrap_or("-"),
+            records = status.recovered_records,
+            shards = status.recovered_shards,
+            "coordinator recovered"
+        );
+        // Members' replicated copies follow the recovered state.
+        self.coord_state.insert(t.to_string(), state.clone());
         let settings = CoordinatorSettings {
-            min_generation: shardline_core::sharding::Generation(wall_clock_ms),
+            min_generation: Generation(wall_clock_ms),
             ..CoordinatorSettings::default()
         };
-        let mut c = ShardCoordinator::recover(
+        let mut c = ShardCoordinator::recover_state(
             settings,
             Box::new(LeastShardAllocationStrategy::default()),
-            events.iter(),
+            state,
             now,
         );
         c.handle_membership(now, self.current_members());
         self.coordinators.insert(t.to_string(), c);
+        self.coord_status.insert(t.to_string(), status);
+        for addr in self.other_members() {
+            self.send_coordinator_snapshot(&addr);
+        }
+    }
+
+    /// Stops `t`'s coordinator after its journal refused an append (a newer
+    /// incarnation fenced it, or the journal failed).
+    fn fail_coordinator(&mut self, t: &str, reason: String) {
+        tracing::error!(
+            type_name = t,
+            reason,
+            "coordinator stops: its journal refused an event"
+        );
+        self.coordinators.remove(t);
+        self.held.remove(t);
+        self.barrier.remove(t);
+        if let Some(j) = self.journal.as_mut() {
+            j.end(t);
+        }
+        if let Some(st) = self.coord_status.get_mut(t) {
+            st.refused = Some(reason);
+        }
+    }
+
+    /// Sends the held region messages whose events are now durable.
+    fn release_held(&mut self) {
+        let durable = self
+            .journal
+            .as_ref()
+            .map_or(u64::MAX, |j| j.durable_lsn().0);
+        let types: Vec<String> = self.held.keys().cloned().collect();
+        for t in types {
+            loop {
+                let Some(q) = self.held.get_mut(&t) else {
+                    break;
+                };
+                if q.front().is_none_or(|(b, _, _)| *b > durable) {
+                    break;
+                }
+                let Some((_, to, msg)) = q.pop_front() else {
+                    break;
+                };
+                self.send_region(&t, to, msg);
+            }
+        }
+        self.held.retain(|_, q| !q.is_empty());
+        self.arm_durable();
+    }
+
+    /// Registers a durability callback for the newest held message.
+    fn arm_durable(&mut self) {
+        let Some(j) = &self.journal else { return };
+        let want = self
+            .held
+            .values()
+            .filter_map(|q| q.back().map(|(b, _, _)| *b))
+            .max()
+            .unwrap_or(0);
+        if want == 0 || want <= self.armed_lsn {
+            return;
+        }
+        self.armed_lsn = want;
+        let w = self.durable_wake.clone();
+        j.watcher()
+            .on_durable(shardline_journal::Lsn(want), move |_| w.notify());
     }
 
     fn start_coordinators(&mut self) {
@@ -384,20 +559,60 @@ impl Control {
             tracing::info!("coordinator singleton stops here");
         }
         self.singleton = false;
+        if let Some(j) = self.journal.as_mut() {
+            for t in self.coordinators.keys() {
+                j.end(t);
+            }
+        }
         self.coordinators.clear();
+        self.held.clear();
+        self.barrier.clear();
+        self.coord_status.clear();
     }
 
+    /// Carries out `t`'s coordinator effects: events are appended to the
+    /// control journal (never waiting for a flush) and replicated to the
+    /// other members; a region message waits until every event before it
+    /// is durable (the durability watcher wakes [`Self::release_held`]).
     fn drain_coordinator(&mut self, t: &str) -> bool {
         let mut any = false;
         loop {
             let Some(c) = self.coordinators.get_mut(t) else {
                 return any;
             };
-            let Some(e) = c.poll_effect() else { return any };
+            let Some(e) = c.poll_effect() else {
+                self.after_drain(t);
+                return any;
+            };
             any = true;
             match e {
-                CoordinatorEffect::Send { to, msg } => self.send_region(t, to, msg),
+                CoordinatorEffect::Send { to, msg } => {
+                    let barrier = self.barrier.get(t).copied().unwrap_or(0);
+                    let durable = self
+                        .journal
+                        .as_ref()
+                        .map_or(u64::MAX, |j| j.durable_lsn().0);
+                    let q = self.held.entry(t.to_string()).or_default();
+                    if q.is_empty() && barrier <= durable {
+                        self.send_region(t, to, msg);
+                    } else {
+                        q.push_back((barrier, to, msg));
+                    }
+                }
                 CoordinatorEffect::Persist(ev) => {
+                    if let Some(j) = self.journal.as_mut() {
+                        if let Some(epoch) = j.epoch(t) {
+                            match j.append(t, epoch, &ev) {
+                                Ok(lsn) => {
+                                    self.barrier.insert(t.to_string(), lsn.0);
+                                }
+                                Err(e) => {
+                                    self.fail_coordinator(t, e.to_string());
+                                    return true;
+                                }
+                            }
+                        }
+                    }
                     // "Durable" here means: applied to this member's copy and
                     // queued to every other member's control lane before any
                     // later effect (FIFO lanes keep that order per member).
@@ -415,6 +630,22 @@ impl Control {
                     }
                 }
             }
+        }
+    }
+
+    /// After a drained turn of `t`'s coordinator: a snapshot when due, and
+    /// a durability callback for held messages.
+    fn after_drain(&mut self, t: &str) {
+        let due = self.journal.as_ref().is_some_and(|j| j.snapshot_due(t));
+        if due {
+            if let (Some(j), Some(c)) = (self.journal.as_mut(), self.coordinators.get(t)) {
+                if let Err(e) = j.save_snapshot(t, c.state(), &self.journal_config) {
+                    tracing::warn!(type_name = t, error = %e, "coordinator snapshot failed");
+                }
+            }
+        }
+        if self.held.get(t).is_some_and(|q| !q.is_empty()) {
+            self.arm_durable();
         }
     }
 
@@ -596,6 +827,7 @@ impl Control {
     // ----- timers and inbox -----
 
     fn tick(&mut self) {
+        self.release_held();
         let now = self.now();
         if !self.stopped && self.cluster.poll_timeout().is_some_and(|t| t <= now) {
             self.cluster.handle_timeout(now);
@@ -820,6 +1052,17 @@ impl Control {
             leader: self.cluster.leader().map(|l| l.address.0),
             coordinator: self.cluster.oldest().map(|o| o.address.0),
             coordinator_here: self.singleton,
+            coordinators: self
+                .coord_status
+                .values()
+                .map(|s| {
+                    let mut s = s.clone();
+                    if let Some(c) = self.coordinators.get(&s.type_name) {
+                        s.shards = c.state().shards.len() as u64;
+                    }
+                    s
+                })
+                .collect(),
         }
     }
 }

@@ -29,7 +29,7 @@ use crate::config::NodeConfig;
 use crate::entity::EntityFactory;
 use crate::envelope::Status;
 use crate::runtime::{ring, RingSender};
-pub use crate::status::{MemberStatusView, NodeStatus, RegionStatusView};
+pub use crate::status::{CoordinatorStatusView, MemberStatusView, NodeStatus, RegionStatusView};
 pub(crate) use msg::{StatsEvent, ToControl, ToCore};
 
 /// Errors from starting a node.

@@ -35,6 +35,7 @@ pub(crate) struct ClusterView {
     pub leader: Option<String>,
     pub coordinator: Option<String>,
     pub coordinator_here: bool,
+    pub coordinators: Vec<crate::status::CoordinatorStatusView>,
 }
 
 /// What the control executor reports to a [`ToControl::ShardingStats`].

@@ -399,6 +399,7 @@ mod tests {
                 hand_offs_begun: 0,
                 hand_offs_completed: 0,
             }],
+            coordinators: Vec::new(),
         }
     }
 
