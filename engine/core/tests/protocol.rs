@@ -767,7 +767,8 @@ fn stale_generations_are_ignored_by_regions() {
 
 // A recovered coordinator keeps the recorded homes of regions that register
 // again, and deallocates (at the re-register deadline) the shards of a
-// recorded region that never does.
+// recorded region of a member that is not Up and never registers again; a
+// silent region of an Up member keeps its shards (no second home).
 #[test]
 fn recovered_regions_that_do_not_reregister_are_terminated_at_the_deadline() {
     let mut now = Duration::ZERO;
@@ -809,6 +810,8 @@ fn recovered_regions_that_do_not_reregister_are_terminated_at_the_deadline() {
     let state = CoordinatorState::from_events(journal.iter());
     let mut r = ShardCoordinator::recover_state(cs, strategy(), state, now);
     up(&mut r, now);
+    // Member 2 is leaving: its region does not register again.
+    r.handle_membership(now, MembershipEvent::MemberLeaving(member(2)));
     assert_eq!(r.unconfirmed_regions().count(), 2);
     assert!(r.poll_timeout().unwrap() <= now + Duration::from_secs(5));
     // Region 1 registers again, reporting what it hosts; region 2 is silent.
@@ -847,6 +850,21 @@ fn recovered_regions_that_do_not_reregister_are_terminated_at_the_deadline() {
     assert_eq!(r.state().shards.len(), 2, "region 2's shards deallocated");
     assert!(r.state().shards.values().all(|(reg, _)| *reg == rid(1)));
     assert!(!r.state().regions.contains_key(&rid(2)));
+    // A silent region of an Up member is kept.
+    let state = CoordinatorState::from_events(journal.iter());
+    let mut k = ShardCoordinator::recover_state(
+        CoordinatorSettings {
+            reregister_timeout: Duration::from_secs(5),
+            ..CoordinatorSettings::default()
+        },
+        strategy(),
+        state,
+        now,
+    );
+    up(&mut k, now);
+    k.handle_timeout(now + Duration::from_secs(6));
+    assert_eq!(k.state().shards.len(), 4);
+    assert_eq!(k.unconfirmed_regions().count(), 0);
     // They are allocated again on demand, to the region that is there.
     r.handle_message(
         now,

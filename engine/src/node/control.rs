@@ -508,16 +508,14 @@ impl Control {
             .map_or(u64::MAX, |j| j.durable_lsn().0);
         let types: Vec<String> = self.held.keys().cloned().collect();
         for t in types {
-            loop {
-                let Some(q) = self.held.get_mut(&t) else {
-                    break;
-                };
-                if q.front().is_none_or(|(b, _, _)| *b > durable) {
-                    break;
+            let ready: Vec<(RegionId, RegionMsg)> = match self.held.get_mut(&t) {
+                Some(q) => {
+                    let n = q.iter().take_while(|(b, _, _)| *b <= durable).count();
+                    q.drain(..n).map(|(_, to, msg)| (to, msg)).collect()
                 }
-                let Some((_, to, msg)) = q.pop_front() else {
-                    break;
-                };
+                None => Vec::new(),
+            };
+            for (to, msg) in ready {
                 self.send_region(&t, to, msg);
             }
         }

@@ -157,11 +157,15 @@ pub struct CoordinatorSettings {
     /// hands out an epoch below one an earlier run wrote with.
     pub min_generation: Generation,
     /// How long a recovered coordinator waits for the regions of its
-    /// recovered state to register again before it terminates the ones that
-    /// did not (their shards are deallocated and allocated anew on demand).
-    /// Regions of members that are no longer in the membership are
-    /// terminated at once. Default 10 s. (Akka: a recovered coordinator
-    /// watches the recorded regions and drops those that are gone.)
+    /// recovered state to register again. At the deadline, the recorded
+    /// regions that did not, and whose member is not Up (e.g. Leaving), are
+    /// terminated: their shards are deallocated and allocated anew on
+    /// demand. Regions of members that are no longer in the membership are
+    /// terminated at once; regions of Up members are kept (terminating a
+    /// live region would give its shards a second home; if the member dies,
+    /// its removal terminates them). Default 10 s. (Akka: a recovered
+    /// coordinator watches the recorded regions and drops those that are
+    /// gone.)
     pub reregister_timeout: Duration,
 }
 
@@ -674,9 +678,14 @@ impl ShardCoordinator {
     /// recovered coordinator, abandoned hand-offs, and the rebalance round.
     pub fn handle_timeout(&mut self, now: Duration) {
         if !self.unconfirmed.is_empty() && now >= self.reregister_deadline {
-            // Recovered regions that did not register again in time are
-            // gone: their shards are allocated anew on demand.
-            let gone: Vec<RegionId> = std::mem::take(&mut self.unconfirmed).into_iter().collect();
+            // Recovered regions that did not register again in time and
+            // whose member is not Up are gone: their shards are allocated
+            // anew on demand. Regions of Up members stay (see
+            // `reregister_timeout`).
+            let gone: Vec<RegionId> = std::mem::take(&mut self.unconfirmed)
+                .into_iter()
+                .filter(|r| self.members.get(&r.member) != Some(&MemberStatus::Up))
+                .collect();
             for r in gone {
                 self.terminate_region(&r);
             }
