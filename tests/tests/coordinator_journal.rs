@@ -13,7 +13,6 @@
 //! Ports 25400-25599.
 
 #[path = "node_cases/support.rs"]
-#[allow(dead_code)]
 mod support;
 
 use std::io::{BufRead, BufReader};
