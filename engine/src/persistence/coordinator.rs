@@ -688,8 +688,9 @@ impl ControlJournal {
     }
 
     /// Saves `state` (the fold of every event appended so far) as the
-    /// snapshot of `type_name`'s coordinator. Writes and fsyncs a small file
-    /// on the calling thread.
+    /// snapshot of `type_name`'s coordinator. Writes a small temporary
+    /// file on the calling thread; the journal's meta thread makes it
+    /// durable.
     ///
     /// # Errors
     /// [`CoordinatorJournalError::NotBegun`]; `Snapshot` when the journal
