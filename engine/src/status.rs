@@ -37,6 +37,10 @@ pub struct RegionStatusView {
     pub entities_activated: u64,
     /// Messages refused by the region (count).
     pub dead_letters: u64,
+    /// [`Self::dead_letters`] by reason (`buffer_full`, `shutting_down`,
+    /// `not_hosted`; reasons never seen are left out), in counts.
+    #[serde(default)]
+    pub dead_letter_reasons: std::collections::BTreeMap<String, u64>,
     /// Messages waiting in the region's buffers (count).
     pub buffered: usize,
     /// The core's pool of a stateless worker type (`None` for other types).

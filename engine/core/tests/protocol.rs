@@ -340,6 +340,14 @@ fn buffer_full_is_an_explicit_failure() {
         ]
     );
     assert_eq!(w.regions[0].dead_letters(), 2);
+    assert_eq!(
+        w.regions[0].dead_letters_by_reason(),
+        [
+            (FailureReason::BufferFull, 2),
+            (FailureReason::ShuttingDown, 0),
+            (FailureReason::NotHosted, 0)
+        ]
+    );
     assert_eq!(w.regions[0].buffered(), 3);
     // The retry timer asks again; the buffer drains in order.
     w.advance(Duration::from_secs(2));

@@ -1294,6 +1294,13 @@ impl Core {
                     messages_delivered: h.delivered,
                     entities_activated: h.activated,
                     dead_letters: h.region.dead_letters(),
+                    dead_letter_reasons: h
+                        .region
+                        .dead_letters_by_reason()
+                        .into_iter()
+                        .filter(|(_, n)| *n > 0)
+                        .map(|(r, n)| (r.label().to_string(), n))
+                        .collect(),
                     buffered: h.region.buffered(),
                     hand_offs_begun: h.region.hand_offs_begun(),
                     hand_offs_completed: h.region.hand_offs_completed(),

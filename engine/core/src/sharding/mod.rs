@@ -242,6 +242,34 @@ pub enum FailureReason {
     NotHosted,
 }
 
+impl FailureReason {
+    /// Every reason, in a fixed order (the index of
+    /// [`ShardRegion::dead_letters_by_reason`]).
+    pub const ALL: [FailureReason; 3] = [
+        FailureReason::BufferFull,
+        FailureReason::ShuttingDown,
+        FailureReason::NotHosted,
+    ];
+
+    /// A short snake_case name, used as the `reason` label of the
+    /// `shardline_dead_letters_total` metric and in the node status.
+    pub fn label(&self) -> &'static str {
+        match self {
+            FailureReason::BufferFull => "buffer_full",
+            FailureReason::ShuttingDown => "shutting_down",
+            FailureReason::NotHosted => "not_hosted",
+        }
+    }
+
+    fn index(&self) -> usize {
+        match self {
+            FailureReason::BufferFull => 0,
+            FailureReason::ShuttingDown => 1,
+            FailureReason::NotHosted => 2,
+        }
+    }
+}
+
 impl fmt::Display for FailureReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {

@@ -258,6 +258,7 @@ pub struct ShardRegion<M, S> {
     policy: Box<dyn ReplacementPolicy + Send>,
     active_count: usize,
     dead_letters: u64,
+    dead_letters_by_reason: [u64; FailureReason::ALL.len()],
     hand_offs_begun: u64,
     hand_offs_completed: u64,
     dead_regions: HashSet<RegionId>,
@@ -326,6 +327,7 @@ impl<M, S> ShardRegion<M, S> {
             policy,
             active_count: 0,
             dead_letters: 0,
+            dead_letters_by_reason: [0; FailureReason::ALL.len()],
             hand_offs_begun: 0,
             hand_offs_completed: 0,
             dead_regions: HashSet::new(),
@@ -356,6 +358,16 @@ impl<M, S> ShardRegion<M, S> {
     /// Messages refused with a failure so far (count).
     pub fn dead_letters(&self) -> u64 {
         self.dead_letters
+    }
+
+    /// Messages refused so far, by reason (counts, in the order of
+    /// [`FailureReason::ALL`]; they sum to [`Self::dead_letters`]).
+    pub fn dead_letters_by_reason(&self) -> [(FailureReason, u64); FailureReason::ALL.len()] {
+        let mut out = [(FailureReason::BufferFull, 0); FailureReason::ALL.len()];
+        for (slot, r) in out.iter_mut().zip(FailureReason::ALL) {
+            *slot = (r, self.dead_letters_by_reason[r.index()]);
+        }
+        out
     }
 
     /// Hand-offs begun here: shards told to stop by the coordinator's
@@ -537,6 +549,7 @@ impl<M, S> ShardRegion<M, S> {
 
     fn fail(&mut self, envelope: Envelope<M, S>, reason: FailureReason) {
         self.dead_letters += 1;
+        self.dead_letters_by_reason[reason.index()] += 1;
         self.effects
             .push_back(RegionEffect::Fail { envelope, reason });
     }

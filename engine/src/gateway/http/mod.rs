@@ -394,6 +394,7 @@ mod tests {
                 messages_delivered: 5,
                 entities_activated: 1,
                 dead_letters: 0,
+                dead_letter_reasons: Default::default(),
                 buffered: 0,
                 worker: None,
                 hand_offs_begun: 0,

@@ -854,7 +854,22 @@ fn node_metrics(front: &HttpFront, status: &NodeStatus) -> MetricsSnapshot {
             micros,
         })
         .collect();
-    for r in &status.regions {
+    region_metrics(&mut m, &status.regions);
+    for core in 0..front.data_cores {
+        if let Some(h) = crate::persistence::journal_flush_latency_micros(&front.data_dir, core) {
+            m.journal_flush_micros.push((core, h));
+        }
+    }
+    m
+}
+
+/// Adds the per-region series of `regions` (one entry per type and core) to
+/// `m`. Dead letters get one series per (type, reason), summed over cores;
+/// a stateless worker pool's refusals count under `worker_queue_full`.
+fn region_metrics(m: &mut MetricsSnapshot, regions: &[crate::status::RegionStatusView]) {
+    let mut dead_letters: std::collections::BTreeMap<(String, String), u64> =
+        std::collections::BTreeMap::new();
+    for r in regions {
         let v = |value: u64| RegionValue {
             type_name: r.type_name.clone(),
             core: r.core,
@@ -873,18 +888,99 @@ fn node_metrics(front: &HttpFront, status: &NodeStatus) -> MetricsSnapshot {
             m.worker_queued.push(v(w.queued as u64));
             m.worker_executed.push(v(w.executed_locally));
         }
-        if r.dead_letters > 0 {
-            m.dead_letters.push(DeadLetterCount {
-                type_name: r.type_name.clone(),
-                reason: "refused_by_region".into(),
-                count: r.dead_letters,
-            });
+        // One series per (type, reason): the cores' counts are summed.
+        for (reason, count) in &r.dead_letter_reasons {
+            *dead_letters
+                .entry((r.type_name.clone(), reason.clone()))
+                .or_insert(0) += *count;
+        }
+        if let Some(w) = r.worker.as_ref().filter(|w| w.rejected > 0) {
+            *dead_letters
+                .entry((r.type_name.clone(), "worker_queue_full".to_string()))
+                .or_insert(0) += w.rejected;
         }
     }
-    for core in 0..front.data_cores {
-        if let Some(h) = crate::persistence::journal_flush_latency_micros(&front.data_dir, core) {
-            m.journal_flush_micros.push((core, h));
-        }
+    m.dead_letters.extend(
+        dead_letters
+            .into_iter()
+            .map(|((type_name, reason), count)| DeadLetterCount {
+                type_name,
+                reason,
+                count,
+            }),
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gateway::http::metrics::write_prometheus;
+    use crate::status::RegionStatusView;
+
+    fn region(core: u16, reasons: &[(&str, u64)], rejected: Option<u64>) -> RegionStatusView {
+        let mut v: RegionStatusView = serde_json::from_value(serde_json::json!({
+            "type_name": "counter",
+            "core": core,
+            "proxy": false,
+            "registered": true,
+            "shards": {},
+            "entities": 0,
+            "messages_delivered": 0,
+            "entities_activated": 0,
+            "dead_letters": reasons.iter().map(|(_, n)| n).sum::<u64>(),
+            "buffered": 0,
+            "hand_offs_begun": 0,
+            "hand_offs_completed": 0,
+        }))
+        .expect("a region status");
+        v.dead_letter_reasons = reasons.iter().map(|(r, n)| (r.to_string(), *n)).collect();
+        v.worker = rejected.map(|rejected| crate::status::WorkerPoolStatus {
+            max_local_workers: 2,
+            core_limit: 1,
+            activations: 0,
+            max_activations_seen: 1,
+            queued: 0,
+            executed_locally: 0,
+            created: 1,
+            collected: 1,
+            rejected,
+        });
+        v
     }
-    m
+
+    #[test]
+    fn dead_letters_are_one_series_per_type_and_reason_summed_over_cores() {
+        let regions = [
+            region(0, &[("buffer_full", 2), ("shutting_down", 1)], None),
+            region(1, &[("buffer_full", 3)], Some(4)),
+        ];
+        let mut m = MetricsSnapshot::default();
+        region_metrics(&mut m, &regions);
+        let got: Vec<(&str, &str, u64)> = m
+            .dead_letters
+            .iter()
+            .map(|d| (d.type_name.as_str(), d.reason.as_str(), d.count))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("counter", "buffer_full", 5),
+                ("counter", "shutting_down", 1),
+                ("counter", "worker_queue_full", 4)
+            ]
+        );
+        let text = write_prometheus(&m);
+        assert!(
+            text.contains(
+                "shardline_dead_letters_total{type=\"counter\",reason=\"buffer_full\"} 5\n"
+            ),
+            "{text}"
+        );
+        assert_eq!(
+            text.matches("shardline_dead_letters_total{type=\"counter\",reason=\"buffer_full\"}")
+                .count(),
+            1,
+            "{text}"
+        );
+    }
 }
