@@ -127,6 +127,7 @@ impl World {
                         self.failed.push((envelope.payload, reason))
                     }
                     RegionEffect::StartEntity { .. }
+                    | RegionEffect::NotActive { .. }
                     | RegionEffect::Persist(_)
                     | RegionEffect::RecoverRememberedEntities { .. } => {}
                 }

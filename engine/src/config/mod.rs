@@ -89,7 +89,7 @@ impl EntityKind {
 }
 
 /// One hosted entity type (`[[entity_types]]`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EntityTypeConfig {
     /// The type name clients address (1..=255 bytes).
@@ -138,6 +138,26 @@ pub struct EntityTypeConfig {
     /// milliseconds (1..=3600000). Default 1000.
     #[serde(default = "default_aggregate_interval_ms")]
     pub aggregate_interval_ms: u64,
+    /// Supervision: first restart delay after a failure, in milliseconds.
+    /// Default 100. See [`crate::entity::supervision`].
+    #[serde(default = "default_restart_min_backoff_ms")]
+    pub restart_min_backoff_ms: u64,
+    /// Supervision: largest restart delay, in milliseconds (at least
+    /// `restart_min_backoff_ms`). Default 10000.
+    #[serde(default = "default_restart_max_backoff_ms")]
+    pub restart_max_backoff_ms: u64,
+    /// Supervision: random extra delay as a fraction of the delay, in
+    /// `0.0..=1.0`. Default 0.2.
+    #[serde(default = "default_restart_random_factor")]
+    pub restart_random_factor: f64,
+    /// Supervision: most restarts within `restart_window_ms` (count); one
+    /// more failure stops the entity. Default 10.
+    #[serde(default = "default_max_restarts")]
+    pub max_restarts: u32,
+    /// Supervision: the window restarts are counted in, in milliseconds
+    /// (at least 1). Default 60000.
+    #[serde(default = "default_restart_window_ms")]
+    pub restart_window_ms: u64,
 }
 
 impl EntityTypeConfig {
@@ -156,6 +176,11 @@ impl EntityTypeConfig {
             worker_queue_size: default_worker_queue_size(),
             aggregate_to: None,
             aggregate_interval_ms: default_aggregate_interval_ms(),
+            restart_min_backoff_ms: default_restart_min_backoff_ms(),
+            restart_max_backoff_ms: default_restart_max_backoff_ms(),
+            restart_random_factor: default_restart_random_factor(),
+            max_restarts: default_max_restarts(),
+            restart_window_ms: default_restart_window_ms(),
         }
     }
 
@@ -171,8 +196,35 @@ impl EntityTypeConfig {
             .as_deref()
             .unwrap_or(crate::entity::aggregate::DEFAULT_TARGET_TYPE)
     }
+
+    /// The type's supervisor settings (restart backoff and limits) from
+    /// the `restart_*` and `max_restarts` keys.
+    pub fn supervisor_settings(&self) -> crate::entity::supervision::SupervisorSettings {
+        crate::entity::supervision::SupervisorSettings {
+            min_backoff: Duration::from_millis(self.restart_min_backoff_ms),
+            max_backoff: Duration::from_millis(self.restart_max_backoff_ms),
+            random_factor: self.restart_random_factor,
+            max_restarts: self.max_restarts,
+            window: Duration::from_millis(self.restart_window_ms),
+        }
+    }
 }
 
+fn default_restart_min_backoff_ms() -> u64 {
+    100
+}
+fn default_restart_max_backoff_ms() -> u64 {
+    10_000
+}
+fn default_restart_random_factor() -> f64 {
+    0.2
+}
+fn default_max_restarts() -> u32 {
+    10
+}
+fn default_restart_window_ms() -> u64 {
+    60_000
+}
 fn default_worker_queue_size() -> u32 {
     crate::entity::worker::DEFAULT_WORKER_QUEUE_SIZE as u32
 }
@@ -201,7 +253,7 @@ fn default_durability() -> Durability {
 }
 
 /// A node's configuration (the whole TOML file).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NodeConfig {
     /// Node-to-node TCP address, `host:port`; this is the member's address.
@@ -476,6 +528,42 @@ impl NodeConfig {
                     "only for kind \"aggregate\"".into(),
                 ));
             }
+            let key = |k: &str| format!("entity_types[{i}].{k}");
+            // Bounded so that `Instant + delay` cannot overflow (one day).
+            const MAX_DELAY_MS: u64 = 86_400_000;
+            if t.restart_min_backoff_ms > MAX_DELAY_MS {
+                return Err(bad(
+                    &key("restart_min_backoff_ms"),
+                    format!("{} is more than {MAX_DELAY_MS}", t.restart_min_backoff_ms),
+                ));
+            }
+            if t.restart_max_backoff_ms > MAX_DELAY_MS {
+                return Err(bad(
+                    &key("restart_max_backoff_ms"),
+                    format!("{} is more than {MAX_DELAY_MS}", t.restart_max_backoff_ms),
+                ));
+            }
+            if t.restart_min_backoff_ms > t.restart_max_backoff_ms {
+                return Err(bad(
+                    &key("restart_max_backoff_ms"),
+                    format!(
+                        "{} is less than restart_min_backoff_ms ({})",
+                        t.restart_max_backoff_ms, t.restart_min_backoff_ms
+                    ),
+                ));
+            }
+            if !(0.0..=1.0).contains(&t.restart_random_factor) {
+                return Err(bad(
+                    &key("restart_random_factor"),
+                    format!("{} is not in 0.0..=1.0", t.restart_random_factor),
+                ));
+            }
+            if t.restart_window_ms == 0 || t.restart_window_ms > MAX_DELAY_MS {
+                return Err(bad(
+                    &key("restart_window_ms"),
+                    format!("{} is not in 1..={MAX_DELAY_MS}", t.restart_window_ms),
+                ));
+            }
         }
         Ok(())
     }
@@ -619,6 +707,66 @@ active_entity_limit = 0
             assert!(
                 msg.contains(key) && msg.contains("x.toml"),
                 "{table}: {msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn supervision_keys_default_and_parse() {
+        let c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
+        assert_eq!(
+            c.entity_types[0].supervisor_settings(),
+            crate::entity::supervision::SupervisorSettings::default()
+        );
+        let text = format!(
+            "{GOOD}restart_min_backoff_ms = 5\nrestart_max_backoff_ms = 50\n\
+             restart_random_factor = 0.5\nmax_restarts = 3\nrestart_window_ms = 1000\n"
+        );
+        let c = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap();
+        let s = c.entity_types[0].supervisor_settings();
+        assert_eq!(s.min_backoff, Duration::from_millis(5));
+        assert_eq!(s.max_backoff, Duration::from_millis(50));
+        assert_eq!(s.random_factor, 0.5);
+        assert_eq!(s.max_restarts, 3);
+        assert_eq!(s.window, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn refuses_bad_supervision_values_naming_the_key() {
+        let cases = [
+            (
+                "restart_min_backoff_ms = 500\nrestart_max_backoff_ms = 100\n",
+                "entity_types[0].restart_max_backoff_ms",
+            ),
+            (
+                "restart_random_factor = 1.5\n",
+                "entity_types[0].restart_random_factor",
+            ),
+            (
+                "restart_random_factor = -0.1\n",
+                "entity_types[0].restart_random_factor",
+            ),
+            (
+                "restart_random_factor = nan\n",
+                "entity_types[0].restart_random_factor",
+            ),
+            (
+                "restart_window_ms = 0\n",
+                "entity_types[0].restart_window_ms",
+            ),
+            (
+                "restart_min_backoff_ms = 100000000000\nrestart_max_backoff_ms = 100000000000\n",
+                "entity_types[0].restart_min_backoff_ms",
+            ),
+            ("max_restarts = -1\n", "max_restarts"),
+        ];
+        for (extra, key) in cases {
+            let text = format!("{GOOD}{extra}");
+            let e = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                msg.contains("x.toml") && msg.contains(key),
+                "{extra}: {msg}"
             );
         }
     }

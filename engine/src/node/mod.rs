@@ -231,7 +231,7 @@ impl Node {
                 crate::entity::builtin_factory_full(
                     t.kind,
                     t.snapshot_every,
-                    crate::entity::supervision::SupervisorSettings::default(),
+                    t.supervisor_settings(),
                     Some((
                         t.aggregate_target().to_string(),
                         Duration::from_millis(t.aggregate_interval_ms),

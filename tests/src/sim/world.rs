@@ -911,6 +911,10 @@ impl World {
                     let now = self.now;
                     self.nodes[slot].regions[core].handle_remembered_entities(now, shard, ids);
                 }
+                RegionEffect::NotActive { envelope } => self.violate(
+                    "no passive messages",
+                    format!("passive message {} came back", envelope.payload.0),
+                ),
                 RegionEffect::Fail { envelope, reason } => {
                     let r = &mut self.ledger[envelope.payload.0 as usize];
                     if r.outcome == Outcome::Pending {

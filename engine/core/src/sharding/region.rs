@@ -129,6 +129,14 @@ pub enum RegionEffect<M, S> {
         /// The entity must be created before the message is enqueued.
         new_incarnation: bool,
     },
+    /// A passive message (see [`ShardRegion::set_passive_filter`]) reached
+    /// the home region of its entity while that entity was not active (never
+    /// started, stopped, or stopping): it is handed back instead of
+    /// creating an incarnation.
+    NotActive {
+        /// The message.
+        envelope: Envelope<M, S>,
+    },
     /// Create the local entity without a message (remember entities,
     /// `StartEntity`).
     StartEntity {
@@ -267,6 +275,7 @@ pub struct ShardRegion<M, S> {
     paced_starts: VecDeque<EntityKey>,
     next_paced_start_at: Option<Duration>,
     effects: VecDeque<RegionEffect<M, S>>,
+    passive: Option<fn(&Envelope<M, S>) -> bool>,
 }
 
 impl<M, S> std::fmt::Debug for ShardRegion<M, S> {
@@ -335,6 +344,7 @@ impl<M, S> ShardRegion<M, S> {
             paced_starts: VecDeque::new(),
             next_paced_start_at: None,
             effects: VecDeque::new(),
+            passive: None,
         };
         r.send_register();
         r
@@ -506,6 +516,17 @@ impl<M, S> ShardRegion<M, S> {
         }
     }
 
+    /// Declares which messages are passive: system messages (lifecycle
+    /// watches, `Terminated` notices) that are routed exactly like user
+    /// messages (buffered, forwarded, handed off) but at the home region are
+    /// delivered only to an active entity. A passive message never creates
+    /// an entity, never refreshes its idle timer or its place in the
+    /// replacement policy, and comes back as [`RegionEffect::NotActive`]
+    /// when the entity is not active. Default: no message is passive.
+    pub fn set_passive_filter(&mut self, is_passive: fn(&Envelope<M, S>) -> bool) {
+        self.passive = Some(is_passive);
+    }
+
     /// A user message, from a local sender or forwarded by another region.
     /// Delivered, forwarded, buffered, or handed back with
     /// [`RegionEffect::Fail`] when the buffer is full.
@@ -630,15 +651,21 @@ impl<M, S> ShardRegion<M, S> {
 
     fn deliver_local(&mut self, now: Duration, envelope: Envelope<M, S>) {
         let s = envelope.shard;
+        let passive = self.passive.is_some_and(|f| f(&envelope));
         let shard = self.shards.get_mut(&s).expect("hosted");
         match shard.entities.get_mut(&envelope.entity) {
             Some(Entity::Active { last_message_at }) => {
-                *last_message_at = now;
-                self.policy.on_access(&(s, envelope.entity.clone()));
+                if !passive {
+                    *last_message_at = now;
+                    self.policy.on_access(&(s, envelope.entity.clone()));
+                }
                 self.effects.push_back(RegionEffect::Deliver {
                     envelope,
                     new_incarnation: false,
                 });
+            }
+            Some(Entity::Passivating { .. }) | None if passive => {
+                self.effects.push_back(RegionEffect::NotActive { envelope });
             }
             Some(Entity::Passivating { buffer }) => {
                 if self.buffered_total >= self.settings.buffer_size {
