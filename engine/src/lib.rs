@@ -44,6 +44,6 @@ pub mod transport;
 
 pub use config::NodeConfig;
 pub use entity::worker::WorkerSettings;
-pub use entity::{Entity, EntityContext, EntityError, EntityFactory};
+pub use entity::{Entity, EntityContext, EntityError, EntityFactory, TerminatedReason};
 pub use node::{AskError, EntityRef, EntitySettings, Node, NodeError, NodeStatus, RegionHandle};
 pub use status::WorkerPoolStatus;

@@ -4,7 +4,8 @@
 //! handler runs on that core's executor, one message at a time, to
 //! completion (it must not block). It answers through the
 //! [`EntityContext`]: [`EntityContext::reply`], [`EntityContext::passivate`]
-//! (ask to be stopped), timers, and its own id.
+//! (ask to be stopped), timers, its own id, and lifecycle watches
+//! ([`EntityContext::watch`], [`Entity::on_terminated`]).
 //!
 //! Entities send messages to other entities with [`EntityContext::tell`]
 //! and [`EntityContext::forward`] (through the normal routing path).
@@ -36,6 +37,70 @@ pub enum EntityError {
     Failed(String),
 }
 
+/// Why a watched entity's incarnation is gone (the reason of a
+/// `Terminated` notice, [`Entity::on_terminated`]).
+///
+/// Semantics follow Akka's DeathWatch
+/// (<https://doc.akka.io/docs/akka/current/actors.html#lifecycle-monitoring-aka-deathwatch>):
+/// the notice is delivered at most once per watch, also when the watched
+/// entity had already stopped (or never ran) when the watch arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TerminatedReason {
+    /// Passivated: it asked to stop, was idle for its idle timeout, or was
+    /// chosen under the active-entity limit.
+    Stopped,
+    /// Stopped because it failed: more than `max_restarts` failures within
+    /// the window under a supervisor, or a handler error of an
+    /// unsupervised entity.
+    Failed,
+    /// Its shard was handed off (rebalance or its node leaving gracefully).
+    HandOff,
+    /// Its node stopped serving (downed or stopped) before handing off.
+    NodeStopped,
+    /// Its node was removed from the cluster (crashed and downed, or left);
+    /// sent by the watcher's own node.
+    NodeRemoved,
+    /// It was not active when the watch arrived (never started or already
+    /// stopped); the watch did not create it.
+    NotActive,
+    /// The watch could not be delivered (unknown type, full buffer, home
+    /// node unreachable); the watcher cannot learn of its stop.
+    Unreachable,
+}
+
+impl TerminatedReason {
+    /// The wire code (1 byte).
+    pub fn as_u8(self) -> u8 {
+        match self {
+            TerminatedReason::Stopped => 0,
+            TerminatedReason::Failed => 1,
+            TerminatedReason::HandOff => 2,
+            TerminatedReason::NodeStopped => 3,
+            TerminatedReason::NodeRemoved => 4,
+            TerminatedReason::NotActive => 5,
+            TerminatedReason::Unreachable => 6,
+        }
+    }
+
+    /// The reason of a wire code; `None` for an unknown code.
+    pub fn from_u8(code: u8) -> Option<Self> {
+        Some(match code {
+            0 => TerminatedReason::Stopped,
+            1 => TerminatedReason::Failed,
+            2 => TerminatedReason::HandOff,
+            3 => TerminatedReason::NodeStopped,
+            4 => TerminatedReason::NodeRemoved,
+            5 => TerminatedReason::NotActive,
+            6 => TerminatedReason::Unreachable,
+            _ => return None,
+        })
+    }
+}
+
+/// A watch command of a handler: `(watch?, type_name, entity_id)`.
+pub type WatchCommand = (bool, String, EntityId);
+
 /// What a handler may ask of the runtime.
 pub struct EntityContext<'a> {
     id: &'a EntityId,
@@ -48,6 +113,8 @@ pub struct EntityContext<'a> {
     passivate: bool,
     timers: Vec<(u64, Option<Duration>)>,
     outgoing: Vec<Outgoing>,
+    watches: Vec<WatchCommand>,
+    failed_stop: bool,
 }
 
 /// A message an entity sends to another entity ([`EntityContext::tell`],
@@ -82,6 +149,8 @@ impl<'a> EntityContext<'a> {
             passivate: false,
             timers: Vec::new(),
             outgoing: Vec::new(),
+            watches: Vec::new(),
+            failed_stop: false,
         }
     }
 
@@ -164,6 +233,45 @@ impl<'a> EntityContext<'a> {
     /// Cancels timer `key` (no effect if not set).
     pub fn cancel_timer(&mut self, key: u64) {
         self.timers.push((key, None));
+    }
+
+    /// Watches entity `entity_id` of type `type_name` (Akka's
+    /// `context.watch`): when its current incarnation stops, this entity's
+    /// [`Entity::on_terminated`] is called once. If it is not active when
+    /// the watch arrives, the notice comes at once (reason
+    /// [`TerminatedReason::NotActive`]); a watch never creates the entity
+    /// nor keeps it alive. Watching twice is one watch; watching itself is
+    /// ignored. The watch ends with the notice, with [`Self::unwatch`], or
+    /// when this incarnation stops. Works across cores and nodes.
+    pub fn watch(&mut self, type_name: &str, entity_id: &EntityId) {
+        self.watches
+            .push((true, type_name.to_string(), entity_id.clone()));
+    }
+
+    /// Ends a watch (Akka's `context.unwatch`): no `Terminated` notice for
+    /// it is delivered afterwards, even one already on its way.
+    pub fn unwatch(&mut self, type_name: &str, entity_id: &EntityId) {
+        self.watches
+            .push((false, type_name.to_string(), entity_id.clone()));
+    }
+
+    /// Takes the watch commands of the handler, in order.
+    pub fn take_watches(&mut self) -> Vec<WatchCommand> {
+        std::mem::take(&mut self.watches)
+    }
+
+    /// Asks to be stopped after this message because of failures: like
+    /// [`Self::passivate`], and watchers are told
+    /// [`TerminatedReason::Failed`] (the supervisor does this after too many
+    /// restarts).
+    pub fn stop_after_failure(&mut self) {
+        self.passivate = true;
+        self.failed_stop = true;
+    }
+
+    /// Whether the handler asked [`Self::stop_after_failure`].
+    pub fn wants_failed_stop(&self) -> bool {
+        self.failed_stop
     }
 
     /// Takes the reply set by the handler.
@@ -255,6 +363,20 @@ pub trait Entity: 'static {
 
     /// Called once when the incarnation stops (passivation, hand-off, leave).
     fn on_stop(&mut self) {}
+
+    /// Called when an entity this one watches ([`EntityContext::watch`])
+    /// stopped, once per watch: `type_name`/`entity_id` name it, `reason`
+    /// says why. The context has no reply target (a reply is dropped);
+    /// timers, watches and passivation work as in a handler. Default:
+    /// nothing.
+    fn on_terminated(
+        &mut self,
+        _ctx: &mut EntityContext<'_>,
+        _type_name: &str,
+        _entity_id: &EntityId,
+        _reason: TerminatedReason,
+    ) {
+    }
 }
 
 /// Creates an entity for an id; shared by every data core of a node.

@@ -158,7 +158,7 @@ impl Supervisor {
                 "entity failed more than max_restarts times within the window; stopping it"
             );
             self.stopped = true;
-            ctx.passivate();
+            ctx.stop_after_failure();
             return;
         }
         let delay = {
@@ -260,6 +260,22 @@ impl Entity for Supervisor {
         };
         self.failed(ctx, &why);
         Ok(())
+    }
+
+    fn on_terminated(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        type_name: &str,
+        entity_id: &shardline_core::ids::EntityId,
+        reason: super::TerminatedReason,
+    ) {
+        let Some(c) = self.child.as_mut() else { return };
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| {
+            c.on_terminated(ctx, type_name, entity_id, reason)
+        })) {
+            let why = format!("terminated handler panicked: {}", panic_text(p.as_ref()));
+            self.failed(ctx, &why);
+        }
     }
 
     fn on_stop(&mut self) {

@@ -351,6 +351,25 @@ pub enum DataFrame {
         /// The reply bytes.
         payload: Vec<u8>,
     },
+    /// A lifecycle system message (watch, unwatch, terminated) for entity
+    /// `entity_id` of `type_name`, routed like `Forward` but unanswered.
+    System {
+        /// Entity type of the recipient.
+        type_name: String,
+        /// Entity id of the recipient.
+        entity_id: String,
+        /// Its shard.
+        shard: u32,
+        /// 0 watch, 1 unwatch, 2 terminated.
+        kind: u8,
+        /// Type of the peer: the watcher (watch, unwatch) or the stopped
+        /// entity (terminated).
+        peer_type: String,
+        /// Id of the peer.
+        peer_id: String,
+        /// `TerminatedReason` code (terminated only; else 0).
+        reason: u8,
+    },
 }
 
 impl From<&UniqueAddress> for WireMember {

@@ -20,9 +20,10 @@ use shardline_core::sharding::{
 };
 
 use super::msg::{ReplyTo, ToControl, ToCore, UserEnvelope};
+use super::watch::{EntityKey, SystemMsg, WatchBook};
 use super::{EntitySettings, RegionStatusView, Shared};
 use crate::config::NodeConfig;
-use crate::entity::{Entity, EntityContext, EntityFactory};
+use crate::entity::{Entity, EntityContext, EntityFactory, TerminatedReason};
 use crate::envelope::{
     access, encode_frame, ArchivedClientFrame, ClientFrame, FrameError, ServerFrame, Status,
     MAX_FRAME_SIZE_BYTES, PROTOCOL_VERSION,
@@ -164,6 +165,10 @@ pub(crate) struct Core {
     shutdown: bool,
     /// Deferred replies and entities awaiting journal durability.
     durable: crate::persistence::Hooks<ReplyTo>,
+    /// Lifecycle watches of this core's entities (`node::watch`).
+    watches: WatchBook,
+    /// Set while [`Core::flush_system`] routes (no re-entry).
+    flushing_system: bool,
 }
 
 type CoreRef = Rc<RefCell<Core>>;
@@ -208,6 +213,8 @@ pub(crate) async fn run(init: CoreInit) {
         reported_shutdown: false,
         shutdown: false,
         durable: crate::persistence::Hooks::default(),
+        watches: WatchBook::default(),
+        flushing_system: false,
     }));
     drop(init.shared);
     {
@@ -386,6 +393,12 @@ impl Core {
                     let _ = tx.try_send((status, payload));
                 }
             }
+            ReplyTo::System(m) => {
+                if status != Status::Ok {
+                    tracing::debug!(?status, "system message undeliverable");
+                    self.watches.undeliverable(*m);
+                }
+            }
         }
     }
 
@@ -492,6 +505,10 @@ impl Core {
     /// (a stateless worker type's message runs here, without the region).
     fn route(&mut self, t: &str, env: UserEnvelope) {
         if self.is_worker(t) {
+            if matches!(env.sender, ReplyTo::System(_)) {
+                // Worker activations are not addressable: nothing to watch.
+                return self.reply(env.sender, Status::UnknownEntityType, Vec::new());
+            }
             return self.worker_route(t, env);
         }
         let now = self.now();
@@ -535,6 +552,34 @@ impl Core {
             ArchivedDataFrame::Reply { .. } => {
                 Err(FrameError::Invalid("reply on an inbound data lane".into()))
             }
+            ArchivedDataFrame::System {
+                type_name,
+                entity_id,
+                shard,
+                kind,
+                peer_type,
+                peer_id,
+                reason,
+            } => {
+                let bad = |e: String| FrameError::Invalid(e);
+                let to = EntityKey {
+                    type_name: type_name.as_str().to_string(),
+                    id: EntityId::new(entity_id.as_str()).map_err(|e| bad(e.to_string()))?,
+                };
+                let peer = EntityKey {
+                    type_name: peer_type.as_str().to_string(),
+                    id: EntityId::new(peer_id.as_str()).map_err(|e| bad(e.to_string()))?,
+                };
+                let msg = SystemMsg::from_wire(*kind, peer, *reason, to.clone()).map_err(bad)?;
+                let env = Envelope {
+                    entity: to.id,
+                    shard: ShardId(shard.to_native()),
+                    sender: ReplyTo::System(Box::new(msg)),
+                    payload: Vec::new(),
+                };
+                self.route(&to.type_name, env);
+                Ok(())
+            }
         }
     }
 
@@ -553,9 +598,9 @@ impl Core {
                 }
                 Ok(())
             }
-            ArchivedDataFrame::Forward { .. } => Err(FrameError::Invalid(
-                "forward on an outbound data lane".into(),
-            )),
+            ArchivedDataFrame::Forward { .. } | ArchivedDataFrame::System { .. } => Err(
+                FrameError::Invalid("forward on an outbound data lane".into()),
+            ),
         }
     }
 
@@ -633,6 +678,24 @@ impl Core {
                 Status::BufferFull,
                 b"link to the home node is full".to_vec(),
             );
+        }
+        if let ReplyTo::System(m) = &env.sender {
+            let (kind, peer, reason) = m.to_wire();
+            let f = DataFrame::System {
+                type_name: t.to_string(),
+                entity_id: env.entity.as_str().to_string(),
+                shard: env.shard.0,
+                kind,
+                peer_type: peer.type_name.clone(),
+                peer_id: peer.id.as_str().to_string(),
+                reason,
+            };
+            let outbox = link.outbox.clone();
+            if encode_frame(&f, &mut outbox.buf.borrow_mut()).is_err() {
+                return c.reply(env.sender, Status::BufferFull, Vec::new());
+            }
+            outbox.flush();
+            return;
         }
         let tag = c.next_tag;
         c.next_tag += 1;
@@ -713,6 +776,7 @@ impl Core {
                     envelope,
                     new_incarnation: _,
                 } => self.deliver(t, envelope),
+                RegionEffect::NotActive { envelope } => self.deliver(t, envelope),
                 RegionEffect::StartEntity { shard, entity } => {
                     self.ensure_entity(t, shard, &entity);
                 }
@@ -737,6 +801,13 @@ impl Core {
                             l.entity.on_stop();
                             let inc = l.incarnation;
                             self.fail_deferred(inc);
+                            let why = match reason {
+                                shardline_core::sharding::StopReason::HandOff => {
+                                    TerminatedReason::HandOff
+                                }
+                                _ => TerminatedReason::Stopped,
+                            };
+                            self.entity_gone(t, &entity, why);
                         }
                     }
                     let now = self.now();
@@ -766,6 +837,131 @@ impl Core {
             }
         }
         self.check_registered();
+        self.flush_system();
+    }
+
+    // ----- lifecycle watches (node::watch) -----
+
+    /// The incarnation of `id` stopped: tells its watchers, drops its watches.
+    fn entity_gone(&mut self, t: &str, id: &EntityId, reason: TerminatedReason) {
+        let key = EntityKey {
+            type_name: t.to_string(),
+            id: id.clone(),
+        };
+        self.watches.on_stopped(&key, reason);
+    }
+
+    /// Applies what a handler asked about watches.
+    fn apply_watches(
+        &mut self,
+        t: &str,
+        id: &EntityId,
+        cmds: Vec<crate::entity::WatchCommand>,
+        failed: bool,
+    ) {
+        if cmds.is_empty() && !failed {
+            return;
+        }
+        let key = EntityKey {
+            type_name: t.to_string(),
+            id: id.clone(),
+        };
+        if failed {
+            self.watches.mark_failed(&key);
+        }
+        self.watches.commands(&key, cmds);
+    }
+
+    /// A system message reached its entity's home region (delivered, or
+    /// handed back because the entity is not active).
+    fn deliver_system(&mut self, t: &str, entity: EntityId, msg: SystemMsg) {
+        let active = self
+            .types
+            .get(t)
+            .is_some_and(|h| h.entities.contains_key(&entity));
+        let me = EntityKey {
+            type_name: t.to_string(),
+            id: entity,
+        };
+        match msg {
+            SystemMsg::Watch { watcher, .. } => self.watches.on_watch(me, watcher, active),
+            SystemMsg::Unwatch { watcher } => self.watches.on_unwatch(&me, &watcher),
+            SystemMsg::Terminated { of, reason } => {
+                if !active || !self.watches.take_watch(&me, &of) {
+                    return;
+                }
+                let Some(h) = self.types.get_mut(t) else {
+                    return;
+                };
+                let Some(live) = h.entities.get_mut(&me.id) else {
+                    return;
+                };
+                let (inc, shard) = (live.incarnation, live.shard);
+                let mut ctx = EntityContext::new(&me.id).with_type(t, live.epoch);
+                live.entity
+                    .on_terminated(&mut ctx, &of.type_name, &of.id, reason);
+                let out = ctx.take_outgoing();
+                let timers = ctx.take_timers();
+                let passivate = ctx.wants_passivation();
+                let wants_durable = ctx.wants_durable();
+                let watches = ctx.take_watches();
+                let failed = ctx.wants_failed_stop();
+                drop(ctx);
+                self.apply_timers(t, &me.id, inc, timers);
+                if wants_durable {
+                    self.durable.wait(t, &me.id, inc);
+                }
+                self.drain_completions();
+                self.apply_watches(t, &me.id, watches, failed);
+                self.send_outgoing(out, &mut None);
+                if passivate {
+                    let now = self.now();
+                    if let Some(h) = self.types.get_mut(t) {
+                        h.region.handle_passivate(now, shard, &me.id, None);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Routes the system messages the watch book queued, like user
+    /// messages. Bounded per call; the rest waits for the next tick.
+    fn flush_system(&mut self) {
+        if self.flushing_system || !self.watches.has_outgoing() {
+            return;
+        }
+        self.flushing_system = true;
+        for _ in 0..16 {
+            let out = self.watches.take_outgoing();
+            if out.is_empty() {
+                break;
+            }
+            for (to, msg) in out {
+                let shard = shard_id_of(to.id.as_str(), self.config.number_of_shards);
+                let env = Envelope {
+                    entity: to.id,
+                    shard,
+                    sender: ReplyTo::System(Box::new(msg)),
+                    payload: Vec::new(),
+                };
+                self.route(&to.type_name, env);
+            }
+        }
+        self.flushing_system = false;
+    }
+
+    /// Member `m` was removed: watchers here whose target's home (as this
+    /// core's regions know it) was on `m` get `Terminated(NodeRemoved)`.
+    fn watches_member_removed(&mut self, m: &UniqueAddress) {
+        let types = &self.types;
+        let n = self.config.number_of_shards;
+        self.watches.on_member_removed(|k| {
+            types.get(&k.type_name).is_some_and(|h| {
+                h.region
+                    .home_of(shard_id_of(k.id.as_str(), n))
+                    .is_some_and(|(r, _)| r.member == *m)
+            })
+        });
     }
 
     /// Sends the deferred replies entities answered.
@@ -810,12 +1006,16 @@ impl Core {
             let timers = ctx.take_timers();
             let passivate = ctx.wants_passivation();
             let again = ctx.wants_durable();
+            let watches = ctx.take_watches();
+            let failed = ctx.wants_failed_stop();
             self.drain_completions();
+            self.apply_watches(&t, &id, watches, failed);
             if let Err(e) = res {
                 tracing::warn!(entity = %id, error = %e, "entity failed on a durable event");
                 if let Some(h) = self.types.get_mut(&t) {
                     if let Some(mut l) = h.entities.remove(&id) {
                         l.entity.on_stop();
+                        self.entity_gone(&t, &id, TerminatedReason::Failed);
                     }
                 }
                 self.fail_deferred(inc);
@@ -843,6 +1043,23 @@ impl Core {
     }
 
     fn forward_local(&mut self, t: &str, to_core: u16, env: UserEnvelope) {
+        if matches!(env.sender, ReplyTo::System(_)) {
+            // Unanswered: it travels with its system sender.
+            let Some(tx) = self.to_cores.get(usize::from(to_core)) else {
+                return self.reply(env.sender, Status::BufferFull, Vec::new());
+            };
+            if let Err(
+                crate::runtime::RingSendError::Full(m) | crate::runtime::RingSendError::Closed(m),
+            ) = tx.send(ToCore::Forwarded {
+                type_name: t.to_string(),
+                envelope: env,
+            }) {
+                if let ToCore::Forwarded { envelope, .. } = m {
+                    self.reply(envelope.sender, Status::BufferFull, Vec::new());
+                }
+            }
+            return;
+        }
         let token = self.next_tag;
         self.next_tag += 1;
         let Some(tx) = self.to_cores.get(usize::from(to_core)) else {
@@ -893,6 +1110,8 @@ impl Core {
         let mut ctx = EntityContext::new(id).with_type(t, epoch);
         entity.on_start(&mut ctx);
         let wants_durable = ctx.wants_durable();
+        let watches = ctx.take_watches();
+        let failed = ctx.wants_failed_stop();
         h.activated += 1;
         h.entities.insert(
             id.clone(),
@@ -909,6 +1128,7 @@ impl Core {
         if wants_durable {
             self.durable.wait(t, id, inc);
         }
+        self.apply_watches(t, id, watches, failed);
         true
     }
 
@@ -938,6 +1158,9 @@ impl Core {
     }
 
     fn deliver(&mut self, t: &str, env: UserEnvelope) {
+        if let ReplyTo::System(m) = env.sender {
+            return self.deliver_system(t, env.entity, *m);
+        }
         if !self.ensure_entity(t, env.shard, &env.entity) {
             return self.reply(
                 env.sender,
@@ -966,6 +1189,10 @@ impl Core {
         let deferred = ctx.reply_deferred();
         let wants_durable = ctx.wants_durable();
         let out = ctx.take_outgoing();
+        let watches = ctx.take_watches();
+        let failed = ctx.wants_failed_stop();
+        drop(ctx);
+        self.apply_watches(t, &env.entity, watches, failed);
         let mut sender = Some(env.sender);
         if !out.is_empty() {
             self.send_outgoing(out, &mut sender);
@@ -997,6 +1224,7 @@ impl Core {
                 if let Some(h) = self.types.get_mut(t) {
                     if let Some(mut l) = h.entities.remove(&env.entity) {
                         l.entity.on_stop();
+                        self.entity_gone(t, &env.entity, TerminatedReason::Failed);
                     }
                 }
                 self.fail_deferred(inc);
@@ -1069,6 +1297,10 @@ impl Core {
             let timers = ctx.take_timers();
             let passivate = ctx.wants_passivation();
             let wants_durable = ctx.wants_durable();
+            let watches = ctx.take_watches();
+            let failed = ctx.wants_failed_stop();
+            drop(ctx);
+            self.apply_watches(&e.type_name, &id, watches, failed);
             self.apply_timers(&e.type_name, &id, e.incarnation, timers);
             self.send_outgoing(out, &mut None);
             if wants_durable {
@@ -1101,6 +1333,7 @@ impl Core {
                 }
             }
         }
+        self.flush_system();
     }
 
     // ----- ring messages -----
@@ -1129,11 +1362,12 @@ impl Core {
                     _ => None,
                 };
                 let id = c.region_id();
-                let region = if factory.is_some() {
+                let mut region = if factory.is_some() {
                     ShardRegion::new(id, rs, Box::new(LruPolicy::new()), now)
                 } else {
                     ShardRegion::new_proxy(id, rs, now)
                 };
+                region.set_passive_filter(|e| matches!(e.sender, ReplyTo::System(_)));
                 c.types.insert(
                     type_name.clone(),
                     TypeHost {
@@ -1156,6 +1390,8 @@ impl Core {
             }
             ToCore::Membership(ev) => {
                 if let shardline_core::sharding::MembershipEvent::MemberRemoved(m) = &ev {
+                    // Before the regions forget the homes on it.
+                    c.watches_member_removed(m);
                     // A removed member is never connected to again: its
                     // links close and forwards to it fail at once.
                     c.removed.insert(m.clone());
@@ -1253,14 +1489,20 @@ impl Core {
                 c.stopped = true;
                 let types: Vec<String> = c.types.keys().cloned().collect();
                 for t in types {
+                    let mut gone = Vec::new();
                     if let Some(h) = c.types.get_mut(&t) {
-                        for (_, mut l) in h.entities.drain() {
+                        for (id, mut l) in h.entities.drain() {
                             l.entity.on_stop();
+                            gone.push(id);
                         }
+                    }
+                    for id in gone {
+                        c.entity_gone(&t, &id, TerminatedReason::NodeStopped);
                     }
                 }
                 c.workers_stop();
                 c.drain_completions();
+                c.flush_system();
                 for o in c.conns.values() {
                     o.close();
                 }

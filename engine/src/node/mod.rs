@@ -16,6 +16,7 @@
 mod control;
 pub(crate) mod core;
 mod msg;
+mod watch;
 
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};

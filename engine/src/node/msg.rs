@@ -23,6 +23,10 @@ pub(crate) enum ReplyTo {
     Core { core: u16, token: u64 },
     /// An embedding-API ask waiting on this core.
     Api { id: u64 },
+    /// Nobody: the envelope is a lifecycle system message for the runtime
+    /// of the entity's home (see `node::watch`); a failure to deliver it
+    /// is handled by the watch book.
+    System(Box<super::watch::SystemMsg>),
 }
 
 /// A user message: payload bytes and who to answer.
