@@ -187,6 +187,17 @@ fn watch_on_one_core_across_cores_after_stop_unwatch_and_watcher_stop() {
         "a watch created it"
     );
     assert_eq!(log.created(other[0]).len(), 1, "a watch restarted it");
+    // Nor does any region count it as live.
+    let mut client =
+        shardline::client::Client::connect(node.config().client_address).expect("connect");
+    let status = client.node_status(Duration::from_secs(10)).expect("status");
+    for r in &status.regions {
+        for ids in r.shards.values() {
+            for gone in ["never-started", other[0]] {
+                assert!(!ids.iter().any(|i| i == gone), "{gone} live in {r:?}");
+            }
+        }
+    }
 
     // A handler error stops the (unsupervised) entity: reason Failed.
     assert_eq!(ok(&node, watcher, &format!("watch w {}", other[1])), "ok");

@@ -714,6 +714,9 @@ active_entity_limit = 0
     #[test]
     fn supervision_keys_default_and_parse() {
         let c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
+        let mut t = EntityTypeConfig::new("counter", EntityKind::Counter);
+        t.idle_timeout_ms = 120_000;
+        assert_eq!(c.entity_types[0], t, "new() has the TOML defaults");
         assert_eq!(
             c.entity_types[0].supervisor_settings(),
             crate::entity::supervision::SupervisorSettings::default()

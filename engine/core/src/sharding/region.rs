@@ -275,8 +275,11 @@ pub struct ShardRegion<M, S> {
     paced_starts: VecDeque<EntityKey>,
     next_paced_start_at: Option<Duration>,
     effects: VecDeque<RegionEffect<M, S>>,
-    passive: Option<fn(&Envelope<M, S>) -> bool>,
+    passive: Option<PassiveFilter<M, S>>,
 }
+
+/// Says whether a message is passive ([`ShardRegion::set_passive_filter`]).
+pub type PassiveFilter<M, S> = fn(&Envelope<M, S>) -> bool;
 
 impl<M, S> std::fmt::Debug for ShardRegion<M, S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -523,7 +526,7 @@ impl<M, S> ShardRegion<M, S> {
     /// an entity, never refreshes its idle timer or its place in the
     /// replacement policy, and comes back as [`RegionEffect::NotActive`]
     /// when the entity is not active. Default: no message is passive.
-    pub fn set_passive_filter(&mut self, is_passive: fn(&Envelope<M, S>) -> bool) {
+    pub fn set_passive_filter(&mut self, is_passive: PassiveFilter<M, S>) {
         self.passive = Some(is_passive);
     }
 
