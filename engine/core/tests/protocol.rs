@@ -600,9 +600,10 @@ fn op() -> impl Strategy<Value = Op> {
 
 proptest! {
     #[test]
-    fn recovered_coordinator_equals_original(ops in proptest::collection::vec(op(), 1..120)) {
+    fn recovered_coordinator_equals_original(ops in proptest::collection::vec(op(), 1..120), remember in any::<bool>()) {
         let mut now = Duration::ZERO;
-        let mut c = ShardCoordinator::new(CoordinatorSettings::default(), Box::new(LeastShardAllocationStrategy::default()), now);
+        let cs = CoordinatorSettings { remember_entities: remember, ..CoordinatorSettings::default() };
+        let mut c = ShardCoordinator::new(cs, Box::new(LeastShardAllocationStrategy::default()), now);
         let mut journal = Vec::new();
         for o in ops {
             match o {

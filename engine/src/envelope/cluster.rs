@@ -167,6 +167,9 @@ pub enum WireCoordinatorEvent {
         shard: u32,
         generation: u64,
     },
+    ShardUnallocated {
+        shard: u32,
+    },
 }
 
 impl From<&CoordinatorEvent> for WireCoordinatorEvent {
@@ -206,6 +209,9 @@ impl From<&CoordinatorEvent> for WireCoordinatorEvent {
                     shard: shard.0,
                     generation: generation.0,
                 }
+            }
+            CoordinatorEvent::ShardUnallocated { shard } => {
+                WireCoordinatorEvent::ShardUnallocated { shard: shard.0 }
             }
         }
     }
@@ -247,6 +253,11 @@ impl From<WireCoordinatorEvent> for CoordinatorEvent {
                 CoordinatorEvent::ShardHomeDeallocated {
                     shard: ShardId(shard),
                     generation: Generation(generation),
+                }
+            }
+            WireCoordinatorEvent::ShardUnallocated { shard } => {
+                CoordinatorEvent::ShardUnallocated {
+                    shard: ShardId(shard),
                 }
             }
         }

@@ -71,6 +71,9 @@ struct Control {
     fp: Fingerprint,
     cluster: ClusterNode,
     types: BTreeSet<String>,
+    /// The types that remember their entities (their coordinators allocate
+    /// shards that lost their home again at once).
+    remember: BTreeSet<String>,
     coordinators: HashMap<String, ShardCoordinator>,
     /// Each type's coordinator state, replicated from the coordinator to
     /// every member (its `Persist` effects), so the next one recovers it.
@@ -174,6 +177,7 @@ pub(crate) async fn run(init: ControlInit) {
         },
         cluster,
         types: BTreeSet::new(),
+        remember: BTreeSet::new(),
         coordinators: HashMap::new(),
         coord_state: HashMap::new(),
         singleton: false,
@@ -465,6 +469,7 @@ impl Control {
         self.coord_state.insert(t.to_string(), state.clone());
         let settings = CoordinatorSettings {
             min_generation: Generation(wall_clock_ms),
+            remember_entities: self.remember.contains(t),
             ..CoordinatorSettings::default()
         };
         let mut c = ShardCoordinator::recover_state(
@@ -874,7 +879,13 @@ impl Control {
                 self.route_to_coordinator(&type_name, msg)
             }
             ToControl::ToRegion { type_name, to, msg } => self.send_region(&type_name, to, msg),
-            ToControl::RegisterType { type_name } => {
+            ToControl::RegisterType {
+                type_name,
+                remember_entities,
+            } => {
+                if remember_entities {
+                    self.remember.insert(type_name.clone());
+                }
                 if self.types.insert(type_name.clone()) && self.singleton {
                     self.new_coordinator(&type_name);
                 }
@@ -1092,7 +1103,7 @@ fn member_stats(
 }
 
 /// Events whose fold is `st` (same homes, regions, proxies and
-/// `last_generation`), for recovering a coordinator from a replicated state.
+/// `last_generation`, unallocated shards), for recovering a coordinator from a replicated state.
 fn snapshot_events(st: &CoordinatorState) -> Vec<CoordinatorEvent> {
     let mut ev = Vec::new();
     let top = st
@@ -1135,6 +1146,9 @@ fn snapshot_events(st: &CoordinatorState) -> Vec<CoordinatorEvent> {
             region: r.clone(),
             generation: *g,
         });
+    }
+    for s in &st.unallocated {
+        ev.push(CoordinatorEvent::ShardUnallocated { shard: *s });
     }
     ev
 }
@@ -1285,4 +1299,49 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
         }
     };
     tracing::debug!(?peer, from = %from, why, "control lane closed");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::WireCoordinatorEvent;
+    use shardline_core::ids::ShardId;
+
+    #[test]
+    fn replicated_state_events_fold_back_to_the_state_through_the_wire() {
+        let region = RegionId {
+            member: UniqueAddress {
+                address: Address("127.0.0.1:26001".to_string()),
+                uid: MemberUid(7),
+            },
+            core: 1,
+        };
+        let mut st = CoordinatorState::default();
+        for e in [
+            CoordinatorEvent::ShardRegionRegistered {
+                region: region.clone(),
+            },
+            CoordinatorEvent::ShardHomeAllocated {
+                shard: ShardId(1),
+                region: region.clone(),
+                generation: Generation(40),
+            },
+            CoordinatorEvent::ShardHomeAllocated {
+                shard: ShardId(2),
+                region,
+                generation: Generation(41),
+            },
+            CoordinatorEvent::ShardHomeDeallocated {
+                shard: ShardId(2),
+                generation: Generation(41),
+            },
+            CoordinatorEvent::ShardUnallocated { shard: ShardId(2) },
+        ] {
+            st.apply(&e);
+        }
+        assert!(st.unallocated.contains(&ShardId(2)));
+        let wire: Vec<WireCoordinatorEvent> = snapshot_events(&st).iter().map(Into::into).collect();
+        let back: Vec<CoordinatorEvent> = wire.into_iter().map(CoordinatorEvent::from).collect();
+        assert_eq!(CoordinatorState::from_events(back.iter()), st);
+    }
 }

@@ -468,6 +468,7 @@ impl Sharding<'_> {
             .to_control
             .send(ToControl::RegisterType {
                 type_name: t.as_str().to_string(),
+                remember_entities: settings.remember_entities,
             })
             .map_err(|_| NodeError::Stopped)?;
         for c in &self.node.to_cores {

@@ -117,7 +117,12 @@ pub(crate) enum ToControl {
         msg: RegionMsg,
     },
     /// An entity type was started (the coordinator must know it).
-    RegisterType { type_name: String },
+    RegisterType {
+        type_name: String,
+        /// The type remembers its entities: its coordinator allocates
+        /// shards that lost their home again at once.
+        remember_entities: bool,
+    },
     /// A core's regions' registration state changed.
     Registered { core: u16, all: bool },
     /// A core finished its graceful hand-off.

@@ -29,18 +29,23 @@
 //!
 //! ```text
 //! region   = addr_len u16, addr (UTF-8), uid u64, core u16
-//! event    = tag u8 (1..=6), fields:
+//! event    = tag u8 (1..=7), fields:
 //!            1 ShardRegionRegistered       region
 //!            2 ShardRegionProxyRegistered  region
 //!            3 ShardRegionTerminated       region
 //!            4 ShardRegionProxyTerminated  region
 //!            5 ShardHomeAllocated          shard u32, region, generation u64
 //!            6 ShardHomeDeallocated        shard u32, generation u64
-//! state    = tag u8 (0x40), version u8 (1), number_of_shards u32,
+//!            7 ShardUnallocated            shard u32
+//! state    = tag u8 (0x40), version u8 (2), number_of_shards u32,
 //!            hash_len u16, hash name (UTF-8), last_generation u64,
 //!            regions u32 × (region, shards u32 × (shard u32, generation u64)),
-//!            proxies u32 × region
+//!            proxies u32 × region,
+//!            unallocated u32 × shard u32        (version 2 only)
 //! ```
+//!
+//! Version 1 state records (written before remember entities' unallocated
+//! shards were recorded) are still read, with no unallocated shards.
 //!
 //! A snapshot's bytes are a `state` record.
 
@@ -62,7 +67,7 @@ pub const SNAPSHOT_EVERY_EVENTS: u64 = 500;
 pub const CONTROL_SEGMENT_SIZE_BYTES: u64 = 4 << 20;
 
 const TAG_STATE: u8 = 0x40;
-const STATE_VERSION: u8 = 1;
+const STATE_VERSION: u8 = 2;
 
 /// What a coordinator's journal records about the cluster's config; a
 /// coordinator whose config disagrees refuses to start.
@@ -199,6 +204,10 @@ pub fn encode_event(e: &CoordinatorEvent) -> Vec<u8> {
             put_region(&mut out, region);
             out.extend_from_slice(&generation.0.to_le_bytes());
         }
+        CoordinatorEvent::ShardUnallocated { shard } => {
+            out.push(7);
+            out.extend_from_slice(&shard.0.to_le_bytes());
+        }
         CoordinatorEvent::ShardHomeDeallocated { shard, generation } => {
             out.push(6);
             out.extend_from_slice(&shard.0.to_le_bytes());
@@ -232,6 +241,10 @@ pub fn encode_state(st: &CoordinatorState, cfg: &CoordinatorConfig) -> Vec<u8> {
     out.extend_from_slice(&(st.proxies.len() as u32).to_le_bytes());
     for p in &st.proxies {
         put_region(&mut out, p);
+    }
+    out.extend_from_slice(&(st.unallocated.len() as u32).to_le_bytes());
+    for s in &st.unallocated {
+        out.extend_from_slice(&s.0.to_le_bytes());
     }
     out
 }
@@ -333,9 +346,12 @@ pub fn decode_record(bytes: &[u8]) -> Result<CoordinatorRecord, String> {
             let generation = Generation(c.u64()?);
             CoordinatorRecord::Event(CoordinatorEvent::ShardHomeDeallocated { shard, generation })
         }
+        7 => CoordinatorRecord::Event(CoordinatorEvent::ShardUnallocated {
+            shard: ShardId(c.u32()?),
+        }),
         TAG_STATE => {
             let v = c.u8()?;
-            if v != STATE_VERSION {
+            if v != 1 && v != STATE_VERSION {
                 return Err(format!("unknown state version {v}"));
             }
             let number_of_shards = c.u32()?;
@@ -360,6 +376,12 @@ pub fn decode_record(bytes: &[u8]) -> Result<CoordinatorRecord, String> {
             let proxies = c.u32()?;
             for _ in 0..proxies {
                 st.proxies.insert(c.region()?);
+            }
+            if v >= 2 {
+                let unallocated = c.u32()?;
+                for _ in 0..unallocated {
+                    st.unallocated.insert(ShardId(c.u32()?));
+                }
             }
             CoordinatorRecord::State(
                 st,
@@ -815,11 +837,15 @@ mod tests {
         ]
     }
 
-    /// Drives a coordinator with `ops`, returning it and its persisted events.
-    fn run(ops: Vec<Op>) -> (ShardCoordinator, Vec<CoordinatorEvent>) {
+    /// Drives a coordinator (remembering entities or not) with `ops`,
+    /// returning it and its persisted events.
+    fn run(ops: Vec<Op>, remember: bool) -> (ShardCoordinator, Vec<CoordinatorEvent>) {
         let mut now = Duration::ZERO;
         let mut c = ShardCoordinator::new(
-            CoordinatorSettings::default(),
+            CoordinatorSettings {
+                remember_entities: remember,
+                ..CoordinatorSettings::default()
+            },
             Box::new(LeastShardAllocationStrategy::default()),
             now,
         );
@@ -903,10 +929,11 @@ mod tests {
         fn journal_recovered_coordinator_equals_original(
             ops in proptest::collection::vec(op(), 1..120),
             snapshot_at in 0usize..40,
+            remember in any::<bool>(),
         ) {
             let dir = tempfile::tempdir().unwrap();
             let d = dir.path().join("node-1").join("control");
-            let (c, events) = run(ops);
+            let (c, events) = run(ops, remember);
             {
                 let mut j = ControlJournal::open_dir(&d, &NONE).unwrap();
                 let epoch = WriterEpoch(5);
@@ -941,17 +968,29 @@ mod tests {
 
     #[test]
     fn records_round_trip() {
-        let (c, events) = run(vec![
-            Op::Up(1),
-            Op::Up(2),
-            Op::Register(1),
-            Op::Register(2),
-            Op::Proxy(5),
-            Op::Get(1, 3),
-            Op::Get(2, 4),
-            Op::Get(1, 5),
-        ]);
+        let (c, events) = run(
+            vec![
+                Op::Up(1),
+                Op::Up(2),
+                Op::Register(1),
+                Op::Register(2),
+                Op::Proxy(5),
+                Op::Get(1, 3),
+                Op::Get(2, 4),
+                Op::Get(1, 5),
+                // Remember entities: member 2's shard is recorded as
+                // unallocated (member 1 is the only other and it is
+                // removed too, so nothing takes it).
+                Op::Remove(1),
+                Op::Remove(2),
+            ],
+            true,
+        );
         assert!(events.len() >= 6);
+        assert!(events
+            .iter()
+            .any(|e| matches!(e, CoordinatorEvent::ShardUnallocated { .. })));
+        assert_eq!(c.state().unallocated.len(), 3);
         for e in &events {
             assert_eq!(
                 decode_record(&encode_event(e)),
@@ -966,6 +1005,30 @@ mod tests {
         for cut in 0..bytes.len() {
             assert!(decode_record(&bytes[..cut]).is_err(), "cut at {cut}");
         }
+    }
+
+    #[test]
+    fn version_1_state_records_are_still_read() {
+        let (c, _) = run(
+            vec![
+                Op::Up(1),
+                Op::Register(1),
+                Op::Proxy(5),
+                Op::Get(1, 3),
+                Op::Get(1, 4),
+            ],
+            false,
+        );
+        // A version 1 record is a version 2 record without the trailing
+        // unallocated list.
+        let mut bytes = encode_state(c.state(), &cfg(12));
+        assert_eq!(bytes[1], STATE_VERSION);
+        bytes[1] = 1;
+        bytes.truncate(bytes.len() - 4);
+        assert_eq!(
+            decode_record(&bytes),
+            Ok(CoordinatorRecord::State(c.state().clone(), cfg(12)))
+        );
     }
 
     #[test]

@@ -63,6 +63,15 @@ pub enum CoordinatorEvent {
         /// The generation of the allocation that ended.
         generation: Generation,
     },
+    /// With remember entities on: a shard that lost its home must be
+    /// allocated again without waiting for a message, so that its remembered
+    /// entities start again (Akka's `ShardCoordinator` state
+    /// `unallocatedShards`). Cleared by the shard's next
+    /// [`ShardHomeAllocated`](Self::ShardHomeAllocated).
+    ShardUnallocated {
+        /// The shard.
+        shard: ShardId,
+    },
 }
 
 /// The coordinator's durable state: a fold over [`CoordinatorEvent`]s.
@@ -76,6 +85,9 @@ pub struct CoordinatorState {
     pub proxies: BTreeSet<RegionId>,
     /// The largest generation ever allocated (0 = none yet).
     pub last_generation: Generation,
+    /// Shards without a home that must be allocated again without waiting
+    /// for a message (remember entities; Akka's `unallocatedShards`).
+    pub unallocated: BTreeSet<ShardId>,
 }
 
 impl CoordinatorState {
@@ -114,6 +126,12 @@ impl CoordinatorState {
                     .or_default()
                     .insert(*shard);
                 self.last_generation = self.last_generation.max(*generation);
+                self.unallocated.remove(shard);
+            }
+            CoordinatorEvent::ShardUnallocated { shard } => {
+                if !self.shards.contains_key(shard) {
+                    self.unallocated.insert(*shard);
+                }
             }
             CoordinatorEvent::ShardHomeDeallocated { shard, .. } => {
                 if let Some((old, _)) = self.shards.remove(shard) {
@@ -167,6 +185,14 @@ pub struct CoordinatorSettings {
     /// coordinator watches the recorded regions and drops those that are
     /// gone.)
     pub reregister_timeout: Duration,
+    /// The entity type remembers its entities (Akka's
+    /// `akka.cluster.sharding.remember-entities`). When on, a shard that
+    /// loses its home (its region terminated, a rebalance hand-off finished,
+    /// or its region is gone after the coordinator's recovery) is allocated
+    /// again at once, without waiting for a message, so its new home starts
+    /// it and restarts its remembered entities (Akka's
+    /// `allocateShardHomesForRememberEntities`). Default false.
+    pub remember_entities: bool,
 }
 
 impl Default for CoordinatorSettings {
@@ -177,6 +203,7 @@ impl Default for CoordinatorSettings {
             handoff_timeout: Duration::from_secs(60),
             min_generation: Generation(0),
             reregister_timeout: Duration::from_secs(10),
+            remember_entities: false,
         }
     }
 }
@@ -381,9 +408,15 @@ impl ShardCoordinator {
     }
 
     /// Applies a membership change. A removed member's regions are
-    /// terminated: their shards are deallocated (and re-allocated on demand),
-    /// and they count as having acknowledged every hand-off.
+    /// terminated: their shards are deallocated (and re-allocated on demand,
+    /// or at once with [`CoordinatorSettings::remember_entities`]), and they
+    /// count as having acknowledged every hand-off.
     pub fn handle_membership(&mut self, now: Duration, event: MembershipEvent) {
+        self.membership_inner(now, event);
+        self.allocate_unallocated();
+    }
+
+    fn membership_inner(&mut self, now: Duration, event: MembershipEvent) {
         let _ = now;
         match event {
             MembershipEvent::CurrentMembers(list) => {
@@ -441,6 +474,9 @@ impl ShardCoordinator {
                     shard: s,
                     generation,
                 });
+                if self.settings.remember_entities {
+                    self.persist(CoordinatorEvent::ShardUnallocated { shard: s });
+                }
                 self.rebalance.remove(&s);
                 freed.push(s);
             }
@@ -467,6 +503,11 @@ impl ShardCoordinator {
 
     /// Handles a message from a region.
     pub fn handle_message(&mut self, now: Duration, msg: CoordinatorMsg) {
+        self.message_inner(now, msg);
+        self.allocate_unallocated();
+    }
+
+    fn message_inner(&mut self, now: Duration, msg: CoordinatorMsg) {
         match msg {
             CoordinatorMsg::Register { region, hosted } => {
                 if self.removed.contains(&region.member) {
@@ -555,6 +596,9 @@ impl ShardCoordinator {
                 if done {
                     self.rebalance.remove(&shard);
                     self.persist(CoordinatorEvent::ShardHomeDeallocated { shard, generation });
+                    if self.settings.remember_entities {
+                        self.persist(CoordinatorEvent::ShardUnallocated { shard });
+                    }
                     self.answer_deferred(shard);
                 }
             }
@@ -627,38 +671,8 @@ impl ShardCoordinator {
             self.deferred.remove(&shard);
             return;
         };
-        if !self.state.shards.contains_key(&shard) {
-            if self.up_count() < self.settings.min_nr_of_members.max(1) {
-                return;
-            }
-            let current = self.eligible();
-            if current.is_empty() {
-                return;
-            }
-            let chosen = catch_unwind(AssertUnwindSafe(|| {
-                self.strategy.allocate_shard(&requester, shard, &current)
-            }));
-            let home = match chosen {
-                Ok(Ok(r)) if current.contains_key(&r) => r,
-                _ => {
-                    self.strategy_errors += 1;
-                    return;
-                }
-            };
-            let generation = Generation(self.state.last_generation.0 + 1);
-            self.persist(CoordinatorEvent::ShardHomeAllocated {
-                shard,
-                region: home.clone(),
-                generation,
-            });
-            self.send(
-                home.clone(),
-                RegionMsg::ShardHome {
-                    shard,
-                    region: home,
-                    generation,
-                },
-            );
+        if !self.state.shards.contains_key(&shard) && !self.allocate(shard, &requester) {
+            return;
         }
         let (home, generation) = self.state.shards[&shard].clone();
         let waiting = self.deferred.remove(&shard).unwrap_or_default();
@@ -674,9 +688,92 @@ impl ShardCoordinator {
         }
     }
 
+    /// Allocates `shard` (which has no home) through the strategy and tells
+    /// the new home. Returns false when it cannot be allocated now (too few
+    /// Up members, no eligible region, or the strategy failed).
+    fn allocate(&mut self, shard: ShardId, requester: &RegionId) -> bool {
+        if self.up_count() < self.settings.min_nr_of_members.max(1) {
+            return false;
+        }
+        let current = self.eligible();
+        if current.is_empty() {
+            return false;
+        }
+        let chosen = catch_unwind(AssertUnwindSafe(|| {
+            self.strategy.allocate_shard(requester, shard, &current)
+        }));
+        let home = match chosen {
+            Ok(Ok(r)) if current.contains_key(&r) => r,
+            _ => {
+                self.strategy_errors += 1;
+                return false;
+            }
+        };
+        let generation = Generation(self.state.last_generation.0 + 1);
+        self.persist(CoordinatorEvent::ShardHomeAllocated {
+            shard,
+            region: home.clone(),
+            generation,
+        });
+        self.send(
+            home.clone(),
+            RegionMsg::ShardHome {
+                shard,
+                region: home,
+                generation,
+            },
+        );
+        true
+    }
+
+    /// With remember entities on, allocates every shard recorded as
+    /// unallocated, without waiting for a message (Akka's
+    /// `allocateShardHomesForRememberEntities`); the new home starts the
+    /// shard on its `ShardHome` and restarts its remembered entities. Shards
+    /// that cannot be allocated yet (too few Up members, no registered
+    /// region) stay recorded and are tried again after the next input.
+    fn allocate_unallocated(&mut self) {
+        if !self.settings.remember_entities || self.state.unallocated.is_empty() {
+            return;
+        }
+        let shards: Vec<ShardId> = self
+            .state
+            .unallocated
+            .iter()
+            .copied()
+            .filter(|s| !self.state.shards.contains_key(s) && !self.rebalance.contains_key(s))
+            .collect();
+        for s in shards {
+            if self.deferred.contains_key(&s) {
+                self.answer_deferred(s);
+                if self.state.shards.contains_key(&s) {
+                    continue;
+                }
+            }
+            // The strategy's requester: the coordinator itself in Akka; here
+            // the least-loaded eligible region (strategies allocate by load).
+            let Some(requester) = self
+                .eligible()
+                .into_iter()
+                .min_by_key(|(_, shards)| shards.len())
+                .map(|(r, _)| r)
+            else {
+                return;
+            };
+            if !self.allocate(s, &requester) {
+                return;
+            }
+        }
+    }
+
     /// Runs the timers that are due: the re-register deadline of a
     /// recovered coordinator, abandoned hand-offs, and the rebalance round.
     pub fn handle_timeout(&mut self, now: Duration) {
+        self.timeout_inner(now);
+        self.allocate_unallocated();
+    }
+
+    fn timeout_inner(&mut self, now: Duration) {
         if !self.unconfirmed.is_empty() && now >= self.reregister_deadline {
             // Recovered regions that did not register again in time and
             // whose member is not Up are gone: their shards are allocated
