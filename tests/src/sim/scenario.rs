@@ -230,6 +230,31 @@ pub static SCENARIOS: &[Scenario] = &[
         },
     },
     Scenario {
+        name: "crash-remember",
+        about: "remember entities: a node (possibly the coordinator's) crashes; its shards start again elsewhere without a message",
+        build: |rng, cfg| {
+            let mut p = Params::base(cfg);
+            p.region.remember_entities = true;
+            if rng.gen_bool(0.5) {
+                p.region.remember_entities_pace = RememberEntitiesPace::Constant {
+                    per_interval: 3,
+                    interval: ms(100),
+                };
+            }
+            let t = rand_time(rng, 3000, 10_000);
+            let a = if rng.gen_bool(0.3) {
+                Action::CrashCoordinatorNode
+            } else {
+                Action::CrashOther
+            };
+            let mut script = vec![(t, a)];
+            if rng.gen_bool(0.5) {
+                script.push((t + rand_time(rng, 1000, 8000), Action::RestartCrashed));
+            }
+            (p, script)
+        },
+    },
+    Scenario {
         name: "coordinator-crash",
         about: "the coordinator's node crashes; the next oldest recovers the journal",
         build: |rng, cfg| {

@@ -294,7 +294,9 @@ impl World {
             h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
         }
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ h.rotate_left(17));
-        let (p, mut script) = (scenario.build)(&mut rng, cfg);
+        let (mut p, mut script) = (scenario.build)(&mut rng, cfg);
+        // The node sets the coordinator's flag from the entity type's.
+        p.coordinator.remember_entities = p.region.remember_entities;
         script.sort_by_key(|(t, _)| *t);
         let entity_ids: Vec<EntityId> = (0..cfg.entities)
             .map(|i| EntityId::new(format!("e{i}")).expect("valid id"))
@@ -1274,6 +1276,29 @@ impl World {
         }
     }
 
+    /// With remember entities: at the end, every shard with remembered
+    /// entities has a home (it was allocated again without waiting for a
+    /// message after it lost one), while a coordinator runs and a node is
+    /// alive.
+    fn check_remembered_homed(&mut self) {
+        if !self.p.region.remember_entities
+            || self.coord_at.is_none()
+            || !self.nodes.iter().any(|n| n.alive)
+        {
+            return;
+        }
+        let homeless: Vec<ShardId> = self
+            .remembered
+            .iter()
+            .filter(|(s, ids)| !ids.is_empty() && self.latest_alloc[s.0 as usize].is_none())
+            .map(|(s, _)| *s)
+            .collect();
+        if !homeless.is_empty() {
+            let d = format!("shards with remembered entities but no home at the end: {homeless:?}");
+            self.violate("remembered homed", d);
+        }
+    }
+
     fn check_drained(&mut self) {
         let pending: Vec<(usize, Loc)> = self
             .ledger
@@ -1396,6 +1421,9 @@ impl World {
         if self.violation.is_none() {
             self.now = end;
             self.check_drained();
+            if self.violation.is_none() {
+                self.check_remembered_homed();
+            }
             if self.p.clustered {
                 self.check_clustered_end();
             }
