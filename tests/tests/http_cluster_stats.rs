@@ -9,7 +9,7 @@ mod http_support;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use http_support::{start_nodes, wait_ready, Conn, Ports};
+use http_support::{start_nodes, start_nodes_with, wait_ready, Conn, Ports};
 use serde_json::Value;
 
 fn stats(addr: std::net::SocketAddr) -> Value {
@@ -96,5 +96,40 @@ fn sharding_stats_cover_every_member_and_list_the_silent_ones() {
     assert!(
         failed.contains(&killed),
         "the killed member is listed as failed: {v:#}"
+    );
+}
+
+/// A connection waiting for the cluster stats (up to 3 s while a member
+/// does not answer) is not idle: it gets its answer even with an
+/// `idle_timeout_ms` far below that wait.
+#[test]
+fn a_connection_owed_a_slow_answer_is_not_closed_as_idle() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ports = Ports { base: 27_090 };
+    let nodes = start_nodes_with(dir.path(), ports, 2, 1, "idle_timeout_ms = 200");
+    for n in &nodes {
+        wait_ready(n.http, Duration::from_secs(30));
+    }
+    // A stopped member keeps its connections open but answers nothing, so
+    // the stats wait for it.
+    let pid = nodes[1].node.child.id().to_string();
+    let signal = |sig: &str| {
+        let st = std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .expect("run kill");
+        assert!(st.success(), "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    let mut c = Conn::open(nodes[0].http);
+    c.send(b"GET /v1/sharding/counter/stats HTTP/1.1\r\n\r\n");
+    let r = c.read_response();
+    signal("-CONT");
+    let r = r.expect("a response, not a close");
+    assert_eq!(r.code, 200, "{}", r.text());
+    let v: Value = serde_json::from_slice(&r.body).expect("stats JSON");
+    assert!(
+        addresses(&v, "failed").contains(&ports.cluster(1).to_string()),
+        "{v:#}"
     );
 }

@@ -322,8 +322,9 @@ pub struct HttpConfig {
     /// byte, in milliseconds; else `408` and close. Default 15000; at least
     /// `header_timeout_ms`.
     pub body_timeout_ms: u64,
-    /// An idle keep-alive connection (no partial request) is closed after
-    /// this long, in milliseconds. Default 60000; at least 10.
+    /// An idle keep-alive connection (no partial request and no response
+    /// owed) is closed after this long, in milliseconds. Default 60000; at
+    /// least 10.
     pub idle_timeout_ms: u64,
     /// Most open HTTP connections per data core (count); more are answered
     /// `503` and closed. Default 10000; 1..=1000000.

@@ -21,7 +21,9 @@
 //! - a request's head must arrive within `header_timeout_ms` (default 5 s)
 //!   of its first byte, and its body within `body_timeout_ms` (default
 //!   15 s) of its first byte, else `408` and close; an idle keep-alive
-//!   connection is closed after `idle_timeout_ms` (default 60 s). These
+//!   connection (no partial request and no response owed) is closed after
+//!   `idle_timeout_ms` (default 60 s), counted from its last read or, when
+//!   a response was owed at the deadline, from that deadline. These
 //!   deadlines are checked by the core's periodic sweep (every 250 ms, or a
 //!   quarter of the shortest of these timeouts when that is less), not by
 //!   a timer per read, so they fire up to one sweep period late;
@@ -603,6 +605,14 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
                 let resp = Response::text(408, "request not received in time");
                 conn.respond(seq, &resp, false, false);
                 stop_reading = true;
+                continue;
+            }
+            if conn.queue.borrow().in_flight() > 0 {
+                // Not idle: a response is still owed (a slow ask, or the
+                // cluster stats waiting for a member); idle time counts
+                // again from now.
+                last_activity = Instant::now();
+                buf = Vec::with_capacity(READ_BYTES);
                 continue;
             }
             break;
