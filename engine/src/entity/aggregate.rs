@@ -15,7 +15,8 @@
 //! sent at most once through the normal routing path (the runtime also
 //! fires the flush when it collects an idle activation and when the node
 //! starts a graceful leave, when only aggregators whose shard has a home
-//! get it); it is lost if the node crashes or is downed
+//! get it; a leaving node then answers worker requests `ShuttingDown`);
+//! it is lost if the node crashes or is downed
 //! before the flush, or if the message is dropped on
 //! the way (aggregator's home unreachable, buffer full). Once the
 //! aggregator applied it, the total is as durable as the aggregator type

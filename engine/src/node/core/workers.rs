@@ -90,8 +90,18 @@ impl Core {
     }
 
     /// Runs a request for worker type `t` here: on an idle or new
-    /// activation, or queued; a full queue answers `BufferFull`.
+    /// activation, or queued; a full queue answers `BufferFull`. Once the
+    /// node leaves, requests are answered `ShuttingDown` (retry on another
+    /// node): the activations flushed what they held when the leave began,
+    /// and nothing they would accept afterwards could be flushed for sure.
     pub(super) fn worker_route(&mut self, t: &str, env: UserEnvelope) {
+        if self.shutting_down {
+            return self.reply(
+                env.sender,
+                Status::ShuttingDown,
+                b"node is leaving: stateless workers take no new requests".to_vec(),
+            );
+        }
         let now = self.now();
         let inc = self.next_incarnation;
         let core = self.index;
