@@ -41,6 +41,12 @@ pub struct RegionStatusView {
     /// `not_hosted`; reasons never seen are left out), in counts.
     #[serde(default)]
     pub dead_letter_reasons: std::collections::BTreeMap<String, u64>,
+    /// Why the core's journal could not be opened (a corrupt or unreadable
+    /// segment, see `shardline journal verify`); `None` when it opened.
+    /// While set, the core's durable entities answer `EntityFailed` and the
+    /// node is not ready.
+    #[serde(default)]
+    pub journal_error: Option<String>,
     /// Messages waiting in the region's buffers (count).
     pub buffered: usize,
     /// The core's pool of a stateless worker type (`None` for other types).

@@ -84,6 +84,15 @@ pub fn run(args: &StatusArgs, out: &mut impl std::io::Write) -> anyhow::Result<(
             }
         )?;
     }
+    for r in &st.regions {
+        if let Some(e) = &r.journal_error {
+            writeln!(
+                out,
+                "JOURNAL ERROR on core {} ({}): {e} (durable entities fail; see `shardline journal verify`)",
+                r.core, r.type_name
+            )?;
+        }
+    }
     writeln!(out, "regions:")?;
     for r in &st.regions {
         writeln!(

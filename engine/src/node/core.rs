@@ -169,6 +169,9 @@ pub(crate) struct Core {
     watches: WatchBook,
     /// Set while [`Core::flush_system`] routes (no re-entry).
     flushing_system: bool,
+    /// Why this core's journal could not be opened (durable entities then
+    /// fail and `/health/ready` answers 503).
+    journal_error: Option<String>,
 }
 
 type CoreRef = Rc<RefCell<Core>>;
@@ -215,14 +218,16 @@ pub(crate) async fn run(init: CoreInit) {
         durable: crate::persistence::Hooks::default(),
         watches: WatchBook::default(),
         flushing_system: false,
+        journal_error: None,
     }));
     drop(init.shared);
     {
-        let c = core.borrow();
+        let mut c = core.borrow_mut();
         if let Err(e) =
             crate::persistence::open_for_core(&c.config.data_dir, c.index, &c.config.durability)
         {
             tracing::error!(core = c.index, error = %e, "cannot open the core's journal; durable entities fail");
+            c.journal_error = Some(e.to_string());
         }
     }
     let durable_core = core.clone();
@@ -1536,6 +1541,7 @@ impl Core {
                     messages_delivered: h.delivered,
                     entities_activated: h.activated,
                     dead_letters: h.region.dead_letters(),
+                    journal_error: self.journal_error.clone(),
                     dead_letter_reasons: h
                         .region
                         .dead_letters_by_reason()

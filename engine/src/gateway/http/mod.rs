@@ -83,8 +83,9 @@ pub fn error_response(e: &HttpError) -> Response {
     Response::text(e.status_code(), e.to_string())
 }
 
-/// Whether the node is ready to route: its member is Up and every region
-/// on this node is registered with the coordinator (`/health/ready`).
+/// Whether the node is ready to route: its member is Up, every region on
+/// this node is registered with the coordinator, and every core's journal
+/// opened (`/health/ready`).
 pub fn is_ready(status: &NodeStatus) -> bool {
     let me_up = status
         .members
@@ -94,6 +95,7 @@ pub fn is_ready(status: &NodeStatus) -> bool {
         && status.coordinator.is_some()
         && !status.regions.is_empty()
         && status.regions.iter().all(|r| r.registered)
+        && status.regions.iter().all(|r| r.journal_error.is_none())
 }
 
 #[derive(Serialize)]
@@ -202,10 +204,20 @@ pub fn admin_response(
             if is_ready(status) {
                 Response::text(200, "ready")
             } else {
-                let mut r = Response::text(
-                    503,
-                    "not ready: the member is not Up or its regions are not registered",
-                );
+                let why = match status.regions.iter().find_map(|r| {
+                    r.journal_error.as_ref().map(|e| {
+                        format!(
+                            "not ready: the journal of core {} did not open: {e}",
+                            r.core
+                        )
+                    })
+                }) {
+                    Some(why) => why,
+                    None => {
+                        "not ready: the member is not Up or its regions are not registered".into()
+                    }
+                };
+                let mut r = Response::text(503, why);
                 r.retry_after = true;
                 r
             }
@@ -395,6 +407,7 @@ mod tests {
                 entities_activated: 1,
                 dead_letters: 0,
                 dead_letter_reasons: Default::default(),
+                journal_error: None,
                 buffered: 0,
                 worker: None,
                 hand_offs_begun: 0,
@@ -406,6 +419,22 @@ mod tests {
 
     fn body(r: &Response) -> String {
         String::from_utf8(r.body.clone()).unwrap()
+    }
+
+    #[test]
+    fn a_journal_that_did_not_open_makes_the_node_not_ready_and_says_why() {
+        let mut st = status(true, true);
+        st.regions[0].journal_error = Some("segment 1: record checksum mismatch".into());
+        assert!(!is_ready(&st));
+        let r = admin_response(&Route::Ready, &st, 100, MetricsSnapshot::default);
+        assert_eq!(r.code, 503);
+        assert!(r.retry_after);
+        assert!(
+            body(&r)
+                .contains("journal of core 0 did not open: segment 1: record checksum mismatch"),
+            "{}",
+            body(&r)
+        );
     }
 
     #[test]
