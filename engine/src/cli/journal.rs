@@ -1,7 +1,9 @@
 //! `shardline journal verify DIR` and `shardline journal inspect DIR
 //! [--persistence-id ID]`: offline tools for a journal directory (see
 //! `journal/FORMAT.md`). Both read every segment in full and change
-//! nothing.
+//! nothing. `shardline journal repair DIR --yes` cuts a corrupt journal at
+//! its first corruption so that a node can open it again (records after the
+//! cut are lost; run it only on a stopped node's journal).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -26,6 +28,16 @@ pub enum JournalCommand {
     Verify {
         /// The journal directory.
         dir: PathBuf,
+    },
+    /// Cut the journal at its first corruption (repair mode of the journal's
+    /// recovery): every record after it is lost, stale segments are
+    /// removed. Only for a journal no node has open. Needs `--yes`.
+    Repair {
+        /// The journal directory.
+        dir: PathBuf,
+        /// Confirms that losing the records after the corruption is meant.
+        #[arg(long)]
+        yes: bool,
     },
     /// List records: `LSN SEQ KIND EPOCH TIMESTAMP_MS LEN PERSISTENCE_ID PAYLOAD`.
     Inspect {
@@ -55,6 +67,17 @@ pub enum JournalCliError {
     /// Writing the output failed.
     #[error("cannot write output: {0}")]
     Io(#[from] std::io::Error),
+    /// `repair` without `--yes`.
+    #[error("repair loses every record after the first corruption: run `shardline journal verify` first, stop the node, and add --yes")]
+    NotConfirmed,
+    /// The journal could not be opened even in repair mode.
+    #[error("cannot repair journal {dir}: {source}")]
+    Repair {
+        /// The directory.
+        dir: PathBuf,
+        /// The journal's error.
+        source: shardline_journal::OpenError,
+    },
 }
 
 /// Runs a `journal` subcommand, writing its report to `out`. Returns
@@ -66,11 +89,60 @@ pub enum JournalCliError {
 pub fn run(args: &JournalArgs, out: &mut impl Write) -> Result<bool, JournalCliError> {
     match &args.command {
         JournalCommand::Verify { dir } => verify_cmd(dir, out),
+        JournalCommand::Repair { dir, yes } => repair_cmd(dir, *yes, out).map(|()| true),
         JournalCommand::Inspect {
             dir,
             persistence_id,
         } => inspect_cmd(dir, persistence_id.as_deref(), out).map(|()| true),
     }
+}
+
+fn repair_cmd(dir: &PathBuf, yes: bool, out: &mut impl Write) -> Result<(), JournalCliError> {
+    if !yes {
+        return Err(JournalCliError::NotConfirmed);
+    }
+    if !dir.is_dir() {
+        return Err(JournalCliError::Read {
+            dir: dir.clone(),
+            source: std::io::ErrorKind::NotFound.into(),
+        });
+    }
+    let options = shardline_journal::JournalOptions {
+        recovery: shardline_journal::RecoveryMode::Repair,
+        segment_size_bytes: crate::persistence::SEGMENT_SIZE_BYTES,
+        durability: shardline_journal::Durability::Always,
+        ..shardline_journal::JournalOptions::default()
+    };
+    let (journal, report) = shardline_journal::Journal::open(dir, options).map_err(|source| {
+        JournalCliError::Repair {
+            dir: dir.clone(),
+            source,
+        }
+    })?;
+    drop(journal);
+    writeln!(out, "journal {}", dir.display())?;
+    for r in &report.repairs {
+        writeln!(
+            out,
+            "{} segment {} at offset {}: {}",
+            if r.removed_file { "removed" } else { "cut" },
+            r.file,
+            r.offset,
+            r.problem
+        )?;
+    }
+    if let Some(t) = &report.torn_tail {
+        writeln!(out, "torn tail cut: {t:?}")?;
+    }
+    writeln!(
+        out,
+        "kept {} records of {} persistence ids in {} segments; {} repair(s)",
+        report.records,
+        report.persistence_ids,
+        report.segments,
+        report.repairs.len()
+    )?;
+    Ok(())
 }
 
 fn verify_cmd(dir: &PathBuf, out: &mut impl Write) -> Result<bool, JournalCliError> {
@@ -285,6 +357,53 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("result: CORRUPT"));
+    }
+
+    #[test]
+    fn repair_needs_yes_then_cuts_at_the_corruption_and_the_journal_opens_again() {
+        let dir = tempfile::tempdir().unwrap();
+        sample(dir.path());
+        let first = dir.path().join("00000000000000000001.seg");
+        let mut b = std::fs::read(&first).unwrap();
+        b[64 + 60 + 20] ^= 0xff;
+        std::fs::write(&first, b).unwrap();
+        // A full scan on open, as for an active segment (sealed ones are
+        // otherwise checked on replay).
+        let strict = JournalOptions {
+            segment_size_bytes: 4096,
+            verify_all_on_open: true,
+            ..JournalOptions::default()
+        };
+        assert!(Journal::open(dir.path(), strict.clone()).is_err());
+        let mut out = Vec::new();
+        let err = run(
+            &JournalArgs {
+                command: JournalCommand::Repair {
+                    dir: dir.path().to_path_buf(),
+                    yes: false,
+                },
+            },
+            &mut out,
+        )
+        .unwrap_err();
+        assert!(matches!(err, JournalCliError::NotConfirmed), "{err}");
+        let (ok, text) = run_to_string(JournalCommand::Repair {
+            dir: dir.path().to_path_buf(),
+            yes: true,
+        });
+        assert!(ok);
+        assert!(
+            text.contains("segment 00000000000000000001.seg at offset 122"),
+            "{text}"
+        );
+        let (ok, text) = run_to_string(JournalCommand::Verify {
+            dir: dir.path().to_path_buf(),
+        });
+        assert!(ok, "{text}");
+        // The first record survives; the strict open of a node works again.
+        let (j, report) = Journal::open(dir.path(), strict).unwrap();
+        assert!(report.records >= 1, "{report:?}");
+        j.close().unwrap();
     }
 
     #[test]
