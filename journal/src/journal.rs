@@ -141,7 +141,9 @@ struct Catalog {
     storage: Arc<dyn Storage>,
     sealed: BTreeMap<Lsn, SealedSegment>,
     pids: HashMap<PersistenceId, PidState>,
-    snapshot_files: Vec<String>,
+    /// Sorted, so that the files of one id hash are a range (a journal may
+    /// hold a snapshot per entity: hundreds of thousands).
+    snapshot_files: std::collections::BTreeSet<String>,
     snapshot_names: std::sync::Mutex<HashMap<PersistenceId, String>>,
     /// Snapshots saved by this writer whose file is not durable in place
     /// yet (the meta thread renames them): read from here meanwhile.
@@ -244,8 +246,8 @@ impl Catalog {
     fn snapshot_candidates(&self, pid: &PersistenceId) -> Vec<String> {
         let prefix = format!("{}-", snapshot_hash(pid));
         self.snapshot_files
-            .iter()
-            .filter(|n| n.starts_with(&prefix))
+            .range(prefix.clone()..)
+            .take_while(|n| n.starts_with(&prefix))
             .cloned()
             .collect()
     }
@@ -494,7 +496,7 @@ impl Journal {
                 storage,
                 sealed,
                 pids: rec.pids,
-                snapshot_files: rec.snapshot_files,
+                snapshot_files: rec.snapshot_files.into_iter().collect(),
                 snapshot_names: Default::default(),
                 pending_snapshots: Default::default(),
             },
@@ -1053,9 +1055,7 @@ impl Journal {
             self.poison(reason.clone());
             return Err(SnapshotError::Poisoned { reason });
         }
-        if !self.catalog.snapshot_files.contains(&name) {
-            self.catalog.snapshot_files.push(name.clone());
-        }
+        self.catalog.snapshot_files.insert(name.clone());
         self.catalog
             .snapshot_names
             .lock()
@@ -1181,7 +1181,7 @@ impl JournalReader {
                 storage,
                 sealed,
                 pids: rec.pids,
-                snapshot_files: rec.snapshot_files,
+                snapshot_files: rec.snapshot_files.into_iter().collect(),
                 snapshot_names: Default::default(),
                 pending_snapshots: Default::default(),
             },
