@@ -505,6 +505,44 @@ impl NodeConfig {
                     "only for stateless workers".into(),
                 ));
             }
+            // Keys the type would ignore are refused (a value other than
+            // the default counts as set).
+            if worker && t.remember_entities {
+                return Err(bad(
+                    &format!("entity_types[{i}].remember_entities"),
+                    "a stateless worker has no addressable entities to remember".into(),
+                ));
+            }
+            if !t.remember_entities && t.remember_entities_per_s > 0 {
+                return Err(bad(
+                    &format!("entity_types[{i}].remember_entities_per_s"),
+                    "only with remember_entities = true".into(),
+                ));
+            }
+            if t.max_local_workers > 65_536 {
+                return Err(bad(
+                    &format!("entity_types[{i}].max_local_workers"),
+                    format!("{} is more than 65536", t.max_local_workers),
+                ));
+            }
+            if t.worker_queue_size == 0 {
+                return Err(bad(
+                    &format!("entity_types[{i}].worker_queue_size"),
+                    "must be at least 1".into(),
+                ));
+            }
+            if !worker && t.worker_queue_size != default_worker_queue_size() {
+                return Err(bad(
+                    &format!("entity_types[{i}].worker_queue_size"),
+                    "only for stateless workers".into(),
+                ));
+            }
+            if t.kind != EntityKind::Counter && t.snapshot_every != default_snapshot_every() {
+                return Err(bad(
+                    &format!("entity_types[{i}].snapshot_every"),
+                    "only for durable types (kind \"counter\")".into(),
+                ));
+            }
             if t.kind == EntityKind::Aggregate {
                 if !(1..=3_600_000).contains(&t.aggregate_interval_ms) {
                     return Err(bad(
@@ -659,6 +697,36 @@ active_entity_limit = 0
             "durability = \"sometimes\"",
         );
         assert!(NodeConfig::from_toml(&text, Path::new("x.toml")).is_err());
+    }
+
+    #[test]
+    fn refuses_keys_the_type_would_ignore_naming_the_key() {
+        let echo = |keys: &str| {
+            format!("{GOOD}\n[[entity_types]]\nname = \"e\"\nkind = \"echo\"\n{keys}\n")
+        };
+        let counter =
+            |keys: &str| GOOD.replace("kind = \"counter\"", &format!("kind = \"counter\"\n{keys}"));
+        for (text, key) in [
+            (echo("remember_entities = true"), "remember_entities"),
+            (echo("snapshot_every = 5"), "snapshot_every"),
+            (echo("worker_queue_size = 0"), "worker_queue_size"),
+            (echo("max_local_workers = 100000000"), "max_local_workers"),
+            (counter("worker_queue_size = 5"), "worker_queue_size"),
+            (
+                counter("remember_entities_per_s = 10"),
+                "remember_entities_per_s",
+            ),
+        ] {
+            let e = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap_err();
+            assert!(e.to_string().contains(&format!("].{key}")), "{key}: {e}");
+        }
+        // The same keys where they mean something are accepted.
+        for text in [
+            echo("worker_queue_size = 5\nmax_local_workers = 4"),
+            counter("snapshot_every = 5\nremember_entities = true\nremember_entities_per_s = 10"),
+        ] {
+            NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap();
+        }
     }
 
     /// `GOOD` with an `[http]` table inserted before the entity types.
