@@ -105,13 +105,18 @@ pub enum HttpError {
     /// A `Transfer-Encoding` body (chunked) was sent (`411`).
     #[error("Transfer-Encoding is not supported; send the body with Content-Length")]
     LengthRequired,
+    /// An `Expect` header other than `100-continue` (`417`, RFC 9110
+    /// section 10.1.1).
+    #[error("unsupported Expect header (only 100-continue is supported)")]
+    ExpectationFailed,
 }
 
 impl HttpError {
-    /// The status code answered for this error: 400, 411, 413 or 431.
+    /// The status code answered for this error: 400, 411, 413, 417 or 431.
     pub fn status_code(&self) -> u16 {
         match self {
             HttpError::Malformed(_) => 400,
+            HttpError::ExpectationFailed => 417,
             HttpError::HeadersTooLarge { .. } => 431,
             HttpError::BodyTooLarge { .. } => 413,
             HttpError::LengthRequired => 411,
@@ -490,7 +495,7 @@ fn interpret(
             if h.value.trim_ascii().eq_ignore_ascii_case(b"100-continue") {
                 expect_continue = true;
             } else {
-                return Err(HttpError::Malformed("unsupported Expect header"));
+                return Err(HttpError::ExpectationFailed);
             }
         }
     }
@@ -776,7 +781,7 @@ mod tests {
         assert_eq!(d.next_request().unwrap().unwrap().body, b"hi");
         let mut d = dec();
         d.feed(b"POST / HTTP/1.1\r\nExpect: teapot\r\n\r\n", T0);
-        assert_eq!(d.next_request().unwrap_err().status_code(), 400);
+        assert_eq!(d.next_request().unwrap_err().status_code(), 417);
     }
 
     #[test]

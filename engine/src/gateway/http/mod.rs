@@ -98,9 +98,17 @@ pub fn is_ready(status: &NodeStatus) -> bool {
         && status.regions.iter().all(|r| r.journal_error.is_none())
 }
 
+/// Writes a member uid as a JSON string: uids use all 64 bits, and JSON
+/// readers that parse numbers as IEEE doubles (JavaScript, jq) would round
+/// those above 2^53.
+fn uid_as_string<S: serde::Serializer>(uid: &u64, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(uid)
+}
+
 #[derive(Serialize)]
 struct MemberJson<'a> {
     address: &'a str,
+    #[serde(serialize_with = "uid_as_string")]
     uid: u64,
     status: &'a str,
     roles: Vec<String>,
@@ -135,6 +143,7 @@ struct RegionStatsJson<'a> {
 #[derive(Serialize)]
 struct MemberStatsJson<'a> {
     address: &'a str,
+    #[serde(serialize_with = "uid_as_string")]
     uid: u64,
     regions: Vec<RegionStatsJson<'a>>,
 }
@@ -147,7 +156,15 @@ struct StatsJson<'a> {
     /// Live entities on the members that answered (count).
     total_entities: u64,
     members: Vec<MemberStatsJson<'a>>,
-    failed: &'a [FailedMember],
+    failed: Vec<FailedJson<'a>>,
+}
+
+#[derive(Serialize)]
+struct FailedJson<'a> {
+    address: &'a str,
+    #[serde(serialize_with = "uid_as_string")]
+    uid: u64,
+    reason: &'a str,
 }
 
 #[derive(Serialize)]
@@ -354,7 +371,15 @@ pub fn sharding_stats_response(type_name: &TypeName, stats: &ClusterShardingStat
         type_name: type_name.as_str(),
         total_shards: regions().map(|r| r.shard_count).sum(),
         total_entities: regions().map(|r| r.entities).sum(),
-        failed: &stats.failed,
+        failed: stats
+            .failed
+            .iter()
+            .map(|f: &FailedMember| FailedJson {
+                address: &f.address,
+                uid: f.uid,
+                reason: &f.reason,
+            })
+            .collect(),
         members,
     })
 }
@@ -457,6 +482,12 @@ mod tests {
         assert_eq!(v["members"][0]["leader"], true);
         assert_eq!(v["members"][1]["oldest"], true);
         assert_eq!(v["members"][1]["reachable"], false);
+        // Uids are strings: 64-bit values do not survive a double.
+        let mut big = st.clone();
+        big.members[0].uid = u64::MAX - 1;
+        let r = admin_response(&Route::Members, &big, 100, Default::default);
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(v["members"][0]["uid"], (u64::MAX - 1).to_string());
 
         let t = TypeName::new("counter").unwrap();
         let r = admin_response(
