@@ -1560,6 +1560,22 @@ impl Core {
         v
     }
 
+    /// The homes of `shard` this core's regions have cached from the
+    /// coordinator, per entity type: `(type, member address, core)`.
+    pub(crate) fn cached_homes(&self, shard: ShardId) -> Vec<crate::gateway::http::CachedHome> {
+        let mut out: Vec<_> = self
+            .types
+            .iter()
+            .filter_map(|(t, h)| {
+                h.region
+                    .home_of(shard)
+                    .map(|(r, _)| (t.clone(), r.member.address.0.clone(), r.core))
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
     pub(crate) fn index(&self) -> u16 {
         self.index
     }

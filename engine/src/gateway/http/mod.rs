@@ -181,15 +181,72 @@ struct ShardOfJson<'a> {
     number_of_shards: u32,
     shard: u32,
     hash: &'static str,
-    /// `node` and `core` of the home when this node hosts the shard.
+    /// The first of `homes` (kept for clients of the single-type form).
     home: Option<HomeJson<'a>>,
+    /// The shard's home for every entity type whose home this node knows:
+    /// hosted here, or cached by this core's region from the coordinator.
+    homes: Vec<HomeJson<'a>>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Clone)]
 struct HomeJson<'a> {
     type_name: &'a str,
     node: &'a str,
     core: u16,
+}
+
+/// A shard home this node's region learned from the coordinator:
+/// `(entity type, member address, data core)`.
+pub type CachedHome = (String, String, u16);
+
+/// `GET /v1/sharding/shard-of/{id}[?shards=N]`: the shard of `entity_id`
+/// (xxh3-64 seed 0 modulo N, N = `number_of_shards` when not given) and,
+/// when N is the node's own, the shard's home per entity type: a region of
+/// this node that hosts it, else the home this core's region has cached
+/// (`cached`, from the coordinator's `ShardHome` answers); a type whose home
+/// is not known here (never asked, or being moved) is left out.
+pub fn shard_of_response(
+    entity_id: &EntityId,
+    shards: Option<u32>,
+    number_of_shards: u32,
+    status: &NodeStatus,
+    cached: &[CachedHome],
+) -> Response {
+    let n = shards.unwrap_or(number_of_shards).max(1);
+    let shard = shard_id_of(entity_id.as_str(), n).0;
+    let mut homes: Vec<HomeJson<'_>> = Vec::new();
+    if n == number_of_shards {
+        for r in status
+            .regions
+            .iter()
+            .filter(|r| r.shards.contains_key(&shard))
+        {
+            if !homes.iter().any(|h| h.type_name == r.type_name) {
+                homes.push(HomeJson {
+                    type_name: &r.type_name,
+                    node: &status.address,
+                    core: r.core,
+                });
+            }
+        }
+        for (t, node, core) in cached {
+            if !homes.iter().any(|h| h.type_name == t) {
+                homes.push(HomeJson {
+                    type_name: t,
+                    node,
+                    core: *core,
+                });
+            }
+        }
+    }
+    json(&ShardOfJson {
+        entity_id: entity_id.as_str(),
+        number_of_shards: n,
+        shard,
+        hash: "xxh3-64 seed 0 modulo number_of_shards",
+        home: homes.first().cloned(),
+        homes,
+    })
 }
 
 fn json<T: Serialize>(v: &T) -> Response {
@@ -303,28 +360,7 @@ pub fn admin_response(
             json(&regions)
         }
         Route::ShardOf { entity_id, shards } => {
-            let n = shards.unwrap_or(number_of_shards).max(1);
-            let shard = shard_id_of(entity_id.as_str(), n).0;
-            let home = if n == number_of_shards {
-                status
-                    .regions
-                    .iter()
-                    .find(|r| r.shards.contains_key(&shard))
-                    .map(|r| HomeJson {
-                        type_name: &r.type_name,
-                        node: &status.address,
-                        core: r.core,
-                    })
-            } else {
-                None
-            };
-            json(&ShardOfJson {
-                entity_id: entity_id.as_str(),
-                number_of_shards: n,
-                shard,
-                hash: "xxh3-64 seed 0 modulo number_of_shards",
-                home,
-            })
+            shard_of_response(entity_id, *shards, number_of_shards, status, &[])
         }
         Route::Metrics => {
             let mut m = metrics();
@@ -444,6 +480,33 @@ mod tests {
 
     fn body(r: &Response) -> String {
         String::from_utf8(r.body.clone()).unwrap()
+    }
+
+    #[test]
+    fn shard_of_names_the_home_per_type_hosted_here_or_cached_from_the_coordinator() {
+        let st = status(true, true); // hosts shard 3 of `counter` on core 0
+        let id = (0..10_000)
+            .map(|i| EntityId::new(format!("e{i}")).unwrap())
+            .find(|e| shard_id_of(e.as_str(), 100).0 == 3)
+            .unwrap();
+        let cached = vec![
+            ("counter".to_string(), "127.0.0.1:7102".to_string(), 1),
+            ("other".to_string(), "127.0.0.1:7103".to_string(), 0),
+        ];
+        let r = shard_of_response(&id, None, 100, &st, &cached);
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(v["shard"], 3);
+        // Hosted here wins over the cache for `counter`; `other` is cached.
+        assert_eq!(v["homes"][0]["type_name"], "counter");
+        assert_eq!(v["homes"][0]["node"], st.address.as_str());
+        assert_eq!(v["homes"][1]["type_name"], "other");
+        assert_eq!(v["homes"][1]["node"], "127.0.0.1:7103");
+        assert_eq!(v["home"], v["homes"][0]);
+        // Another number of shards: no home is claimed.
+        let r = shard_of_response(&id, Some(7), 100, &st, &cached);
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(v["homes"].as_array().map(Vec::len), Some(0));
+        assert!(v["home"].is_null());
     }
 
     #[test]

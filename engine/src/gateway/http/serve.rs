@@ -756,9 +756,26 @@ fn handle(
                     Some(status) if matches!(route, Route::ShardingStats { .. }) => {
                         sharding_stats(&core, &route, &status, front.number_of_shards).await
                     }
-                    Some(status) => admin_response(&route, &status, front.number_of_shards, || {
-                        node_metrics(&front, &status)
-                    }),
+                    Some(status) => {
+                        if let Route::ShardOf { entity_id, shards } = &route {
+                            let shard = shardline_core::sharding::shard_id_of(
+                                entity_id.as_str(),
+                                front.number_of_shards.max(1),
+                            );
+                            let cached = core.borrow().cached_homes(shard);
+                            super::shard_of_response(
+                                entity_id,
+                                *shards,
+                                front.number_of_shards,
+                                &status,
+                                &cached,
+                            )
+                        } else {
+                            admin_response(&route, &status, front.number_of_shards, || {
+                                node_metrics(&front, &status)
+                            })
+                        }
+                    }
                     None => Response::text(503, "the node's control executor did not answer"),
                 };
                 record(None, r.code);
