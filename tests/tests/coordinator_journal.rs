@@ -15,44 +15,18 @@
 #[path = "node_cases/support.rs"]
 mod support;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use shardline::client::{Client, Status};
 use shardline::status::CoordinatorStatusView;
-use support::{config_text, serial, shardline_bin, status, Cluster, NodeProc, Ports};
+use support::{config_text, serial, shardline_bin, spawn_node, status, Cluster, NodeProc, Ports};
 
 const COUNTERS: usize = 60;
 
 /// Starts `shardline node` with `cfg`, its stderr appended to `log`.
 fn spawn(cfg: &Path, log: &Path) -> NodeProc {
-    let logf = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .expect("log file");
-    let mut child = Command::new(shardline_bin())
-        .args(["node", "--config"])
-        .arg(cfg)
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::from(logf))
-        .spawn()
-        .expect("spawn shardline node");
-    let out = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines() {
-            let Ok(line) = line else { break };
-            if line.starts_with("shardline: ready") {
-                let _ = tx.send(());
-            }
-        }
-    });
-    NodeProc { child, ready: rx }
+    spawn_node(&shardline_bin(), cfg, log, "info")
 }
 
 /// The `counter` coordinator's view on the node at client port of `i`, when
