@@ -498,6 +498,52 @@ struct RawShared {
     stop: AtomicBool,
 }
 
+/// The raw baseline's flusher thread: `fdatasync` every `interval` (or,
+/// with `None`, whenever the writer rings `bell_rx`) while bytes were written
+/// since the last one; records each sync's latency and `(written bytes,
+/// ns since start)` when it completed, and wakes writers waiting on
+/// `shared.synced`. Returns once `shared.stop` is set and all is synced.
+fn raw_flusher(
+    file: &std::fs::File,
+    shared: &RawShared,
+    interval: Option<Duration>,
+    bell_rx: &std::sync::mpsc::Receiver<()>,
+    start: Instant,
+) -> std::io::Result<FlushLog> {
+    let mut events = Vec::new();
+    let mut flush_hist = histogram();
+    let mut synced = 0u64;
+    let mut next_tick = Instant::now();
+    loop {
+        match interval {
+            Some(d) => {
+                next_tick += d;
+                let now = Instant::now();
+                if next_tick > now {
+                    std::thread::sleep(next_tick - now);
+                } else {
+                    next_tick = now;
+                }
+            }
+            None => {
+                let _ = bell_rx.recv_timeout(Duration::from_millis(50));
+            }
+        }
+        let w = shared.written_bytes.load(Ordering::SeqCst);
+        if w > synced {
+            let t0 = Instant::now();
+            file.sync_data()?;
+            let _ = flush_hist.record((t0.elapsed().as_nanos() as u64).max(1));
+            events.push((w, start.elapsed().as_nanos() as u64));
+            synced = w;
+            *shared.synced.lock().unwrap_or_else(|e| e.into_inner()) = w;
+            shared.cond.notify_all();
+        } else if shared.stop.load(Ordering::SeqCst) {
+            return Ok((events, flush_hist));
+        }
+    }
+}
+
 fn run_raw(
     dir: &Path,
     args: &JournalArgs,
@@ -535,38 +581,11 @@ fn run_raw(
         let file = file.clone();
         let shared = shared.clone();
         std::thread::spawn(move || -> std::io::Result<FlushLog> {
-            let mut events = Vec::new();
-            let mut flush_hist = histogram();
-            let mut synced = 0u64;
-            let mut next_tick = Instant::now();
-            loop {
-                match policy {
-                    Policy::Interval(d) => {
-                        next_tick += d;
-                        let now = Instant::now();
-                        if next_tick > now {
-                            std::thread::sleep(next_tick - now);
-                        } else {
-                            next_tick = now;
-                        }
-                    }
-                    _ => {
-                        let _ = bell_rx.recv_timeout(Duration::from_millis(50));
-                    }
-                }
-                let w = shared.written_bytes.load(Ordering::SeqCst);
-                if w > synced {
-                    let t0 = Instant::now();
-                    file.sync_data()?;
-                    let _ = flush_hist.record((t0.elapsed().as_nanos() as u64).max(1));
-                    events.push((w, start.elapsed().as_nanos() as u64));
-                    synced = w;
-                    *shared.synced.lock().unwrap_or_else(|e| e.into_inner()) = w;
-                    shared.cond.notify_all();
-                } else if shared.stop.load(Ordering::SeqCst) {
-                    return Ok((events, flush_hist));
-                }
-            }
+            let interval = match policy {
+                Policy::Interval(d) => Some(d),
+                _ => None,
+            };
+            raw_flusher(&file, &shared, interval, &bell_rx, start)
         })
     });
     let mut append_ns = vec![0u64; n];
@@ -797,39 +816,7 @@ fn raw_loop_on(
     let sh = &shared;
     std::thread::scope(|s| -> Result<RawLoop> {
         let flusher = s.spawn(move || -> std::io::Result<FlushLog> {
-            let shared = sh;
-            let mut events = Vec::new();
-            let mut flush_hist = histogram();
-            let mut synced = 0u64;
-            let mut next_tick = Instant::now();
-            loop {
-                match interval {
-                    Some(d) => {
-                        next_tick += d;
-                        let now = Instant::now();
-                        if next_tick > now {
-                            std::thread::sleep(next_tick - now);
-                        } else {
-                            next_tick = now;
-                        }
-                    }
-                    None => {
-                        let _ = bell_rx.recv_timeout(Duration::from_millis(50));
-                    }
-                }
-                let w = shared.written_bytes.load(Ordering::SeqCst);
-                if w > synced {
-                    let t0 = Instant::now();
-                    file.sync_data()?;
-                    let _ = flush_hist.record((t0.elapsed().as_nanos() as u64).max(1));
-                    events.push((w, start.elapsed().as_nanos() as u64));
-                    synced = w;
-                    *shared.synced.lock().unwrap_or_else(|e| e.into_inner()) = w;
-                    shared.cond.notify_all();
-                } else if shared.stop.load(Ordering::SeqCst) {
-                    return Ok((events, flush_hist));
-                }
-            }
+            raw_flusher(file, sh, interval, &bell_rx, start)
         });
         let written = (|| -> Result<u64> {
             let mut i = 0u64;
