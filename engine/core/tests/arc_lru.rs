@@ -4,8 +4,8 @@
 //! Table IV). Each page is an entity id, each page reference one message to
 //! it; a message that finds its entity active is a hit.
 //!
-//! The trace lives outside the repository (`../shared/data/arc/OLTP.lis.zst`
-//! from the workspace root, or `$SHARDLINE_ARC_DIR`).
+//! The trace ships in the repository (`bench-harness/data/OLTP.lis.zst`);
+//! `$SHARDLINE_ARC_DIR` points at another copy.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -21,7 +21,7 @@ fn trace_path() -> PathBuf {
     match std::env::var_os("SHARDLINE_ARC_DIR") {
         Some(d) => PathBuf::from(d).join("OLTP.lis.zst"),
         None => {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/arc/OLTP.lis.zst")
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench-harness/data/OLTP.lis.zst")
         }
     }
 }
