@@ -45,5 +45,8 @@ pub mod transport;
 pub use config::NodeConfig;
 pub use entity::worker::WorkerSettings;
 pub use entity::{Entity, EntityContext, EntityError, EntityFactory, TerminatedReason};
-pub use node::{AskError, EntityRef, EntitySettings, Node, NodeError, NodeStatus, RegionHandle};
+pub use node::{
+    AskError, EntityRef, EntitySettings, Node, NodeError, NodeStatus, RegionHandle,
+    BIND_RETRY_TIMEOUT,
+};
 pub use status::WorkerPoolStatus;

@@ -200,9 +200,11 @@ pub(crate) async fn run(init: ControlInit) {
     CTL_SELF.with(|c| *c.borrow_mut() = Some(ctl.clone()));
     ctl.borrow_mut().drive();
     let actl = ctl.clone();
-    monoio::spawn(async move {
-        loop {
-            match listener.accept().await {
+    let stop_accept = crate::runtime::LocalNotify::default();
+    let stop = stop_accept.clone();
+    let accept = monoio::spawn(async move {
+        while let Some(r) = crate::runtime::accept_or_stop(&listener, &stop).await {
+            match r {
                 Ok((s, _)) => {
                     transport::tune(&s);
                     monoio::spawn(inbound(actl.clone(), s));
@@ -213,9 +215,10 @@ pub(crate) async fn run(init: ControlInit) {
                 }
             }
             if actl.borrow().shutdown {
-                return;
+                break;
             }
         }
+        drop(listener);
     });
     let dctl = ctl.clone();
     let wake = ctl.borrow().durable_wake.clone();
@@ -253,10 +256,10 @@ pub(crate) async fn run(init: ControlInit) {
             break;
         }
     }
-    let c = ctl.borrow();
-    for p in c.peers.values() {
+    for p in ctl.borrow().peers.values() {
         p.close();
     }
+    crate::runtime::stop_accepting(&stop_accept, accept).await;
 }
 
 thread_local! {

@@ -243,9 +243,11 @@ pub(crate) async fn run(init: CoreInit) {
     });
     Core::set_self(&core);
     let accept_core = core.clone();
+    let stop_accept = crate::runtime::LocalNotify::default();
+    let stop = stop_accept.clone();
     let accept = monoio::spawn(async move {
-        loop {
-            match listener.accept().await {
+        while let Some(r) = crate::runtime::accept_or_stop(&listener, &stop).await {
+            match r {
                 Ok((stream, _)) => {
                     transport::tune(&stream);
                     monoio::spawn(crate::gateway::serve_client(accept_core.clone(), stream));
@@ -256,11 +258,12 @@ pub(crate) async fn run(init: CoreInit) {
                 }
             }
             if accept_core.borrow().shutdown {
-                return;
+                break;
             }
         }
+        drop(listener);
     });
-    crate::gateway::http::serve::start(&core, http_front);
+    let http_accept = crate::gateway::http::serve::start(&core, http_front);
     let tick_core = core.clone();
     monoio::spawn(async move {
         loop {
@@ -288,15 +291,19 @@ pub(crate) async fn run(init: CoreInit) {
             break;
         }
     }
-    let c = core.borrow();
-    for o in c.conns.values() {
-        o.close();
+    {
+        let c = core.borrow();
+        for o in c.conns.values() {
+            o.close();
+        }
+        for l in c.links.values() {
+            l.outbox.close();
+        }
     }
-    for l in c.links.values() {
-        l.outbox.close();
+    crate::runtime::stop_accepting(&stop_accept, accept).await;
+    if let Some((stop, task)) = http_accept {
+        crate::runtime::stop_accepting(&stop, task).await;
     }
-    drop(c);
-    drop(accept);
     if let Some(log) = crate::persistence::uninstall() {
         drop(log); // syncs and closes the core's journal
     }

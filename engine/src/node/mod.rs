@@ -139,7 +139,8 @@ impl Node {
     ///
     /// # Errors
     /// [`NodeError::Config`] for a bad config, [`NodeError::Bind`] when an
-    /// address is taken, [`NodeError::Spawn`].
+    /// address is taken (an address in use is retried for up to
+    /// [`BIND_RETRY_TIMEOUT`] first), [`NodeError::Spawn`].
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
         config.validate(std::path::Path::new("<config>"))?;
         let uid = MemberUid(rand::random::<u64>() | 1);
@@ -157,23 +158,18 @@ impl Node {
             to_cores.push(tx);
             core_rxs.push(rx);
         }
-        // Bind in the caller's thread so that errors are reported here.
-        let cluster_listener =
-            std::net::TcpListener::bind(config.cluster_address).map_err(|e| NodeError::Bind {
-                what: "cluster_address",
-                addr: config.cluster_address,
-                source: e,
-            })?;
-        let probe = reuse_port_probe(config.client_address).map_err(|e| NodeError::Bind {
-            what: "client_address",
-            addr: config.client_address,
-            source: e,
+        // Bind in the caller's thread so that errors are reported here. An
+        // address still held (by the listener of a process that just died,
+        // see `bind_with_retry`) is retried for up to BIND_RETRY_TIMEOUT.
+        let cluster_listener = bind_with_retry("cluster_address", config.cluster_address, || {
+            std::net::TcpListener::bind(config.cluster_address)
+        })?;
+        let probe = bind_with_retry("client_address", config.client_address, || {
+            reuse_port_probe(config.client_address)
         })?;
         let http_probe = match config.http_address {
-            Some(addr) => Some(reuse_port_probe(addr).map_err(|e| NodeError::Bind {
-                what: "http_address",
-                addr,
-                source: e,
+            Some(addr) => Some(bind_with_retry("http_address", addr, || {
+                reuse_port_probe(addr)
             })?),
             None => None,
         };
@@ -370,14 +366,95 @@ impl Drop for Node {
     }
 }
 
-/// Checks that the client address can be bound with SO_REUSEPORT (so the
-/// data executors will succeed); the probe socket is closed afterwards.
+/// How long [`Node::start`] keeps retrying an address that is in use
+/// (`EADDRINUSE`) before it fails with [`NodeError::Bind`]: 10 s.
+///
+/// A node restarted at once after a crash (`kill -9`, a supervisor's
+/// immediate restart) can find its addresses still held for a few
+/// milliseconds after the old process was reaped, longer on a loaded
+/// machine: the old process's io_uring instances are torn down by a kernel
+/// worker after the process exits, and the listening sockets stay open
+/// (in `LISTEN`) until that worker has cancelled the requests that hold
+/// them (a pending accept). A plain process without io_uring releases its
+/// listeners before `waitpid` returns. Other bind errors (address not
+/// available, permission denied) fail at once.
+pub const BIND_RETRY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// First pause between two bind attempts (doubling up to
+/// [`BIND_RETRY_MAX_PAUSE`]).
+const BIND_RETRY_FIRST_PAUSE: Duration = Duration::from_millis(5);
+/// Longest pause between two bind attempts.
+const BIND_RETRY_MAX_PAUSE: Duration = Duration::from_millis(500);
+
+/// Runs `bind` until it succeeds, fails with an error other than
+/// `AddrInUse`, or [`BIND_RETRY_TIMEOUT`] has passed; each failed attempt is
+/// logged with the reason and the pause before the next.
+///
+/// # Errors
+/// [`NodeError::Bind`] with the last error.
+fn bind_with_retry<T>(
+    what: &'static str,
+    addr: std::net::SocketAddr,
+    mut bind: impl FnMut() -> std::io::Result<T>,
+) -> Result<T, NodeError> {
+    let deadline = Instant::now() + BIND_RETRY_TIMEOUT;
+    let mut pause = BIND_RETRY_FIRST_PAUSE;
+    let mut attempt = 1u32;
+    loop {
+        match bind() {
+            Ok(v) => {
+                if attempt > 1 {
+                    tracing::info!(what, %addr, attempt, "bound");
+                }
+                return Ok(v);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let wait = pause.min(left);
+                tracing::warn!(
+                    what,
+                    %addr,
+                    attempt,
+                    error = %e,
+                    retry_in_ms = wait.as_millis() as u64,
+                    "address in use; retrying (a process that just exited may still hold it)"
+                );
+                std::thread::sleep(wait);
+                pause = (pause * 2).min(BIND_RETRY_MAX_PAUSE);
+                attempt += 1;
+            }
+            Err(e) => {
+                return Err(NodeError::Bind {
+                    what,
+                    addr,
+                    source: e,
+                })
+            }
+        }
+    }
+}
+
+/// Checks that the address can be bound with SO_REUSEPORT (so the data
+/// executors will succeed) and holds it until they did; the probe socket is
+/// closed afterwards.
+///
+/// It first binds without SO_REUSEPORT: a listener left by a process that
+/// just died (see [`BIND_RETRY_TIMEOUT`]) would otherwise share the port
+/// with this node's listeners, and the kernel would hand it connections
+/// that nobody accepts.
 fn reuse_port_probe(addr: std::net::SocketAddr) -> std::io::Result<socket2::Socket> {
-    let sock = socket2::Socket::new(
-        socket2::Domain::for_address(addr),
-        socket2::Type::STREAM,
-        Some(socket2::Protocol::TCP),
-    )?;
+    let new = || {
+        socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::STREAM,
+            Some(socket2::Protocol::TCP),
+        )
+    };
+    let exclusive = new()?;
+    exclusive.set_reuse_address(true)?;
+    exclusive.bind(&addr.into())?;
+    drop(exclusive);
+    let sock = new()?;
     sock.set_reuse_address(true)?;
     sock.set_reuse_port(true)?;
     sock.bind(&addr.into())?;

@@ -269,6 +269,37 @@ impl LocalNotify {
     }
 }
 
+/// Accepts one connection on `listener`, or returns `None` once `stop` was
+/// notified (the pending accept is cancelled).
+///
+/// An accept loop ends with this so that its executor can close the
+/// listener while the executor still runs: monoio closes a socket by
+/// queueing a close on the ring, which only happens if the executor turns
+/// again, and a pending accept holds the listener open. A node that stops
+/// (in process, [`crate::Node`] dropped) releases its addresses this way.
+///
+/// # Cancel safety
+/// Cancel safe: a connection is either returned or not accepted.
+pub async fn accept_or_stop(
+    listener: &monoio::net::TcpListener,
+    stop: &LocalNotify,
+) -> Option<std::io::Result<(monoio::net::TcpStream, std::net::SocketAddr)>> {
+    monoio::select! {
+        r = listener.accept() => Some(r),
+        _ = stop.wait() => None,
+    }
+}
+
+/// Stops an accept loop started with a `stop` notify (see
+/// [`accept_or_stop`]): notifies it, waits until the task (which owns the
+/// listener) ended, then lets the executor turn once more so that the
+/// listener's close reaches the kernel before the executor returns.
+pub async fn stop_accepting(stop: &LocalNotify, task: monoio::task::JoinHandle<()>) {
+    stop.notify();
+    task.await;
+    monoio::time::sleep(Duration::from_millis(1)).await;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,7 +11,7 @@ use shardline::{AskError, Entity, EntityContext, EntityError, EntitySettings, No
 
 /// Counts how often its timer fired; `fail` makes it fail.
 #[derive(Default)]
-struct Ticker {
+pub(super) struct Ticker {
     fired: u64,
 }
 
@@ -43,7 +43,7 @@ impl Entity for Ticker {
     }
 }
 
-fn config(port: u16, seeds: &[u16], dir: &std::path::Path) -> NodeConfig {
+pub(super) fn config(port: u16, seeds: &[u16], dir: &std::path::Path) -> NodeConfig {
     NodeConfig {
         cluster_address: format!("127.0.0.1:{port}").parse().expect("addr"),
         client_address: format!("127.0.0.1:{}", port + 50).parse().expect("addr"),

@@ -7,4 +7,5 @@ mod embedded;
 mod kill;
 mod leave;
 mod multicore;
+mod restart;
 pub mod support;

@@ -330,7 +330,8 @@ pub(crate) fn deliver(conn: u64, request_id: u64, status: Status, payload: &mut 
 
 /// The HTTP front of one data core, bound before the core starts.
 pub(crate) struct HttpFront {
-    listener: TcpListener,
+    /// Taken by the accept loop ([`start`]).
+    listener: Option<TcpListener>,
     number_of_shards: u32,
     node: SocketAddr,
     core: u16,
@@ -356,7 +357,7 @@ pub(crate) fn bind(config: &NodeConfig, core: u16) -> Option<HttpFront> {
     let addr = config.http_address?;
     match transport::listener(addr, true) {
         Ok(listener) => Some(HttpFront {
-            listener,
+            listener: Some(listener),
             number_of_shards: config.number_of_shards,
             node: config.cluster_address,
             core,
@@ -380,9 +381,15 @@ pub(crate) fn bind(config: &NodeConfig, core: u16) -> Option<HttpFront> {
     }
 }
 
-/// Starts accepting HTTP connections on this executor (no-op for `None`).
-pub(crate) fn start(core: &Rc<RefCell<Core>>, front: Option<HttpFront>) {
-    let Some(front) = front else { return };
+/// Starts accepting HTTP connections on this executor (no-op for `None`);
+/// returns the accept loop's stop notify and task, for
+/// [`crate::runtime::stop_accepting`].
+pub(crate) fn start(
+    core: &Rc<RefCell<Core>>,
+    front: Option<HttpFront>,
+) -> Option<(crate::runtime::LocalNotify, monoio::task::JoinHandle<()>)> {
+    let mut front = front?;
+    let listener = front.listener.take()?;
     let slot = Arc::new(Mutex::new(Published::default()));
     if let Ok(mut r) = registry().lock() {
         let v = r.entry(front.node).or_default();
@@ -406,9 +413,11 @@ pub(crate) fn start(core: &Rc<RefCell<Core>>, front: Option<HttpFront>) {
         }
     });
     let core = core.clone();
-    monoio::spawn(async move {
-        loop {
-            match front.listener.accept().await {
+    let stop = crate::runtime::LocalNotify::default();
+    let stop_accept = stop.clone();
+    let task = monoio::spawn(async move {
+        while let Some(r) = crate::runtime::accept_or_stop(&listener, &stop_accept).await {
+            match r {
                 Ok((stream, _)) => {
                     transport::tune(&stream);
                     let full = HTTP.with(|h| {
@@ -429,7 +438,9 @@ pub(crate) fn start(core: &Rc<RefCell<Core>>, front: Option<HttpFront>) {
                 }
             }
         }
+        drop(listener);
     });
+    Some((stop, task))
 }
 
 /// Answers `503` to a connection over the per-core limit and closes it.
