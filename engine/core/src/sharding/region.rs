@@ -13,6 +13,45 @@
 //!   [`ReplacementPolicy`];
 //! - remember entities: `EntityStarted`/`EntityStopped` events, restarted when
 //!   the shard starts (all at once or at a constant pace).
+//!
+//! # Ordering
+//!
+//! Messages from one sender that enter through one region R, to one entity,
+//! are processed in the order R received them, also while the entity's
+//! shard moves (rebalance, graceful leave) and while the entity passivates.
+//! A message of a shard can reach its home by several routes — forwarded by
+//! R while R knows the home, held by the old home during the hand-off,
+//! buffered by R (or by the new home itself) until `ShardHome`, or sent
+//! directly after it — and this rule orders them:
+//!
+//! 1. While R knows the home H it forwards to H. On `BeginHandOff` it stops
+//!    forwarding, buffers, and sends its `BeginHandOffAck` through H, behind
+//!    what it forwarded; the coordinator sends `HandOff` only after every
+//!    ack. So H has received every message R forwarded before `HandOff`.
+//! 2. Everything that reached H before `HandOff` is processed at H before
+//!    the shard stops: each entity's stop message is queued after its
+//!    mailbox; messages waiting for a passivating entity go to a new
+//!    incarnation that is stopped right after them; messages waiting for a
+//!    shard that recovers its remembered entities are delivered once it has
+//!    recovered, and only then does the shard stop. H never sends any of
+//!    these on to the new home.
+//! 3. What H holds when it reports `ShardStopped` arrived after `HandOff`,
+//!    so it came from H's own senders (the others buffer since
+//!    `BeginHandOff`), each of whose earlier messages H has processed.
+//! 4. The new home N is allocated only after `ShardStopped`. Every region,
+//!    N and H included, flushes its buffer for the shard in arrival order
+//!    when it learns the home, then sends directly, behind the flushed
+//!    messages on the same link.
+//!
+//! So every message a sender sent before its region's `BeginHandOff` is
+//! processed at H before N processes anything of the shard, and the later
+//! ones reach N in order through one region. This needs each link between
+//! two regions to be FIFO for user messages and control messages together
+//! (as the simulation models it). It gives no order between different
+//! senders, nor for one sender whose messages enter through different
+//! regions. A message that fails (buffer full, region shutting down, lost
+//! with a crashed or downed node) leaves a gap; the messages after it are
+//! still processed in order.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Duration;
