@@ -885,3 +885,155 @@ fn recovered_regions_that_do_not_reregister_are_terminated_at_the_deadline() {
     );
     assert_eq!(r.state().shards[&ShardId(1)].0, rid(1));
 }
+
+fn envelope_for(entity: &str, payload: u32) -> Envelope<u32, u32> {
+    Envelope {
+        entity: eid(entity),
+        shard: ShardId(0),
+        sender: payload,
+        payload,
+    }
+}
+
+/// A region that hosts shard 0 (generation 1).
+fn owner_of_shard_0(settings: RegionSettings) -> Region {
+    let now = Duration::ZERO;
+    let mut r: Region = Region::new(rid(1), settings, Box::new(LruPolicy::new()), now);
+    r.handle_region_msg(now, RegionMsg::RegisterAck);
+    r.handle_region_msg(
+        now,
+        RegionMsg::ShardHome {
+            shard: ShardId(0),
+            region: rid(1),
+            generation: Generation(1),
+        },
+    );
+    r
+}
+
+/// Simulation seeds passivation 31000309, 31002081 and 31003319: a message
+/// waiting for a passivating entity when its shard was handed off used to be
+/// sent on to the new home, where later messages of the same sender,
+/// buffered by other regions, could be delivered first. It is processed at
+/// the old home now, by an incarnation stopped again right after it.
+#[test]
+fn a_message_waiting_for_a_passivating_entity_is_processed_before_the_hand_off_completes() {
+    let now = Duration::ZERO;
+    let mut r = owner_of_shard_0(quiet_settings());
+    r.handle_message(now, envelope_for("p", 1));
+    r.handle_passivate(now, ShardId(0), &eid("p"), None);
+    r.handle_message(now, envelope_for("p", 2)); // waits for the stop
+    let _ = r.drain_effects().count();
+    r.handle_region_msg(
+        now,
+        RegionMsg::HandOff {
+            shard: ShardId(0),
+            generation: Generation(1),
+        },
+    );
+    r.handle_message(now, envelope_for("p", 3)); // after the hand-off
+    let _ = r.drain_effects().count();
+    r.handle_entity_stopped(now, ShardId(0), &eid("p"));
+    let effects: Vec<_> = r.drain_effects().collect();
+    assert!(
+        matches!(
+            &effects[..],
+            [
+                RegionEffect::Deliver { envelope, new_incarnation: true },
+                RegionEffect::StopEntity { reason: StopReason::HandOff, .. },
+            ] if envelope.payload == 2
+        ),
+        "2 goes to a new incarnation here, whose stop follows it: {effects:?}"
+    );
+    assert_eq!(r.hand_offs_completed(), 0, "the shard waits for that stop");
+    assert_eq!(r.buffered(), 1, "3 waits for the new home");
+    r.handle_entity_stopped(now, ShardId(0), &eid("p"));
+    let effects: Vec<_> = r.drain_effects().collect();
+    assert!(effects.iter().any(|e| matches!(
+        e,
+        RegionEffect::SendToCoordinator(CoordinatorMsg::ShardStopped { .. })
+    )));
+    assert_eq!(r.hand_offs_completed(), 1);
+    r.handle_region_msg(
+        now,
+        RegionMsg::ShardHome {
+            shard: ShardId(0),
+            region: rid(2),
+            generation: Generation(2),
+        },
+    );
+    let forwarded: Vec<u32> = r
+        .drain_effects()
+        .filter_map(|e| match e {
+            RegionEffect::Forward { to, envelope } if to == rid(2) => Some(envelope.payload),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        forwarded,
+        vec![3],
+        "only what came after the hand-off moves"
+    );
+    assert_eq!(r.buffered(), 0);
+}
+
+/// The same for a shard that is handed off while it recovers its
+/// remembered entities: the messages that waited for the recovery are
+/// processed here first, then the shard stops (its remembered entities
+/// start at the new home).
+#[test]
+fn messages_waiting_for_a_recovering_shard_are_processed_before_it_is_handed_off() {
+    let settings = RegionSettings {
+        remember_entities: true,
+        ..quiet_settings()
+    };
+    let now = Duration::ZERO;
+    let mut r = owner_of_shard_0(settings);
+    r.handle_message(now, envelope_for("p", 1));
+    let effects: Vec<_> = r.drain_effects().collect();
+    assert!(effects.iter().any(|e| matches!(
+        e,
+        RegionEffect::RecoverRememberedEntities { shard: ShardId(0) }
+    )));
+    assert!(!effects
+        .iter()
+        .any(|e| matches!(e, RegionEffect::Deliver { .. })));
+    r.handle_region_msg(
+        now,
+        RegionMsg::HandOff {
+            shard: ShardId(0),
+            generation: Generation(1),
+        },
+    );
+    let effects: Vec<_> = r.drain_effects().collect();
+    assert!(
+        effects.is_empty(),
+        "the hand-off waits for the recovery: {effects:?}"
+    );
+    assert_eq!(r.hand_offs_begun(), 0);
+    r.handle_remembered_entities(now, ShardId(0), vec![eid("old")]);
+    let effects: Vec<_> = r.drain_effects().collect();
+    let delivered = effects
+        .iter()
+        .position(|e| matches!(e, RegionEffect::Deliver { envelope, .. } if envelope.payload == 1));
+    let stopped = effects.iter().position(|e| {
+        matches!(e, RegionEffect::StopEntity { entity, reason: StopReason::HandOff, .. } if *entity == eid("p"))
+    });
+    assert!(
+        matches!((delivered, stopped), (Some(d), Some(s)) if d < s),
+        "1 is delivered, then p stops for the hand-off: {effects:?}"
+    );
+    assert!(
+        !effects
+            .iter()
+            .any(|e| matches!(e, RegionEffect::StartEntity { .. })),
+        "remembered entities start at the new home, not here"
+    );
+    assert_eq!(r.hand_offs_begun(), 1);
+    r.handle_entity_stopped(now, ShardId(0), &eid("p"));
+    assert!(r.drain_effects().any(|e| matches!(
+        e,
+        RegionEffect::SendToCoordinator(CoordinatorMsg::ShardStopped { .. })
+    )));
+    assert_eq!(r.buffered(), 0);
+}

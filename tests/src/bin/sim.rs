@@ -4,6 +4,9 @@
 //! prints one line per scenario and ends with `N seeds, V violations`; it
 //! exits 1 on any violation, printing the seed, the scenario, the invariant
 //! and the last events. `--seed S --scenario NAME` replays one run exactly.
+//! Seeds run on every available core (`--threads` to choose); each line
+//! gives the rate in seeds/s, so a long sweep is one command
+//! (`scripts/sim-sweep`, see tests/SIMULATION.md).
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,7 +41,7 @@ struct Args {
     /// Print the scenario names and exit.
     #[arg(long)]
     list: bool,
-    /// Worker threads (default: available parallelism, at most 4).
+    /// Worker threads (default: every available core).
     #[arg(long)]
     threads: Option<usize>,
 }
@@ -79,7 +82,7 @@ fn main() -> Result<ExitCode> {
     };
     let threads = args
         .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(4)))
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .max(1);
     let started = Instant::now();
     let mut failures: Vec<Failure> = Vec::new();
@@ -131,11 +134,15 @@ fn main() -> Result<ExitCode> {
             }
         }
         println!(
-            "{:<26} {} seeds, {v} violations  (sent {sent}, processed {delivered}, buffer-full {full}, lost with node {lost}; allocations {allocs}, deallocations {dealloc}, entity stops {stops}, coordinator starts {coords}; steps {steps}) {:.1}s",
+            "{:<26} {} seeds, {v} violations  (sent {sent}, processed {delivered}, buffer-full {full}, lost with node {lost}; allocations {allocs}, deallocations {dealloc}, entity stops {stops}, coordinator starts {coords}; steps {steps}) {:.1}s, {:.0} seeds/s",
             sc.name,
             results.len(),
-            t0.elapsed().as_secs_f64()
+            t0.elapsed().as_secs_f64(),
+            rate(results.len() as u64, t0.elapsed().as_secs_f64())
         );
+    }
+    for f in &failures {
+        println!("FAILED scenario {} seed {}", f.scenario, f.seed);
     }
     for f in failures.iter().take(3) {
         let sc = SCENARIOS
@@ -167,14 +174,24 @@ fn main() -> Result<ExitCode> {
     let (m_runs, m_violations) =
         membership::run_membership_cli(args.scenario.as_deref(), &seeds, threads);
     runs += m_runs;
+    let secs = started.elapsed().as_secs_f64();
     println!(
-        "{runs} seeds, {} violations ({:.1}s)",
+        "{runs} seeds, {} violations ({secs:.1}s, {:.0} seeds/s on {threads} threads)",
         failures.len() as u64 + m_violations,
-        started.elapsed().as_secs_f64()
+        rate(runs, secs)
     );
     Ok(if failures.is_empty() && m_violations == 0 {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// Seeds per second (count / s), 0 when no time passed.
+fn rate(seeds: u64, secs: f64) -> f64 {
+    if secs > 0.0 {
+        seeds as f64 / secs
+    } else {
+        0.0
+    }
 }

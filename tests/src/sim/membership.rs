@@ -1150,11 +1150,15 @@ pub fn run_membership_cli(only: Option<&str>, seeds: &[u64], threads: usize) -> 
             }
         }
         println!(
-            "{:<26} {} seeds, {v} violations  (packets {packets}, members downed {downed}, coordinator starts {starts}, requests served {served}; steps {steps}) {:.1}s",
+            "{:<26} {} seeds, {v} violations  (packets {packets}, members downed {downed}, coordinator starts {starts}, requests served {served}; steps {steps}) {:.1}s, {:.0} seeds/s",
             sc.name,
             results.len(),
-            t0.elapsed().as_secs_f64()
+            t0.elapsed().as_secs_f64(),
+            results.len() as f64 / t0.elapsed().as_secs_f64().max(1e-9)
         );
+    }
+    for (sc, seed) in &failures {
+        println!("FAILED scenario {} seed {seed}", sc.name);
     }
     for (sc, seed) in failures.iter().take(3) {
         let o = run_membership(sc, *seed, true);

@@ -39,6 +39,8 @@
 //! - **left** (leave scenarios): a graceful leave completes within a bound.
 
 pub mod membership;
+#[cfg(test)]
+mod regressions;
 mod scenario;
 mod world;
 

@@ -841,11 +841,20 @@ impl ClusterNode {
             return;
         }
         let ord = self.gossip.version.compare(&remote.version);
+        let talkback = !remote.seen.contains(&self.self_ua);
         let mut merged = self.gossip.merge(&remote);
         merged.seen.insert(self.self_ua.clone());
         self.gossip = merged;
         if matches!(ord, ClockOrdering::After | ClockOrdering::Concurrent) {
             self.send_gossip(&from);
+        } else if talkback {
+            // The sender does not know that this member has seen its
+            // version: tell it (Akka's talkback in `receiveGossip`). Without
+            // this, a leader that gossips its version to the members that
+            // have not seen it never learns that they have, and waits for
+            // convergence until one of them happens to pick it for a
+            // gossip round (a graceful leave then hangs).
+            self.send_status(&from);
         }
     }
 

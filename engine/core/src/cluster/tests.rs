@@ -300,6 +300,44 @@ fn graceful_leave_ends_in_removed() {
     )));
 }
 
+/// Simulation seed membership-rolling-restart 31000797: the leader kept
+/// gossiping its version to members that had not acknowledged it, and they
+/// answered nothing because they already had that version, so the leader
+/// never saw convergence and a graceful leave hung. A member that receives a
+/// gossip whose seen set lacks it must tell the sender that it has seen it.
+#[test]
+fn gossip_that_has_not_seen_the_receiver_is_answered() {
+    let mut net = Net::new(3, Duration::from_secs(5));
+    net.step_until(Duration::from_secs(20));
+    assert!(all_up(&net, &[0, 1, 2]));
+    let from = net.node(0).self_address().clone();
+    let to = net.node(1).self_address().clone();
+    let mut gossip = net.node(0).gossip().clone();
+    assert_eq!(gossip.version, net.node(1).gossip().version, "same version");
+    gossip.seen = BTreeSet::from([from.clone()]);
+    let now = net.now;
+    let n1 = net.nodes[1].as_mut().unwrap();
+    while n1.poll_transmit().is_some() {}
+    n1.handle_message(
+        now,
+        ClusterMessage::Gossip {
+            from: from.clone(),
+            to: to.clone(),
+            gossip,
+        },
+    );
+    let mut answered = false;
+    while let Some(t) = n1.poll_transmit() {
+        if let ClusterMessage::GossipStatus { to: dest, seen, .. } = &t.message {
+            if *dest == from && t.to == from.address {
+                assert!(seen.contains(&to), "the status says node 1 saw it");
+                answered = true;
+            }
+        }
+    }
+    assert!(answered, "node 1 told node 0 that it has seen the version");
+}
+
 #[test]
 fn restarted_node_is_a_new_incarnation_and_the_old_one_is_removed() {
     let mut net = Net::new(3, Duration::from_secs(5));

@@ -32,7 +32,11 @@
 //! - Messages are never pushed into a shard that is stopping: they are
 //!   buffered and forwarded once the new home is known.
 //! - Each entity's stop message is queued after the messages already queued
-//!   for it.
+//!   for it; messages that reached the old home before its `HandOff` are
+//!   processed there, never sent on to the new home.
+//! - Per (sender's region, entity), messages are processed in the order the
+//!   region received them, through hand-offs and passivation (the rule is
+//!   in the module doc of `sharding/region.rs`, "Ordering").
 //! - Every buffer is bounded; a message that does not fit is handed back to
 //!   its sender as a [`RegionEffect::Fail`] with [`FailureReason::BufferFull`].
 

@@ -13,6 +13,45 @@
 //!   [`ReplacementPolicy`];
 //! - remember entities: `EntityStarted`/`EntityStopped` events, restarted when
 //!   the shard starts (all at once or at a constant pace).
+//!
+//! # Ordering
+//!
+//! Messages from one sender that enter through one region R, to one entity,
+//! are processed in the order R received them, also while the entity's
+//! shard moves (rebalance, graceful leave) and while the entity passivates.
+//! A message of a shard can reach its home by several routes — forwarded by
+//! R while R knows the home, held by the old home during the hand-off,
+//! buffered by R (or by the new home itself) until `ShardHome`, or sent
+//! directly after it — and this rule orders them:
+//!
+//! 1. While R knows the home H it forwards to H. On `BeginHandOff` it stops
+//!    forwarding, buffers, and sends its `BeginHandOffAck` through H, behind
+//!    what it forwarded; the coordinator sends `HandOff` only after every
+//!    ack. So H has received every message R forwarded before `HandOff`.
+//! 2. Everything that reached H before `HandOff` is processed at H before
+//!    the shard stops: each entity's stop message is queued after its
+//!    mailbox; messages waiting for a passivating entity go to a new
+//!    incarnation that is stopped right after them; messages waiting for a
+//!    shard that recovers its remembered entities are delivered once it has
+//!    recovered, and only then does the shard stop. H never sends any of
+//!    these on to the new home.
+//! 3. What H holds when it reports `ShardStopped` arrived after `HandOff`,
+//!    so it came from H's own senders (the others buffer since
+//!    `BeginHandOff`), each of whose earlier messages H has processed.
+//! 4. The new home N is allocated only after `ShardStopped`. Every region,
+//!    N and H included, flushes its buffer for the shard in arrival order
+//!    when it learns the home, then sends directly, behind the flushed
+//!    messages on the same link.
+//!
+//! So every message a sender sent before its region's `BeginHandOff` is
+//! processed at H before N processes anything of the shard, and the later
+//! ones reach N in order through one region. This needs each link between
+//! two regions to be FIFO for user messages and control messages together
+//! (as the simulation models it). It gives no order between different
+//! senders, nor for one sender whose messages enter through different
+//! regions. A message that fails (buffer full, region shutting down, lost
+//! with a crashed or downed node) leaves a gap; the messages after it are
+//! still processed in order.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Duration;
@@ -223,6 +262,9 @@ enum ShardState<M, S> {
     /// Waiting for remembered entities; messages wait in `pending`.
     Recovering {
         pending: VecDeque<Envelope<M, S>>,
+        /// A `HandOff` (of this generation) came meanwhile: once recovered,
+        /// `pending` is delivered here and then the shard stops.
+        hand_off: Option<Generation>,
     },
     Running,
     /// Handing off: entities are stopping; nothing new goes in.
@@ -542,7 +584,7 @@ impl<M, S> ShardRegion<M, S> {
         if let Some(shard) = self.shards.get_mut(&s) {
             match &mut shard.state {
                 ShardState::Running => return self.deliver_local(now, envelope),
-                ShardState::Recovering { pending } => {
+                ShardState::Recovering { pending, .. } => {
                     if self.buffered_total >= self.settings.buffer_size {
                         return self.fail(envelope, FailureReason::BufferFull);
                     }
@@ -599,6 +641,7 @@ impl<M, S> ShardRegion<M, S> {
                 .push_back(RegionEffect::RecoverRememberedEntities { shard: s });
             ShardState::Recovering {
                 pending: VecDeque::new(),
+                hand_off: None,
             }
         } else {
             ShardState::Running
@@ -787,8 +830,10 @@ impl<M, S> ShardRegion<M, S> {
     }
 
     /// The entity processed its stop message and is gone (or died). Its
-    /// waiting messages start a new incarnation; during a hand-off they wait
-    /// for the shard's new home.
+    /// waiting messages start a new incarnation; during a hand-off too: they
+    /// reached this region before the shard was handed off, so they are
+    /// processed here, by an incarnation that is stopped again right after
+    /// them (see "Ordering" in the module doc).
     pub fn handle_entity_stopped(&mut self, now: Duration, shard: ShardId, entity: &EntityId) {
         let Some(sh) = self.shards.get_mut(&shard) else {
             return;
@@ -804,11 +849,8 @@ impl<M, S> ShardRegion<M, S> {
             }
             Entity::Passivating { buffer } => {
                 if stopping {
-                    // Older than anything in the region buffer for this shard.
-                    let q = self.buffers.entry(shard).or_default();
-                    for env in buffer.into_iter().rev() {
-                        q.push_front(env);
-                    }
+                    self.buffered_total -= buffer.len();
+                    self.drain_before_hand_off(now, shard, entity, buffer);
                 } else {
                     self.buffered_total -= buffer.len();
                     for env in buffer {
@@ -819,6 +861,46 @@ impl<M, S> ShardRegion<M, S> {
         }
         if stopping && self.shards[&shard].entities.is_empty() {
             self.finish_stop(now, shard);
+        }
+    }
+
+    /// A passivating entity of a shard that is handing off stopped with
+    /// messages waiting for it. They reached this region before the
+    /// `HandOff` (a message that arrives later is buffered for the new home
+    /// and never waits here), so they are older than anything that any
+    /// region holds for the new home: they are delivered here, to a new
+    /// incarnation whose stop message is queued right after them. Sending
+    /// them on to the new home instead would race with the messages other
+    /// regions buffered meanwhile (simulation seeds passivation 31000309,
+    /// 31002081, 31003319). Passive messages never start the incarnation.
+    fn drain_before_hand_off(
+        &mut self,
+        now: Duration,
+        s: ShardId,
+        entity: &EntityId,
+        buffer: VecDeque<Envelope<M, S>>,
+    ) {
+        let mut started = false;
+        for envelope in buffer {
+            let passive = self.passive.is_some_and(|f| f(&envelope));
+            if started {
+                self.effects.push_back(RegionEffect::Deliver {
+                    envelope,
+                    new_incarnation: false,
+                });
+            } else if passive {
+                self.effects.push_back(RegionEffect::NotActive { envelope });
+            } else {
+                self.activate(now, s, entity);
+                started = true;
+                self.effects.push_back(RegionEffect::Deliver {
+                    envelope,
+                    new_incarnation: true,
+                });
+            }
+        }
+        if started {
+            self.passivate(&s, entity, None, StopReason::HandOff);
         }
     }
 
@@ -1015,14 +1097,15 @@ impl<M, S> ShardRegion<M, S> {
         if sh.generation > g || matches!(sh.state, ShardState::Stopping) {
             return; // stale, or already stopping
         }
-        let old = std::mem::replace(&mut sh.state, ShardState::Stopping);
-        self.hand_offs_begun += 1;
-        if let ShardState::Recovering { pending } = old {
-            let q = self.buffers.entry(s).or_default();
-            for env in pending.into_iter().rev() {
-                q.push_front(env);
-            }
+        if let ShardState::Recovering { hand_off, .. } = &mut sh.state {
+            // The messages waiting for the recovery reached this region
+            // before the hand-off: they are delivered here first (see
+            // "Ordering" in the module doc), then the shard stops.
+            *hand_off = Some(g);
+            return;
         }
+        sh.state = ShardState::Stopping;
+        self.hand_offs_begun += 1;
         let active: Vec<EntityId> = sh
             .entities
             .iter()
@@ -1055,11 +1138,23 @@ impl<M, S> ShardRegion<M, S> {
         let ShardState::Recovering { .. } = sh.state else {
             return;
         };
-        let ShardState::Recovering { pending } =
+        let ShardState::Recovering { pending, hand_off } =
             std::mem::replace(&mut sh.state, ShardState::Running)
         else {
             unreachable!("checked above")
         };
+        if let Some(g) = hand_off {
+            // Handed off while recovering: the waiting messages are processed
+            // here, then the shard stops. The remembered entities stay
+            // remembered and start at the new home; `StartEntity` requests
+            // wait for it too.
+            self.buffered_total -= pending.len();
+            for env in pending {
+                self.route(now, env);
+            }
+            self.handle_handoff(now, shard, g);
+            return;
+        }
         match self.settings.remember_entities_pace {
             RememberEntitiesPace::AllAtOnce => {
                 for e in entities {
