@@ -9,7 +9,11 @@
 //! - two nodes whose `data_dir`s are under different parents (as on two
 //!   machines) with durable counters on the local journal: the second is
 //!   refused at join with an error naming `journal.backend`, and the first
-//!   keeps every acknowledged value.
+//!   keeps every acknowledged value;
+//! - the same two data roots with a durable type registered through the
+//!   embedding API (not known to be durable at the handshake): the members
+//!   join, and a durable entity's recovery fails with `EntityFailed`
+//!   instead of starting empty (on one data root it answers).
 //!
 //! Ports 28000-28399.
 
@@ -126,7 +130,9 @@ fn a_second_node_on_one_data_dir_is_refused_and_another_cluster_cannot_use_it() 
     ask_all(client_addr(28_000), "get", "7");
     // After it stopped, a node of another cluster name refuses its data.
     a.signal(libc::SIGTERM);
-    assert!(a.wait_exit(Duration::from_secs(20)).is_some_and(|s| s.success()));
+    assert!(a
+        .wait_exit(Duration::from_secs(20))
+        .is_some_and(|s| s.success()));
     let mut c = start(
         dir,
         "c",
@@ -152,11 +158,19 @@ fn fresh_clusters_with_sibling_data_dirs_read_nothing_of_each_other() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let root = dir.join("shardline");
-    let a = start(dir, "a", &config(28_100, &[28_100], &root.join("node-1"), ""));
+    let a = start(
+        dir,
+        "a",
+        &config(28_100, &[28_100], &root.join("node-1"), ""),
+    );
     ready(&a, dir, "a");
     ask_all(client_addr(28_100), "add 7", "7");
     // A second cluster of the same (default) name on a sibling data_dir.
-    let b = start(dir, "b", &config(28_110, &[28_110], &root.join("node-2"), ""));
+    let b = start(
+        dir,
+        "b",
+        &config(28_110, &[28_110], &root.join("node-2"), ""),
+    );
     ready(&b, dir, "b");
     ask_all(client_addr(28_110), "get", "0");
     ask_all(client_addr(28_110), "add 1", "1");
@@ -174,11 +188,18 @@ fn fresh_clusters_with_sibling_data_dirs_read_nothing_of_each_other() {
         std::fs::read_to_string(root.join(n).join("identity.toml")).expect("identity.toml")
     };
     let (ia, ib) = (id("node-1"), id("node-2"));
-    assert!(ia.contains("cluster_id") && ib.contains("cluster_id"), "{ia}\n{ib}");
+    assert!(
+        ia.contains("cluster_id") && ib.contains("cluster_id"),
+        "{ia}\n{ib}"
+    );
     assert_ne!(ia, ib);
     // Restarted, B still reads only its own values.
     drop(b);
-    let b = start(dir, "b2", &config(28_110, &[28_110], &root.join("node-2"), ""));
+    let b = start(
+        dir,
+        "b2",
+        &config(28_110, &[28_110], &root.join("node-2"), ""),
+    );
     ready(&b, dir, "b2");
     ask_all(client_addr(28_110), "get", "1");
     drop(b);
@@ -211,4 +232,91 @@ fn nodes_on_different_data_roots_with_local_durable_types_are_refused_at_join() 
     assert_eq!(st.members.len(), 1, "{:?}", st.members);
     ask_all(client_addr(28_200), "get", "7");
     eprintln!("different data roots: {:?}", t0.elapsed());
+}
+
+/// An embedded node (no config entity types: a durable type registered
+/// through the embedding API is not known to be durable at the handshake).
+fn embedded(port: u16, seed: u16, data_dir: &Path) -> shardline::Node {
+    let node = shardline::Node::start(shardline::NodeConfig {
+        cluster_address: format!("127.0.0.1:{port}").parse().expect("addr"),
+        client_address: format!("127.0.0.1:{}", port + 50).parse().expect("addr"),
+        http_address: None,
+        seed_nodes: vec![format!("127.0.0.1:{seed}").parse().expect("addr")],
+        data_cores: 1,
+        pin_cores: false,
+        cluster_name: shardline::config::DEFAULT_CLUSTER_NAME.to_string(),
+        data_dir: data_dir.to_path_buf(),
+        number_of_shards: 8,
+        durability: shardline::config::Durability::Named(shardline::config::DurabilityName::None),
+        entity_types: Vec::new(),
+        downing_stable_after_ms: 2_000,
+        heartbeat_pause_ms: 1_500,
+        http: Default::default(),
+    })
+    .expect("start");
+    node.sharding()
+        .start(
+            "counter",
+            shardline::entity::builtin_factory(shardline::config::EntityKind::Counter),
+            shardline::EntitySettings::default(),
+        )
+        .expect("region");
+    node
+}
+
+/// Two embedded nodes on data_dirs `d0`, `d1`; returns each counter's
+/// answer to `add 1` (asked through node 0).
+fn add_one_on_two_nodes(base: u16, d0: &Path, d1: &Path) -> Vec<Result<Vec<u8>, String>> {
+    let a = embedded(base, base, d0);
+    a.wait_ready(Duration::from_secs(30)).expect("a ready");
+    let b = embedded(base + 1, base, d1);
+    b.wait_ready(Duration::from_secs(30)).expect("b ready");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while status(client_addr(base))
+        .is_none_or(|s| s.members.iter().filter(|m| m.status == "Up").count() < 2)
+    {
+        assert!(Instant::now() < deadline, "b never Up");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = (0..8)
+        .map(|i| {
+            let r = a.entity_ref("counter", &format!("c-{i}")).expect("ref");
+            r.ask(b"add 1", Duration::from_secs(10))
+                .map_err(|e| e.to_string())
+        })
+        .collect();
+    b.leave(Duration::from_secs(5));
+    a.leave(Duration::from_secs(5));
+    out
+}
+
+#[test]
+fn durable_recovery_fails_instead_of_starting_empty_when_a_member_journal_is_unreadable() {
+    let _one_at_a_time = serial();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    // One data root: every counter starts and answers.
+    let same = add_one_on_two_nodes(
+        28_300,
+        &dir.join("root").join("n0"),
+        &dir.join("root").join("n1"),
+    );
+    assert!(
+        same.iter().all(|r| r.as_deref() == Ok(&b"1"[..])),
+        "{same:?}"
+    );
+    // Different data roots, durable type not declared in the config: the
+    // members join, and every durable recovery fails with EntityFailed
+    // instead of starting empty.
+    let split = add_one_on_two_nodes(
+        28_310,
+        &dir.join("machine-a").join("n0"),
+        &dir.join("machine-b").join("n1"),
+    );
+    assert!(
+        split
+            .iter()
+            .all(|r| matches!(r, Err(e) if e.contains("EntityFailed"))),
+        "{split:?}"
+    );
 }

@@ -26,9 +26,7 @@ use shardline_core::sharding::{
 use super::msg::{sharding_event, ClusterView, StatsEvent, ToControl, ToCore};
 use super::{MemberStatusView, Shared};
 use crate::config::NodeConfig;
-use crate::envelope::{
-    decode_frame_body, encode_frame, FrameError, MAX_FRAME_SIZE_BYTES,
-};
+use crate::envelope::{decode_frame_body, encode_frame, FrameError, MAX_FRAME_SIZE_BYTES};
 use crate::envelope::{ControlFrame, Hello, Lane, WireMember, WireRegionStats};
 use crate::persistence::coordinator::{next_epoch, ControlJournal, CoordinatorConfig};
 use crate::persistence::DurableWake;

@@ -497,7 +497,9 @@ impl DataScope {
             return false;
         };
         match read_identity(dir) {
-            Ok(Some(r)) => r.cluster_name == self.cluster_name && r.cluster_id.as_deref() == Some(&own),
+            Ok(Some(r)) => {
+                r.cluster_name == self.cluster_name && r.cluster_id.as_deref() == Some(&own)
+            }
             _ => false,
         }
     }
@@ -534,7 +536,10 @@ mod tests {
             IdentityError::Locked { holder, .. } => assert_eq!(*holder, Some(std::process::id())),
             other => panic!("{other}"),
         }
-        assert!(e.to_string().contains(&std::process::id().to_string()), "{e}");
+        assert!(
+            e.to_string().contains(&std::process::id().to_string()),
+            "{e}"
+        );
         drop(l);
         DataDirLock::acquire(&d).unwrap();
     }
@@ -596,6 +601,9 @@ mod tests {
             },
         )
         .unwrap();
-        assert_eq!(s2.cluster_siblings(), vec![std::fs::canonicalize(&sib).unwrap()]);
+        assert_eq!(
+            s2.cluster_siblings(),
+            vec![std::fs::canonicalize(&sib).unwrap()]
+        );
     }
 }
