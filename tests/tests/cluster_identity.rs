@@ -183,6 +183,18 @@ fn fresh_clusters_with_sibling_data_dirs_read_nothing_of_each_other() {
         .find(|c| c.type_name == "counter")
         .expect("b's counter coordinator");
     assert_eq!(coord.recovered_from, "empty", "{coord:?}");
+    // Both know their own cluster id, the same journal identity (one data
+    // root), and the ids differ.
+    let sa = status(client_addr(28_100)).expect("status of a");
+    assert_eq!(sa.cluster_name, "shardline");
+    assert!(
+        sa.journal_identity.starts_with("local:"),
+        "{}",
+        sa.journal_identity
+    );
+    assert_eq!(sa.journal_identity, st.journal_identity);
+    assert!(sa.cluster_id.is_some() && st.cluster_id.is_some());
+    assert_ne!(sa.cluster_id, st.cluster_id);
     // Each data_dir records its own cluster's id.
     let id = |n: &str| {
         std::fs::read_to_string(root.join(n).join("identity.toml")).expect("identity.toml")

@@ -1160,6 +1160,9 @@ impl Control {
                     s
                 })
                 .collect(),
+            cluster_name: self.scope.cluster_name().to_string(),
+            cluster_id: self.scope.cluster_id(),
+            journal_identity: self.fp.journal_identity.clone(),
         }
     }
 }
