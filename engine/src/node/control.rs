@@ -1361,7 +1361,7 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
                 Err(e) => tracing::error!(error = %e, "cannot record the cluster id"),
             }
         }
-        if h.journal_identity != scope.journal_identity() {
+        if h.journal_identity != fp.journal_identity {
             scope.note_unreadable(&h.address, &h.journal_identity);
         }
         Ok(scope.cluster_id())
