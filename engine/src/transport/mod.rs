@@ -452,3 +452,51 @@ pub async fn server_handshake(
         .await
         .unwrap_or(Err(TransportError::HandshakeTimeout))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp(journal: &str, durable: bool) -> Fingerprint {
+        Fingerprint {
+            hash_name: "h".into(),
+            number_of_shards: 10,
+            cluster_name: "c".into(),
+            journal_identity: journal.into(),
+            durable,
+        }
+    }
+
+    #[test]
+    fn journal_identities_must_agree_when_either_side_is_durable() {
+        let hello = |journal: &str, durable: bool| {
+            fp(journal, durable).hello(("127.0.0.1:1", 3), crate::envelope::Lane::Control, 0, None)
+        };
+        // Same journal: always accepted.
+        assert_eq!(
+            check_hello(&hello("local:a", true), &fp("local:a", true)),
+            Ok(())
+        );
+        // Different journals, nothing durable: accepted.
+        assert_eq!(
+            check_hello(&hello("local:a", false), &fp("local:b", false)),
+            Ok(())
+        );
+        // Either side durable: refused for good, naming journal.backend.
+        for (theirs, ours) in [(true, false), (false, true), (true, true)] {
+            let r = check_hello(&hello("local:a", theirs), &fp("local:b", ours)).unwrap_err();
+            assert!(r.fatal, "{r:?}");
+            assert!(r.reason.contains("journal.backend"), "{}", r.reason);
+            assert!(r.reason.contains("local:a") && r.reason.contains("local:b"));
+        }
+        // Another cluster name: refused for good.
+        let mut h = hello("local:a", false);
+        h.cluster_name = "other".into();
+        let r = check_hello(&h, &fp("local:a", false)).unwrap_err();
+        assert!(r.fatal && r.reason.contains("cluster name"), "{r:?}");
+        // Another shard count: refused, not for good (as before).
+        let mut h = hello("local:a", false);
+        h.number_of_shards = 11;
+        assert!(!check_hello(&h, &fp("local:a", false)).unwrap_err().fatal);
+    }
+}
