@@ -37,6 +37,7 @@ fn main() -> anyhow::Result<()> {
         seed_nodes: vec!["127.0.0.1:17100".parse()?],
         data_cores: 1,
         pin_cores: false,
+        cluster_name: shardline::config::DEFAULT_CLUSTER_NAME.to_string(),
         data_dir: dir.path().to_path_buf(),
         number_of_shards: 32,
         durability: Durability::Named(DurabilityName::None),

@@ -19,6 +19,7 @@ fn config(i: u16, dir: &std::path::Path) -> anyhow::Result<NodeConfig> {
         seed_nodes: vec!["127.0.0.1:17110".parse()?, "127.0.0.1:17111".parse()?],
         data_cores: 1,
         pin_cores: false,
+        cluster_name: shardline::config::DEFAULT_CLUSTER_NAME.to_string(),
         data_dir: dir.join(format!("node-{i}")),
         number_of_shards: 16,
         durability: Durability::Named(DurabilityName::None),

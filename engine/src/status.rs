@@ -107,6 +107,17 @@ pub struct NodeStatus {
     /// unless `coordinator_here`).
     #[serde(default)]
     pub coordinators: Vec<CoordinatorStatusView>,
+    /// The configured `cluster_name`.
+    #[serde(default)]
+    pub cluster_name: String,
+    /// The cluster's id as this node knows it (`None` before it joined;
+    /// see `docs/persistence.md`, "One cluster per data directory").
+    #[serde(default)]
+    pub cluster_id: Option<String>,
+    /// Where this node keeps durable state (`local:<data root id>`);
+    /// members with durable types must all have the same one.
+    #[serde(default)]
+    pub journal_identity: String,
 }
 
 /// One coordinator in a [`NodeStatus`]: how its incarnation recovered.

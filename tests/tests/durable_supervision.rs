@@ -38,6 +38,7 @@ fn a_panicking_handler_restarts_with_backoff_and_neighbours_keep_answering() {
         seed_nodes: vec![format!("127.0.0.1:{port}").parse().expect("addr")],
         data_cores: 1,
         pin_cores: false,
+        cluster_name: shardline::config::DEFAULT_CLUSTER_NAME.to_string(),
         data_dir: dir.path().join("node"),
         number_of_shards: 4,
         durability: Durability::Named(DurabilityName::None),

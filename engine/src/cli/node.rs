@@ -38,8 +38,11 @@ fn install_signal_handlers() {
 /// the member is Up and its regions are registered.
 ///
 /// # Errors
-/// A bad config (with file, key and reason), a bind failure, or the node
-/// being downed by the cluster.
+/// A bad config (with file, key and reason), a `data_dir` in use by another
+/// process (with its pid) or recorded for another cluster, a bind failure,
+/// the node refusing to join (another cluster, or members whose journals it
+/// cannot share: the reason names `journal.backend`), or the node being
+/// downed by the cluster.
 pub fn run(args: &NodeArgs) -> anyhow::Result<()> {
     let cfg = NodeConfig::from_file(&args.config)?;
     install_signal_handlers();
@@ -64,7 +67,11 @@ pub fn run(args: &NodeArgs) -> anyhow::Result<()> {
         }
         if node.is_stopped() {
             let downed = node.was_downed();
+            let refusal = node.refusal();
             drop(node);
+            if let Some(reason) = refusal {
+                anyhow::bail!("refused to join the cluster: {reason}");
+            }
             if downed {
                 anyhow::bail!("this node was downed by the cluster");
             }

@@ -42,6 +42,13 @@ pub fn run(args: &StatusArgs, out: &mut impl std::io::Write) -> anyhow::Result<(
         "node {} (uid {}), clients on {}",
         st.address, st.uid, st.client_address
     )?;
+    writeln!(
+        out,
+        "cluster: {} (id {}), journal {}",
+        st.cluster_name,
+        st.cluster_id.as_deref().unwrap_or("not known yet"),
+        st.journal_identity
+    )?;
     writeln!(out, "leader: {}", st.leader.as_deref().unwrap_or("-"))?;
     writeln!(
         out,

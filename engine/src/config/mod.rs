@@ -248,6 +248,12 @@ fn default_data_cores() -> u16 {
 fn default_shards() -> u32 {
     100
 }
+/// Default of [`NodeConfig::cluster_name`].
+pub const DEFAULT_CLUSTER_NAME: &str = "shardline";
+
+fn default_cluster_name() -> String {
+    DEFAULT_CLUSTER_NAME.to_string()
+}
 fn default_durability() -> Durability {
     Durability::Named(DurabilityName::None)
 }
@@ -277,7 +283,16 @@ pub struct NodeConfig {
     /// Pin executors to cores when the machine has them. Default true.
     #[serde(default = "default_true")]
     pub pin_cores: bool,
-    /// Directory for this node's files (journal).
+    /// The cluster's name; every member must have the same one (checked at
+    /// the handshake), and a `data_dir` records the name of the cluster
+    /// that wrote it (a node of another name refuses to start on it).
+    /// 1..=64 bytes of `A-Z a-z 0-9 . _ -`. Default `"shardline"`.
+    #[serde(default = "default_cluster_name")]
+    pub cluster_name: String,
+    /// Directory for this node's files (journal, lock, identity). One
+    /// running node per `data_dir` (locked); its parent is the data root,
+    /// whose other `data_dir`s of the same cluster this node's journals
+    /// read when shards move.
     pub data_dir: PathBuf,
     /// Number of shards; must agree across the cluster (checked in the
     /// handshake). Default 100.
@@ -457,6 +472,21 @@ impl NodeConfig {
                 format!("{} is not in 1..=1000000", self.number_of_shards),
             ));
         }
+        if self.cluster_name.is_empty()
+            || self.cluster_name.len() > 64
+            || !self
+                .cluster_name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        {
+            return Err(bad(
+                "cluster_name",
+                format!(
+                    "{:?} is not 1..=64 bytes of A-Z a-z 0-9 . _ -",
+                    self.cluster_name
+                ),
+            ));
+        }
         if self.cluster_address == self.client_address {
             return Err(bad(
                 "client_address",
@@ -607,6 +637,14 @@ impl NodeConfig {
         Ok(())
     }
 
+    /// Whether the node hosts durable entity types from its config (kind
+    /// `counter`: event-sourced in the journal).
+    pub fn has_durable_types(&self) -> bool {
+        self.entity_types
+            .iter()
+            .any(|t| t.kind == EntityKind::Counter && !t.is_stateless_worker())
+    }
+
     /// The idle timeout of an entity type as a Duration (None when disabled).
     pub fn idle_timeout(t: &EntityTypeConfig) -> Option<Duration> {
         (t.idle_timeout_ms > 0).then(|| Duration::from_millis(t.idle_timeout_ms))
@@ -649,6 +687,27 @@ active_entity_limit = 0
         let c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
         assert_eq!(c.entity_types[0].kind, EntityKind::Counter);
         assert_eq!(c.durability, Durability::Interval { interval_ms: 1 });
+    }
+
+    #[test]
+    fn cluster_name_defaults_and_is_checked() {
+        let c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
+        assert_eq!(c.cluster_name, DEFAULT_CLUSTER_NAME);
+        assert!(c.has_durable_types());
+        let c = NodeConfig::from_toml(
+            &format!("cluster_name = \"orders-1\"\n{GOOD}"),
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.cluster_name, "orders-1");
+        for bad in ["", "a b", "é", &"x".repeat(65)] {
+            let e = NodeConfig::from_toml(
+                &format!("cluster_name = {bad:?}\n{GOOD}"),
+                Path::new("x.toml"),
+            )
+            .unwrap_err();
+            assert!(e.to_string().contains("cluster_name"), "{bad}: {e}");
+        }
     }
 
     #[test]

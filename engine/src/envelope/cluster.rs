@@ -40,6 +40,18 @@ pub struct Hello {
     pub hash_name: String,
     /// The sender's `number_of_shards`.
     pub number_of_shards: u32,
+    /// The sender's `cluster_name`; members of another name are refused.
+    pub cluster_name: String,
+    /// The sender's cluster id (see `persistence::identity`); empty while
+    /// the sender has not learned it.
+    pub cluster_id: String,
+    /// Where the sender's durable state lives: `local:<data root id>` for
+    /// the local journal. Two members can read each other's journals only
+    /// when theirs are equal.
+    pub journal_identity: String,
+    /// Whether the sender hosts durable entity types; then every member
+    /// must have its `journal_identity`.
+    pub durable: bool,
 }
 
 /// The answer to a [`Hello`].
@@ -50,10 +62,18 @@ pub struct HelloAck {
     pub accepted: bool,
     /// Why it was refused (empty when accepted).
     pub reason: String,
+    /// The refusal is permanent: the sender is not of this cluster (other
+    /// cluster name or id, or a journal it cannot share); a node that is
+    /// not Up yet stops instead of joining.
+    pub fatal: bool,
     /// The receiver's cluster address.
     pub address: String,
     /// The receiver's incarnation uid.
     pub uid: u64,
+    /// The receiver's cluster id (empty while it has not learned it).
+    pub cluster_id: String,
+    /// The receiver's journal identity (as [`Hello::journal_identity`]).
+    pub journal_identity: String,
 }
 
 /// A member on the wire.
@@ -309,6 +329,12 @@ pub enum ControlFrame {
         type_name: String,
         /// The asker's cluster address.
         reply_to: String,
+    },
+    /// The sender's cluster id, sent on every control lane when the
+    /// sender establishes or learns it after the lane's handshake.
+    Identity {
+        /// The cluster id.
+        cluster_id: String,
     },
     /// The answer to a [`ControlFrame::StatsRequest`].
     StatsReply {

@@ -133,6 +133,9 @@ pub(crate) async fn collect_status(core: &Rc<RefCell<Core>>) -> Option<NodeStatu
             coordinator_here: false,
             regions: c.status(),
             coordinators: Vec::new(),
+            cluster_name: String::new(),
+            cluster_id: None,
+            journal_identity: String::new(),
         };
         (st, others)
     };
@@ -146,6 +149,9 @@ pub(crate) async fn collect_status(core: &Rc<RefCell<Core>>) -> Option<NodeStatu
             status.coordinator = v.coordinator;
             status.coordinator_here = v.coordinator_here;
             status.coordinators = v.coordinators;
+            status.cluster_name = v.cluster_name;
+            status.cluster_id = v.cluster_id;
+            status.journal_identity = v.journal_identity;
             got_cluster = true;
         }
         while let Ok(mut r) = rrx.try_recv() {

@@ -26,9 +26,7 @@ use shardline_core::sharding::{
 use super::msg::{sharding_event, ClusterView, StatsEvent, ToControl, ToCore};
 use super::{MemberStatusView, Shared};
 use crate::config::NodeConfig;
-use crate::envelope::{
-    decode_frame_body, encode_frame, FrameError, MAX_FRAME_SIZE_BYTES, PROTOCOL_VERSION,
-};
+use crate::envelope::{decode_frame_body, encode_frame, FrameError, MAX_FRAME_SIZE_BYTES};
 use crate::envelope::{ControlFrame, Hello, Lane, WireMember, WireRegionStats};
 use crate::persistence::coordinator::{next_epoch, ControlJournal, CoordinatorConfig};
 use crate::persistence::DurableWake;
@@ -45,6 +43,7 @@ pub(crate) struct ControlInit {
     pub to_cores: Vec<RingSender<ToCore>>,
     pub listener: std::net::TcpListener,
     pub shared: Arc<Shared>,
+    pub scope: Arc<crate::persistence::DataScope>,
 }
 
 const TICK: Duration = Duration::from_millis(10);
@@ -110,6 +109,8 @@ struct Control {
     armed_lsn: u64,
     /// How each coordinator on this node recovered (status).
     coord_status: BTreeMap<String, CoordinatorStatusView>,
+    /// The node's data scope: cluster id, journal identity.
+    scope: Arc<crate::persistence::DataScope>,
 }
 
 type ControlRef = Rc<RefCell<Control>>;
@@ -151,7 +152,10 @@ pub(crate) async fn run(init: ControlInit) {
         }
     };
     let journal = match ControlJournal::open(&init.config.data_dir, &init.config.durability) {
-        Ok(j) => Some(j),
+        Ok(mut j) => {
+            j.set_scope(init.scope.clone());
+            Some(j)
+        }
         Err(e) => {
             tracing::error!(error = %e, "cannot open the control journal; coordinator state is kept in memory only");
             None
@@ -171,10 +175,8 @@ pub(crate) async fn run(init: ControlInit) {
         coord_status: BTreeMap::new(),
         me,
         epoch: init.epoch,
-        fp: Fingerprint {
-            hash_name: SHARD_ID_HASH_NAME.to_string(),
-            number_of_shards: init.config.number_of_shards,
-        },
+        fp: super::fingerprint(&init.config, &init.scope),
+        scope: init.scope,
         cluster,
         types: BTreeSet::new(),
         remember: BTreeSet::new(),
@@ -287,6 +289,7 @@ impl Control {
         for _ in 0..64 {
             let mut progressed = false;
             let now = self.now();
+            self.ensure_cluster_id();
             if let Some(reason) = self.cluster.poll_stop() {
                 progressed = true;
                 self.on_stop(reason);
@@ -335,6 +338,89 @@ impl Control {
             .is_some_and(|m| m.status == cl::MemberStatus::Up);
         let ready = up && self.registered.iter().all(|r| *r) && !self.stopped;
         self.shared.ready.store(ready, Ordering::Release);
+    }
+
+    fn is_up(&self) -> bool {
+        self.cluster
+            .self_member()
+            .is_some_and(|m| m.status == cl::MemberStatus::Up)
+    }
+
+    /// The oldest Up member establishes the cluster's id when nobody told
+    /// it one (it formed the cluster): the id its data records, else a new
+    /// one; every member is told it on its control lane.
+    fn ensure_cluster_id(&mut self) {
+        if self.stopped || self.scope.cluster_id().is_some() || !self.is_up() {
+            return;
+        }
+        if self.cluster.oldest().as_ref() != Some(&self.me) {
+            return;
+        }
+        match self.scope.establish_cluster_id() {
+            Ok(id) => tracing::info!(cluster_id = id, "cluster id established"),
+            Err(e) => tracing::error!(error = %e, "cannot record the cluster id"),
+        }
+        self.broadcast_identity();
+    }
+
+    /// Sends this node's cluster id on every control lane.
+    fn broadcast_identity(&mut self) {
+        let Some(cluster_id) = self.scope.cluster_id() else {
+            return;
+        };
+        let f = ControlFrame::Identity { cluster_id };
+        let peers: Vec<String> = self.peers.keys().cloned().collect();
+        for p in peers {
+            self.send_control(&p, &f);
+        }
+    }
+
+    /// Learns the cluster id `id` from `from` (a handshake or an
+    /// `Identity` frame).
+    fn learn_cluster_id(&mut self, id: &str, from: &str) {
+        use crate::persistence::identity::Learned;
+        if id.is_empty() {
+            return;
+        }
+        match self.scope.learn_cluster_id(id, from) {
+            Ok(Learned::Same) => {}
+            Ok(Learned::Adopted) => {
+                tracing::info!(cluster_id = id, from, "cluster id learned");
+                self.broadcast_identity();
+            }
+            Ok(Learned::Conflict { reason, mine }) => {
+                if mine {
+                    self.refuse_to_join(reason);
+                } else {
+                    tracing::error!(peer = from, reason, "member of another cluster");
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "cannot record the cluster id"),
+        }
+    }
+
+    /// Stops the node instead of joining when it is not a member yet (the
+    /// cluster it reached is not its own, or shares no journal with it);
+    /// a member that is Up only logs the reason.
+    fn refuse_to_join(&mut self, reason: String) {
+        if self.stopped {
+            return;
+        }
+        if self.is_up() {
+            tracing::error!(reason, "refused by a member");
+            return;
+        }
+        tracing::error!(reason, "refusing to join the cluster; stopping");
+        if let Ok(mut g) = self.shared.refusal.lock() {
+            *g = Some(reason);
+        }
+        self.stopped = true;
+        self.stop_coordinators();
+        self.to_all_cores(|| ToCore::Stop);
+        self.shared.stopped.store(4, Ordering::Release);
+        if let Some(l) = self.leave.take() {
+            let _ = l.done.try_send(());
+        }
     }
 
     fn on_stop(&mut self, reason: StopReason) {
@@ -550,6 +636,7 @@ impl Control {
     }
 
     fn start_coordinators(&mut self) {
+        self.ensure_cluster_id();
         tracing::info!("coordinator singleton starts here");
         self.singleton = true;
         let types: Vec<String> = self.types.iter().cloned().collect();
@@ -816,6 +903,7 @@ impl Control {
                 type_name,
                 reply_to,
             } => self.answer_stats(id, type_name, reply_to),
+            ControlFrame::Identity { cluster_id } => self.learn_cluster_id(&cluster_id, "a member"),
             ControlFrame::StatsReply {
                 id,
                 member,
@@ -1075,6 +1163,9 @@ impl Control {
                     s
                 })
                 .collect(),
+            cluster_name: self.scope.cluster_name().to_string(),
+            cluster_id: self.scope.cluster_id(),
+            journal_identity: self.fp.journal_identity.clone(),
         }
     }
 }
@@ -1183,15 +1274,12 @@ fn short_event(e: &ClusterEvent) -> String {
 async fn run_peer(ctl: ControlRef, addr: String, outbox: Rc<Outbox>) {
     let hello = {
         let c = ctl.borrow();
-        Hello {
-            protocol_version: PROTOCOL_VERSION,
-            address: c.me.address.0.clone(),
-            uid: c.me.uid.0,
-            lane: Lane::Control as u8,
-            target_core: 0,
-            hash_name: c.fp.hash_name.clone(),
-            number_of_shards: c.fp.number_of_shards,
-        }
+        c.fp.hello(
+            (&c.me.address.0, c.me.uid.0),
+            Lane::Control,
+            0,
+            c.scope.cluster_id(),
+        )
     };
     let res: Result<(), TransportError> = async {
         let sa: std::net::SocketAddr = addr
@@ -1199,8 +1287,21 @@ async fn run_peer(ctl: ControlRef, addr: String, outbox: Rc<Outbox>) {
             .map_err(|e| TransportError::Refused(format!("bad address {addr}: {e}")))?;
         let mut s = transport::connect(sa, Duration::from_secs(2)).await?;
         let mut reader = FrameReader::new(MAX_FRAME_SIZE_BYTES);
-        transport::client_handshake(&mut s, &mut reader, &hello).await?;
-        ctl.borrow_mut().peer_connected(&addr);
+        let ack = transport::client_handshake(&mut s, &mut reader, &hello).await?;
+        {
+            let mut c = ctl.borrow_mut();
+            c.peer_connected(&addr);
+            if ack.journal_identity != c.fp.journal_identity {
+                c.scope.note_unreadable(&addr, &ack.journal_identity);
+            }
+            c.learn_cluster_id(&ack.cluster_id, &addr);
+            if hello.cluster_id.is_empty() {
+                if let Some(cluster_id) = c.scope.cluster_id() {
+                    c.send_control(&addr, &ControlFrame::Identity { cluster_id });
+                }
+            }
+            c.drive();
+        }
         let (mut r, mut w) = s.into_split();
         let wb = outbox.clone();
         let writer = monoio::spawn(async move { transport::write_loop(&mut w, wb).await });
@@ -1214,6 +1315,10 @@ async fn run_peer(ctl: ControlRef, addr: String, outbox: Rc<Outbox>) {
     match &res {
         Err(TransportError::Refused(reason)) => {
             tracing::error!(peer = addr, reason, "control lane refused")
+        }
+        Err(TransportError::Rejected(reason)) => {
+            tracing::error!(peer = addr, reason, "rejected by a member");
+            ctl.borrow_mut().refuse_to_join(reason.clone());
         }
         Err(e) => tracing::debug!(peer = addr, error = %e, "control lane closed"),
         Ok(()) => {}
@@ -1235,7 +1340,49 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
     };
     let peer = s.peer_addr().ok();
     let mut reader = FrameReader::new(MAX_FRAME_SIZE_BYTES);
-    let hello = match transport::server_handshake(&mut s, &mut reader, &fp, (&me.0, me.1)).await {
+    let scope = ctl.borrow().scope.clone();
+    // What the cluster-id check found, acted on after the handshake.
+    let learned: std::cell::RefCell<Option<crate::persistence::identity::Learned>> =
+        std::cell::RefCell::new(None);
+    let check = |h: &Hello| -> Result<Option<String>, transport::Refusal> {
+        use crate::persistence::identity::Learned;
+        if !h.cluster_id.is_empty() {
+            match scope.learn_cluster_id(&h.cluster_id, &h.address) {
+                Ok(l) => {
+                    let refusal = match &l {
+                        Learned::Conflict { reason, mine } => Some(transport::Refusal {
+                            reason: reason.clone(),
+                            fatal: !*mine,
+                        }),
+                        _ => None,
+                    };
+                    *learned.borrow_mut() = Some(l);
+                    if let Some(r) = refusal {
+                        return Err(r);
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, "cannot record the cluster id"),
+            }
+        }
+        if h.journal_identity != fp.journal_identity {
+            scope.note_unreadable(&h.address, &h.journal_identity);
+        }
+        Ok(scope.cluster_id())
+    };
+    let res = transport::server_handshake(&mut s, &mut reader, &fp, (&me.0, me.1), check).await;
+    if let Some(l) = learned.borrow_mut().take() {
+        use crate::persistence::identity::Learned;
+        let mut c = ctl.borrow_mut();
+        match l {
+            Learned::Adopted => {
+                tracing::info!(from = ?peer, "cluster id learned");
+                c.broadcast_identity();
+            }
+            Learned::Conflict { reason, mine: true } => c.refuse_to_join(reason),
+            _ => {}
+        }
+    }
+    let hello = match res {
         Ok(h) => h,
         Err(TransportError::Refused(reason)) => {
             tracing::error!(?peer, reason, "refused a node connection");

@@ -26,9 +26,9 @@ use crate::config::NodeConfig;
 use crate::entity::{Entity, EntityContext, EntityFactory, TerminatedReason};
 use crate::envelope::{
     access, encode_frame, ArchivedClientFrame, ClientFrame, FrameError, ServerFrame, Status,
-    MAX_FRAME_SIZE_BYTES, PROTOCOL_VERSION,
+    MAX_FRAME_SIZE_BYTES,
 };
-use crate::envelope::{ArchivedDataFrame, DataFrame, Hello, Lane};
+use crate::envelope::{ArchivedDataFrame, DataFrame, Lane};
 use crate::runtime::{RingReceiver, RingSender};
 use crate::transport::{self, FrameReader, Outbox};
 
@@ -44,6 +44,7 @@ pub(crate) struct CoreInit {
     pub to_control: RingSender<ToControl>,
     pub to_cores: Vec<RingSender<ToCore>>,
     pub shared: Arc<Shared>,
+    pub scope: Arc<crate::persistence::DataScope>,
 }
 
 /// How long a forwarded message may wait for its reply before the sender is
@@ -172,6 +173,10 @@ pub(crate) struct Core {
     /// Why this core's journal could not be opened (durable entities then
     /// fail and `/health/ready` answers 503).
     journal_error: Option<String>,
+    /// The node's data scope (cluster id for the data lanes' hellos).
+    scope: Arc<crate::persistence::DataScope>,
+    /// What this node's hellos carry.
+    fp: crate::transport::Fingerprint,
 }
 
 type CoreRef = Rc<RefCell<Core>>;
@@ -190,7 +195,10 @@ pub(crate) async fn run(init: CoreInit) {
         }
     };
     let http_front = crate::gateway::http::serve::bind(&init.config, init.index);
+    let fp = super::fingerprint(&init.config, &init.scope);
     let core = Rc::new(RefCell::new(Core {
+        scope: init.scope,
+        fp,
         index: init.index,
         me,
         epoch: init.epoch,
@@ -223,9 +231,12 @@ pub(crate) async fn run(init: CoreInit) {
     drop(init.shared);
     {
         let mut c = core.borrow_mut();
-        if let Err(e) =
-            crate::persistence::open_for_core(&c.config.data_dir, c.index, &c.config.durability)
-        {
+        if let Err(e) = crate::persistence::open_for_core(
+            &c.config.data_dir,
+            c.index,
+            &c.config.durability,
+            Some(c.scope.clone()),
+        ) {
             tracing::error!(core = c.index, error = %e, "cannot open the core's journal; durable entities fail");
             c.journal_error = Some(e.to_string());
         }
@@ -1632,15 +1643,12 @@ fn region_settings(s: &EntitySettings) -> RegionSettings {
 async fn run_link(core: CoreRef, to: RegionId, outbox: Rc<Outbox>) {
     let (hello, addr) = {
         let c = core.borrow();
-        let hello = Hello {
-            protocol_version: PROTOCOL_VERSION,
-            address: c.me.address.0.clone(),
-            uid: c.me.uid.0,
-            lane: Lane::Data as u8,
-            target_core: to.core,
-            hash_name: shardline_core::sharding::SHARD_ID_HASH_NAME.to_string(),
-            number_of_shards: c.config.number_of_shards,
-        };
+        let hello = c.fp.hello(
+            (&c.me.address.0, c.me.uid.0),
+            Lane::Data,
+            to.core,
+            c.scope.cluster_id(),
+        );
         (hello, to.member.address.0.parse::<std::net::SocketAddr>())
     };
     let result: Result<(), crate::transport::TransportError> = async {

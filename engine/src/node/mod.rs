@@ -59,6 +59,15 @@ pub enum NodeError {
     /// The node has stopped.
     #[error("node stopped")]
     Stopped,
+    /// The `data_dir` is locked by another node, records another cluster,
+    /// or its identity files cannot be read or written.
+    #[error(transparent)]
+    DataDir(#[from] crate::persistence::IdentityError),
+    /// The node stopped instead of joining: the cluster it reached is not
+    /// its own (another cluster name or id), or its members keep durable
+    /// state in journals this node cannot share (`journal.backend`).
+    #[error("refused to join the cluster: {0}")]
+    Refused(String),
 }
 
 /// Errors from an [`EntityRef::ask`].
@@ -118,8 +127,10 @@ impl Default for EntitySettings {
 /// the data path).
 pub(crate) struct Shared {
     pub ready: AtomicBool,
-    /// 0 running, 1 left, 2 downed, 3 stopped.
+    /// 0 running, 1 left, 2 downed, 3 stopped, 4 refused to join.
     pub stopped: AtomicU8,
+    /// Why the node refused to join (with `stopped` = 4).
+    pub refusal: Mutex<Option<String>>,
     pub subscribers: Mutex<Vec<crossbeam_channel::Sender<ClusterEvent>>>,
 }
 
@@ -131,22 +142,36 @@ pub struct Node {
     to_cores: Vec<RingSender<ToCore>>,
     shared: Arc<Shared>,
     threads: Vec<std::thread::JoinHandle<()>>,
+    /// The `data_dir`'s lock, released after the executors stopped.
+    _lock: crate::persistence::DataDirLock,
 }
 
 impl Node {
     /// Starts the executors, binds the addresses, joins the cluster through
     /// the seeds and starts the configured built-in entity types.
     ///
+    /// The `data_dir` is created if needed and locked for the life of the
+    /// node; its identity is checked (see
+    /// [`crate::persistence::identity`]).
+    ///
     /// # Errors
-    /// [`NodeError::Config`] for a bad config, [`NodeError::Bind`] when an
-    /// address is taken (an address in use is retried for up to
+    /// [`NodeError::Config`] for a bad config, [`NodeError::DataDir`] when
+    /// the `data_dir` is in use by another node (naming its pid) or records
+    /// another `cluster_name`, [`NodeError::Bind`] when an address is
+    /// taken (an address in use is retried for up to
     /// [`BIND_RETRY_TIMEOUT`] first), [`NodeError::Spawn`].
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
         config.validate(std::path::Path::new("<config>"))?;
+        let lock = crate::persistence::DataDirLock::acquire(&config.data_dir)?;
+        let scope = Arc::new(crate::persistence::DataScope::open(
+            &config.data_dir,
+            &config.cluster_name,
+        )?);
         let uid = MemberUid(rand::random::<u64>() | 1);
         let shared = Arc::new(Shared {
             ready: AtomicBool::new(false),
             stopped: AtomicU8::new(0),
+            refusal: Mutex::new(None),
             subscribers: Mutex::new(Vec::new()),
         });
         let cores = usize::from(config.data_cores);
@@ -186,6 +211,7 @@ impl Node {
                 to_control: to_control.clone(),
                 to_cores: to_cores.clone(),
                 shared: shared.clone(),
+                scope: scope.clone(),
             };
             let pin = (config.pin_cores && ncpu > 1).then_some(i % ncpu);
             threads.push(
@@ -203,6 +229,7 @@ impl Node {
             to_cores: to_cores.clone(),
             listener: cluster_listener,
             shared: shared.clone(),
+            scope,
         };
         // The control executor shares the last core on small machines.
         let pin = (config.pin_cores && ncpu > 1).then_some(ncpu - 1);
@@ -221,6 +248,7 @@ impl Node {
             to_cores,
             shared,
             threads,
+            _lock: lock,
         };
         for t in node.config.entity_types.clone() {
             node.sharding().start(
@@ -264,10 +292,14 @@ impl Node {
     /// the coordinator.
     ///
     /// # Errors
-    /// [`NodeError::NotReady`] after `timeout`, [`NodeError::Stopped`].
+    /// [`NodeError::NotReady`] after `timeout`, [`NodeError::Refused`] when it
+    /// stopped instead of joining (see [`Self::refusal`]), [`NodeError::Stopped`].
     pub fn wait_ready(&self, timeout: Duration) -> Result<(), NodeError> {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
+            if let Some(reason) = self.refusal() {
+                return Err(NodeError::Refused(reason));
+            }
             if self.shared.stopped.load(Ordering::Acquire) != 0 {
                 return Err(NodeError::Stopped);
             }
@@ -282,6 +314,17 @@ impl Node {
     /// Whether the node stopped (left, or was downed).
     pub fn is_stopped(&self) -> bool {
         self.shared.stopped.load(Ordering::Acquire) != 0
+    }
+
+    /// Why this node stopped instead of joining, when it did: the cluster
+    /// it reached is of another cluster name or id, or keeps durable state
+    /// in journals this node cannot share (the reason names
+    /// `journal.backend`).
+    pub fn refusal(&self) -> Option<String> {
+        if self.shared.stopped.load(Ordering::Acquire) != 4 {
+            return None;
+        }
+        self.shared.refusal.lock().ok().and_then(|g| g.clone())
     }
 
     /// Whether this node was downed by the cluster (it stopped serving).
@@ -363,6 +406,22 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         self.stop_threads();
+    }
+}
+
+/// What this node's handshakes carry and check: the sharding fingerprint,
+/// the cluster name, the journal identity of its data root and whether it
+/// hosts durable types (from its config).
+pub(crate) fn fingerprint(
+    config: &NodeConfig,
+    scope: &crate::persistence::DataScope,
+) -> crate::transport::Fingerprint {
+    crate::transport::Fingerprint {
+        hash_name: shardline_core::sharding::SHARD_ID_HASH_NAME.to_string(),
+        number_of_shards: config.number_of_shards,
+        cluster_name: config.cluster_name.clone(),
+        journal_identity: scope.journal_identity(),
+        durable: config.has_durable_types(),
     }
 }
 

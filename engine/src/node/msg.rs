@@ -40,6 +40,9 @@ pub(crate) struct ClusterView {
     pub coordinator: Option<String>,
     pub coordinator_here: bool,
     pub coordinators: Vec<crate::status::CoordinatorStatusView>,
+    pub cluster_name: String,
+    pub cluster_id: Option<String>,
+    pub journal_identity: String,
 }
 
 /// What the control executor reports to a [`ToControl::ShardingStats`].

@@ -10,7 +10,10 @@
 //! An incarnation starts by recovering ([`ControlJournal::recover`]): the
 //! node's own control journal and every other `*/control` directory under
 //! the data root (the parent of `data_dir`, shared by the nodes of one
-//! machine), the others read-only ([`shardline_journal::JournalReader`]).
+//! machine) whose `data_dir` records this node's cluster (name and id, see
+//! [`super::identity`]), the others read-only
+//! ([`shardline_journal::JournalReader`]). Journals of another cluster are
+//! never read.
 //! The journal whose records carry the highest writer epoch holds the newest
 //! state. The new incarnation takes a writer epoch above every epoch found
 //! ([`next_epoch`]) and appends a *takeover* record (the full state plus the
@@ -480,6 +483,9 @@ pub struct ControlJournal {
     none: bool,
     dir: PathBuf,
     types: HashMap<String, TypeLog>,
+    /// The node's data scope: only sibling control journals of its cluster
+    /// are read (none without a scope).
+    scope: Option<std::sync::Arc<super::DataScope>>,
 }
 
 impl std::fmt::Debug for ControlJournal {
@@ -529,6 +535,7 @@ impl ControlJournal {
             none: matches!(durability, shardline_journal::Durability::None),
             dir: dir.to_path_buf(),
             types: HashMap::new(),
+            scope: None,
         })
     }
 
@@ -537,24 +544,28 @@ impl ControlJournal {
         &self.dir
     }
 
-    /// Every other control journal under the data root (this directory's
-    /// grandparent): `{root}/*/control`, sorted.
+    /// Sets the data scope whose cluster's sibling control journals
+    /// recovery reads (nodes set it; without one only this journal is read).
+    pub fn set_scope(&mut self, scope: std::sync::Arc<super::DataScope>) {
+        self.scope = Some(scope);
+    }
+
+    /// Every other control journal of this node's cluster under the data
+    /// root: `{root}/*/control` of the sibling `data_dir`s that record this
+    /// cluster's name and id ([`super::DataScope::cluster_siblings`]),
+    /// sorted. A control journal of another cluster is never read.
     fn foreign_dirs(&self) -> Vec<PathBuf> {
+        let Some(scope) = &self.scope else {
+            return Vec::new();
+        };
         let own = std::fs::canonicalize(&self.dir).unwrap_or_else(|_| self.dir.clone());
-        let Some(root) = self.dir.parent().and_then(Path::parent) else {
-            return Vec::new();
-        };
-        let Ok(nodes) = std::fs::read_dir(root) else {
-            return Vec::new();
-        };
-        let mut out: Vec<PathBuf> = nodes
-            .flatten()
-            .map(|n| n.path().join("control"))
+        scope
+            .cluster_siblings()
+            .into_iter()
+            .map(|n| n.join("control"))
             .filter(|p| p.is_dir())
             .filter(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()) != own)
-            .collect();
-        out.sort();
-        out
+            .collect()
     }
 
     /// Recovers `type_name`'s coordinator from this journal and every other
@@ -1092,6 +1103,25 @@ mod tests {
         let d2 = root.path().join("node-2").join("control");
         let mut j1 = ControlJournal::open_dir(&d1, &NONE).unwrap();
         let mut j2 = ControlJournal::open_dir(&d2, &NONE).unwrap();
+        // Both nodes of one cluster (a third, of another cluster, is never
+        // read).
+        let scope = |n: &str, id: &str| {
+            let s = super::super::DataScope::open(&root.path().join(n), "c").unwrap();
+            s.learn_cluster_id(id, "peer").unwrap();
+            std::sync::Arc::new(s)
+        };
+        j1.set_scope(scope("node-1", "one"));
+        j2.set_scope(scope("node-2", "one"));
+        let d3 = root.path().join("node-3").join("control");
+        let mut j3 = ControlJournal::open_dir(&d3, &NONE).unwrap();
+        j3.set_scope(scope("node-3", "other"));
+        j3.begin(
+            "counter",
+            WriterEpoch(1_000),
+            &CoordinatorState::default(),
+            &cfg(12),
+        )
+        .unwrap();
         let alloc = |s: u32, r: u64, g: u64| CoordinatorEvent::ShardHomeAllocated {
             shard: ShardId(s),
             region: rid(r),

@@ -16,11 +16,18 @@
 //!
 //! Deployment across machines: see `docs/persistence.md`; a shard that
 //! moves recovers from the journal directory of the core that wrote it,
-//! which must be readable from the new home (one data root per machine,
-//! or a shared filesystem).
+//! which must be readable from the new home: every member's `data_dir`
+//! under one data root (one machine). Only the journals of this node's
+//! cluster are read ([`identity::DataScope`]); a node whose durable types
+//! use the local journal does not join members of another data root, and
+//! a recovery refuses to start an entity while a member whose journal is
+//! unreadable from here is in the cluster.
 
 pub mod coordinator;
+pub mod identity;
 pub mod remember;
+
+pub use identity::{DataDirLock, DataScope, IdentityError};
 
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
@@ -111,6 +118,8 @@ pub struct CoreLog {
     /// Per entity type: the highest shard generation hosted here when the
     /// readers were last opened.
     foreign_epoch: std::collections::HashMap<String, u64>,
+    /// The node's data scope (cluster identity, readable siblings).
+    scope: Option<Arc<DataScope>>,
 }
 
 impl CoreLog {
@@ -139,27 +148,27 @@ impl CoreLog {
             dir,
             foreign: Vec::new(),
             foreign_epoch: std::collections::HashMap::new(),
+            scope: None,
         })
     }
 
-    /// Every other core journal under the data root (`data_dir`'s parent,
-    /// shared by the nodes of one machine): `{root}/*/journal/core-*`.
+    /// Every other core journal this core may read: the other cores of its
+    /// own `data_dir`, and (with a [`DataScope`]) the core journals of the
+    /// sibling `data_dir`s under the data root that record this node's
+    /// cluster ([`DataScope::cluster_siblings`]): `{root}/*/journal/core-*`.
+    /// A journal of another cluster is never read.
     fn foreign_dirs(&self) -> Vec<PathBuf> {
         let mut out = Vec::new();
         let own = std::fs::canonicalize(&self.dir).unwrap_or_else(|_| self.dir.clone());
-        let Some(root) = self
-            .dir
-            .parent()
-            .and_then(Path::parent)
-            .and_then(Path::parent)
-        else {
+        let Some(node) = self.dir.parent().and_then(Path::parent) else {
             return out;
         };
-        let Ok(nodes) = std::fs::read_dir(root) else {
-            return out;
-        };
-        for n in nodes.flatten() {
-            let Ok(cores) = std::fs::read_dir(n.path().join("journal")) else {
+        let mut nodes = vec![node.to_path_buf()];
+        if let Some(scope) = &self.scope {
+            nodes.extend(scope.cluster_siblings());
+        }
+        for n in nodes {
+            let Ok(cores) = std::fs::read_dir(n.join("journal")) else {
                 continue;
             };
             for c in cores.flatten() {
@@ -175,6 +184,7 @@ impl CoreLog {
             }
         }
         out.sort();
+        out.dedup();
         out
     }
 
@@ -184,24 +194,68 @@ impl CoreLog {
     /// visible to them: generations grow with every allocation, and a
     /// shard is allocated here only after its previous home handed it off
     /// or was removed).
-    fn refresh_foreign(&mut self, pid: &PersistenceId, epoch: WriterEpoch) {
+    ///
+    /// # Errors
+    /// A description naming the directory when a journal of this cluster
+    /// cannot be opened (recovering without it could start an entity
+    /// without its events); nothing is cached then, the next recovery
+    /// tries again.
+    fn refresh_foreign(&mut self, pid: &PersistenceId, epoch: WriterEpoch) -> Result<(), String> {
         let type_name = pid.as_str().split('|').next().unwrap_or("");
         if self
             .foreign_epoch
             .get(type_name)
             .is_some_and(|e| *e >= epoch.0)
         {
-            return;
+            return Ok(());
         }
         self.foreign.clear();
         for d in self.foreign_dirs() {
             match shardline_journal::JournalReader::open(&d) {
                 Ok(r) => self.foreign.push(r),
-                Err(e) => tracing::warn!(dir = %d.display(), error = %e, "cannot read journal"),
+                Err(e) => {
+                    self.foreign.clear();
+                    self.foreign_epoch.clear();
+                    return Err(format!(
+                        "journal unreadable: cannot read the journal {} of this cluster: {e}; \
+                         not starting the entity without its events",
+                        d.display()
+                    ));
+                }
             }
         }
         let hosted = HOSTED_GENERATION.with(|h| h.get()).max(epoch.0);
         self.foreign_epoch.insert(type_name.to_string(), hosted);
+        Ok(())
+    }
+
+    /// Sets the data scope whose cluster's sibling journals this log reads
+    /// (nodes set it; without one only this `data_dir`'s cores are read).
+    pub fn set_scope(&mut self, scope: Arc<DataScope>) {
+        self.scope = Some(scope);
+        self.foreign.clear();
+        self.foreign_epoch.clear();
+    }
+
+    /// Refuses recovery while a member whose journal this node cannot read
+    /// is (or was, since this node started) in the cluster: a shard of the
+    /// entity may have been homed there, and its events would be missing.
+    fn check_readable(&self, pid: &PersistenceId) -> Result<(), String> {
+        let Some(scope) = &self.scope else {
+            return Ok(());
+        };
+        let unreadable = scope.unreadable();
+        let Some((addr, ident)) = unreadable.iter().next() else {
+            return Ok(());
+        };
+        Err(format!(
+            "journal unreadable: {} may have events in the journal of member {addr} \
+             ({ident}), which this node ({}) cannot read; not starting it empty. With \
+             journal.backend = \"local\" every member's data_dir must be under one data root \
+             (one machine); use a shared journal backend across machines",
+            pid.as_str(),
+            scope.journal_identity()
+        ))
     }
 
     /// The journal's directory.
@@ -254,8 +308,9 @@ impl EventLog for CoreLog {
         // Merge this core's journal with every other journal of the data
         // root: the newest snapshot wins, then events after it by sequence
         // number (a shard that moved left its earlier events elsewhere).
+        self.check_readable(pid)?;
         let mut parts = vec![self.journal.recover(pid).map_err(|e| e.to_string())?];
-        self.refresh_foreign(pid, epoch);
+        self.refresh_foreign(pid, epoch)?;
         for r in &self.foreign {
             if r.highest_sequence_nr(pid).0 == 0 {
                 continue;
@@ -450,7 +505,8 @@ thread_local! {
 }
 
 /// Opens core `index`'s journal under `data_dir` and installs it on this
-/// thread, with its durability watcher.
+/// thread, with its durability watcher; with `scope`, it reads the sibling
+/// journals of the scope's cluster.
 ///
 /// # Errors
 /// As [`CoreLog::open`].
@@ -458,8 +514,12 @@ pub fn open_for_core(
     data_dir: &Path,
     index: u16,
     durability: &crate::config::Durability,
+    scope: Option<Arc<DataScope>>,
 ) -> Result<(), shardline_journal::OpenError> {
-    let log = CoreLog::open(data_dir, index, durability)?;
+    let mut log = CoreLog::open(data_dir, index, durability)?;
+    if let Some(s) = scope {
+        log.set_scope(s);
+    }
     if let Ok(mut r) = flush_registry().lock() {
         r.insert(core_dir(data_dir, index), log.journal().flush_latency());
     }

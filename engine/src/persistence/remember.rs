@@ -149,7 +149,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tmp");
         let none = crate::config::Durability::Named(crate::config::DurabilityName::None);
         let node = dir.path().join("node-a");
-        super::super::open_for_core(&node, 0, &none).expect("open");
+        super::super::open_for_core(&node, 0, &none, None).expect("open");
         let r = region();
         assert!(recover("t", &r, ShardId(3)).is_empty());
         record("t", &r, &started(3, "a"));
@@ -167,7 +167,7 @@ mod tests {
         drop(super::super::uninstall());
         SEQ.with(|s| s.borrow_mut().clear());
         // Core 1 of the same node: core 0's journal is read-only to it.
-        super::super::open_for_core(&node, 1, &none).expect("open");
+        super::super::open_for_core(&node, 1, &none, None).expect("open");
         let ids: Vec<String> = recover("t", &r, ShardId(3))
             .into_iter()
             .map(|i| i.as_str().to_string())

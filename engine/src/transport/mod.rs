@@ -11,8 +11,11 @@
 //!   while the executor ran goes out in one write.
 //! - [`client_handshake`] / [`server_handshake`]: the node-to-node
 //!   [`Hello`]/[`HelloAck`] exchange: protocol version, member address and
-//!   uid, and the sharding fingerprint (hash name + `number_of_shards`); a
-//!   mismatch is refused with a reason on both sides.
+//!   uid, the sharding fingerprint (hash name + `number_of_shards`), the
+//!   cluster name and id, the journal identity and whether the sender hosts
+//!   durable types; a mismatch is refused with a reason on both sides
+//!   (permanently, [`HelloAck::fatal`], for another cluster or a journal
+//!   the members cannot share).
 
 use std::cell::RefCell;
 use std::net::SocketAddr;
@@ -56,6 +59,10 @@ pub enum TransportError {
     /// The handshake was refused (by us or by the peer), with the reason.
     #[error("handshake refused: {0}")]
     Refused(String),
+    /// The peer refused us for good ([`HelloAck::fatal`]): this node is not
+    /// of its cluster (cluster name or id, journal identity).
+    #[error("rejected by the cluster: {0}")]
+    Rejected(String),
 }
 
 /// Binds a listening socket; with `reuse_port` several executors may bind the
@@ -271,21 +278,110 @@ pub struct Fingerprint {
     pub hash_name: String,
     /// Number of shards.
     pub number_of_shards: u32,
+    /// The cluster's name (`cluster_name`).
+    pub cluster_name: String,
+    /// Where this node's durable state lives (`local:<data root id>` for
+    /// the local journal; see `persistence::identity`).
+    pub journal_identity: String,
+    /// Whether this node hosts durable entity types.
+    pub durable: bool,
 }
 
-fn check_hello(h: &Hello, fp: &Fingerprint) -> Result<(), String> {
+impl Fingerprint {
+    /// This node's [`Hello`] for a lane (`lane`, `target_core`) with the
+    /// cluster id known now (`None`: not yet).
+    pub fn hello(
+        &self,
+        me: (&str, u64),
+        lane: crate::envelope::Lane,
+        target_core: u16,
+        cluster_id: Option<String>,
+    ) -> Hello {
+        Hello {
+            protocol_version: crate::envelope::PROTOCOL_VERSION,
+            address: me.0.to_string(),
+            uid: me.1,
+            lane: lane as u8,
+            target_core,
+            hash_name: self.hash_name.clone(),
+            number_of_shards: self.number_of_shards,
+            cluster_name: self.cluster_name.clone(),
+            cluster_id: cluster_id.unwrap_or_default(),
+            journal_identity: self.journal_identity.clone(),
+            durable: self.durable,
+        }
+    }
+}
+
+/// Why a handshake was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// The reason, sent to the peer.
+    pub reason: String,
+    /// Permanent: the peer is not of this cluster ([`HelloAck::fatal`]).
+    pub fatal: bool,
+}
+
+impl Refusal {
+    /// A permanent refusal.
+    pub fn fatal(reason: String) -> Refusal {
+        Refusal {
+            reason,
+            fatal: true,
+        }
+    }
+}
+
+/// The refusal of a member whose journal identity differs from ours while
+/// one side hosts durable types, naming `journal.backend`.
+pub fn journal_mismatch(peer: &str, peer_journal: &str, own_journal: &str) -> String {
+    format!(
+        "journal mismatch: member {peer} keeps its durable state in {peer_journal}, this node in \
+         {own_journal}; with journal.backend = \"local\" a durable entity recovers only from the \
+         journals under its node's data root, so members on different data roots (machines) \
+         would start entities whose shard moved without their events. Refusing to join: put \
+         every data_dir under one data root on one machine, or give every member the same \
+         shared journal.backend"
+    )
+}
+
+/// Checks a peer's [`Hello`] against this node's fingerprint.
+///
+/// # Errors
+/// A [`Refusal`] naming the mismatch: protocol version or sharding
+/// fingerprint (transient), cluster name or journal identity (fatal).
+pub fn check_hello(h: &Hello, fp: &Fingerprint) -> Result<(), Refusal> {
     if h.protocol_version != crate::envelope::PROTOCOL_VERSION {
-        return Err(format!(
-            "protocol version {} differs from ours ({})",
-            h.protocol_version,
-            crate::envelope::PROTOCOL_VERSION
-        ));
+        return Err(Refusal {
+            reason: format!(
+                "protocol version {} differs from ours ({})",
+                h.protocol_version,
+                crate::envelope::PROTOCOL_VERSION
+            ),
+            fatal: false,
+        });
     }
     if h.hash_name != fp.hash_name || h.number_of_shards != fp.number_of_shards {
-        return Err(format!(
-            "sharding fingerprint mismatch: peer {}/{} shards, ours {}/{} shards",
-            h.hash_name, h.number_of_shards, fp.hash_name, fp.number_of_shards
-        ));
+        return Err(Refusal {
+            reason: format!(
+                "sharding fingerprint mismatch: peer {}/{} shards, ours {}/{} shards",
+                h.hash_name, h.number_of_shards, fp.hash_name, fp.number_of_shards
+            ),
+            fatal: false,
+        });
+    }
+    if h.cluster_name != fp.cluster_name {
+        return Err(Refusal::fatal(format!(
+            "cluster name mismatch: member {} is of cluster {:?}, this node of {:?}",
+            h.address, h.cluster_name, fp.cluster_name
+        )));
+    }
+    if (h.durable || fp.durable) && h.journal_identity != fp.journal_identity {
+        return Err(Refusal::fatal(journal_mismatch(
+            &h.address,
+            &h.journal_identity,
+            &fp.journal_identity,
+        )));
     }
     Ok(())
 }
@@ -305,6 +401,9 @@ pub async fn client_handshake(
         let r = reader.read_frame(stream).await?;
         let ack: HelloAck = decode_frame_body(reader.body(r))?;
         if !ack.accepted {
+            if ack.fatal {
+                return Err(TransportError::Rejected(ack.reason));
+            }
             return Err(TransportError::Refused(ack.reason));
         }
         Ok(ack)
@@ -314,7 +413,9 @@ pub async fn client_handshake(
         .unwrap_or(Err(TransportError::HandshakeTimeout))
 }
 
-/// The accepting side: reads a [`Hello`], checks it against `fp`, answers.
+/// The accepting side: reads a [`Hello`], checks it against `fp` and then
+/// with `check` (the cluster id, which changes while the node runs),
+/// answers with this node's identity (`me`: address, uid, cluster id).
 ///
 /// # Errors
 /// [`TransportError::Refused`] when the hello does not match (the peer was
@@ -324,22 +425,78 @@ pub async fn server_handshake(
     reader: &mut FrameReader,
     fp: &Fingerprint,
     me: (&str, u64),
+    check: impl FnOnce(&Hello) -> Result<Option<String>, Refusal>,
 ) -> Result<Hello, TransportError> {
     let fut = async {
         let r = reader.read_frame(stream).await?;
         let hello: Hello = decode_frame_body(reader.body(r))?;
-        let verdict = check_hello(&hello, fp);
+        let verdict = check_hello(&hello, fp).and_then(|()| check(&hello));
+        let (accepted, reason, fatal, cluster_id) = match &verdict {
+            Ok(id) => (true, String::new(), false, id.clone().unwrap_or_default()),
+            Err(r) => (false, r.reason.clone(), r.fatal, String::new()),
+        };
         let ack = HelloAck {
-            accepted: verdict.is_ok(),
-            reason: verdict.clone().err().unwrap_or_default(),
+            accepted,
+            reason,
+            fatal,
             address: me.0.to_string(),
             uid: me.1,
+            cluster_id,
+            journal_identity: fp.journal_identity.clone(),
         };
         write_frame(stream, &ack).await?;
-        verdict.map_err(TransportError::Refused)?;
+        verdict.map_err(|r| TransportError::Refused(r.reason))?;
         Ok(hello)
     };
     monoio::time::timeout(HANDSHAKE_TIMEOUT, fut)
         .await
         .unwrap_or(Err(TransportError::HandshakeTimeout))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp(journal: &str, durable: bool) -> Fingerprint {
+        Fingerprint {
+            hash_name: "h".into(),
+            number_of_shards: 10,
+            cluster_name: "c".into(),
+            journal_identity: journal.into(),
+            durable,
+        }
+    }
+
+    #[test]
+    fn journal_identities_must_agree_when_either_side_is_durable() {
+        let hello = |journal: &str, durable: bool| {
+            fp(journal, durable).hello(("127.0.0.1:1", 3), crate::envelope::Lane::Control, 0, None)
+        };
+        // Same journal: always accepted.
+        assert_eq!(
+            check_hello(&hello("local:a", true), &fp("local:a", true)),
+            Ok(())
+        );
+        // Different journals, nothing durable: accepted.
+        assert_eq!(
+            check_hello(&hello("local:a", false), &fp("local:b", false)),
+            Ok(())
+        );
+        // Either side durable: refused for good, naming journal.backend.
+        for (theirs, ours) in [(true, false), (false, true), (true, true)] {
+            let r = check_hello(&hello("local:a", theirs), &fp("local:b", ours)).unwrap_err();
+            assert!(r.fatal, "{r:?}");
+            assert!(r.reason.contains("journal.backend"), "{}", r.reason);
+            assert!(r.reason.contains("local:a") && r.reason.contains("local:b"));
+        }
+        // Another cluster name: refused for good.
+        let mut h = hello("local:a", false);
+        h.cluster_name = "other".into();
+        let r = check_hello(&h, &fp("local:a", false)).unwrap_err();
+        assert!(r.fatal && r.reason.contains("cluster name"), "{r:?}");
+        // Another shard count: refused, not for good (as before).
+        let mut h = hello("local:a", false);
+        h.number_of_shards = 11;
+        assert!(!check_hello(&h, &fp("local:a", false)).unwrap_err().fatal);
+    }
 }

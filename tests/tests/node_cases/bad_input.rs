@@ -129,6 +129,10 @@ fn bad_input_gets_an_error_or_a_closed_connection_and_the_node_keeps_serving() {
             target_core: 0,
             hash_name: "sha1-mod".into(),
             number_of_shards: 7,
+            cluster_name: "shardline".into(),
+            cluster_id: String::new(),
+            journal_identity: "local:0".into(),
+            durable: false,
         },
         &mut h,
     )

@@ -54,6 +54,7 @@ pub(super) fn config(port: u16, seeds: &[u16], dir: &std::path::Path) -> NodeCon
             .collect(),
         data_cores: 1,
         pin_cores: false,
+        cluster_name: shardline::config::DEFAULT_CLUSTER_NAME.to_string(),
         data_dir: dir.join(port.to_string()),
         number_of_shards: 8,
         durability: Durability::Named(DurabilityName::None),

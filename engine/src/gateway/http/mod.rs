@@ -475,6 +475,9 @@ mod tests {
                 hand_offs_completed: 0,
             }],
             coordinators: Vec::new(),
+            cluster_name: "shardline".into(),
+            cluster_id: None,
+            journal_identity: String::new(),
         }
     }
 
