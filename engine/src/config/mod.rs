@@ -914,6 +914,27 @@ active_entity_limit = 0
     }
 
     #[test]
+    fn the_shipped_postgres_configs_parse() {
+        for (name, text) in [
+            (
+                "node-1",
+                include_str!("../../../configs/cluster-pg/node-1.toml"),
+            ),
+            (
+                "node-2",
+                include_str!("../../../configs/cluster-pg/node-2.toml"),
+            ),
+            (
+                "node-3",
+                include_str!("../../../configs/cluster-pg/node-3.toml"),
+            ),
+        ] {
+            let c = NodeConfig::from_toml(text, Path::new(name)).expect(name);
+            assert_eq!(c.journal.backend, JournalBackend::Postgres, "{name}");
+        }
+    }
+
+    #[test]
     fn journal_table_defaults_and_validation() {
         let c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
         assert_eq!(c.journal, JournalConfig::default());

@@ -126,8 +126,9 @@ pub trait EventLog {
     fn recover_forget(&mut self, _ticket: u64) {}
 
     /// Whether the append of `pid` at `lsn` (durable LSN at or past it)
-    /// was refused, and why. The refusal is reported once; until then
-    /// (and until the id's next recovery) appends of `pid` are refused.
+    /// was refused, and why. After a refusal, appends of `pid` are refused
+    /// until its next recovery ([`Self::recover_start`]), so that no later
+    /// event lands after a lost one.
     fn rejected(&mut self, _pid: &PersistenceId, _lsn: Lsn) -> Option<LogError> {
         None
     }
@@ -620,6 +621,20 @@ pub fn open_postgres_for_core(
     log.set_flush_wake(flush.clone());
     CORE_WATCHER.with(|w| *w.borrow_mut() = None);
     install(Box::new(log));
+}
+
+/// The identity of the journal a node's config selects, for the cluster's
+/// sharding fingerprint: `"local"` for the local journals, else the
+/// database's (`postgres:{system_identifier}/{database}`, see
+/// [`pg::identity`]).
+///
+/// # Errors
+/// [`pg::PgError`] when the database cannot be reached or refuses.
+pub fn journal_identity(c: &crate::config::JournalConfig) -> Result<String, pg::PgError> {
+    match pg::PgSettings::from_config(c) {
+        None => Ok("local".to_string()),
+        Some(s) => pg::identity(&s),
+    }
 }
 
 type FlushRegistry =

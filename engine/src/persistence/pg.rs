@@ -368,13 +368,26 @@ struct Batch {
 /// LSN, why)` per id.
 type Rejections = HashMap<String, Vec<(u64, u64, LogError)>>;
 
+/// The refusals a core has not yet seen, under one lock with what the
+/// writer needs to order them against the core's appends.
+#[derive(Default)]
+struct RejectState {
+    /// Refused appends not yet reported to their entity.
+    entries: Rejections,
+    /// The highest LSN assigned on the core.
+    assigned: u64,
+    /// Per id recovered since: refusals of rows below this LSN belong to
+    /// an incarnation state the recovery replaced and are not reported.
+    floors: HashMap<String, u64>,
+}
+
 /// State shared between a core's [`PgLog`] and its writer and the readers.
 struct CoreShared {
     /// Every LSN up to this one has an outcome (committed or refused).
     resolved: AtomicU64,
     /// Refused appends not yet seen by their entity, and the highest LSN
     /// assigned on the core (under the same lock: see [`PgLog::append`]).
-    rejected: Mutex<(Rejections, u64)>,
+    rejected: Mutex<RejectState>,
     /// Finished recovery reads by ticket.
     recovered: Mutex<(HashMap<u64, Result<Recovered, LogError>>, HashSet<u64>)>,
     /// The core's wake (set when the log is installed).
@@ -563,7 +576,7 @@ impl PgLog {
         let journal = PgJournal::shared(settings);
         let shared = Arc::new(CoreShared {
             resolved: AtomicU64::new(0),
-            rejected: Mutex::new((HashMap::new(), 0)),
+            rejected: Mutex::new(RejectState::default()),
             recovered: Mutex::new((HashMap::new(), HashSet::new())),
             wake: Mutex::new(None),
             cond: Condvar::new(),
@@ -627,12 +640,12 @@ impl PgLog {
             .rejected
             .lock()
             .map_err(|_| LogError::failed("journal lock poisoned".into()))?;
-        if let Some(v) = g.0.get(pid) {
+        if let Some(v) = g.entries.get(pid) {
             if let Some((_, _, e)) = v.first() {
                 return Err(e.clone());
             }
         }
-        g.1 = lsn;
+        g.assigned = lsn;
         drop(g);
         self.next_lsn += 1;
         Ok(lsn)
@@ -810,16 +823,13 @@ impl EventLog for PgLog {
     }
 
     fn rejected(&mut self, pid: &PersistenceId, lsn: Lsn) -> Option<LogError> {
-        let mut g = self.shared.rejected.lock().ok()?;
-        let v = g.0.get_mut(pid.as_str())?;
-        let hit = v
-            .iter()
+        let g = self.shared.rejected.lock().ok()?;
+        let v = g.entries.get(pid.as_str())?;
+        // The entry stays until the id's next recovery: its appends are
+        // refused meanwhile (see `assign_lsn`).
+        v.iter()
             .find(|(lo, hi, _)| *lo <= lsn.0 && lsn.0 <= *hi)
-            .map(|(_, _, e)| e.clone());
-        if hit.is_some() {
-            g.0.remove(pid.as_str());
-        }
-        hit
+            .map(|(_, _, e)| e.clone())
     }
 
     fn flush(&mut self) {
@@ -838,7 +848,8 @@ impl EventLog for PgLog {
 impl PgLog {
     fn forget_rejections(&mut self, pid: &str) {
         if let Ok(mut g) = self.shared.rejected.lock() {
-            g.0.remove(pid);
+            g.entries.remove(pid);
+            g.floors.insert(pid.to_string(), self.next_lsn);
         }
     }
 
@@ -883,6 +894,10 @@ fn writer_loop(
             .min()
             .unwrap_or(batch.last);
         poisoned.retain(|_, upto| *upto >= low);
+        if let Ok(mut g) = shared.rejected.lock() {
+            // No row below `low` is still to come.
+            g.floors.retain(|_, f| *f > low);
+        }
         let last = batch.last;
         let mut refused: Vec<(String, u64, u64, LogError)> = Vec::new();
         for chunk in split(batch, settings) {
@@ -897,12 +912,17 @@ fn writer_loop(
         }
         if !refused.is_empty() {
             if let Ok(mut g) = shared.rejected.lock() {
-                let assigned = g.1;
+                let assigned = g.assigned;
                 for (pid, lo, hi, e) in refused {
-                    if !is_remember(&pid) {
-                        g.0.entry(pid.clone()).or_default().push((lo, hi, e));
-                        poisoned.insert(pid, assigned);
+                    if is_remember(&pid) {
+                        continue;
                     }
+                    if g.floors.get(&pid).is_some_and(|f| hi < *f) {
+                        // Rows from before the id's latest recovery.
+                        continue;
+                    }
+                    poisoned.insert(pid.clone(), assigned);
+                    g.entries.entry(pid).or_default().push((lo, hi, e));
                 }
             }
         }
