@@ -381,6 +381,9 @@ struct RejectState {
     floors: HashMap<String, u64>,
 }
 
+/// Finished recovery reads by ticket.
+type ReadResults = HashMap<u64, Result<Recovered, LogError>>;
+
 /// State shared between a core's [`PgLog`] and its writer and the readers.
 struct CoreShared {
     /// Every LSN up to this one has an outcome (committed or refused).
@@ -389,7 +392,7 @@ struct CoreShared {
     /// assigned on the core (under the same lock: see [`PgLog::append`]).
     rejected: Mutex<RejectState>,
     /// Finished recovery reads by ticket.
-    recovered: Mutex<(HashMap<u64, Result<Recovered, LogError>>, HashSet<u64>)>,
+    recovered: Mutex<(ReadResults, HashSet<u64>)>,
     /// The core's wake (set when the log is installed).
     wake: Mutex<Option<Arc<DurableWake>>>,
     /// For [`EventLog::wait_durable`].
