@@ -77,6 +77,9 @@ pub struct NodeSpec {
     pub idle_timeout_ms: u64,
     /// Active entities per region before LRU passivation (count, 0 = no limit).
     pub active_entity_limit: u64,
+    /// Extra TOML tables appended to each node's config (e.g. a
+    /// `[journal]` table); empty for none.
+    pub extra_toml: String,
 }
 
 fn toml_string(text: &str) -> String {
@@ -121,6 +124,11 @@ pub fn node_config(
             spec.idle_timeout_ms,
             spec.active_entity_limit
         ));
+    }
+    if !spec.extra_toml.is_empty() {
+        text.push('\n');
+        text.push_str(&spec.extra_toml);
+        text.push('\n');
     }
     text
 }
@@ -517,6 +525,7 @@ mod tests {
             durability: Durability::IntervalMs(5),
             idle_timeout_ms: 0,
             active_entity_limit: 1000,
+            extra_toml: String::new(),
         }
     }
 

@@ -12,6 +12,15 @@
 //!  print: adds/s, p50/p99/p99.9 (HdrHistogram), raw rec/s and p99, ratios
 //! ```
 //!
+//! With `--journal postgres --pg-url URL` the node keeps its events in
+//! that PostgreSQL database (`[journal] backend = "postgres"`; the policy
+//! rows collapse to one, labelled `postgres`: the database always commits)
+//! and the raw baseline is the same number of rows in flight inserted by a
+//! plain loop of multi-row `INSERT`s from one connection, one commit per
+//! batch, into a scratch table of the same shape as the journal's
+//! (`shardline_bench_raw`, created and dropped by the run). `--journal
+//! local,postgres` measures both in one run.
+//!
 //! The raw baseline is what the hardware gives a client that waits for its
 //! write to be durable: the best a durable counter can do with the same
 //! number of requests in flight. Ratios: `adds/s ÷ raw records/s` and
@@ -64,9 +73,27 @@ pub struct DurableArgs {
     /// declared dead.
     #[arg(long, value_parser = parse_duration, default_value = "5s")]
     pub request_timeout: Duration,
+    /// Journal backends to measure, comma separated: local, postgres.
+    #[arg(long, value_delimiter = ',', default_value = "local")]
+    pub journal: Vec<JournalKind>,
+    /// The PostgreSQL database for `--journal postgres`
+    /// (`postgres://user@host:port/db`); its `shardline_*` tables are
+    /// emptied before each run.
+    #[arg(long)]
+    pub pg_url: Option<String>,
     /// Write every figure, the configuration and the machine as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+/// A journal backend of the durable bench.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JournalKind {
+    /// The node's memory-mapped journals, one row per policy.
+    Local,
+    /// A PostgreSQL database (`--pg-url`), one row per depth.
+    Postgres,
 }
 
 impl DurableArgs {
@@ -92,6 +119,12 @@ impl DurableArgs {
         }
         if self.duration.is_zero() || self.raw_duration.is_zero() {
             bail!("--duration and --raw-duration must be above 0");
+        }
+        if self.journal.is_empty() {
+            bail!("--journal needs at least one of local, postgres");
+        }
+        if self.journal.contains(&JournalKind::Postgres) && self.pg_url.is_none() {
+            bail!("--journal postgres needs --pg-url postgres://user@host:port/db");
         }
         Ok(())
     }
@@ -231,57 +264,91 @@ pub fn run(args: &DurableArgs, connector: Arc<dyn Connector>) -> Result<Vec<Dura
     // A counter add event: one i64 delta.
     let payload = 1i64.to_le_bytes();
     let mut rows = Vec::new();
-    for policy in &args.policies {
-        let spec = NodeSpec {
-            data_cores: 1,
-            pin_cores: false,
-            number_of_shards: 100,
-            durability: policy.clone(),
-            idle_timeout_ms: 0,
-            active_entity_limit: 0,
+    for journal in &args.journal {
+        let runs: Vec<(Durability, String, String)> = match journal {
+            JournalKind::Local => args
+                .policies
+                .iter()
+                .map(|p| (p.clone(), policy_label(p), String::new()))
+                .collect(),
+            JournalKind::Postgres => {
+                let url = args.pg_url.clone().unwrap_or_default();
+                vec![(
+                    Durability::Always,
+                    "postgres".to_string(),
+                    format!(
+                        "[journal]\nbackend = \"postgres\"\nurl = \"{}\"\n",
+                        url.replace('\\', "\\\\").replace('"', "\\\"")
+                    ),
+                )]
+            }
         };
-        let mut cluster = LocalCluster::prepare(binary.clone(), 1, 0, &spec)?;
-        eprintln!(
-            "durable bench: {} on one node, 1 data core, in {} ...",
-            policy_label(policy),
-            cluster.dir().display()
-        );
-        if let Err(e) = cluster.start_initial(connector.as_ref(), FORMATION_TIMEOUT) {
-            cluster.keep_files();
-            return Err(e.context("the bench node did not start"));
-        }
-        let addrs = cluster.client_addresses();
-        let interval = match policy {
-            Durability::IntervalMs(ms) => Some(Duration::from_millis(*ms)),
-            _ => None,
-        };
-        for &depth in &args.depths {
-            // Raw baseline first, while the node is idle, on its filesystem.
-            let raw = raw_closed_loop(
-                cluster.dir(),
-                interval,
-                depth as u64,
-                &pid,
-                &payload,
-                args.raw_duration,
-            )?;
-            let raw_us = ns_to_us(&raw.latency_ns);
-            let (adds_per_s, errors, latency, conns) = drive(args, &connector, &addrs, depth)
-                .with_context(|| format!("durable adds, {} depth {depth}", policy_label(policy)))?;
-            let row = DurableRow::new(
-                policy_label(policy),
-                depth,
-                conns,
-                adds_per_s,
-                errors,
-                latency,
-                raw.records_per_s(),
-                LatencySummary::of(&raw_us),
+        for (policy, label, extra_toml) in runs {
+            if *journal == JournalKind::Postgres {
+                reset_pg(args.pg_url.as_deref().unwrap_or_default())?;
+            }
+            let spec = NodeSpec {
+                data_cores: 1,
+                pin_cores: false,
+                number_of_shards: 100,
+                durability: policy.clone(),
+                idle_timeout_ms: 0,
+                active_entity_limit: 0,
+                extra_toml,
+            };
+            let mut cluster = LocalCluster::prepare(binary.clone(), 1, 0, &spec)?;
+            eprintln!(
+                "durable bench: {label} on one node, 1 data core, in {} ...",
+                cluster.dir().display()
             );
-            eprint!("{}", format_report(std::slice::from_ref(&row)));
-            rows.push(row);
+            if let Err(e) = cluster.start_initial(connector.as_ref(), FORMATION_TIMEOUT) {
+                cluster.keep_files();
+                return Err(e.context("the bench node did not start"));
+            }
+            let addrs = cluster.client_addresses();
+            let interval = match policy {
+                Durability::IntervalMs(ms) => Some(Duration::from_millis(ms)),
+                _ => None,
+            };
+            for &depth in &args.depths {
+                // Raw baseline first, while the node is idle.
+                let (raw_per_s, raw_us) = match journal {
+                    JournalKind::Local => {
+                        let raw = raw_closed_loop(
+                            cluster.dir(),
+                            interval,
+                            depth as u64,
+                            &pid,
+                            &payload,
+                            args.raw_duration,
+                        )?;
+                        (raw.records_per_s(), ns_to_us(&raw.latency_ns))
+                    }
+                    JournalKind::Postgres => raw_pg_loop(
+                        args.pg_url.as_deref().unwrap_or_default(),
+                        depth,
+                        &payload,
+                        args.raw_duration,
+                    )?,
+                };
+                let (adds_per_s, errors, latency, conns) =
+                    drive(args, &connector, &addrs, depth)
+                        .with_context(|| format!("durable adds, {label} depth {depth}"))?;
+                let row = DurableRow::new(
+                    label.clone(),
+                    depth,
+                    conns,
+                    adds_per_s,
+                    errors,
+                    latency,
+                    raw_per_s,
+                    LatencySummary::of(&raw_us),
+                );
+                eprint!("{}", format_report(std::slice::from_ref(&row)));
+                rows.push(row);
+            }
+            cluster.stop_all(Duration::from_secs(5));
         }
-        cluster.stop_all(Duration::from_secs(5));
     }
     print!("{}", format_report(&rows));
     if let Some(path) = &args.json {
@@ -296,6 +363,73 @@ pub fn run(args: &DurableArgs, connector: Arc<dyn Connector>) -> Result<Vec<Dura
         println!("wrote {}", path.display());
     }
     Ok(rows)
+}
+
+/// Empties the journal's tables of the database at `url` (a run starts
+/// from an empty journal).
+fn reset_pg(url: &str) -> Result<()> {
+    let mut c = postgres::Client::connect(url, postgres::NoTls)
+        .with_context(|| format!("connecting to {url}"))?;
+    c.batch_execute(
+        "DO $$ BEGIN
+           IF to_regclass('shardline_events') IS NOT NULL THEN
+             TRUNCATE shardline_events, shardline_snapshots, shardline_writers;
+           END IF;
+         END $$;",
+    )
+    .context("emptying the journal tables")?;
+    Ok(())
+}
+
+/// The PostgreSQL raw baseline: `depth` rows in flight as one multi-row
+/// `INSERT` (one statement, one commit) after another from one
+/// connection, into a scratch table shaped like `shardline_events`, for
+/// `duration`. Returns rows per second and the per-row latency (µs: a
+/// row's batch from send to commit).
+fn raw_pg_loop(
+    url: &str,
+    depth: usize,
+    payload: &[u8],
+    duration: Duration,
+) -> Result<(f64, hdrhistogram::Histogram<u64>)> {
+    let mut c = postgres::Client::connect(url, postgres::NoTls)
+        .with_context(|| format!("connecting to {url}"))?;
+    c.batch_execute(
+        "DROP TABLE IF EXISTS shardline_bench_raw;
+         CREATE TABLE shardline_bench_raw (persistence_id text NOT NULL,
+           sequence_nr bigint NOT NULL, writer_epoch bigint NOT NULL,
+           payload bytea NOT NULL, PRIMARY KEY (persistence_id, sequence_nr))",
+    )
+    .context("creating the raw baseline's table")?;
+    let st = c
+        .prepare(
+            "INSERT INTO shardline_bench_raw SELECT * FROM \
+             unnest($1::text[], $2::int8[], $3::int8[], $4::bytea[])",
+        )
+        .context("preparing the raw insert")?;
+    let mut hist = crate::stats::latency_histogram(3);
+    let pids: Vec<String> = (0..depth)
+        .map(|i| format!("{COUNTER_TYPE}|raw-{i}"))
+        .collect();
+    let epochs = vec![1i64; depth];
+    let payloads: Vec<&[u8]> = vec![payload; depth];
+    let mut seq = 0i64;
+    let mut rows = 0u64;
+    let start = Instant::now();
+    while start.elapsed() < duration {
+        seq += 1;
+        let seqs = vec![seq; depth];
+        let t = Instant::now();
+        c.execute(&st, &[&pids, &seqs, &epochs, &payloads])
+            .context("raw insert")?;
+        let us = (t.elapsed().as_micros() as u64).max(1);
+        let _ = hist.record_n(us, depth as u64);
+        rows += depth as u64;
+    }
+    let elapsed = start.elapsed();
+    c.batch_execute("DROP TABLE IF EXISTS shardline_bench_raw")
+        .context("dropping the raw baseline's table")?;
+    Ok((rows as f64 / elapsed.as_secs_f64().max(1e-9), hist))
 }
 
 /// A histogram in ns as one in µs (values rounded down, at least 1).
@@ -424,6 +558,20 @@ mod tests {
             .validate()
             .is_err());
         assert!(parse(&["--duration", "0s"]).unwrap().validate().is_err());
+        assert!(parse(&["--journal", "postgres"])
+            .unwrap()
+            .validate()
+            .is_err());
+        assert!(parse(&["--journal", "sqlite"]).is_err());
+        let a = parse(&[
+            "--journal",
+            "local,postgres",
+            "--pg-url",
+            "postgres://u@h/db",
+        ])
+        .unwrap();
+        assert_eq!(a.journal, vec![JournalKind::Local, JournalKind::Postgres]);
+        a.validate().unwrap();
     }
 
     fn summary(p50: u64, p99: u64, p999: u64) -> LatencySummary {

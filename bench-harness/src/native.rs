@@ -21,6 +21,7 @@ fn reply(r: Response) -> Reply {
         Status::TimedOut => Some(ErrorKind::TimedOut),
         Status::EntityFailed => Some(ErrorKind::EntityFailed),
         Status::ShuttingDown => Some(ErrorKind::ShuttingDown),
+        Status::JournalUnavailable => Some(ErrorKind::JournalUnavailable),
         #[allow(unreachable_patterns)]
         _ => Some(ErrorKind::OtherStatus),
     };

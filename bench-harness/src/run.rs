@@ -427,6 +427,7 @@ pub fn run(args: RunArgs, connector: Arc<dyn Connector>, command: &str) -> Resul
             durability: args.durability.clone(),
             idle_timeout_ms: args.idle_timeout.as_millis() as u64,
             active_entity_limit: args.active_entity_limit,
+            extra_toml: String::new(),
         };
         let binary = node_binary()?;
         let spare = usize::from(args.scenario == Scenario::Rebalance);

@@ -42,6 +42,9 @@ pub enum ErrorKind {
     EntityFailed,
     /// The node is shutting down (request refused).
     ShuttingDown,
+    /// The journal backend was unavailable (not applied, or unknown when
+    /// the database went away during the commit).
+    JournalUnavailable,
     /// A status this harness does not know.
     OtherStatus,
     /// The entity answered `error: ...` (command rejected, not applied).
@@ -78,6 +81,7 @@ impl ErrorKind {
             ErrorKind::TimedOut => "timed_out",
             ErrorKind::EntityFailed => "entity_failed",
             ErrorKind::ShuttingDown => "shutting_down",
+            ErrorKind::JournalUnavailable => "journal_unavailable",
             ErrorKind::OtherStatus => "other_status",
             ErrorKind::EntityError => "entity_error",
             ErrorKind::BadReply => "bad_reply",

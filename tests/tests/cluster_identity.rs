@@ -264,6 +264,7 @@ fn embedded(port: u16, seed: u16, data_dir: &Path) -> shardline::Node {
         downing_stable_after_ms: 2_000,
         heartbeat_pause_ms: 1_500,
         http: Default::default(),
+        journal: Default::default(),
     })
     .expect("start");
     node.sharding()

@@ -93,11 +93,20 @@ pub fn run(args: &StatusArgs, out: &mut impl std::io::Write) -> anyhow::Result<(
     }
     for r in &st.regions {
         if let Some(e) = &r.journal_error {
-            writeln!(
-                out,
-                "JOURNAL ERROR on core {} ({}): {e} (durable entities fail; see `shardline journal verify`)",
-                r.core, r.type_name
-            )?;
+            if e.starts_with("journal ") {
+                // The PostgreSQL backend: unreachable, or a newer schema.
+                writeln!(
+                    out,
+                    "JOURNAL ERROR on core {} ({}): {e} (durable commands answer JournalUnavailable; non-durable types keep serving)",
+                    r.core, r.type_name
+                )?;
+            } else {
+                writeln!(
+                    out,
+                    "JOURNAL ERROR on core {} ({}): {e} (durable entities fail; see `shardline journal verify`)",
+                    r.core, r.type_name
+                )?;
+            }
         }
     }
     writeln!(out, "regions:")?;

@@ -318,6 +318,138 @@ pub struct NodeConfig {
     /// optional; the defaults are those of [`HttpConfig::default`].
     #[serde(default)]
     pub http: HttpConfig,
+    /// Where durable state is stored (the `[journal]` table). Every key is
+    /// optional; the default is the local memory-mapped journal.
+    #[serde(default)]
+    pub journal: JournalConfig,
+}
+
+/// Which journal backend stores durable state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JournalBackend {
+    /// The memory-mapped, segmented per-core journals under `data_dir`
+    /// (one machine, or a data root every node can read).
+    #[default]
+    Local,
+    /// A PostgreSQL database shared by every node (`journal.url`); see
+    /// `docs/persistence.md` and [`crate::persistence::pg`].
+    Postgres,
+}
+
+/// The `[journal]` table: the journal backend and its limits.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JournalConfig {
+    /// `"local"` (default) or `"postgres"`.
+    pub backend: JournalBackend,
+    /// `postgres` only: the connection URL,
+    /// `postgres://user[:password]@host:port/database` (or the key=value
+    /// form of libpq). Required with `backend = "postgres"`.
+    pub url: Option<String>,
+    /// `postgres` only: connections a node opens for recovery reads, shared
+    /// by its data cores (count, 1..=64). Each data core also has one
+    /// connection of its own for its group commits. Default 2.
+    pub pool_size: u32,
+    /// `postgres` only: most events in one transaction (count,
+    /// 1..=100000); a turn that appended more commits them in several
+    /// transactions, in order. Default 4096.
+    pub batch_max_rows: u32,
+    /// `postgres` only: most payload bytes in one transaction (bytes,
+    /// 1 KiB..=256 MiB; a single larger event still goes alone). Default
+    /// 8 MiB.
+    pub batch_max_bytes: u64,
+    /// `postgres` only: how long a connection attempt may take before the
+    /// database counts as unavailable, in milliseconds (100..=60000).
+    /// Default 2000.
+    pub connect_timeout_ms: u64,
+}
+
+impl Default for JournalConfig {
+    fn default() -> Self {
+        JournalConfig {
+            backend: JournalBackend::Local,
+            url: None,
+            pool_size: 2,
+            batch_max_rows: 4096,
+            batch_max_bytes: 8 << 20,
+            connect_timeout_ms: 2000,
+        }
+    }
+}
+
+impl JournalConfig {
+    /// Checks value ranges; `bad(key, reason)` builds the error.
+    fn validate(&self, bad: impl Fn(&str, String) -> ConfigError) -> Result<(), ConfigError> {
+        let d = JournalConfig::default();
+        if self.backend == JournalBackend::Local {
+            // Keys the local journal would ignore are refused.
+            if self.url.is_some() {
+                return Err(bad(
+                    "journal.url",
+                    "only with journal.backend = \"postgres\"".into(),
+                ));
+            }
+            for (key, set) in [
+                ("journal.pool_size", self.pool_size != d.pool_size),
+                (
+                    "journal.batch_max_rows",
+                    self.batch_max_rows != d.batch_max_rows,
+                ),
+                (
+                    "journal.batch_max_bytes",
+                    self.batch_max_bytes != d.batch_max_bytes,
+                ),
+                (
+                    "journal.connect_timeout_ms",
+                    self.connect_timeout_ms != d.connect_timeout_ms,
+                ),
+            ] {
+                if set {
+                    return Err(bad(key, "only with journal.backend = \"postgres\"".into()));
+                }
+            }
+            return Ok(());
+        }
+        match self.url.as_deref() {
+            None | Some("") => {
+                return Err(bad(
+                    "journal.url",
+                    "required with journal.backend = \"postgres\"".into(),
+                ))
+            }
+            Some(u) => {
+                if let Err(e) = u.parse::<postgres::Config>() {
+                    return Err(bad("journal.url", format!("not a PostgreSQL URL: {e}")));
+                }
+            }
+        }
+        if !(1..=64).contains(&self.pool_size) {
+            return Err(bad(
+                "journal.pool_size",
+                format!("{} is not in 1..=64", self.pool_size),
+            ));
+        }
+        if !(1..=100_000).contains(&self.batch_max_rows) {
+            return Err(bad(
+                "journal.batch_max_rows",
+                format!("{} is not in 1..=100000", self.batch_max_rows),
+            ));
+        }
+        if !(1024..=(256 << 20)).contains(&self.batch_max_bytes) {
+            return Err(bad(
+                "journal.batch_max_bytes",
+                format!("{} is not in 1024..=268435456", self.batch_max_bytes),
+            ));
+        }
+        if !(100..=60_000).contains(&self.connect_timeout_ms) {
+            return Err(bad(
+                "journal.connect_timeout_ms",
+                format!("{} is not in 100..=60000", self.connect_timeout_ms),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Limits and timeouts of the HTTP/1.1 front (the `[http]` table), applied
@@ -505,6 +637,7 @@ impl NodeConfig {
             return Err(bad("heartbeat_pause_ms", "must be at least 100".into()));
         }
         self.http.validate(bad)?;
+        self.journal.validate(bad)?;
         let mut seen = std::collections::HashSet::new();
         for (i, t) in self.entity_types.iter().enumerate() {
             if let Err(e) = shardline_core::ids::TypeName::new(t.name.clone()) {
@@ -831,6 +964,84 @@ active_entity_limit = 0
             ("header_timeout_ms = -1", "header_timeout_ms"),
         ] {
             let e = NodeConfig::from_toml(&with_http(table), Path::new("x.toml")).unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                msg.contains(key) && msg.contains("x.toml"),
+                "{table}: {msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_shipped_postgres_configs_parse() {
+        for (name, text) in [
+            (
+                "node-1",
+                include_str!("../../../configs/cluster-pg/node-1.toml"),
+            ),
+            (
+                "node-2",
+                include_str!("../../../configs/cluster-pg/node-2.toml"),
+            ),
+            (
+                "node-3",
+                include_str!("../../../configs/cluster-pg/node-3.toml"),
+            ),
+        ] {
+            let c = NodeConfig::from_toml(text, Path::new(name)).expect(name);
+            assert_eq!(c.journal.backend, JournalBackend::Postgres, "{name}");
+        }
+    }
+
+    #[test]
+    fn journal_table_defaults_and_validation() {
+        let c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
+        assert_eq!(c.journal, JournalConfig::default());
+        assert_eq!(c.journal.backend, JournalBackend::Local);
+        let with = |t: &str| {
+            GOOD.replace(
+                "[[entity_types]]",
+                &format!("[journal]\n{t}\n[[entity_types]]"),
+            )
+        };
+        let c = NodeConfig::from_toml(
+            &with(
+                "backend = \"postgres\"\nurl = \"postgres://u@127.0.0.1:5432/db\"\npool_size = 3",
+            ),
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.journal.backend, JournalBackend::Postgres);
+        assert_eq!(c.journal.pool_size, 3);
+        assert_eq!(c.journal.batch_max_rows, 4096);
+        for (table, key) in [
+            ("backend = \"postgres\"", "journal.url"),
+            ("backend = \"sqlite\"", "backend"),
+            ("url = \"postgres://u@h/db\"", "journal.url"),
+            ("pool_size = 4", "journal.pool_size"),
+            (
+                "backend = \"postgres\"\nurl = \"postgres://u@h/db\"\npool_size = 0",
+                "journal.pool_size",
+            ),
+            (
+                "backend = \"postgres\"\nurl = \"postgres://u@h/db\"\nbatch_max_rows = 0",
+                "journal.batch_max_rows",
+            ),
+            (
+                "backend = \"postgres\"\nurl = \"postgres://u@h/db\"\nbatch_max_bytes = 10",
+                "journal.batch_max_bytes",
+            ),
+            (
+                "backend = \"postgres\"\nurl = \"postgres://u@h/db\"\nconnect_timeout_ms = 1",
+                "journal.connect_timeout_ms",
+            ),
+            (
+                "backend = \"postgres\"\nurl = \"postgres://u@h:notaport/db\"",
+                "journal.url",
+            ),
+            ("bogus = 1", "bogus"),
+        ] {
+            let e = NodeConfig::from_toml(&with(table), Path::new("x.toml")).unwrap_err();
             let msg = e.to_string();
             assert!(
                 msg.contains(key) && msg.contains("x.toml"),

@@ -27,7 +27,7 @@ use shardline_journal::{Lsn, PersistenceId, SequenceNr, WriterEpoch};
 
 use super::{Entity, EntityContext, EntityError};
 use crate::envelope::Status;
-use crate::persistence;
+use crate::persistence::{self, LogError, LogErrorKind, RecoverStart, Recovered};
 
 /// How an event was persisted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,6 +137,15 @@ pub struct Persistent {
     stashed: VecDeque<(Vec<u8>, Option<u64>)>,
     stashing: usize,
     recovered_events: u64,
+    /// The ticket of a recovery read in flight (commands are stashed).
+    recovering: Option<u64>,
+    /// The journal was unavailable: recover again (the events after the
+    /// last handled one) before the next command.
+    needs_recovery: bool,
+    /// Recovery failed for good: every command fails with this.
+    failed: Option<String>,
+    /// `on_stop` is running: no new recovery.
+    stopping: bool,
 }
 
 impl Persistent {
@@ -155,6 +164,10 @@ impl Persistent {
             stashed: VecDeque::new(),
             stashing: 0,
             recovered_events: 0,
+            recovering: None,
+            needs_recovery: false,
+            failed: None,
+            stopping: false,
         }
     }
 
@@ -173,28 +186,102 @@ impl Persistent {
         self.stashed.len()
     }
 
-    fn recover(&mut self, ctx: &EntityContext<'_>) -> Result<(), EntityError> {
-        let pid = PersistenceId::new(&format!("{}|{}", ctx.type_name(), ctx.self_id()))
-            .map_err(|e| EntityError::Failed(format!("persistence id: {e}")))?;
-        self.epoch = WriterEpoch(ctx.writer_epoch());
-        let rec = persistence::with_log(|l| l.recover(&pid, self.epoch))
-            .and_then(|r| r)
+    /// Starts (or, after the journal was unavailable, resumes) recovery:
+    /// the latest snapshot newer than the last handled event, then the
+    /// events after it. A backend that reads on another thread answers
+    /// later ([`Self::on_durable`] polls it); commands are stashed
+    /// meanwhile.
+    fn start_recovery(&mut self, ctx: &mut EntityContext<'_>) -> Result<(), EntityError> {
+        let Some(pid) = self.pid.clone() else {
+            return Err(EntityError::Failed("no persistence id".into()));
+        };
+        let after = self.seq;
+        let start = persistence::with_log(|l| l.recover_start(&pid, self.epoch, after))
             .map_err(|e| EntityError::Failed(format!("recovery of {}: {e}", pid.as_str())))?;
+        match start {
+            RecoverStart::Ready(Ok(rec)) => self.apply_recovered(rec),
+            RecoverStart::Ready(Err(e)) => self.recovery_failed(e),
+            RecoverStart::Pending(ticket) => {
+                self.recovering = Some(ticket);
+                ctx.await_durable();
+                Ok(())
+            }
+        }
+    }
+
+    /// Applies a recovery read on top of the state (which holds the events
+    /// up to `self.seq`).
+    fn apply_recovered(&mut self, rec: Recovered) -> Result<(), EntityError> {
         let mut pc = PersistContext {
             recovering: true,
             ..PersistContext::default()
         };
         if let Some((seq, data)) = &rec.snapshot {
-            self.inner.restore(data)?;
-            self.seq = *seq;
+            if *seq > self.seq {
+                self.inner.restore(data)?;
+                self.seq = *seq;
+            }
         }
-        self.recovered_events = rec.events.len() as u64;
+        let mut n = 0;
         for (seq, ev) in &rec.events {
+            if *seq <= self.seq {
+                continue;
+            }
             self.inner.on_event(&mut pc, ev)?;
             self.seq = *seq;
+            n += 1;
         }
-        self.since_snapshot = self.recovered_events;
-        self.pid = Some(pid);
+        self.recovered_events = n;
+        self.since_snapshot += n;
+        Ok(())
+    }
+
+    /// A recovery read failed: the stashed commands get its status; an
+    /// unavailable journal leaves the entity waiting to recover on its
+    /// next command, anything else fails the incarnation.
+    fn recovery_failed(&mut self, e: LogError) -> Result<(), EntityError> {
+        let why = match &self.pid {
+            Some(p) => format!("recovery of {}: {e}", p.as_str()),
+            None => e.to_string(),
+        };
+        for (_, t) in self.stashed.drain(..) {
+            if let Some(t) = t {
+                persistence::complete(t, e.status(), why.as_bytes().to_vec());
+            }
+        }
+        if e.kind == LogErrorKind::Unavailable {
+            self.needs_recovery = true;
+            Ok(())
+        } else {
+            self.failed = Some(why.clone());
+            Err(EntityError::Failed(why))
+        }
+    }
+
+    /// The journal refused an append of this entity (the database was
+    /// unavailable, or a newer incarnation fenced this one): the commands
+    /// in flight get the refusal's status, the sequence number goes back
+    /// to the last handled event, and (unavailable) the entity recovers
+    /// what the database holds before the stashed commands run.
+    fn on_rejected(&mut self, ctx: &mut EntityContext<'_>, e: LogError) -> Result<(), EntityError> {
+        self.seq -= self.in_flight.len() as u64;
+        self.in_flight.clear();
+        self.stashing = 0;
+        for c in self.commands.drain(..) {
+            if let Some(t) = c.token {
+                persistence::complete(t, e.status(), e.message.as_bytes().to_vec());
+            }
+        }
+        if e.kind != LogErrorKind::Unavailable {
+            let why = e.message.clone();
+            self.recovery_failed(e)?;
+            return Err(EntityError::Failed(why));
+        }
+        self.needs_recovery = true;
+        if !self.stashed.is_empty() && !self.stopping {
+            self.needs_recovery = false;
+            self.start_recovery(ctx)?;
+        }
         Ok(())
     }
 
@@ -254,6 +341,15 @@ impl Persistent {
     fn advance(&mut self, ctx: &mut EntityContext<'_>, durable: Lsn) -> Result<(), EntityError> {
         loop {
             while self.in_flight.front().is_some_and(|f| f.lsn <= durable) {
+                if let Some(pid) = &self.pid {
+                    let lsn = self.in_flight.front().map_or(Lsn(0), |f| f.lsn);
+                    if let Some(e) = persistence::with_log(|l| l.rejected(pid, lsn))
+                        .ok()
+                        .flatten()
+                    {
+                        return self.on_rejected(ctx, e);
+                    }
+                }
                 let Some(f) = self.in_flight.pop_front() else {
                     break;
                 };
@@ -281,8 +377,18 @@ impl Persistent {
                 self.since_snapshot += 1;
                 self.maybe_snapshot();
             }
-            if self.stashing > 0 || self.stashed.is_empty() {
+            if self.stashing > 0 || self.stashed.is_empty() || self.recovering.is_some() {
                 break;
+            }
+            if self.needs_recovery {
+                if self.stopping {
+                    break;
+                }
+                self.needs_recovery = false;
+                self.start_recovery(ctx)?;
+                if self.recovering.is_some() || self.needs_recovery {
+                    break;
+                }
             }
             while self.stashing == 0 {
                 let Some((cmd, token)) = self.stashed.pop_front() else {
@@ -340,19 +446,41 @@ impl Persistent {
 
 impl Entity for Persistent {
     fn on_start(&mut self, ctx: &mut EntityContext<'_>) {
-        if let Err(e) = self.recover(ctx) {
+        self.epoch = WriterEpoch(ctx.writer_epoch());
+        let pid = match PersistenceId::new(&format!("{}|{}", ctx.type_name(), ctx.self_id())) {
+            Ok(p) => p,
+            Err(e) => {
+                self.failed = Some(format!("persistence id: {e}"));
+                ctx.passivate();
+                return;
+            }
+        };
+        self.pid = Some(pid);
+        if let Err(e) = self.start_recovery(ctx) {
             tracing::error!(entity = %ctx.self_id(), error = %e, "recovery failed");
+            self.failed = Some(e.to_string());
             ctx.passivate();
         }
     }
 
     fn handle(&mut self, ctx: &mut EntityContext<'_>, message: &[u8]) -> Result<(), EntityError> {
-        if self.pid.is_none() {
-            return Err(EntityError::Failed("recovery failed".into()));
+        if let Some(why) = &self.failed {
+            return Err(EntityError::Failed(format!("recovery failed: {why}")));
         }
         let token = ctx.defer_reply();
-        if self.stashing > 0 {
+        if self.stashing > 0 || self.recovering.is_some() {
             self.stashed.push_back((message.to_vec(), token));
+            return Ok(());
+        }
+        if self.needs_recovery {
+            // The journal was unavailable: read what it holds first.
+            self.stashed.push_back((message.to_vec(), token));
+            self.needs_recovery = false;
+            self.start_recovery(ctx)?;
+            if self.recovering.is_none() && !self.needs_recovery {
+                let d = persistence::with_log(|l| l.durable_lsn()).unwrap_or(Lsn(0));
+                self.advance(ctx, d)?;
+            }
             return Ok(());
         }
         self.run_command(ctx, message, token)?;
@@ -371,6 +499,30 @@ impl Entity for Persistent {
         ctx: &mut EntityContext<'_>,
         durable_lsn: u64,
     ) -> Result<(), EntityError> {
+        if let (Some(ticket), Some(pid)) = (self.recovering, self.pid.clone()) {
+            match persistence::with_log(|l| l.recover_poll(&pid, ticket)) {
+                Ok(None) => {
+                    ctx.await_durable();
+                    return Ok(());
+                }
+                Ok(Some(res)) => {
+                    self.recovering = None;
+                    let res = match res {
+                        Ok(rec) => self.apply_recovered(rec),
+                        Err(e) => self.recovery_failed(e),
+                    };
+                    if let Err(e) = res {
+                        self.fail_pending(&e.to_string());
+                        return Err(e);
+                    }
+                }
+                Err(e) => {
+                    self.recovering = None;
+                    self.fail_pending(&e);
+                    return Err(EntityError::Failed(e));
+                }
+            }
+        }
         match self.advance(ctx, Lsn(durable_lsn)) {
             Ok(()) => Ok(()),
             Err(e) => {
@@ -381,6 +533,10 @@ impl Entity for Persistent {
     }
 
     fn on_stop(&mut self) {
+        self.stopping = true;
+        if let Some(t) = self.recovering.take() {
+            let _ = persistence::with_log(|l| l.recover_forget(t));
+        }
         // Events in flight are in the journal; wait for them (at most one
         // flush) so their commands are answered truthfully.
         if let Some(last) = self.in_flight.back().map(|f| f.lsn) {

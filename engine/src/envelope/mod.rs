@@ -183,6 +183,11 @@ pub enum Status {
     EntityFailed = 5,
     /// The node is leaving; retry on another node.
     ShuttingDown = 6,
+    /// The journal backend cannot be reached (e.g. the PostgreSQL database
+    /// is down): the durable command was not applied, or its outcome is
+    /// unknown when the database went away during its commit; retry later
+    /// (HTTP 503 with `Retry-After`).
+    JournalUnavailable = 9,
 }
 
 impl Status {
@@ -196,6 +201,7 @@ impl Status {
             4 => Status::TimedOut,
             5 => Status::EntityFailed,
             6 => Status::ShuttingDown,
+            9 => Status::JournalUnavailable,
             _ => return None,
         })
     }

@@ -25,6 +25,7 @@
 
 pub mod coordinator;
 pub mod identity;
+pub mod pg;
 pub mod remember;
 
 pub use identity::{DataDirLock, DataScope, IdentityError};
@@ -92,6 +93,137 @@ pub trait EventLog {
     /// # Errors
     /// A description when it will never be durable (poisoned, closed).
     fn wait_durable(&mut self, lsn: Lsn) -> Result<(), String>;
+
+    /// Starts the recovery of `pid` for an incarnation writing with
+    /// `epoch`, reading only what comes after sequence number `after_seq`
+    /// (0: everything; the latest snapshot newer than it, then the events
+    /// after that). The default reads at once through [`Self::recover`].
+    fn recover_start(
+        &mut self,
+        pid: &PersistenceId,
+        epoch: WriterEpoch,
+        after_seq: u64,
+    ) -> RecoverStart {
+        RecoverStart::Ready(
+            self.recover(pid, epoch)
+                .map(|mut r| {
+                    if r.snapshot.as_ref().is_some_and(|s| s.0 <= after_seq) {
+                        r.snapshot = None;
+                    }
+                    let from = r.snapshot.as_ref().map_or(after_seq, |s| s.0);
+                    r.events.retain(|e| e.0 > from);
+                    r
+                })
+                .map_err(LogError::failed),
+        )
+    }
+
+    /// The result of the recovery `ticket` of `pid` once it is read
+    /// (taking it), `None` while it is in flight.
+    fn recover_poll(
+        &mut self,
+        _pid: &PersistenceId,
+        _ticket: u64,
+    ) -> Option<Result<Recovered, LogError>> {
+        None
+    }
+
+    /// The incarnation that started recovery `ticket` stopped: drop its
+    /// result.
+    fn recover_forget(&mut self, _ticket: u64) {}
+
+    /// Whether the append of `pid` at `lsn` (durable LSN at or past it)
+    /// was refused, and why. After a refusal, appends of `pid` are refused
+    /// until its next recovery ([`Self::recover_start`]), so that no later
+    /// event lands after a lost one.
+    fn rejected(&mut self, _pid: &PersistenceId, _lsn: Lsn) -> Option<LogError> {
+        None
+    }
+
+    /// Sends what this turn appended to the backend (the PostgreSQL
+    /// backend's group commit; the local journal needs nothing).
+    fn flush(&mut self) {}
+
+    /// Whether the log wakes the core itself when its durable LSN moves
+    /// (no [`shardline_journal::DurabilityWatcher`] to register with).
+    fn self_notifying(&self) -> bool {
+        false
+    }
+
+    /// Why the backend is unusable now (database unreachable), if it is.
+    fn health(&self) -> Option<String> {
+        None
+    }
+}
+
+/// What kind of refusal a [`LogError`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogErrorKind {
+    /// The journal backend cannot be reached (database down): retry later.
+    Unavailable,
+    /// A newer incarnation's writer epoch is recorded: this incarnation
+    /// must stop.
+    Fenced,
+    /// Anything else (corrupt or missing records, refused data).
+    Failed,
+}
+
+/// A journal refusal with the status a command gets for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogError {
+    /// The kind.
+    pub kind: LogErrorKind,
+    /// What happened, for logs and error replies.
+    pub message: String,
+}
+
+impl LogError {
+    /// A [`LogErrorKind::Unavailable`] error.
+    pub fn unavailable(message: String) -> LogError {
+        LogError {
+            kind: LogErrorKind::Unavailable,
+            message,
+        }
+    }
+    /// A [`LogErrorKind::Fenced`] error.
+    pub fn fenced(message: String) -> LogError {
+        LogError {
+            kind: LogErrorKind::Fenced,
+            message,
+        }
+    }
+    /// A [`LogErrorKind::Failed`] error.
+    pub fn failed(message: String) -> LogError {
+        LogError {
+            kind: LogErrorKind::Failed,
+            message,
+        }
+    }
+    /// The reply status of a command refused with this error:
+    /// `JournalUnavailable` for [`LogErrorKind::Unavailable`], else
+    /// `EntityFailed`.
+    pub fn status(&self) -> crate::envelope::Status {
+        match self.kind {
+            LogErrorKind::Unavailable => crate::envelope::Status::JournalUnavailable,
+            _ => crate::envelope::Status::EntityFailed,
+        }
+    }
+}
+
+impl std::fmt::Display for LogError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// How [`EventLog::recover_start`] answered.
+#[derive(Debug)]
+pub enum RecoverStart {
+    /// Read at once (the local journal).
+    Ready(Result<Recovered, LogError>),
+    /// Read on another thread: poll [`EventLog::recover_poll`] with this
+    /// ticket after the core's durability wake fired.
+    Pending(u64),
 }
 
 /// A recovered persistence id: latest snapshot and the events after it.
@@ -462,8 +594,12 @@ impl DurableWake {
 /// registration in flight per core; a later `lsn` is registered when the
 /// earlier one fires). Under "none" it fires at once.
 pub fn arm(wake: &Arc<DurableWake>, lsn: Lsn) {
-    let watcher = match with_log(|l| l.durable_lsn()) {
-        Ok(d) if d >= lsn => {
+    // A self-notifying log (PostgreSQL) wakes the core after every
+    // outcome it produces; a waiter registered now is served by the next
+    // one (its appends and reads were handed over in this turn).
+    let watcher = match with_log(|l| (l.durable_lsn(), l.self_notifying())) {
+        Ok((_, true)) => return,
+        Ok((d, _)) if d >= lsn => {
             wake.notify();
             return;
         }
@@ -527,6 +663,38 @@ pub fn open_for_core(
     CORE_WATCHER.with(|w| *w.borrow_mut() = Some(watcher));
     install(Box::new(log));
     Ok(())
+}
+
+/// Opens core `index`'s journal on PostgreSQL and installs it on this
+/// thread: its writer thread wakes `wake` (the core's durability wake)
+/// after every commit and every recovery read, and `flush` is the wake of
+/// the core's task that sends each turn's appends
+/// ([`EventLog::flush`]).
+pub fn open_postgres_for_core(
+    settings: &pg::PgSettings,
+    index: u16,
+    wake: &Arc<DurableWake>,
+    flush: &Arc<DurableWake>,
+) {
+    let mut log = pg::PgLog::open(settings, index);
+    log.set_core_wake(wake.clone());
+    log.set_flush_wake(flush.clone());
+    CORE_WATCHER.with(|w| *w.borrow_mut() = None);
+    install(Box::new(log));
+}
+
+/// The identity of the journal a node's config selects, for the cluster's
+/// sharding fingerprint: `"local"` for the local journals, else the
+/// database's (`postgres:{system_identifier}/{database}`, see
+/// [`pg::identity`]).
+///
+/// # Errors
+/// [`pg::PgError`] when the database cannot be reached or refuses.
+pub fn journal_identity(c: &crate::config::JournalConfig) -> Result<String, pg::PgError> {
+    match pg::PgSettings::from_config(c) {
+        None => Ok("local".to_string()),
+        Some(s) => pg::identity(&s),
+    }
 }
 
 type FlushRegistry =

@@ -62,6 +62,7 @@ pub(super) fn config(port: u16, seeds: &[u16], dir: &std::path::Path) -> NodeCon
         downing_stable_after_ms: 2_000,
         heartbeat_pause_ms: 1_500,
         http: Default::default(),
+        journal: Default::default(),
     }
 }
 

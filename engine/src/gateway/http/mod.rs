@@ -280,10 +280,14 @@ pub fn admin_response(
             } else {
                 let why = match status.regions.iter().find_map(|r| {
                     r.journal_error.as_ref().map(|e| {
-                        format!(
-                            "not ready: the journal of core {} did not open: {e}",
-                            r.core
-                        )
+                        if e.starts_with("journal ") {
+                            format!("not ready: core {}: {e}", r.core)
+                        } else {
+                            format!(
+                                "not ready: the journal of core {} did not open: {e}",
+                                r.core
+                            )
+                        }
                     })
                 }) {
                     Some(why) => why,

@@ -11,6 +11,7 @@
 //! | `TimedOut` | `504 Gateway Timeout` (the outcome is unknown) |
 //! | `EntityFailed` | `500 Internal Server Error` |
 //! | `ShuttingDown` | `503 Service Unavailable`, `Retry-After: 1` |
+//! | `JournalUnavailable` | `503 Service Unavailable`, `Retry-After: 1` |
 //!
 //! Every error response has a short `text/plain` body saying what was
 //! wrong. Responses carry `Content-Length` (never chunked) and
@@ -65,6 +66,7 @@ pub fn status_code_of(status: Status) -> u16 {
         Status::TimedOut => 504,
         Status::EntityFailed => 500,
         Status::ShuttingDown => 503,
+        Status::JournalUnavailable => 503,
     }
 }
 
@@ -122,6 +124,7 @@ impl Response {
             Status::TimedOut => "no answer in time; the outcome is unknown",
             Status::EntityFailed => "the entity failed",
             Status::ShuttingDown => "the node is shutting down, retry on another node",
+            Status::JournalUnavailable => "journal unavailable, retry later",
             Status::Ok => "ok",
         };
         let detail = String::from_utf8_lossy(&payload);
@@ -265,6 +268,9 @@ mod tests {
         assert_eq!(status_code_of(Status::TimedOut), 504);
         assert_eq!(status_code_of(Status::EntityFailed), 500);
         assert_eq!(status_code_of(Status::ShuttingDown), 503);
+        assert_eq!(status_code_of(Status::JournalUnavailable), 503);
+        let r = Response::from_status(Status::JournalUnavailable, b"database down".to_vec());
+        assert!(r.retry_after && r.code == 503, "{r:?}");
     }
 
     #[test]

@@ -1,0 +1,345 @@
+//! Durable counters on the PostgreSQL journal across `shardline node`
+//! processes whose `data_dir`s are under different parents (as on separate
+//! machines: no node can read another's files), against a throwaway
+//! PostgreSQL (`pg_support`):
+//! - issue 12's reproduction: 20 counters given `add 7`, one node leaves
+//!   gracefully (SIGTERM), every counter is still 7 on the survivor;
+//! - kill -9 of a node under load: every counter holds its acknowledged
+//!   adds (or up to as many more as adds whose answer was lost);
+//! - the database restarted mid-load: durable commands are answered
+//!   `JournalUnavailable` while it is down, the node's status names the
+//!   cause, service resumes without a restart, and the same check holds.
+
+#[path = "node_cases/support.rs"]
+mod support;
+
+mod pg_support;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pg_support::TempPg;
+use shardline::client::{Client, Status};
+use support::{shardline_bin, start_ready, status, NodeProc};
+
+/// Node `i` of `n`: cluster port `base + i`, client port `base + 50 + i`,
+/// data_dir `{dir}/machine-{i}/node` (a parent of its own).
+fn write_config(dir: &Path, base: u16, i: usize, n: usize, url: &str) -> PathBuf {
+    let seeds: Vec<String> = (0..n)
+        .map(|j| format!("\"127.0.0.1:{}\"", base + j as u16))
+        .collect();
+    let data = dir.join(format!("machine-{i}")).join("node");
+    let text = format!(
+        r#"cluster_address = "127.0.0.1:{}"
+client_address = "127.0.0.1:{}"
+seed_nodes = [{}]
+data_cores = 2
+pin_cores = false
+data_dir = "{}"
+number_of_shards = 40
+downing_stable_after_ms = 1500
+heartbeat_pause_ms = 1000
+
+[journal]
+backend = "postgres"
+url = "{url}"
+connect_timeout_ms = 500
+
+[[entity_types]]
+name = "counter"
+kind = "counter"
+idle_timeout_ms = 0
+active_entity_limit = 0
+"#,
+        base + i as u16,
+        base + 50 + i as u16,
+        seeds.join(", "),
+        data.display()
+    );
+    let p = dir.join(format!("node-{i}.toml"));
+    std::fs::write(&p, text).expect("config");
+    p
+}
+
+fn client_addr(base: u16, i: usize) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], base + 50 + i as u16))
+}
+
+fn start_node(dir: &Path, base: u16, i: usize, n: usize, url: &str) -> NodeProc {
+    let cfg = write_config(dir, base, i, n, url);
+    start_ready(
+        &shardline_bin(),
+        &cfg,
+        &dir.join(format!("node-{i}.log")),
+        "warn",
+        Duration::from_secs(60),
+    )
+}
+
+fn wait_up(addrs: &[SocketAddr], n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !addrs.iter().all(|a| {
+        status(*a).is_some_and(|s| s.members.iter().filter(|m| m.status == "Up").count() == n)
+    }) {
+        assert!(Instant::now() < deadline, "{n} members never Up");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `get` of every counter through `addr`, retried (bounded) until all
+/// answer.
+fn get_all(addr: SocketAddr, ids: &[String]) -> Vec<i64> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut c = Client::connect(addr).expect("connect");
+    ids.iter()
+        .map(|id| loop {
+            match c.ask("counter", id, b"get", Duration::from_secs(5)) {
+                Ok(r) if r.status == Status::Ok => {
+                    break String::from_utf8_lossy(&r.payload)
+                        .parse::<i64>()
+                        .expect("number")
+                }
+                other => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "get {id} never answered: {other:?}"
+                    );
+                    std::thread::sleep(Duration::from_millis(100));
+                    if let Ok(n) = Client::connect(addr) {
+                        c = n;
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+/// Per counter: adds acknowledged, adds whose outcome is unknown (error
+/// status other than a clean refusal, timeout, lost connection), and the
+/// statuses seen.
+#[derive(Default, Clone)]
+struct Tally {
+    acked: Vec<i64>,
+    unknown: Vec<i64>,
+    unavailable: u64,
+    errors: Vec<String>,
+}
+
+/// `add 1` to the counters round-robin through `addr` until `stop`.
+fn load(
+    addr: SocketAddr,
+    ids: Vec<String>,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<Tally> {
+    std::thread::spawn(move || {
+        let mut t = Tally {
+            acked: vec![0; ids.len()],
+            unknown: vec![0; ids.len()],
+            ..Tally::default()
+        };
+        let mut c = Client::connect(addr).ok();
+        let mut i = 0usize;
+        while !stop.load(Ordering::Relaxed) {
+            let k = i % ids.len();
+            i += 1;
+            let Some(cl) = c.as_mut() else {
+                std::thread::sleep(Duration::from_millis(50));
+                c = Client::connect(addr).ok();
+                continue;
+            };
+            match cl.ask("counter", &ids[k], b"add 1", Duration::from_secs(5)) {
+                Ok(r) if r.status == Status::Ok => t.acked[k] += 1,
+                Ok(r) => {
+                    // JournalUnavailable may hide a commit whose answer was
+                    // lost with the database: counted as unknown too.
+                    if r.status == Status::JournalUnavailable {
+                        t.unavailable += 1;
+                    }
+                    t.unknown[k] += 1;
+                    if t.errors.len() < 20 {
+                        t.errors.push(format!(
+                            "{:?} {}",
+                            r.status,
+                            String::from_utf8_lossy(&r.payload)
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => {
+                    t.unknown[k] += 1;
+                    if t.errors.len() < 20 {
+                        t.errors.push(e.to_string());
+                    }
+                    c = None;
+                }
+            }
+        }
+        t
+    })
+}
+
+/// Every counter equals its acknowledged adds, or up to as many more as
+/// adds whose outcome is unknown; none acknowledged reads 0.
+fn verify(values: &[i64], t: &Tally, ids: &[String]) {
+    for (k, v) in values.iter().enumerate() {
+        assert!(
+            *v >= t.acked[k] && *v <= t.acked[k] + t.unknown[k],
+            "{}: value {v}, acknowledged {}, unknown {}",
+            ids[k],
+            t.acked[k],
+            t.unknown[k]
+        );
+    }
+}
+
+#[test]
+fn graceful_leave_keeps_every_durable_counter_on_postgres() {
+    let _one = support::serial();
+    let pg = TempPg::start();
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = 25_700;
+    let mut a = start_node(dir.path(), base, 0, 2, &pg.url());
+    let mut b = start_node(dir.path(), base, 1, 2, &pg.url());
+    let addrs = [client_addr(base, 0), client_addr(base, 1)];
+    wait_up(&addrs, 2);
+    let ids: Vec<String> = (0..20).map(|i| format!("c-{i}")).collect();
+    let mut c = Client::connect(addrs[0]).expect("connect");
+    for id in &ids {
+        let r = c
+            .ask("counter", id, b"add 7", Duration::from_secs(20))
+            .expect("add");
+        assert_eq!(
+            r.status,
+            Status::Ok,
+            "{id}: {:?}",
+            String::from_utf8_lossy(&r.payload)
+        );
+        assert_eq!(r.payload, b"7");
+    }
+    let on_b: usize = status(addrs[1])
+        .expect("status")
+        .regions
+        .iter()
+        .map(|r| r.entities)
+        .sum();
+    assert!(on_b > 0, "node 1 hosts some counters before it leaves");
+    b.signal(libc::SIGTERM);
+    let st = b.wait_exit(Duration::from_secs(30)).expect("node 1 exits");
+    assert!(st.success(), "graceful leave exits 0: {st}");
+    let values = get_all(addrs[0], &ids);
+    assert_eq!(values, vec![7; 20], "every counter is 7 on the survivor");
+    assert_eq!(
+        pg.psql("SELECT count(DISTINCT persistence_id) FROM shardline_events WHERE persistence_id LIKE 'counter|%'"),
+        "20"
+    );
+    a.signal(libc::SIGTERM);
+    let _ = a.wait_exit(Duration::from_secs(20));
+}
+
+#[test]
+fn kill_9_of_a_node_under_load_loses_nothing_acknowledged() {
+    let _one = support::serial();
+    let pg = TempPg::start();
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = 25_800;
+    let _a = start_node(dir.path(), base, 0, 2, &pg.url());
+    let b = start_node(dir.path(), base, 1, 2, &pg.url());
+    let addrs = [client_addr(base, 0), client_addr(base, 1)];
+    wait_up(&addrs, 2);
+    let ids: Vec<String> = (0..40).map(|i| format!("k-{i}")).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let loader = load(addrs[0], ids.clone(), stop.clone());
+    std::thread::sleep(Duration::from_millis(1500));
+    b.signal(libc::SIGKILL);
+    drop(b);
+    // Until node 1 is downed and its shards are allocated on node 0, then
+    // a little more.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while status(addrs[0])
+        .is_none_or(|s| s.members.iter().filter(|m| m.status == "Up").count() != 1)
+    {
+        assert!(Instant::now() < deadline, "node 1 never removed");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(2000));
+    stop.store(true, Ordering::Relaxed);
+    let t = loader.join().expect("loader");
+    let values = get_all(addrs[0], &ids);
+    eprintln!(
+        "acked {} unknown {} errors {:?}",
+        t.acked.iter().sum::<i64>(),
+        t.unknown.iter().sum::<i64>(),
+        t.errors
+    );
+    assert!(
+        t.acked.iter().all(|a| *a > 0),
+        "every counter got acknowledged adds"
+    );
+    verify(&values, &t, &ids);
+}
+
+#[test]
+fn database_restart_mid_load_answers_unavailable_then_resumes() {
+    let _one = support::serial();
+    let mut pg = TempPg::start();
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = 25_900;
+    let _a = start_node(dir.path(), base, 0, 1, &pg.url());
+    let addr = client_addr(base, 0);
+    wait_up(&[addr], 1);
+    let ids: Vec<String> = (0..20).map(|i| format!("d-{i}")).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let loader = load(addr, ids.clone(), stop.clone());
+    std::thread::sleep(Duration::from_millis(1000));
+    pg.stop_server();
+    // While it is down the node names the cause.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let why = loop {
+        let st = status(addr).expect("status while the database is down");
+        if let Some(e) = st.regions.iter().find_map(|r| r.journal_error.clone()) {
+            break e;
+        }
+        assert!(Instant::now() < deadline, "status never named the outage");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(why.contains("journal unavailable"), "{why}");
+    std::thread::sleep(Duration::from_millis(1000));
+    pg.start_server();
+    // Service resumes: a fresh add succeeds within a bounded time.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut c = Client::connect(addr).expect("connect");
+    loop {
+        let r = c
+            .ask("counter", "probe", b"add 1", Duration::from_secs(5))
+            .expect("ask");
+        if r.status == Status::Ok {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never resumed: {:?}", r.status);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(1000));
+    stop.store(true, Ordering::Relaxed);
+    let t = loader.join().expect("loader");
+    eprintln!(
+        "acked {} unknown {} unavailable {} errors {:?}",
+        t.acked.iter().sum::<i64>(),
+        t.unknown.iter().sum::<i64>(),
+        t.unavailable,
+        t.errors
+    );
+    assert!(
+        t.unavailable > 0,
+        "durable commands answered JournalUnavailable while down"
+    );
+    let st = status(addr).expect("status");
+    assert!(
+        st.regions.iter().all(|r| r.journal_error.is_none()),
+        "the outage is cleared from the status"
+    );
+    let values = get_all(addr, &ids);
+    verify(&values, &t, &ids);
+}

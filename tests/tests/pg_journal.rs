@@ -1,0 +1,267 @@
+//! The PostgreSQL journal backend through its library API, against a
+//! throwaway server (`pg_support`): schema creation and the version check,
+//! the database's identity, group commit (one transaction per batch, split
+//! at the batch limits), fencing of two writers racing on one persistence
+//! id, and an outage (refused, then resumed without a restart).
+
+mod pg_support;
+
+use std::time::{Duration, Instant};
+
+use pg_support::TempPg;
+use shardline::persistence::pg::{self, PgError, PgLog, PgSettings};
+use shardline::persistence::{DurableWake, EventLog, LogErrorKind};
+use shardline_journal::{PersistenceId, SequenceNr, WriterEpoch};
+
+fn settings(pg: &TempPg) -> PgSettings {
+    PgSettings {
+        url: pg.url(),
+        pool_size: 2,
+        batch_max_rows: 4096,
+        batch_max_bytes: 8 << 20,
+        connect_timeout: Duration::from_millis(1000),
+    }
+}
+
+fn pid(s: &str) -> PersistenceId {
+    PersistenceId::new(s).expect("pid")
+}
+
+/// Appends one event and waits for its outcome: `Ok(())` committed,
+/// `Err(kind)` refused.
+fn append_one(
+    log: &mut PgLog,
+    p: &PersistenceId,
+    seq: u64,
+    epoch: u64,
+    payload: &[u8],
+) -> Result<(), LogErrorKind> {
+    let lsn = log
+        .append(p, SequenceNr(seq), WriterEpoch(epoch), payload)
+        .map_err(|_| LogErrorKind::Unavailable)?;
+    log.wait_durable(lsn)
+        .map_err(|_| LogErrorKind::Unavailable)?;
+    match log.rejected(p, lsn) {
+        Some(e) => Err(e.kind),
+        None => Ok(()),
+    }
+}
+
+#[test]
+fn schema_is_created_once_and_a_newer_version_is_refused() {
+    let pg = TempPg::start();
+    let s = settings(&pg);
+    // Several nodes starting at once create the schema once.
+    let hs: Vec<_> = (0..4)
+        .map(|_| {
+            let s = s.clone();
+            std::thread::spawn(move || pg::connect(&s).map(|_| ()))
+        })
+        .collect();
+    for h in hs {
+        h.join().expect("thread").expect("connect");
+    }
+    assert_eq!(
+        pg.psql("SELECT version FROM shardline_schema"),
+        pg::SCHEMA_VERSION.to_string()
+    );
+    assert_eq!(
+        pg.psql(
+            "SELECT count(*) FROM pg_tables WHERE tablename IN \
+             ('shardline_events','shardline_snapshots','shardline_writers','shardline_schema')"
+        ),
+        "4"
+    );
+    pg.psql("UPDATE shardline_schema SET version = 99");
+    match pg::connect(&s) {
+        Err(PgError::SchemaTooNew { found, supported }) => {
+            assert_eq!((found, supported), (99, pg::SCHEMA_VERSION));
+        }
+        other => panic!(
+            "a newer schema must be refused, got {:?}",
+            other.map(|_| ())
+        ),
+    }
+}
+
+#[test]
+fn identity_is_the_system_identifier_and_database() {
+    let pg = TempPg::start();
+    let s = settings(&pg);
+    let id = pg::identity(&s).expect("identity");
+    let sys = pg.psql("SELECT system_identifier FROM pg_control_system()");
+    assert_eq!(id, format!("postgres:{sys}/postgres"));
+    assert_eq!(pg::identity(&s).expect("again"), id, "stable");
+}
+
+#[test]
+fn one_turn_is_one_transaction_split_at_the_batch_limit() {
+    let pg = TempPg::start();
+    let mut s = settings(&pg);
+    let mut log = PgLog::open(&s, 0);
+    // A flush wake nobody polls: appends wait for `flush`, as on a core
+    // where the flush task runs at the end of the turn.
+    log.set_flush_wake(std::sync::Arc::new(DurableWake::default()));
+    let mut last = shardline_journal::Lsn(0);
+    for i in 0..100 {
+        last = log
+            .append(&pid(&format!("g|{i}")), SequenceNr(1), WriterEpoch(1), b"x")
+            .expect("append");
+    }
+    assert_eq!(log.durable_lsn().0, 0, "nothing is sent before the flush");
+    log.flush();
+    log.wait_durable(last).expect("durable");
+    for i in 0..100 {
+        assert!(log.rejected(&pid(&format!("g|{i}")), last).is_none());
+    }
+    assert_eq!(
+        pg.psql("SELECT count(*), count(DISTINCT xmin::text) FROM shardline_events WHERE persistence_id LIKE 'g|%'"),
+        "100|1",
+        "100 events of one turn in one transaction"
+    );
+    drop(log);
+    s.batch_max_rows = 30;
+    let mut log = PgLog::open(&s, 0);
+    log.set_flush_wake(std::sync::Arc::new(DurableWake::default()));
+    for i in 0..100 {
+        last = log
+            .append(&pid(&format!("h|{i}")), SequenceNr(1), WriterEpoch(1), b"x")
+            .expect("append");
+    }
+    log.flush();
+    log.wait_durable(last).expect("durable");
+    assert_eq!(
+        pg.psql("SELECT count(*), count(DISTINCT xmin::text) FROM shardline_events WHERE persistence_id LIKE 'h|%'"),
+        "100|4",
+        "batch_max_rows = 30 splits 100 events into 4 transactions"
+    );
+    // Replay: the snapshot, then the events after it.
+    let p = pid("r|1");
+    for seq in 1..=5 {
+        append_one(&mut log, &p, seq, 1, &[seq as u8]).expect("append");
+    }
+    log.save_snapshot(&p, SequenceNr(3), WriterEpoch(1), b"snap3")
+        .expect("snapshot");
+    append_one(&mut log, &p, 6, 1, &[6]).expect("append");
+    let rec = log.recover(&p, WriterEpoch(1)).expect("recover");
+    assert_eq!(rec.snapshot, Some((3, b"snap3".to_vec())));
+    let seqs: Vec<u64> = rec.events.iter().map(|e| e.0).collect();
+    assert_eq!(seqs, vec![4, 5, 6]);
+}
+
+/// Two incarnations of one persistence id: the old one (epoch 1) appends
+/// as fast as it can while the new one (epoch 2) recovers (claiming the id)
+/// and appends. Every append of the old one acknowledged is in what the
+/// new one recovered; after the claim the old one is refused as fenced and
+/// stops; the events in the database are 1..=N without a gap or a
+/// duplicate.
+#[test]
+fn two_writers_racing_on_one_persistence_id_the_older_epoch_is_fenced() {
+    let pg = TempPg::start();
+    let s = settings(&pg);
+    pg::connect(&s).expect("schema");
+    let p = pid("counter|race");
+    let s2 = s.clone();
+    let p2 = p.clone();
+    let old = std::thread::spawn(move || {
+        let mut a = PgLog::open(&s2, 0);
+        let rec = a.recover(&p2, WriterEpoch(1)).expect("recover old");
+        assert!(rec.events.is_empty());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut acked = 0u64;
+        loop {
+            assert!(Instant::now() < deadline, "old writer never fenced");
+            match append_one(&mut a, &p2, acked + 1, 1, b"old") {
+                Ok(()) => acked += 1,
+                Err(k) => return (acked, k),
+            }
+        }
+    });
+    // Let the old writer get some events in.
+    let t0 = Instant::now();
+    while pg
+        .psql("SELECT count(*) FROM shardline_events WHERE persistence_id = 'counter|race'")
+        .parse::<u64>()
+        .unwrap_or(0)
+        < 20
+    {
+        assert!(t0.elapsed() < Duration::from_secs(20), "old writer idle");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut b = PgLog::open(&s, 1);
+    let rec = b.recover(&p, WriterEpoch(2)).expect("recover new");
+    let recovered = rec.events.last().map_or(0, |e| e.0);
+    for (i, e) in rec.events.iter().enumerate() {
+        assert_eq!(e.0, i as u64 + 1, "contiguous");
+    }
+    for k in 1..=50 {
+        append_one(&mut b, &p, recovered + k, 2, b"new").expect("new writer appends");
+    }
+    let (acked_old, kind) = old.join().expect("old thread");
+    assert_eq!(
+        kind,
+        LogErrorKind::Fenced,
+        "the older epoch is refused as fenced"
+    );
+    assert!(
+        acked_old <= recovered,
+        "an acknowledged append of the old writer ({acked_old}) is missing from the recovery ({recovered})"
+    );
+    assert_eq!(
+        pg.psql(
+            "SELECT count(*), min(sequence_nr), max(sequence_nr), \
+             count(*) FILTER (WHERE writer_epoch = 1 AND sequence_nr > (SELECT max(sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|race' AND writer_epoch = 1)) \
+             FROM shardline_events WHERE persistence_id = 'counter|race'"
+        ),
+        format!("{n}|1|{n}|0", n = recovered + 50)
+    );
+    assert_eq!(
+        pg.psql("SELECT count(*) FROM shardline_events WHERE persistence_id = 'counter|race' AND writer_epoch = 1 AND sequence_nr > {recovered}".replace("{recovered}", &recovered.to_string()).as_str()),
+        "0",
+        "no event of the old epoch after the new one's claim"
+    );
+    assert_eq!(
+        pg.psql("SELECT writer_epoch FROM shardline_writers WHERE persistence_id = 'counter|race'"),
+        "2"
+    );
+}
+
+#[test]
+fn an_outage_refuses_appends_then_resumes_without_a_restart() {
+    let mut pg = TempPg::start();
+    let s = settings(&pg);
+    let mut log = PgLog::open(&s, 0);
+    let p = pid("counter|out");
+    log.recover(&p, WriterEpoch(1)).expect("recover");
+    append_one(&mut log, &p, 1, 1, b"1").expect("append");
+    assert!(log.health().is_none());
+    pg.stop_server();
+    assert_eq!(
+        append_one(&mut log, &p, 2, 1, b"2"),
+        Err(LogErrorKind::Unavailable)
+    );
+    let why = log.health().expect("health names the cause");
+    assert!(why.starts_with("journal unavailable"), "{why}");
+    // Until the id is recovered again its appends are refused (a later
+    // event must not land after a lost one).
+    assert!(log.append(&p, SequenceNr(3), WriterEpoch(1), b"3").is_err());
+    pg.start_server();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let rec = loop {
+        match log.recover(&p, WriterEpoch(1)) {
+            Ok(r) => break r,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "never resumed: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    };
+    let seqs: Vec<u64> = rec.events.iter().map(|e| e.0).collect();
+    assert_eq!(seqs, vec![1], "the refused event is not there");
+    append_one(&mut log, &p, 2, 1, b"2").expect("append after the outage");
+    assert!(log.health().is_none(), "health clears");
+    assert_eq!(
+        pg.psql("SELECT string_agg(sequence_nr::text, ',' ORDER BY sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|out'"),
+        "1,2"
+    );
+}
