@@ -21,6 +21,8 @@ fn reply(r: Response) -> Reply {
         Status::TimedOut => Some(ErrorKind::TimedOut),
         Status::EntityFailed => Some(ErrorKind::EntityFailed),
         Status::ShuttingDown => Some(ErrorKind::ShuttingDown),
+        Status::Unavailable => Some(ErrorKind::Unavailable),
+        Status::TooLarge => Some(ErrorKind::TooLarge),
         #[allow(unreachable_patterns)]
         _ => Some(ErrorKind::OtherStatus),
     };

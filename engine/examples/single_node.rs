@@ -44,6 +44,7 @@ fn main() -> anyhow::Result<()> {
         downing_stable_after_ms: 20_000,
         heartbeat_pause_ms: 3_000,
         http: Default::default(),
+        requests: Default::default(),
     };
     let node = Node::start(config)?;
     node.sharding().start(

@@ -29,6 +29,7 @@ fn config(i: u16, dir: &std::path::Path) -> anyhow::Result<NodeConfig> {
         downing_stable_after_ms: 5_000,
         heartbeat_pause_ms: 3_000,
         http: Default::default(),
+        requests: Default::default(),
     })
 }
 

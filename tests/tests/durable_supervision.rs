@@ -45,6 +45,7 @@ fn a_panicking_handler_restarts_with_backoff_and_neighbours_keep_answering() {
         downing_stable_after_ms: 2_000,
         heartbeat_pause_ms: 1_500,
         http: Default::default(),
+        requests: Default::default(),
     })
     .expect("start");
     let settings = SupervisorSettings {

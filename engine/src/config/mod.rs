@@ -10,6 +10,12 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+mod requests;
+pub use requests::{
+    RequestsConfig, ANSWER_GRACE_MS, DEFAULT_ASK_TIMEOUT_MS, ENVELOPE_OVERHEAD_BYTES,
+    MAX_MESSAGE_SIZE_BYTES,
+};
+
 /// Errors from reading or checking a node configuration.
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -303,6 +309,10 @@ pub struct NodeConfig {
     /// optional; the defaults are those of [`HttpConfig::default`].
     #[serde(default)]
     pub http: HttpConfig,
+    /// Request deadlines and the message size limit (`[requests]` table;
+    /// every key optional, defaults of [`RequestsConfig::default`]).
+    #[serde(default)]
+    pub requests: RequestsConfig,
 }
 
 /// Limits and timeouts of the HTTP/1.1 front (the `[http]` table), applied
@@ -312,7 +322,8 @@ pub struct NodeConfig {
 pub struct HttpConfig {
     /// Largest accepted request body (the issue's `max_body_size`), in
     /// bytes; a larger `Content-Length` is answered `413` as soon as the
-    /// headers are read. Default 1 MiB (1048576); 1..=64 MiB.
+    /// headers are read. Default 1 MiB (1048576); at least 1 and at most
+    /// `requests.max_message_size_bytes` (16 MiB less 1 KiB by default).
     pub max_body_size_bytes: u64,
     /// Time allowed for a request's line and headers from its first byte,
     /// in milliseconds; when it passes the client gets `408` and the
@@ -474,7 +485,9 @@ impl NodeConfig {
         if self.heartbeat_pause_ms < 100 {
             return Err(bad("heartbeat_pause_ms", "must be at least 100".into()));
         }
-        self.http.validate(bad)?;
+        self.http.validate(&bad)?;
+        self.requests
+            .validate(self.http.max_body_size_bytes, &bad)?;
         let mut seen = std::collections::HashSet::new();
         for (i, t) in self.entity_types.iter().enumerate() {
             if let Err(e) = shardline_core::ids::TypeName::new(t.name.clone()) {

@@ -46,9 +46,13 @@ pub(crate) struct CoreInit {
     pub shared: Arc<Shared>,
 }
 
-/// How long a forwarded message may wait for its reply before the sender is
-/// answered `TimedOut`.
+/// How long a forwarded message without an ask deadline may wait for its
+/// reply before the sender is answered `TimedOut`.
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long past its ask deadline a forwarded message waits for the home
+/// node's answer (which is `Unavailable` when it was still buffered there)
+/// before the sender is answered `TimedOut`.
+const FORWARD_GRACE: Duration = Duration::from_millis(500);
 /// A connection whose queued output exceeds this stops being read until the
 /// peer catches up, in bytes.
 const OUTBOX_HIGH_WATER_BYTES: usize = 32 << 20;
@@ -496,8 +500,18 @@ impl Core {
                 b"node stopped".to_vec(),
             );
         }
+        if payload.len() as u64 > self.config.requests.max_message_size_bytes {
+            let msg = format!(
+                "message of {} bytes exceeds requests.max_message_size_bytes ({})",
+                payload.len(),
+                self.config.requests.max_message_size_bytes
+            );
+            return self.send_client(conn, request_id, Status::TooLarge, msg.into_bytes());
+        }
         let shard = shard_id_of(id.as_str(), self.config.number_of_shards);
+        let now = self.now();
         let env = Envelope {
+            deadline: Some(now + self.config.requests.ask_timeout()),
             entity: id,
             shard,
             sender: ReplyTo::Client { conn, request_id },
@@ -538,10 +552,14 @@ impl Core {
                 entity_id,
                 shard,
                 payload,
+                deadline_ms,
             } => {
                 let id = EntityId::new(entity_id.as_str())
                     .map_err(|e| FrameError::Invalid(e.to_string()))?;
+                let left = deadline_ms.to_native();
                 let env = Envelope {
+                    deadline: (left > 0)
+                        .then(|| self.now() + Duration::from_millis(u64::from(left))),
                     entity: id,
                     shard: ShardId(shard.to_native()),
                     sender: ReplyTo::Remote {
@@ -577,6 +595,7 @@ impl Core {
                 };
                 let msg = SystemMsg::from_wire(*kind, peer, *reason, to.clone()).map_err(bad)?;
                 let env = Envelope {
+                    deadline: None,
                     entity: to.id,
                     shard: ShardId(shard.to_native()),
                     sender: ReplyTo::System(Box::new(msg)),
@@ -650,7 +669,7 @@ impl Core {
         if c.removed.contains(&to.member) {
             return c.reply(
                 env.sender,
-                Status::TimedOut,
+                Status::Unavailable,
                 b"home node was removed from the cluster".to_vec(),
             );
         }
@@ -659,13 +678,13 @@ impl Core {
                 if now < *until {
                     return c.reply(
                         env.sender,
-                        Status::TimedOut,
+                        Status::Unavailable,
                         b"home node unreachable; retry later".to_vec(),
                     );
                 }
             }
             let Some(core_rc) = core_rc else {
-                return c.reply(env.sender, Status::TimedOut, b"no link".to_vec());
+                return c.reply(env.sender, Status::Unavailable, b"no link".to_vec());
             };
             let outbox = Rc::new(Outbox::default());
             c.links.insert(
@@ -702,6 +721,21 @@ impl Core {
             outbox.flush();
             return;
         }
+        let (deadline_ms, wait_until) = match env.deadline {
+            Some(d) if d <= now => {
+                // Defensive: the region checks this before it forwards.
+                return c.reply(
+                    env.sender,
+                    Status::Unavailable,
+                    b"ask deadline passed before the message was sent; not delivered".to_vec(),
+                );
+            }
+            Some(d) => {
+                let left = u32::try_from((d - now).as_millis()).unwrap_or(u32::MAX);
+                (left.max(1), d + FORWARD_GRACE)
+            }
+            None => (0, now + FORWARD_TIMEOUT),
+        };
         let tag = c.next_tag;
         c.next_tag += 1;
         let f = DataFrame::Forward {
@@ -710,14 +744,13 @@ impl Core {
             entity_id: env.entity.as_str().to_string(),
             shard: env.shard.0,
             payload: env.payload,
+            deadline_ms,
         };
         let outbox = link.outbox.clone();
-        if encode_frame(&f, &mut outbox.buf.borrow_mut()).is_err() {
-            return c.reply(
-                env.sender,
-                Status::BufferFull,
-                b"message too large".to_vec(),
-            );
+        if let Err(e) = encode_frame(&f, &mut outbox.buf.borrow_mut()) {
+            // The fronts refuse messages over the limit; this is a message
+            // from an entity or the embedding API.
+            return c.reply(env.sender, Status::TooLarge, e.to_string().into_bytes());
         }
         outbox.flush();
         c.pending.insert(
@@ -725,7 +758,7 @@ impl Core {
             Pending {
                 reply_to: env.sender,
                 link: to,
-                deadline: now + FORWARD_TIMEOUT,
+                deadline: wait_until,
             },
         );
     }
@@ -793,6 +826,7 @@ impl Core {
                 } => {
                     if let Some(m) = stop_message {
                         let env = Envelope {
+                            deadline: None,
                             entity: entity.clone(),
                             shard,
                             sender: ReplyTo::Nobody,
@@ -835,7 +869,8 @@ impl Core {
                 RegionEffect::Fail { envelope, reason } => {
                     let status = match reason {
                         FailureReason::ShuttingDown => Status::ShuttingDown,
-                        _ => Status::BufferFull,
+                        FailureReason::BufferFull => Status::BufferFull,
+                        _ => Status::Unavailable,
                     };
                     self.reply(envelope.sender, status, reason.to_string().into_bytes());
                 }
@@ -944,6 +979,7 @@ impl Core {
             for (to, msg) in out {
                 let shard = shard_id_of(to.id.as_str(), self.config.number_of_shards);
                 let env = Envelope {
+                    deadline: None,
                     entity: to.id,
                     shard,
                     sender: ReplyTo::System(Box::new(msg)),
@@ -1072,6 +1108,7 @@ impl Core {
         };
         let orig = env.sender.clone();
         let fwd = Envelope {
+            deadline: env.deadline,
             entity: env.entity,
             shard: env.shard,
             sender: ReplyTo::Core {
@@ -1470,6 +1507,7 @@ impl Core {
                 };
                 let shard = shard_id_of(entity.as_str(), c.config.number_of_shards);
                 let env = Envelope {
+                    deadline: None,
                     entity,
                     shard,
                     sender,

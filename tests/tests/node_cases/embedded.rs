@@ -61,6 +61,7 @@ fn config(port: u16, seeds: &[u16], dir: &std::path::Path) -> NodeConfig {
         downing_stable_after_ms: 2_000,
         heartbeat_pause_ms: 1_500,
         http: Default::default(),
+        requests: Default::default(),
     }
 }
 

@@ -274,6 +274,9 @@ pub struct ShardRegion<M, S> {
     next_idle_check_at: Option<Duration>,
     paced_starts: VecDeque<EntityKey>,
     next_paced_start_at: Option<Duration>,
+    /// The earliest [`Envelope::deadline`] of a buffered message (a lower
+    /// bound: it may belong to a message that left the buffer since).
+    next_deadline_at: Option<Duration>,
     effects: VecDeque<RegionEffect<M, S>>,
     passive: Option<PassiveFilter<M, S>>,
 }
@@ -346,6 +349,7 @@ impl<M, S> ShardRegion<M, S> {
             next_idle_check_at: if proxy { None } else { next_idle_check_at },
             paced_starts: VecDeque::new(),
             next_paced_start_at: None,
+            next_deadline_at: None,
             effects: VecDeque::new(),
             passive: None,
         };
@@ -461,6 +465,7 @@ impl<M, S> ShardRegion<M, S> {
             Some(self.next_retry_at),
             self.next_idle_check_at,
             self.next_paced_start_at,
+            self.next_deadline_at,
         ]
         .into_iter()
         .flatten()
@@ -538,6 +543,10 @@ impl<M, S> ShardRegion<M, S> {
     }
 
     fn route(&mut self, now: Duration, envelope: Envelope<M, S>) {
+        if envelope.deadline.is_some_and(|d| now >= d) {
+            // The sender stopped waiting: never deliver it later.
+            return self.fail(envelope, FailureReason::DeadlinePassed);
+        }
         let s = envelope.shard;
         if let Some(shard) = self.shards.get_mut(&s) {
             match &mut shard.state {
@@ -547,7 +556,9 @@ impl<M, S> ShardRegion<M, S> {
                         return self.fail(envelope, FailureReason::BufferFull);
                     }
                     self.buffered_total += 1;
+                    let d = envelope.deadline;
                     pending.push_back(envelope);
+                    self.note_deadline(d);
                     return;
                 }
                 ShardState::Stopping => return self.buffer(envelope),
@@ -583,13 +594,70 @@ impl<M, S> ShardRegion<M, S> {
             return self.fail(envelope, FailureReason::BufferFull);
         }
         let s = envelope.shard;
+        let d = envelope.deadline;
         let q = self.buffers.entry(s).or_default();
         let first = q.is_empty();
         q.push_back(envelope);
         self.buffered_total += 1;
+        self.note_deadline(d);
         let stopping_here = self.shards.contains_key(&s);
         if first && !stopping_here && !self.homes.contains_key(&s) {
             self.ask_home(s);
+        }
+    }
+
+    /// Keeps [`Self::poll_timeout`] no later than a buffered deadline.
+    fn note_deadline(&mut self, deadline: Option<Duration>) {
+        if let Some(d) = deadline {
+            self.next_deadline_at = Some(self.next_deadline_at.map_or(d, |n| n.min(d)));
+        }
+    }
+
+    /// Hands back every buffered message whose deadline passed (reason
+    /// [`FailureReason::DeadlinePassed`]), in shard order, and recomputes
+    /// the earliest deadline of those that stay.
+    fn expire_buffered(&mut self, now: Duration) {
+        let mut expired: Vec<(ShardId, Envelope<M, S>)> = Vec::new();
+        let mut next: Option<Duration> = None;
+        let mut keep = |q: &mut VecDeque<Envelope<M, S>>, s: ShardId| {
+            if !q.iter().any(|e| e.deadline.is_some_and(|d| now >= d)) {
+                for d in q.iter().filter_map(|e| e.deadline) {
+                    next = Some(next.map_or(d, |n: Duration| n.min(d)));
+                }
+                return;
+            }
+            let old = std::mem::take(q);
+            for e in old {
+                match e.deadline {
+                    Some(d) if now >= d => expired.push((s, e)),
+                    Some(d) => {
+                        next = Some(next.map_or(d, |n: Duration| n.min(d)));
+                        q.push_back(e);
+                    }
+                    None => q.push_back(e),
+                }
+            }
+        };
+        for (s, q) in self.buffers.iter_mut() {
+            keep(q, *s);
+        }
+        for (s, sh) in self.shards.iter_mut() {
+            if let ShardState::Recovering { pending } = &mut sh.state {
+                keep(pending, *s);
+            }
+            for e in sh.entities.values_mut() {
+                if let Entity::Passivating { buffer } = e {
+                    keep(buffer, *s);
+                }
+            }
+        }
+        self.buffers.retain(|_, q| !q.is_empty());
+        self.next_deadline_at = next;
+        // Stable: messages of one shard keep their order.
+        expired.sort_by_key(|(s, _)| *s);
+        self.buffered_total -= expired.len();
+        for (_, e) in expired {
+            self.fail(e, FailureReason::DeadlinePassed);
         }
     }
 
@@ -674,8 +742,10 @@ impl<M, S> ShardRegion<M, S> {
                 if self.buffered_total >= self.settings.buffer_size {
                     return self.fail(envelope, FailureReason::BufferFull);
                 }
+                let d = envelope.deadline;
                 buffer.push_back(envelope);
                 self.buffered_total += 1;
+                self.note_deadline(d);
             }
             None => {
                 let entity = envelope.entity.clone();
@@ -1123,8 +1193,13 @@ impl<M, S> ShardRegion<M, S> {
     }
 
     /// Runs due timers: registration and `GetShardHome` retries, the idle
-    /// check, paced starts of remembered entities.
+    /// check, paced starts of remembered entities, and the expiry of
+    /// buffered messages whose [`Envelope::deadline`] passed (handed back as
+    /// [`RegionEffect::Fail`] with [`FailureReason::DeadlinePassed`]).
     pub fn handle_timeout(&mut self, now: Duration) {
+        if self.next_deadline_at.is_some_and(|d| now >= d) {
+            self.expire_buffered(now);
+        }
         if now >= self.next_retry_at {
             self.next_retry_at = now + self.settings.retry_interval;
             if !self.registered {

@@ -11,6 +11,11 @@
 //! | `TimedOut` | `504 Gateway Timeout` (the outcome is unknown) |
 //! | `EntityFailed` | `500 Internal Server Error` |
 //! | `ShuttingDown` | `503 Service Unavailable`, `Retry-After: 1` |
+//! | `Unavailable` | `503 Service Unavailable`, `Retry-After: 1` (not delivered: safe to retry) |
+//! | `TooLarge` | `413 Content Too Large` (a retry can never succeed) |
+//!
+//! `504` means the message may have reached its entity; every `503` and
+//! the `413` mean it was not delivered.
 //!
 //! Every error response has a short `text/plain` body saying what was
 //! wrong. Responses carry `Content-Length` (never chunked) and
@@ -65,6 +70,8 @@ pub fn status_code_of(status: Status) -> u16 {
         Status::TimedOut => 504,
         Status::EntityFailed => 500,
         Status::ShuttingDown => 503,
+        Status::Unavailable => 503,
+        Status::TooLarge => 413,
     }
 }
 
@@ -122,6 +129,8 @@ impl Response {
             Status::TimedOut => "no answer in time; the outcome is unknown",
             Status::EntityFailed => "the entity failed",
             Status::ShuttingDown => "the node is shutting down, retry on another node",
+            Status::Unavailable => "not delivered, safe to retry",
+            Status::TooLarge => "message too large",
             Status::Ok => "ok",
         };
         let detail = String::from_utf8_lossy(&payload);
