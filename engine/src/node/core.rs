@@ -628,7 +628,11 @@ impl Core {
         }
     }
 
-    fn link_failed(&mut self, to: &RegionId, outbox: &Rc<Outbox>) {
+    /// The data lane to `to` closed. Messages waiting for a reply on it are
+    /// answered `TimedOut` when the lane had connected (they may have
+    /// reached their entity), `Unavailable` when it never did (connect or
+    /// handshake failed: nothing was written).
+    fn link_failed(&mut self, to: &RegionId, outbox: &Rc<Outbox>, connected: bool) {
         if let Some(l) = self.links.get(to) {
             if Rc::ptr_eq(&l.outbox, outbox) {
                 self.links.remove(to);
@@ -649,11 +653,19 @@ impl Core {
             .collect();
         for t in dead {
             if let Some(p) = self.pending.remove(&t) {
-                self.reply(
-                    p.reply_to,
-                    Status::TimedOut,
-                    b"connection to the home node lost".to_vec(),
-                );
+                if connected {
+                    self.reply(
+                        p.reply_to,
+                        Status::TimedOut,
+                        b"connection to the home node lost".to_vec(),
+                    );
+                } else {
+                    self.reply(
+                        p.reply_to,
+                        Status::Unavailable,
+                        b"home node unreachable; not delivered".to_vec(),
+                    );
+                }
             }
         }
     }
@@ -1674,6 +1686,7 @@ async fn run_link(core: CoreRef, to: RegionId, outbox: Rc<Outbox>) {
         };
         (hello, to.member.address.0.parse::<std::net::SocketAddr>())
     };
+    let connected = std::cell::Cell::new(false);
     let result: Result<(), crate::transport::TransportError> = async {
         let addr = addr.map_err(|e| {
             crate::transport::TransportError::Refused(format!("bad member address: {e}"))
@@ -1687,6 +1700,7 @@ async fn run_link(core: CoreRef, to: RegionId, outbox: Rc<Outbox>) {
                 ack.address, ack.uid, to.member.uid.0
             )));
         }
+        connected.set(true);
         let (mut r, mut w) = stream.into_split();
         let wb = outbox.clone();
         let writer = monoio::spawn(async move { transport::write_loop(&mut w, wb).await });
@@ -1709,7 +1723,7 @@ async fn run_link(core: CoreRef, to: RegionId, outbox: Rc<Outbox>) {
         tracing::debug!(to = %to.member, core = to.core, error = %e, "data lane failed");
     }
     outbox.close();
-    core.borrow_mut().link_failed(&to, &outbox);
+    core.borrow_mut().link_failed(&to, &outbox, connected.get());
 }
 
 /// An inbound data lane: read `Forward`s, route them, write `Reply`s.
