@@ -58,6 +58,13 @@ const FORWARD_GRACE: Duration = Duration::from_millis(500);
 const OUTBOX_HIGH_WATER_BYTES: usize = 32 << 20;
 /// Tick period of the executor's timers.
 const TICK: Duration = Duration::from_millis(5);
+/// After the node stops (it left, or was downed), how long its connections
+/// stay open: requests still arriving (pipelined, or already in socket
+/// buffers) are answered `ShuttingDown`, and forwarded messages get their
+/// replies; then every connection is closed after its answers are written.
+const STOP_DRAIN: Duration = Duration::from_millis(1000);
+/// Most time an exiting executor waits for its connections' writers.
+const EXIT_WRITE_WAIT: Duration = Duration::from_secs(2);
 /// First and largest reconnect backoff of a data lane.
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
@@ -167,6 +174,12 @@ pub(crate) struct Core {
     reported_registered: bool,
     reported_shutdown: bool,
     shutdown: bool,
+    /// [`ToCore::Shutdown`] arrived: exit once the stop drain is over.
+    exit_requested: bool,
+    /// When the stop drain ends (set when the node stops).
+    drain_until: Option<Duration>,
+    /// The stop drain is over: connections closed.
+    drained: bool,
     /// Deferred replies and entities awaiting journal durability.
     durable: crate::persistence::Hooks<ReplyTo>,
     /// Lifecycle watches of this core's entities (`node::watch`).
@@ -219,6 +232,9 @@ pub(crate) async fn run(init: CoreInit) {
         reported_registered: false,
         reported_shutdown: false,
         shutdown: false,
+        exit_requested: false,
+        drain_until: None,
+        drained: false,
         durable: crate::persistence::Hooks::default(),
         watches: WatchBook::default(),
         flushing_system: false,
@@ -278,28 +294,45 @@ pub(crate) async fn run(init: CoreInit) {
     let mut inbox = init.inbox;
     let mut batch = Vec::with_capacity(256);
     loop {
-        if !inbox.recv_batch(&mut batch, 256).await {
+        let exiting = core.borrow().exit_requested;
+        if exiting {
+            // Draining: keep taking replies from the other cores while the
+            // connections answer what they still read.
+            if core.borrow().drained {
+                break;
+            }
+            match monoio::time::timeout(TICK, inbox.recv_batch(&mut batch, 256)).await {
+                Ok(true) | Err(_) => {}
+                Ok(false) => monoio::time::sleep(TICK).await,
+            }
+        } else if !inbox.recv_batch(&mut batch, 256).await {
             break;
         }
         for m in batch.drain(..) {
             if matches!(m, ToCore::Shutdown) {
-                core.borrow_mut().shutdown = true;
+                let mut c = core.borrow_mut();
+                // A node that exits without a completed leave stops here:
+                // its buffers are answered, not dropped.
+                c.stop_node();
+                c.exit_requested = true;
             } else {
                 Core::on_inbox(&core, m);
             }
         }
-        if core.borrow().shutdown {
-            break;
-        }
     }
-    let c = core.borrow();
-    for o in c.conns.values() {
-        o.close();
+    let outboxes: Vec<Rc<Outbox>> = {
+        let mut c = core.borrow_mut();
+        c.finish_drain();
+        c.shutdown = true;
+        let mut v: Vec<Rc<Outbox>> = c.conns.values().cloned().collect();
+        v.extend(c.links.values().map(|l| l.outbox.clone()));
+        v
+    };
+    // Connections close after their answers are written (bounded).
+    let until = Instant::now() + EXIT_WRITE_WAIT;
+    while Instant::now() < until && outboxes.iter().any(|o| !o.finished.get()) {
+        monoio::time::sleep(TICK).await;
     }
-    for l in c.links.values() {
-        l.outbox.close();
-    }
-    drop(c);
     drop(accept);
     if let Some(log) = crate::persistence::uninstall() {
         drop(log); // syncs and closes the core's journal
@@ -523,6 +556,10 @@ impl Core {
     /// Hands a user message to this core's region of `t` and runs the effects
     /// (a stateless worker type's message runs here, without the region).
     fn route(&mut self, t: &str, env: UserEnvelope) {
+        if self.stopped {
+            // Its entities are gone: nothing is delivered any more.
+            return self.reply(env.sender, Status::ShuttingDown, b"node stopped".to_vec());
+        }
         if self.is_worker(t) {
             if matches!(env.sender, ReplyTo::System(_)) {
                 // Worker activations are not addressable: nothing to watch.
@@ -1317,6 +1354,9 @@ impl Core {
 
     fn tick(&mut self) {
         let now = self.now();
+        if self.drain_until.is_some_and(|d| now >= d) {
+            self.finish_drain();
+        }
         let types: Vec<String> = self
             .types
             .iter()
@@ -1540,29 +1580,94 @@ impl Core {
                     c.reply(to, status, payload);
                 }
             }
-            ToCore::Stop => {
-                c.stopped = true;
-                let types: Vec<String> = c.types.keys().cloned().collect();
-                for t in types {
-                    let mut gone = Vec::new();
-                    if let Some(h) = c.types.get_mut(&t) {
-                        for (id, mut l) in h.entities.drain() {
-                            l.entity.on_stop();
-                            gone.push(id);
-                        }
-                    }
-                    for id in gone {
-                        c.entity_gone(&t, &id, TerminatedReason::NodeStopped);
-                    }
-                }
-                c.workers_stop();
-                c.drain_completions();
-                c.flush_system();
-                for o in c.conns.values() {
-                    o.close();
+            ToCore::Stop => c.stop_node(),
+            ToCore::Shutdown => c.shutdown = true,
+        }
+    }
+
+    /// The node stopped (left or downed) or exits: every message the
+    /// regions still buffer is answered `ShuttingDown` (not delivered;
+    /// counted as a dead letter with reason `shutting_down`, logged in
+    /// aggregate), the entities stop, and the stop drain begins
+    /// ([`STOP_DRAIN`]): requests that still arrive are answered
+    /// `ShuttingDown`, then the connections close.
+    fn stop_node(&mut self) {
+        if self.stopped {
+            return;
+        }
+        self.stopped = true;
+        let now = self.now();
+        let mut answered = 0usize;
+        let types: Vec<String> = self.types.keys().cloned().collect();
+        for t in &types {
+            if let Some(h) = self.types.get_mut(t) {
+                answered += h.region.fail_all_buffered(FailureReason::ShuttingDown);
+            }
+            self.run_effects(t);
+        }
+        for t in types {
+            let mut gone = Vec::new();
+            if let Some(h) = self.types.get_mut(&t) {
+                for (id, mut l) in h.entities.drain() {
+                    l.entity.on_stop();
+                    gone.push(id);
                 }
             }
-            ToCore::Shutdown => c.shutdown = true,
+            for id in gone {
+                self.entity_gone(&t, &id, TerminatedReason::NodeStopped);
+            }
+        }
+        self.workers_stop();
+        self.drain_completions();
+        self.flush_system();
+        if answered > 0 {
+            tracing::warn!(
+                core = self.index,
+                answered,
+                "node stopped: buffered messages answered ShuttingDown (not delivered; dead letters)"
+            );
+        }
+        self.drain_until = Some(now + STOP_DRAIN);
+    }
+
+    /// Ends the stop drain: messages forwarded to other nodes or cores
+    /// without a reply yet are answered `TimedOut` (they may have reached
+    /// their entity), and every connection is closed (its writer still
+    /// writes what is queued).
+    fn finish_drain(&mut self) {
+        if self.drained {
+            return;
+        }
+        self.drained = true;
+        let pending: Vec<Pending> = self.pending.drain().map(|(_, p)| p).collect();
+        let local: Vec<ReplyTo> = self.local_pending.drain().map(|(_, r)| r).collect();
+        let unanswered = pending.len() + local.len();
+        for p in pending {
+            self.reply(
+                p.reply_to,
+                Status::TimedOut,
+                b"node stopped before the home node answered".to_vec(),
+            );
+        }
+        for r in local {
+            self.reply(
+                r,
+                Status::TimedOut,
+                b"node stopped before the home core answered".to_vec(),
+            );
+        }
+        if unanswered > 0 {
+            tracing::warn!(
+                core = self.index,
+                unanswered,
+                "node stopped: forwarded messages without a reply answered TimedOut"
+            );
+        }
+        for o in self.conns.values() {
+            o.close();
+        }
+        for l in self.links.values() {
+            l.outbox.close();
         }
     }
 

@@ -617,10 +617,37 @@ impl<M, S> ShardRegion<M, S> {
     /// [`FailureReason::DeadlinePassed`]), in shard order, and recomputes
     /// the earliest deadline of those that stay.
     fn expire_buffered(&mut self, now: Duration) {
+        self.fail_buffered_where(
+            |e| e.deadline.is_some_and(|d| now >= d),
+            FailureReason::DeadlinePassed,
+        );
+    }
+
+    /// Hands back every message waiting in this region (for a shard home,
+    /// a hand-off, a recovery or a passivation) as [`RegionEffect::Fail`]
+    /// with `reason`, counted as dead letters; returns how many (count).
+    /// The runtime calls this when its node stops (reason
+    /// [`FailureReason::ShuttingDown`]): nothing it held is dropped
+    /// without an answer.
+    pub fn fail_all_buffered(&mut self, reason: FailureReason) -> usize {
+        let before = self.dead_letters;
+        self.fail_buffered_where(|_| true, reason);
+        self.pending_start.clear();
+        (self.dead_letters - before) as usize
+    }
+
+    /// Fails the buffered messages `pred` selects with `reason` (in shard
+    /// order; one shard's keep their order) and recomputes the earliest
+    /// deadline of those that stay.
+    fn fail_buffered_where(
+        &mut self,
+        pred: impl Fn(&Envelope<M, S>) -> bool,
+        reason: FailureReason,
+    ) {
         let mut expired: Vec<(ShardId, Envelope<M, S>)> = Vec::new();
         let mut next: Option<Duration> = None;
         let mut keep = |q: &mut VecDeque<Envelope<M, S>>, s: ShardId| {
-            if !q.iter().any(|e| e.deadline.is_some_and(|d| now >= d)) {
+            if !q.iter().any(&pred) {
                 for d in q.iter().filter_map(|e| e.deadline) {
                     next = Some(next.map_or(d, |n: Duration| n.min(d)));
                 }
@@ -628,13 +655,13 @@ impl<M, S> ShardRegion<M, S> {
             }
             let old = std::mem::take(q);
             for e in old {
-                match e.deadline {
-                    Some(d) if now >= d => expired.push((s, e)),
-                    Some(d) => {
+                if pred(&e) {
+                    expired.push((s, e));
+                } else {
+                    if let Some(d) = e.deadline {
                         next = Some(next.map_or(d, |n: Duration| n.min(d)));
-                        q.push_back(e);
                     }
-                    None => q.push_back(e),
+                    q.push_back(e);
                 }
             }
         };
@@ -657,7 +684,7 @@ impl<M, S> ShardRegion<M, S> {
         expired.sort_by_key(|(s, _)| *s);
         self.buffered_total -= expired.len();
         for (_, e) in expired {
-            self.fail(e, FailureReason::DeadlinePassed);
+            self.fail(e, reason);
         }
     }
 
