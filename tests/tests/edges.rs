@@ -14,6 +14,11 @@
 //!   it: every request written gets a response, 200 or 503, and the 503s
 //!   were not applied (it used to cut most of them off without an
 //!   answer);
+//! - one size limit (`requests.max_message_size_bytes`): the HTTP front
+//!   answers a larger body `413` and the native front a `TooLarge` status
+//!   (a frame longer than the limit plus the envelope overhead: a
+//!   `TooLarge` frame, then the connection closes), while a message at
+//!   the limit is served;
 //!
 //! The cases run one at a time (several node processes each).
 
@@ -420,4 +425,55 @@ fn sigterm_answers_every_pipelined_request_and_refused_adds_are_not_applied() {
         let v = read_counter(ports.http(0), &format!("p-{e}"), Duration::from_secs(20));
         assert_eq!(v, *ok, "p-{e}: {codes:?}");
     }
+}
+
+/// One size limit, refused at once by both fronts (a 1000-byte limit;
+/// `http.max_body_size_bytes` equal to it).
+#[test]
+fn one_message_size_limit_on_both_fronts() {
+    let _one = serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ports = Ports { base: 28_600 };
+    let _nodes = start_nodes_with(
+        dir.path(),
+        ports,
+        1,
+        1,
+        "max_body_size_bytes = 1000\n[requests]\nmax_message_size_bytes = 1000",
+    );
+    wait_cluster(ports.client(0), 1, None);
+    // HTTP: at the limit served, one byte over 413 at once.
+    let mut c = Conn::open(ports.http(0));
+    let r = c.post("/v1/entities/echo/x", &[b'a'; 1000]);
+    assert_eq!((r.code, r.body.len()), (200, 1000), "{}", r.text());
+    let mut c = Conn::open(ports.http(0));
+    let r = c.post("/v1/entities/echo/x", &[b'a'; 1001]);
+    assert_eq!(r.code, 413, "{}", r.text());
+    // Native: at the limit served; over it TooLarge with the request's id.
+    let mut n = shardline::client::Client::connect(ports.client(0)).expect("connect");
+    let t = Duration::from_secs(10);
+    let r = n.ask("echo", "x", &[b'b'; 1000], t).expect("ask");
+    assert_eq!(r.status, shardline::client::Status::Ok);
+    assert_eq!(r.payload.len(), 1000);
+    let r = n.ask("echo", "x", &[b'b'; 1001], t).expect("ask");
+    assert_eq!(r.status, shardline::client::Status::TooLarge);
+    assert!(String::from_utf8_lossy(&r.payload).contains("1000"));
+    // The connection keeps serving after a refused message.
+    let r = n.ask("counter", "size", b"add 1", t).expect("ask");
+    assert_eq!(
+        (r.status, r.payload.as_slice()),
+        (shardline::client::Status::Ok, &b"1"[..])
+    );
+    // A frame over the limit plus the overhead: a TooLarge frame (request
+    // id 0), then the connection is closed.
+    let r = n.ask("echo", "x", &vec![b'c'; 100_000], t).expect("answer");
+    assert_eq!(
+        (r.request_id, r.status),
+        (0, shardline::client::Status::TooLarge)
+    );
+    assert!(n.ask("echo", "x", b"after", t).is_err(), "closed");
+    // Nothing over the limit was delivered: the counter saw one add.
+    let mut n = shardline::client::Client::connect(ports.client(0)).expect("connect");
+    let r = n.ask("counter", "size", b"get", t).expect("ask");
+    assert_eq!(r.payload, b"1");
 }

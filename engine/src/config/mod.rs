@@ -665,6 +665,38 @@ active_entity_limit = 0
     }
 
     #[test]
+    fn requests_table_defaults_ranges_and_one_size_limit() {
+        let c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
+        assert_eq!(c.requests, RequestsConfig::default());
+        assert_eq!(c.requests.ask_timeout(), Duration::from_secs(12));
+        assert_eq!(c.requests.max_message_size_bytes, (16 << 20) - 1024);
+        let with = |t: &str| format!("{GOOD}\n[requests]\n{t}\n");
+        let c = NodeConfig::from_toml(
+            &with("ask_timeout_ms = 1500\nmax_message_size_bytes = 2097152"),
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.requests.ask_timeout_ms, 1500);
+        assert_eq!(c.requests.max_request_frame_bytes(), (2 << 20) + 1024);
+        for (t, key) in [
+            ("ask_timeout_ms = 5", "requests.ask_timeout_ms"),
+            (
+                "max_message_size_bytes = 0",
+                "requests.max_message_size_bytes",
+            ),
+            (
+                "max_message_size_bytes = 16777216",
+                "requests.max_message_size_bytes",
+            ),
+            // The HTTP default (1 MiB) exceeds a 1000-byte message limit.
+            ("max_message_size_bytes = 1000", "http.max_body_size_bytes"),
+        ] {
+            let e = NodeConfig::from_toml(&with(t), Path::new("x.toml")).unwrap_err();
+            assert!(e.to_string().contains(key), "{t}: {e}");
+        }
+    }
+
+    #[test]
     fn refuses_unknown_keys_naming_file_and_key() {
         let text = format!("{GOOD}\nbogus = 1\n");
         let e = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap_err();

@@ -1739,6 +1739,12 @@ impl Core {
         &self.to_cores
     }
 
+    /// The longest request frame the native front reads, in bytes
+    /// (`requests.max_message_size_bytes` plus the envelope's overhead).
+    pub(crate) fn max_request_frame_bytes(&self) -> usize {
+        self.config.requests.max_request_frame_bytes()
+    }
+
     pub(crate) fn to_control(&self) -> &RingSender<ToControl> {
         &self.to_control
     }

@@ -274,6 +274,12 @@ mod tests {
         assert_eq!(status_code_of(Status::TimedOut), 504);
         assert_eq!(status_code_of(Status::EntityFailed), 500);
         assert_eq!(status_code_of(Status::ShuttingDown), 503);
+        assert_eq!(status_code_of(Status::Unavailable), 503);
+        assert_eq!(status_code_of(Status::TooLarge), 413);
+        let r = Response::from_status(Status::Unavailable, b"home node unreachable".to_vec());
+        assert!(r.retry_after, "503 carries Retry-After");
+        let r = Response::from_status(Status::TooLarge, Vec::new());
+        assert!(!r.retry_after, "a retry of a 413 cannot succeed");
     }
 
     #[test]
