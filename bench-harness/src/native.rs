@@ -22,6 +22,8 @@ fn reply(r: Response) -> Reply {
         Status::EntityFailed => Some(ErrorKind::EntityFailed),
         Status::ShuttingDown => Some(ErrorKind::ShuttingDown),
         Status::JournalUnavailable => Some(ErrorKind::JournalUnavailable),
+        Status::Unavailable => Some(ErrorKind::Unavailable),
+        Status::TooLarge => Some(ErrorKind::TooLarge),
         #[allow(unreachable_patterns)]
         _ => Some(ErrorKind::OtherStatus),
     };

@@ -45,6 +45,11 @@ pub enum ErrorKind {
     /// The journal backend was unavailable (not applied, or unknown when
     /// the database went away during the commit).
     JournalUnavailable,
+    /// Not delivered, safe to retry: home unreachable or removed, node
+    /// leaving, or the ask deadline passed while buffered (not applied).
+    Unavailable,
+    /// The message is over the cluster's size limit (not applied).
+    TooLarge,
     /// A status this harness does not know.
     OtherStatus,
     /// The entity answered `error: ...` (command rejected, not applied).
@@ -82,6 +87,8 @@ impl ErrorKind {
             ErrorKind::EntityFailed => "entity_failed",
             ErrorKind::ShuttingDown => "shutting_down",
             ErrorKind::JournalUnavailable => "journal_unavailable",
+            ErrorKind::Unavailable => "unavailable",
+            ErrorKind::TooLarge => "too_large",
             ErrorKind::OtherStatus => "other_status",
             ErrorKind::EntityError => "entity_error",
             ErrorKind::BadReply => "bad_reply",
@@ -370,9 +377,16 @@ mod tests {
         r.success(1, OpKind::CounterAdd, 0, 1);
         r.failure(1, OpKind::CounterAdd, ErrorKind::ConnectionLost, 0, 1);
         r.failure(1, OpKind::CounterAdd, ErrorKind::BufferFull, 0, 1);
+        r.failure(1, OpKind::CounterAdd, ErrorKind::Unavailable, 0, 1);
+        r.failure(1, OpKind::CounterAdd, ErrorKind::TooLarge, 0, 1);
+        r.failure(1, OpKind::CounterAdd, ErrorKind::TimedOut, 0, 1);
         r.success(1, OpKind::CounterGet, 0, 1);
         let c = r.adds[&1];
-        assert_eq!((c.acked, c.ambiguous, c.refused), (1, 1, 1));
+        // Not delivered (buffer full, unavailable, too large) is refused;
+        // timed out and a lost connection may have been applied.
+        assert_eq!((c.acked, c.ambiguous, c.refused), (1, 2, 3));
+        assert_eq!(r.errors[&ErrorKind::Unavailable], 1);
+        assert_eq!(ErrorKind::Unavailable.name(), "unavailable");
     }
 
     #[test]

@@ -11,8 +11,11 @@
 //! - anything in between is consistent with at-most-once delivery.
 //!
 //! Adds refused with a definite error (buffer full, unknown type, entity
-//! error, shutting down) are counted as not applied, so an engine that
-//! applied one shows up as duplicated.
+//! error, shutting down, unavailable — not delivered, e.g. its ask deadline
+//! passed while it was buffered —, too large) are counted as not applied,
+//! so an engine that applied one shows up as duplicated. Only `timed_out`
+//! (the engine's "may have reached its entity") and the client-side
+//! failures count as unknown.
 
 use std::collections::HashMap;
 

@@ -46,6 +46,7 @@ fn main() -> anyhow::Result<()> {
         heartbeat_pause_ms: 3_000,
         http: Default::default(),
         journal: Default::default(),
+        requests: Default::default(),
     };
     let node = Node::start(config)?;
     node.sharding().start(

@@ -103,6 +103,11 @@ impl Client {
         self.writer.send(id, type_name, entity_id, payload)?;
         self.writer.flush()?;
         let r = self.recv_with_timeout(timeout)?;
+        if r.request_id == 0 && r.status == Status::TooLarge {
+            // The node refused the frame before reading its request id
+            // (longer than its message limit) and closes the connection.
+            return Ok(r);
+        }
         if r.request_id != id {
             return Err(ClientError::UnexpectedResponse {
                 expected: id,

@@ -265,6 +265,7 @@ fn embedded(port: u16, seed: u16, data_dir: &Path) -> shardline::Node {
         heartbeat_pause_ms: 1_500,
         http: Default::default(),
         journal: Default::default(),
+        requests: Default::default(),
     })
     .expect("start");
     node.sharding()

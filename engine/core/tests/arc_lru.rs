@@ -84,6 +84,7 @@ fn replay(refs: &[u64], ids: &HashMap<u64, EntityId>, c: usize) -> (u64, u64) {
     let mut stopped = Vec::new();
     for page in refs {
         let envelope = Envelope {
+            deadline: None,
             entity: ids[page].clone(),
             shard: ShardId(0),
             sender: (),

@@ -44,6 +44,7 @@ fn region(idle: Option<Duration>) -> ShardRegion<bool, ()> {
 
 fn env(id: &EntityId, passive: bool) -> Envelope<bool, ()> {
     Envelope {
+        deadline: None,
         entity: id.clone(),
         shard: ShardId(0),
         sender: (),

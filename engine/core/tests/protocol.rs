@@ -158,6 +158,7 @@ impl World {
 
     fn send(&mut self, region: usize, entity: &str, shard: u32, payload: u32) {
         let env = Envelope {
+            deadline: None,
             entity: eid(entity),
             shard: ShardId(shard),
             sender: payload,
@@ -314,6 +315,79 @@ fn stale_shard_stopped_changes_nothing() {
     assert_eq!(w.coord.state(), &before);
 }
 
+/// A buffered message whose ask deadline passes is handed back (not
+/// delivered, `DeadlinePassed`) at the deadline, and never delivered later
+/// when the shard's home becomes known; messages without a deadline, or
+/// with a later one, still are.
+#[test]
+fn a_buffered_message_past_its_deadline_is_failed_not_delivered_later() {
+    let mut w = World::new(1, quiet_settings(), CoordinatorSettings::default());
+    let ms = Duration::from_millis;
+    for (p, deadline) in [(0u32, Some(ms(500))), (1, None), (2, Some(ms(5_000)))] {
+        w.regions[0].handle_message(
+            w.now,
+            Envelope {
+                deadline,
+                entity: eid("z"),
+                shard: ShardId(1),
+                sender: p,
+                payload: p,
+            },
+        );
+    }
+    // The coordinator does not answer (its messages are dropped).
+    w.collect();
+    w.queue.clear();
+    assert_eq!(w.regions[0].buffered(), 3);
+    // The region asks to be woken at the first deadline.
+    assert_eq!(w.regions[0].poll_timeout(), Some(ms(500)));
+    w.now = ms(499);
+    w.regions[0].handle_timeout(w.now);
+    w.collect();
+    w.queue.clear();
+    assert!(w.failed.is_empty());
+    w.now = ms(500);
+    w.regions[0].handle_timeout(w.now);
+    w.collect();
+    w.queue.clear();
+    assert_eq!(w.failed, vec![(0, FailureReason::DeadlinePassed)]);
+    assert_eq!(w.regions[0].buffered(), 2);
+    assert_eq!(
+        w.regions[0].dead_letters_by_reason()[3],
+        (FailureReason::DeadlinePassed, 1)
+    );
+    // The next wake-up is the remaining deadline (or the retry timer).
+    assert!(w.regions[0].poll_timeout().is_some_and(|t| t <= ms(5_000)));
+    // The coordinator answers after 6 s: message 2's deadline passed too
+    // (it is failed on the flush, not delivered), message 1 is delivered.
+    w.advance(ms(5_500));
+    assert!(w.delivered.iter().all(|d| d.2 == 1), "{:?}", w.delivered);
+    assert_eq!(w.delivered.len(), 1);
+    assert_eq!(
+        w.failed,
+        vec![
+            (0, FailureReason::DeadlinePassed),
+            (2, FailureReason::DeadlinePassed)
+        ]
+    );
+    assert_eq!(w.regions[0].buffered(), 0);
+    // A message that arrives after its deadline is refused at once.
+    let late = w.now;
+    w.regions[0].handle_message(
+        w.now,
+        Envelope {
+            deadline: Some(late),
+            entity: eid("z"),
+            shard: ShardId(1),
+            sender: 3,
+            payload: 3,
+        },
+    );
+    w.pump();
+    assert_eq!(w.failed.last(), Some(&(3, FailureReason::DeadlinePassed)));
+    assert_eq!(w.delivered.len(), 1);
+}
+
 #[test]
 fn buffer_full_is_an_explicit_failure() {
     let settings = RegionSettings {
@@ -324,6 +398,7 @@ fn buffer_full_is_an_explicit_failure() {
     // Coordinator unreachable: take its messages away.
     for p in 0..5u32 {
         let env = Envelope {
+            deadline: None,
             entity: eid("z"),
             shard: ShardId(1),
             sender: p,
@@ -346,7 +421,8 @@ fn buffer_full_is_an_explicit_failure() {
         [
             (FailureReason::BufferFull, 2),
             (FailureReason::ShuttingDown, 0),
-            (FailureReason::NotHosted, 0)
+            (FailureReason::NotHosted, 0),
+            (FailureReason::DeadlinePassed, 0)
         ]
     );
     assert_eq!(w.regions[0].buffered(), 3);
@@ -669,6 +745,7 @@ fn remembered_entities_restart_at_a_constant_pace_and_start_entity_works() {
     r.handle_message(
         now,
         Envelope {
+            deadline: None,
             entity: eid("m"),
             shard: ShardId(0),
             sender: 1,
@@ -752,6 +829,7 @@ fn stale_generations_are_ignored_by_regions() {
     r.handle_message(
         now,
         Envelope {
+            deadline: None,
             entity: eid("q"),
             shard: ShardId(3),
             sender: 0,

@@ -10,6 +10,12 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+mod requests;
+pub use requests::{
+    RequestsConfig, ANSWER_GRACE_MS, DEFAULT_ASK_TIMEOUT_MS, ENVELOPE_OVERHEAD_BYTES,
+    MAX_MESSAGE_SIZE_BYTES,
+};
+
 /// Errors from reading or checking a node configuration.
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -322,6 +328,10 @@ pub struct NodeConfig {
     /// optional; the default is the local memory-mapped journal.
     #[serde(default)]
     pub journal: JournalConfig,
+    /// Request deadlines and the message size limit (`[requests]` table;
+    /// every key optional, defaults of [`RequestsConfig::default`]).
+    #[serde(default)]
+    pub requests: RequestsConfig,
 }
 
 /// Which journal backend stores durable state.
@@ -459,7 +469,8 @@ impl JournalConfig {
 pub struct HttpConfig {
     /// Largest accepted request body (the issue's `max_body_size`), in
     /// bytes; a larger `Content-Length` is answered `413` as soon as the
-    /// headers are read. Default 1 MiB (1048576); 1..=64 MiB.
+    /// headers are read. Default 1 MiB (1048576); at least 1 and at most
+    /// `requests.max_message_size_bytes` (16 MiB less 1 KiB by default).
     pub max_body_size_bytes: u64,
     /// Time allowed for a request's line and headers from its first byte,
     /// in milliseconds; when it passes the client gets `408` and the
@@ -636,8 +647,10 @@ impl NodeConfig {
         if self.heartbeat_pause_ms < 100 {
             return Err(bad("heartbeat_pause_ms", "must be at least 100".into()));
         }
-        self.http.validate(bad)?;
-        self.journal.validate(bad)?;
+        self.http.validate(&bad)?;
+        self.journal.validate(&bad)?;
+        self.requests
+            .validate(self.http.max_body_size_bytes, &bad)?;
         let mut seen = std::collections::HashSet::new();
         for (i, t) in self.entity_types.iter().enumerate() {
             if let Err(e) = shardline_core::ids::TypeName::new(t.name.clone()) {
@@ -840,6 +853,38 @@ active_entity_limit = 0
             )
             .unwrap_err();
             assert!(e.to_string().contains("cluster_name"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn requests_table_defaults_ranges_and_one_size_limit() {
+        let c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
+        assert_eq!(c.requests, RequestsConfig::default());
+        assert_eq!(c.requests.ask_timeout(), Duration::from_secs(12));
+        assert_eq!(c.requests.max_message_size_bytes, (16 << 20) - 1024);
+        let with = |t: &str| format!("{GOOD}\n[requests]\n{t}\n");
+        let c = NodeConfig::from_toml(
+            &with("ask_timeout_ms = 1500\nmax_message_size_bytes = 2097152"),
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.requests.ask_timeout_ms, 1500);
+        assert_eq!(c.requests.max_request_frame_bytes(), (2 << 20) + 1024);
+        for (t, key) in [
+            ("ask_timeout_ms = 5", "requests.ask_timeout_ms"),
+            (
+                "max_message_size_bytes = 0",
+                "requests.max_message_size_bytes",
+            ),
+            (
+                "max_message_size_bytes = 16777216",
+                "requests.max_message_size_bytes",
+            ),
+            // The HTTP default (1 MiB) exceeds a 1000-byte message limit.
+            ("max_message_size_bytes = 1000", "http.max_body_size_bytes"),
+        ] {
+            let e = NodeConfig::from_toml(&with(t), Path::new("x.toml")).unwrap_err();
+            assert!(e.to_string().contains(key), "{t}: {e}");
         }
     }
 

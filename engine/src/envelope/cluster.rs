@@ -378,6 +378,10 @@ pub enum DataFrame {
         shard: u32,
         /// The message bytes, as the client sent them.
         payload: Vec<u8>,
+        /// Time left until the request's ask deadline when it was sent, in
+        /// milliseconds (at least 1); 0: no deadline. The receiver answers
+        /// `Unavailable` instead of delivering it after that time.
+        deadline_ms: u32,
     },
     /// The reply to a forwarded message.
     Reply {

@@ -32,12 +32,14 @@ pub const MAX_FRAME_SIZE_BYTES: usize = 16 << 20;
 pub const FRAME_HEADER_BYTES: usize = 4;
 
 /// Version of the node-to-node protocol; a peer with another version is
-/// refused at the handshake. 4: cluster name and id, journal identity and
-/// durable types in the handshake, the `Identity` control frame; 3: the coordinator event `ShardUnallocated`
-/// (remember entities) in replicated coordinator state; 2: control frames
-/// for cluster-wide sharding stats (`StatsRequest`/`StatsReply`); 1: the
-/// first release.
-pub const PROTOCOL_VERSION: u32 = 4;
+/// refused at the handshake. 5: `DataFrame::Forward` carries the time left
+/// to its ask deadline, reply statuses `Unavailable` (7), `TooLarge` (8)
+/// and `JournalUnavailable` (9); 4: cluster name and id, journal identity
+/// and durable types in the handshake, the `Identity` control frame; 3: the
+/// coordinator event `ShardUnallocated` (remember entities) in replicated
+/// coordinator state; 2: control frames for cluster-wide sharding stats
+/// (`StatsRequest`/`StatsReply`); 1: the first release.
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Errors from decoding a frame. Each is a protocol error that closes the
 /// connection it arrived on.
@@ -177,20 +179,46 @@ pub enum Status {
     InvalidEntityId = 2,
     /// A bounded buffer on the way was full; retry later. Not delivered.
     BufferFull = 3,
-    /// No answer in time; the outcome is unknown.
+    /// No answer in time, and the message may have reached its entity: the
+    /// outcome is unknown (a retry may apply it twice). Messages known not
+    /// to have been delivered are answered [`Status::Unavailable`] instead.
     TimedOut = 4,
     /// The entity failed while handling the message.
     EntityFailed = 5,
-    /// The node is leaving; retry on another node.
+    /// The node is leaving; retry on another node. Not delivered.
     ShuttingDown = 6,
     /// The journal backend cannot be reached (e.g. the PostgreSQL database
     /// is down): the durable command was not applied, or its outcome is
     /// unknown when the database went away during its commit; retry later
     /// (HTTP 503 with `Retry-After`).
     JournalUnavailable = 9,
+    /// Not delivered, safe to retry: the shard's home is unreachable (the
+    /// link to it is backing off or broke before the message was written),
+    /// the home was removed from the cluster, the node is leaving, or the
+    /// request's ask deadline passed while it waited in a buffer.
+    Unavailable = 7,
+    /// The message is larger than the largest message the cluster carries
+    /// (`max_message_size_bytes`); a retry can never succeed. Not delivered.
+    TooLarge = 8,
 }
 
 impl Status {
+    /// Whether the engine knows the message was not handed to its entity
+    /// (so a retry cannot apply it twice): `BufferFull`, `ShuttingDown`,
+    /// `Unavailable`, `TooLarge`, and the refusals before routing
+    /// (`UnknownEntityType`, `InvalidEntityId`).
+    pub fn not_delivered(self) -> bool {
+        matches!(
+            self,
+            Status::UnknownEntityType
+                | Status::InvalidEntityId
+                | Status::BufferFull
+                | Status::ShuttingDown
+                | Status::Unavailable
+                | Status::TooLarge
+        )
+    }
+
     /// Decodes a wire status code; unknown codes map to `None`.
     pub fn from_u8(v: u8) -> Option<Status> {
         Some(match v {
@@ -202,6 +230,8 @@ impl Status {
             5 => Status::EntityFailed,
             6 => Status::ShuttingDown,
             9 => Status::JournalUnavailable,
+            7 => Status::Unavailable,
+            8 => Status::TooLarge,
             _ => return None,
         })
     }

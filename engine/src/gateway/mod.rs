@@ -4,10 +4,16 @@
 //!
 //! A connection is read in batches; every complete frame in a batch is
 //! handled at once (pipelining), the responses are queued in the
-//! connection's [`Outbox`] and written together. A protocol error (a length
-//! over the 16 MiB maximum, a body that fails validation) closes that
-//! connection only, with a logged reason; a bad entity type or id gets an
-//! error response.
+//! connection's [`Outbox`] and written together. A request whose payload
+//! exceeds `requests.max_message_size_bytes` is answered `TooLarge` (the
+//! same limit as the HTTP front's and the node-to-node wire's, so a
+//! request's fate never depends on where its entity lives). A frame longer
+//! than that limit plus the envelope overhead is answered with a
+//! `TooLarge` frame with request id 0 (its request id was not read), and
+//! the connection is closed after the frame is written and its input
+//! drained for at most [`LINGER`]. Any other protocol error (a body that
+//! fails validation) closes that connection only, with a logged reason; a
+//! bad entity type or id gets an error response.
 
 pub mod http;
 
@@ -25,6 +31,12 @@ use crate::transport::{self, FrameReader, Outbox};
 
 /// How long a status request waits for the other executors.
 const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long the input of a connection closed for an oversized frame is
+/// read and discarded, so that the client reads the `TooLarge` frame
+/// instead of a reset.
+pub const LINGER: Duration = Duration::from_secs(2);
+/// Most bytes discarded during that linger.
+const LINGER_MAX_BYTES: usize = 64 << 20;
 
 /// Serves one client connection until it closes or breaks the protocol.
 pub(crate) async fn serve_client(core: Rc<RefCell<Core>>, stream: TcpStream) {
@@ -37,7 +49,9 @@ pub(crate) async fn serve_client(core: Rc<RefCell<Core>>, stream: TcpStream) {
     monoio::spawn(async move {
         let _ = transport::write_loop(&mut w, wb).await;
     });
-    let mut reader = FrameReader::new(MAX_FRAME_SIZE_BYTES);
+    let max_frame = core.borrow().max_request_frame_bytes();
+    let mut reader = FrameReader::new(max_frame.min(MAX_FRAME_SIZE_BYTES));
+    let mut linger = false;
     loop {
         // Back-pressure: a client that does not read its responses is not read.
         while core.borrow().high_water(conn) {
@@ -71,11 +85,41 @@ pub(crate) async fn serve_client(core: Rc<RefCell<Core>>, stream: TcpStream) {
             }
         }
         if let Some(e) = bad {
-            tracing::warn!(?peer, error = %e, "protocol error from client; closing the connection");
+            if let crate::envelope::FrameError::TooLarge { .. } = e {
+                tracing::info!(?peer, error = %e, "request frame too large; answered TooLarge, closing the connection");
+                let f = ServerFrame {
+                    request_id: 0,
+                    status: Status::TooLarge as u8,
+                    payload: format!("{e} (requests.max_message_size_bytes)").into_bytes(),
+                };
+                let _ = encode_frame(&f, &mut outbox.buf.borrow_mut());
+                outbox.close();
+                linger = true;
+            } else {
+                tracing::warn!(?peer, error = %e, "protocol error from client; closing the connection");
+            }
             break;
         }
         if outbox.closed.get() {
             break;
+        }
+    }
+    if linger {
+        // The writer sends the TooLarge frame; the input (the rest of the
+        // oversized frame) is discarded meanwhile, bounded in time and
+        // bytes, so that closing does not reset the connection first.
+        let until = Instant::now() + LINGER;
+        let mut drained = 0usize;
+        let mut buf = vec![0u8; 64 * 1024];
+        while drained < LINGER_MAX_BYTES && Instant::now() < until {
+            let left = until.saturating_duration_since(Instant::now());
+            match monoio::time::timeout(left, monoio::io::AsyncReadRent::read(&mut r, buf)).await {
+                Ok((Ok(n), b)) if n > 0 => {
+                    drained += n;
+                    buf = b;
+                }
+                _ => break,
+            }
         }
     }
     core.borrow_mut().remove_conn(conn);

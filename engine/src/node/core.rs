@@ -47,14 +47,25 @@ pub(crate) struct CoreInit {
     pub scope: Arc<crate::persistence::DataScope>,
 }
 
-/// How long a forwarded message may wait for its reply before the sender is
-/// answered `TimedOut`.
+/// How long a forwarded message without an ask deadline may wait for its
+/// reply before the sender is answered `TimedOut`.
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long past its ask deadline a forwarded message waits for the home
+/// node's answer (which is `Unavailable` when it was still buffered there)
+/// before the sender is answered `TimedOut`.
+const FORWARD_GRACE: Duration = Duration::from_millis(500);
 /// A connection whose queued output exceeds this stops being read until the
 /// peer catches up, in bytes.
 const OUTBOX_HIGH_WATER_BYTES: usize = 32 << 20;
 /// Tick period of the executor's timers.
 const TICK: Duration = Duration::from_millis(5);
+/// After the node stops (it left, or was downed), how long its connections
+/// stay open: requests still arriving (pipelined, or already in socket
+/// buffers) are answered `ShuttingDown`, and forwarded messages get their
+/// replies; then every connection is closed after its answers are written.
+const STOP_DRAIN: Duration = Duration::from_millis(1000);
+/// Most time an exiting executor waits for its connections' writers.
+const EXIT_WRITE_WAIT: Duration = Duration::from_secs(2);
 /// First and largest reconnect backoff of a data lane.
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
@@ -164,6 +175,12 @@ pub(crate) struct Core {
     reported_registered: bool,
     reported_shutdown: bool,
     shutdown: bool,
+    /// [`ToCore::Shutdown`] arrived: exit once the stop drain is over.
+    exit_requested: bool,
+    /// When the stop drain ends (set when the node stops).
+    drain_until: Option<Duration>,
+    /// The stop drain is over: connections closed.
+    drained: bool,
     /// Deferred replies and entities awaiting journal durability.
     durable: crate::persistence::Hooks<ReplyTo>,
     /// Lifecycle watches of this core's entities (`node::watch`).
@@ -223,6 +240,9 @@ pub(crate) async fn run(init: CoreInit) {
         reported_registered: false,
         reported_shutdown: false,
         shutdown: false,
+        exit_requested: false,
+        drain_until: None,
+        drained: false,
         durable: crate::persistence::Hooks::default(),
         watches: WatchBook::default(),
         flushing_system: false,
@@ -303,28 +323,44 @@ pub(crate) async fn run(init: CoreInit) {
     let mut inbox = init.inbox;
     let mut batch = Vec::with_capacity(256);
     loop {
-        if !inbox.recv_batch(&mut batch, 256).await {
+        let exiting = core.borrow().exit_requested;
+        if exiting {
+            // Draining: keep taking replies from the other cores while the
+            // connections answer what they still read.
+            if core.borrow().drained {
+                break;
+            }
+            match monoio::time::timeout(TICK, inbox.recv_batch(&mut batch, 256)).await {
+                Ok(true) | Err(_) => {}
+                Ok(false) => monoio::time::sleep(TICK).await,
+            }
+        } else if !inbox.recv_batch(&mut batch, 256).await {
             break;
         }
         for m in batch.drain(..) {
             if matches!(m, ToCore::Shutdown) {
-                core.borrow_mut().shutdown = true;
+                let mut c = core.borrow_mut();
+                // A node that exits without a completed leave stops here:
+                // its buffers are answered, not dropped.
+                c.stop_node();
+                c.exit_requested = true;
             } else {
                 Core::on_inbox(&core, m);
             }
         }
-        if core.borrow().shutdown {
-            break;
-        }
     }
-    {
-        let c = core.borrow();
-        for o in c.conns.values() {
-            o.close();
-        }
-        for l in c.links.values() {
-            l.outbox.close();
-        }
+    let outboxes: Vec<Rc<Outbox>> = {
+        let mut c = core.borrow_mut();
+        c.finish_drain();
+        c.shutdown = true;
+        let mut v: Vec<Rc<Outbox>> = c.conns.values().cloned().collect();
+        v.extend(c.links.values().map(|l| l.outbox.clone()));
+        v
+    };
+    // Connections close after their answers are written (bounded).
+    let until = Instant::now() + EXIT_WRITE_WAIT;
+    while Instant::now() < until && outboxes.iter().any(|o| !o.finished.get()) {
+        monoio::time::sleep(TICK).await;
     }
     crate::runtime::stop_accepting(&stop_accept, accept).await;
     if let Some((stop, task)) = http_accept {
@@ -529,8 +565,18 @@ impl Core {
                 b"node stopped".to_vec(),
             );
         }
+        if payload.len() as u64 > self.config.requests.max_message_size_bytes {
+            let msg = format!(
+                "message of {} bytes exceeds requests.max_message_size_bytes ({})",
+                payload.len(),
+                self.config.requests.max_message_size_bytes
+            );
+            return self.send_client(conn, request_id, Status::TooLarge, msg.into_bytes());
+        }
         let shard = shard_id_of(id.as_str(), self.config.number_of_shards);
+        let now = self.now();
         let env = Envelope {
+            deadline: Some(now + self.config.requests.ask_timeout()),
             entity: id,
             shard,
             sender: ReplyTo::Client { conn, request_id },
@@ -542,6 +588,10 @@ impl Core {
     /// Hands a user message to this core's region of `t` and runs the effects
     /// (a stateless worker type's message runs here, without the region).
     fn route(&mut self, t: &str, env: UserEnvelope) {
+        if self.stopped {
+            // Its entities are gone: nothing is delivered any more.
+            return self.reply(env.sender, Status::ShuttingDown, b"node stopped".to_vec());
+        }
         if self.is_worker(t) {
             if matches!(env.sender, ReplyTo::System(_)) {
                 // Worker activations are not addressable: nothing to watch.
@@ -571,10 +621,14 @@ impl Core {
                 entity_id,
                 shard,
                 payload,
+                deadline_ms,
             } => {
                 let id = EntityId::new(entity_id.as_str())
                     .map_err(|e| FrameError::Invalid(e.to_string()))?;
+                let left = deadline_ms.to_native();
                 let env = Envelope {
+                    deadline: (left > 0)
+                        .then(|| self.now() + Duration::from_millis(u64::from(left))),
                     entity: id,
                     shard: ShardId(shard.to_native()),
                     sender: ReplyTo::Remote {
@@ -610,6 +664,7 @@ impl Core {
                 };
                 let msg = SystemMsg::from_wire(*kind, peer, *reason, to.clone()).map_err(bad)?;
                 let env = Envelope {
+                    deadline: None,
                     entity: to.id,
                     shard: ShardId(shard.to_native()),
                     sender: ReplyTo::System(Box::new(msg)),
@@ -642,7 +697,11 @@ impl Core {
         }
     }
 
-    fn link_failed(&mut self, to: &RegionId, outbox: &Rc<Outbox>) {
+    /// The data lane to `to` closed. Messages waiting for a reply on it are
+    /// answered `TimedOut` when the lane had connected (they may have
+    /// reached their entity), `Unavailable` when it never did (connect or
+    /// handshake failed: nothing was written).
+    fn link_failed(&mut self, to: &RegionId, outbox: &Rc<Outbox>, connected: bool) {
         if let Some(l) = self.links.get(to) {
             if Rc::ptr_eq(&l.outbox, outbox) {
                 self.links.remove(to);
@@ -663,11 +722,19 @@ impl Core {
             .collect();
         for t in dead {
             if let Some(p) = self.pending.remove(&t) {
-                self.reply(
-                    p.reply_to,
-                    Status::TimedOut,
-                    b"connection to the home node lost".to_vec(),
-                );
+                if connected {
+                    self.reply(
+                        p.reply_to,
+                        Status::TimedOut,
+                        b"connection to the home node lost".to_vec(),
+                    );
+                } else {
+                    self.reply(
+                        p.reply_to,
+                        Status::Unavailable,
+                        b"home node unreachable; not delivered".to_vec(),
+                    );
+                }
             }
         }
     }
@@ -683,7 +750,7 @@ impl Core {
         if c.removed.contains(&to.member) {
             return c.reply(
                 env.sender,
-                Status::TimedOut,
+                Status::Unavailable,
                 b"home node was removed from the cluster".to_vec(),
             );
         }
@@ -692,13 +759,13 @@ impl Core {
                 if now < *until {
                     return c.reply(
                         env.sender,
-                        Status::TimedOut,
+                        Status::Unavailable,
                         b"home node unreachable; retry later".to_vec(),
                     );
                 }
             }
             let Some(core_rc) = core_rc else {
-                return c.reply(env.sender, Status::TimedOut, b"no link".to_vec());
+                return c.reply(env.sender, Status::Unavailable, b"no link".to_vec());
             };
             let outbox = Rc::new(Outbox::default());
             c.links.insert(
@@ -735,6 +802,21 @@ impl Core {
             outbox.flush();
             return;
         }
+        let (deadline_ms, wait_until) = match env.deadline {
+            Some(d) if d <= now => {
+                // Defensive: the region checks this before it forwards.
+                return c.reply(
+                    env.sender,
+                    Status::Unavailable,
+                    b"ask deadline passed before the message was sent; not delivered".to_vec(),
+                );
+            }
+            Some(d) => {
+                let left = u32::try_from((d - now).as_millis()).unwrap_or(u32::MAX);
+                (left.max(1), d + FORWARD_GRACE)
+            }
+            None => (0, now + FORWARD_TIMEOUT),
+        };
         let tag = c.next_tag;
         c.next_tag += 1;
         let f = DataFrame::Forward {
@@ -743,14 +825,13 @@ impl Core {
             entity_id: env.entity.as_str().to_string(),
             shard: env.shard.0,
             payload: env.payload,
+            deadline_ms,
         };
         let outbox = link.outbox.clone();
-        if encode_frame(&f, &mut outbox.buf.borrow_mut()).is_err() {
-            return c.reply(
-                env.sender,
-                Status::BufferFull,
-                b"message too large".to_vec(),
-            );
+        if let Err(e) = encode_frame(&f, &mut outbox.buf.borrow_mut()) {
+            // The fronts refuse messages over the limit; this is a message
+            // from an entity or the embedding API.
+            return c.reply(env.sender, Status::TooLarge, e.to_string().into_bytes());
         }
         outbox.flush();
         c.pending.insert(
@@ -758,7 +839,7 @@ impl Core {
             Pending {
                 reply_to: env.sender,
                 link: to,
-                deadline: now + FORWARD_TIMEOUT,
+                deadline: wait_until,
             },
         );
     }
@@ -826,6 +907,7 @@ impl Core {
                 } => {
                     if let Some(m) = stop_message {
                         let env = Envelope {
+                            deadline: None,
                             entity: entity.clone(),
                             shard,
                             sender: ReplyTo::Nobody,
@@ -868,7 +950,8 @@ impl Core {
                 RegionEffect::Fail { envelope, reason } => {
                     let status = match reason {
                         FailureReason::ShuttingDown => Status::ShuttingDown,
-                        _ => Status::BufferFull,
+                        FailureReason::BufferFull => Status::BufferFull,
+                        _ => Status::Unavailable,
                     };
                     self.reply(envelope.sender, status, reason.to_string().into_bytes());
                 }
@@ -977,6 +1060,7 @@ impl Core {
             for (to, msg) in out {
                 let shard = shard_id_of(to.id.as_str(), self.config.number_of_shards);
                 let env = Envelope {
+                    deadline: None,
                     entity: to.id,
                     shard,
                     sender: ReplyTo::System(Box::new(msg)),
@@ -1105,6 +1189,7 @@ impl Core {
         };
         let orig = env.sender.clone();
         let fwd = Envelope {
+            deadline: env.deadline,
             entity: env.entity,
             shard: env.shard,
             sender: ReplyTo::Core {
@@ -1301,6 +1386,9 @@ impl Core {
 
     fn tick(&mut self) {
         let now = self.now();
+        if self.drain_until.is_some_and(|d| now >= d) {
+            self.finish_drain();
+        }
         let types: Vec<String> = self
             .types
             .iter()
@@ -1503,6 +1591,7 @@ impl Core {
                 };
                 let shard = shard_id_of(entity.as_str(), c.config.number_of_shards);
                 let env = Envelope {
+                    deadline: None,
                     entity,
                     shard,
                     sender,
@@ -1523,29 +1612,94 @@ impl Core {
                     c.reply(to, status, payload);
                 }
             }
-            ToCore::Stop => {
-                c.stopped = true;
-                let types: Vec<String> = c.types.keys().cloned().collect();
-                for t in types {
-                    let mut gone = Vec::new();
-                    if let Some(h) = c.types.get_mut(&t) {
-                        for (id, mut l) in h.entities.drain() {
-                            l.entity.on_stop();
-                            gone.push(id);
-                        }
-                    }
-                    for id in gone {
-                        c.entity_gone(&t, &id, TerminatedReason::NodeStopped);
-                    }
-                }
-                c.workers_stop();
-                c.drain_completions();
-                c.flush_system();
-                for o in c.conns.values() {
-                    o.close();
+            ToCore::Stop => c.stop_node(),
+            ToCore::Shutdown => c.shutdown = true,
+        }
+    }
+
+    /// The node stopped (left or downed) or exits: every message the
+    /// regions still buffer is answered `ShuttingDown` (not delivered;
+    /// counted as a dead letter with reason `shutting_down`, logged in
+    /// aggregate), the entities stop, and the stop drain begins
+    /// ([`STOP_DRAIN`]): requests that still arrive are answered
+    /// `ShuttingDown`, then the connections close.
+    fn stop_node(&mut self) {
+        if self.stopped {
+            return;
+        }
+        self.stopped = true;
+        let now = self.now();
+        let mut answered = 0usize;
+        let types: Vec<String> = self.types.keys().cloned().collect();
+        for t in &types {
+            if let Some(h) = self.types.get_mut(t) {
+                answered += h.region.fail_all_buffered(FailureReason::ShuttingDown);
+            }
+            self.run_effects(t);
+        }
+        for t in types {
+            let mut gone = Vec::new();
+            if let Some(h) = self.types.get_mut(&t) {
+                for (id, mut l) in h.entities.drain() {
+                    l.entity.on_stop();
+                    gone.push(id);
                 }
             }
-            ToCore::Shutdown => c.shutdown = true,
+            for id in gone {
+                self.entity_gone(&t, &id, TerminatedReason::NodeStopped);
+            }
+        }
+        self.workers_stop();
+        self.drain_completions();
+        self.flush_system();
+        if answered > 0 {
+            tracing::warn!(
+                core = self.index,
+                answered,
+                "node stopped: buffered messages answered ShuttingDown (not delivered; dead letters)"
+            );
+        }
+        self.drain_until = Some(now + STOP_DRAIN);
+    }
+
+    /// Ends the stop drain: messages forwarded to other nodes or cores
+    /// without a reply yet are answered `TimedOut` (they may have reached
+    /// their entity), and every connection is closed (its writer still
+    /// writes what is queued).
+    fn finish_drain(&mut self) {
+        if self.drained {
+            return;
+        }
+        self.drained = true;
+        let pending: Vec<Pending> = self.pending.drain().map(|(_, p)| p).collect();
+        let local: Vec<ReplyTo> = self.local_pending.drain().map(|(_, r)| r).collect();
+        let unanswered = pending.len() + local.len();
+        for p in pending {
+            self.reply(
+                p.reply_to,
+                Status::TimedOut,
+                b"node stopped before the home node answered".to_vec(),
+            );
+        }
+        for r in local {
+            self.reply(
+                r,
+                Status::TimedOut,
+                b"node stopped before the home core answered".to_vec(),
+            );
+        }
+        if unanswered > 0 {
+            tracing::warn!(
+                core = self.index,
+                unanswered,
+                "node stopped: forwarded messages without a reply answered TimedOut"
+            );
+        }
+        for o in self.conns.values() {
+            o.close();
+        }
+        for l in self.links.values() {
+            l.outbox.close();
         }
     }
 
@@ -1619,6 +1773,12 @@ impl Core {
         &self.to_cores
     }
 
+    /// The longest request frame the native front reads, in bytes
+    /// (`requests.max_message_size_bytes` plus the envelope's overhead).
+    pub(crate) fn max_request_frame_bytes(&self) -> usize {
+        self.config.requests.max_request_frame_bytes()
+    }
+
     pub(crate) fn to_control(&self) -> &RingSender<ToControl> {
         &self.to_control
     }
@@ -1668,6 +1828,7 @@ async fn run_link(core: CoreRef, to: RegionId, outbox: Rc<Outbox>) {
         );
         (hello, to.member.address.0.parse::<std::net::SocketAddr>())
     };
+    let connected = std::cell::Cell::new(false);
     let result: Result<(), crate::transport::TransportError> = async {
         let addr = addr.map_err(|e| {
             crate::transport::TransportError::Refused(format!("bad member address: {e}"))
@@ -1681,6 +1842,7 @@ async fn run_link(core: CoreRef, to: RegionId, outbox: Rc<Outbox>) {
                 ack.address, ack.uid, to.member.uid.0
             )));
         }
+        connected.set(true);
         let (mut r, mut w) = stream.into_split();
         let wb = outbox.clone();
         let writer = monoio::spawn(async move { transport::write_loop(&mut w, wb).await });
@@ -1703,7 +1865,7 @@ async fn run_link(core: CoreRef, to: RegionId, outbox: Rc<Outbox>) {
         tracing::debug!(to = %to.member, core = to.core, error = %e, "data lane failed");
     }
     outbox.close();
-    core.borrow_mut().link_failed(&to, &outbox);
+    core.borrow_mut().link_failed(&to, &outbox, connected.get());
 }
 
 /// An inbound data lane: read `Forward`s, route them, write `Reply`s.

@@ -212,6 +212,9 @@ pub struct Outbox {
     pub notify: LocalNotify,
     /// Set when the connection is finished; the writer exits.
     pub closed: std::cell::Cell<bool>,
+    /// Set by [`write_loop`] when it returned (everything queued before the
+    /// close was written, or a write failed).
+    pub finished: std::cell::Cell<bool>,
 }
 
 impl Outbox {
@@ -233,6 +236,12 @@ impl Outbox {
 /// # Errors
 /// The write error.
 pub async fn write_loop<W: AsyncWriteRent>(w: &mut W, outbox: Rc<Outbox>) -> std::io::Result<()> {
+    let res = write_all_queued(w, &outbox).await;
+    outbox.finished.set(true);
+    res
+}
+
+async fn write_all_queued<W: AsyncWriteRent>(w: &mut W, outbox: &Outbox) -> std::io::Result<()> {
     let mut spare: Vec<u8> = Vec::with_capacity(64 * 1024);
     loop {
         if outbox.buf.borrow().is_empty() {

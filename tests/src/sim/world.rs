@@ -1189,6 +1189,7 @@ impl World {
         self.stats.sent += 1;
         let entity = self.entity_ids[e as usize].clone();
         let env = Envelope {
+            deadline: None,
             shard: shard_id_of(entity.as_str(), self.cfg.shards),
             entity,
             sender: SimSender(sender),

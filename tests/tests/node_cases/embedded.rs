@@ -63,6 +63,7 @@ pub(super) fn config(port: u16, seeds: &[u16], dir: &std::path::Path) -> NodeCon
         heartbeat_pause_ms: 1_500,
         http: Default::default(),
         journal: Default::default(),
+        requests: Default::default(),
     }
 }
 

@@ -90,6 +90,13 @@ pub struct Envelope<M, S> {
     pub sender: S,
     /// The message itself.
     pub payload: M,
+    /// When the sender stops waiting for an answer (the ask deadline, on
+    /// the same clock as the `now` the state machines are fed); `None`: no
+    /// deadline. A message still buffered or not yet routed when its
+    /// deadline passes is handed back with
+    /// [`FailureReason::DeadlinePassed`] instead of being delivered later
+    /// to a sender that gave up on it.
+    pub deadline: Option<std::time::Duration>,
 }
 
 /// Messages a region sends to the coordinator (Akka's `ShardCoordinator`
@@ -244,15 +251,20 @@ pub enum FailureReason {
     /// The region is a proxy and got a message for a shard homed at itself
     /// (a coordinator inconsistency).
     NotHosted,
+    /// The message's [`Envelope::deadline`] passed before it could be
+    /// delivered (it waited in a buffer for a shard home, a hand-off or a
+    /// recovery).
+    DeadlinePassed,
 }
 
 impl FailureReason {
     /// Every reason, in a fixed order (the index of
     /// [`ShardRegion::dead_letters_by_reason`]).
-    pub const ALL: [FailureReason; 3] = [
+    pub const ALL: [FailureReason; 4] = [
         FailureReason::BufferFull,
         FailureReason::ShuttingDown,
         FailureReason::NotHosted,
+        FailureReason::DeadlinePassed,
     ];
 
     /// A short snake_case name, used as the `reason` label of the
@@ -262,6 +274,7 @@ impl FailureReason {
             FailureReason::BufferFull => "buffer_full",
             FailureReason::ShuttingDown => "shutting_down",
             FailureReason::NotHosted => "not_hosted",
+            FailureReason::DeadlinePassed => "deadline_passed",
         }
     }
 
@@ -270,6 +283,7 @@ impl FailureReason {
             FailureReason::BufferFull => 0,
             FailureReason::ShuttingDown => 1,
             FailureReason::NotHosted => 2,
+            FailureReason::DeadlinePassed => 3,
         }
     }
 }
@@ -280,6 +294,7 @@ impl fmt::Display for FailureReason {
             FailureReason::BufferFull => "buffer full",
             FailureReason::ShuttingDown => "region shutting down",
             FailureReason::NotHosted => "proxy cannot host",
+            FailureReason::DeadlinePassed => "ask deadline passed while buffered; not delivered",
         })
     }
 }

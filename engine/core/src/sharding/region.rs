@@ -316,6 +316,9 @@ pub struct ShardRegion<M, S> {
     next_idle_check_at: Option<Duration>,
     paced_starts: VecDeque<EntityKey>,
     next_paced_start_at: Option<Duration>,
+    /// The earliest [`Envelope::deadline`] of a buffered message (a lower
+    /// bound: it may belong to a message that left the buffer since).
+    next_deadline_at: Option<Duration>,
     effects: VecDeque<RegionEffect<M, S>>,
     passive: Option<PassiveFilter<M, S>>,
 }
@@ -388,6 +391,7 @@ impl<M, S> ShardRegion<M, S> {
             next_idle_check_at: if proxy { None } else { next_idle_check_at },
             paced_starts: VecDeque::new(),
             next_paced_start_at: None,
+            next_deadline_at: None,
             effects: VecDeque::new(),
             passive: None,
         };
@@ -503,6 +507,7 @@ impl<M, S> ShardRegion<M, S> {
             Some(self.next_retry_at),
             self.next_idle_check_at,
             self.next_paced_start_at,
+            self.next_deadline_at,
         ]
         .into_iter()
         .flatten()
@@ -580,6 +585,10 @@ impl<M, S> ShardRegion<M, S> {
     }
 
     fn route(&mut self, now: Duration, envelope: Envelope<M, S>) {
+        if envelope.deadline.is_some_and(|d| now >= d) {
+            // The sender stopped waiting: never deliver it later.
+            return self.fail(envelope, FailureReason::DeadlinePassed);
+        }
         let s = envelope.shard;
         if let Some(shard) = self.shards.get_mut(&s) {
             match &mut shard.state {
@@ -589,7 +598,9 @@ impl<M, S> ShardRegion<M, S> {
                         return self.fail(envelope, FailureReason::BufferFull);
                     }
                     self.buffered_total += 1;
+                    let d = envelope.deadline;
                     pending.push_back(envelope);
+                    self.note_deadline(d);
                     return;
                 }
                 ShardState::Stopping => return self.buffer(envelope),
@@ -625,13 +636,97 @@ impl<M, S> ShardRegion<M, S> {
             return self.fail(envelope, FailureReason::BufferFull);
         }
         let s = envelope.shard;
+        let d = envelope.deadline;
         let q = self.buffers.entry(s).or_default();
         let first = q.is_empty();
         q.push_back(envelope);
         self.buffered_total += 1;
+        self.note_deadline(d);
         let stopping_here = self.shards.contains_key(&s);
         if first && !stopping_here && !self.homes.contains_key(&s) {
             self.ask_home(s);
+        }
+    }
+
+    /// Keeps [`Self::poll_timeout`] no later than a buffered deadline.
+    fn note_deadline(&mut self, deadline: Option<Duration>) {
+        if let Some(d) = deadline {
+            self.next_deadline_at = Some(self.next_deadline_at.map_or(d, |n| n.min(d)));
+        }
+    }
+
+    /// Hands back every buffered message whose deadline passed (reason
+    /// [`FailureReason::DeadlinePassed`]), in shard order, and recomputes
+    /// the earliest deadline of those that stay.
+    fn expire_buffered(&mut self, now: Duration) {
+        self.fail_buffered_where(
+            |e| e.deadline.is_some_and(|d| now >= d),
+            FailureReason::DeadlinePassed,
+        );
+    }
+
+    /// Hands back every message waiting in this region (for a shard home,
+    /// a hand-off, a recovery or a passivation) as [`RegionEffect::Fail`]
+    /// with `reason`, counted as dead letters; returns how many (count).
+    /// The runtime calls this when its node stops (reason
+    /// [`FailureReason::ShuttingDown`]): nothing it held is dropped
+    /// without an answer.
+    pub fn fail_all_buffered(&mut self, reason: FailureReason) -> usize {
+        let before = self.dead_letters;
+        self.fail_buffered_where(|_| true, reason);
+        self.pending_start.clear();
+        (self.dead_letters - before) as usize
+    }
+
+    /// Fails the buffered messages `pred` selects with `reason` (in shard
+    /// order; one shard's keep their order) and recomputes the earliest
+    /// deadline of those that stay.
+    fn fail_buffered_where(
+        &mut self,
+        pred: impl Fn(&Envelope<M, S>) -> bool,
+        reason: FailureReason,
+    ) {
+        let mut expired: Vec<(ShardId, Envelope<M, S>)> = Vec::new();
+        let mut next: Option<Duration> = None;
+        let mut keep = |q: &mut VecDeque<Envelope<M, S>>, s: ShardId| {
+            if !q.iter().any(&pred) {
+                for d in q.iter().filter_map(|e| e.deadline) {
+                    next = Some(next.map_or(d, |n: Duration| n.min(d)));
+                }
+                return;
+            }
+            let old = std::mem::take(q);
+            for e in old {
+                if pred(&e) {
+                    expired.push((s, e));
+                } else {
+                    if let Some(d) = e.deadline {
+                        next = Some(next.map_or(d, |n: Duration| n.min(d)));
+                    }
+                    q.push_back(e);
+                }
+            }
+        };
+        for (s, q) in self.buffers.iter_mut() {
+            keep(q, *s);
+        }
+        for (s, sh) in self.shards.iter_mut() {
+            if let ShardState::Recovering { pending, .. } = &mut sh.state {
+                keep(pending, *s);
+            }
+            for e in sh.entities.values_mut() {
+                if let Entity::Passivating { buffer } = e {
+                    keep(buffer, *s);
+                }
+            }
+        }
+        self.buffers.retain(|_, q| !q.is_empty());
+        self.next_deadline_at = next;
+        // Stable: messages of one shard keep their order.
+        expired.sort_by_key(|(s, _)| *s);
+        self.buffered_total -= expired.len();
+        for (_, e) in expired {
+            self.fail(e, reason);
         }
     }
 
@@ -717,8 +812,10 @@ impl<M, S> ShardRegion<M, S> {
                 if self.buffered_total >= self.settings.buffer_size {
                     return self.fail(envelope, FailureReason::BufferFull);
                 }
+                let d = envelope.deadline;
                 buffer.push_back(envelope);
                 self.buffered_total += 1;
+                self.note_deadline(d);
             }
             None => {
                 let entity = envelope.entity.clone();
@@ -1218,8 +1315,13 @@ impl<M, S> ShardRegion<M, S> {
     }
 
     /// Runs due timers: registration and `GetShardHome` retries, the idle
-    /// check, paced starts of remembered entities.
+    /// check, paced starts of remembered entities, and the expiry of
+    /// buffered messages whose [`Envelope::deadline`] passed (handed back as
+    /// [`RegionEffect::Fail`] with [`FailureReason::DeadlinePassed`]).
     pub fn handle_timeout(&mut self, now: Duration) {
+        if self.next_deadline_at.is_some_and(|d| now >= d) {
+            self.expire_buffered(now);
+        }
         if now >= self.next_retry_at {
             self.next_retry_at = now + self.settings.retry_interval;
             if !self.registered {

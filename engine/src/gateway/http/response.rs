@@ -12,6 +12,11 @@
 //! | `EntityFailed` | `500 Internal Server Error` |
 //! | `ShuttingDown` | `503 Service Unavailable`, `Retry-After: 1` |
 //! | `JournalUnavailable` | `503 Service Unavailable`, `Retry-After: 1` |
+//! | `Unavailable` | `503 Service Unavailable`, `Retry-After: 1` (not delivered: safe to retry) |
+//! | `TooLarge` | `413 Content Too Large` (a retry can never succeed) |
+//!
+//! `504` means the message may have reached its entity; every `503` and
+//! the `413` mean it was not delivered.
 //!
 //! Every error response has a short `text/plain` body saying what was
 //! wrong. Responses carry `Content-Length` (never chunked) and
@@ -67,6 +72,8 @@ pub fn status_code_of(status: Status) -> u16 {
         Status::EntityFailed => 500,
         Status::ShuttingDown => 503,
         Status::JournalUnavailable => 503,
+        Status::Unavailable => 503,
+        Status::TooLarge => 413,
     }
 }
 
@@ -125,6 +132,8 @@ impl Response {
             Status::EntityFailed => "the entity failed",
             Status::ShuttingDown => "the node is shutting down, retry on another node",
             Status::JournalUnavailable => "journal unavailable, retry later",
+            Status::Unavailable => "not delivered, safe to retry",
+            Status::TooLarge => "message too large",
             Status::Ok => "ok",
         };
         let detail = String::from_utf8_lossy(&payload);
@@ -271,6 +280,12 @@ mod tests {
         assert_eq!(status_code_of(Status::JournalUnavailable), 503);
         let r = Response::from_status(Status::JournalUnavailable, b"database down".to_vec());
         assert!(r.retry_after && r.code == 503, "{r:?}");
+        assert_eq!(status_code_of(Status::Unavailable), 503);
+        assert_eq!(status_code_of(Status::TooLarge), 413);
+        let r = Response::from_status(Status::Unavailable, b"home node unreachable".to_vec());
+        assert!(r.retry_after, "503 carries Retry-After");
+        let r = Response::from_status(Status::TooLarge, Vec::new());
+        assert!(!r.retry_after, "a retry of a 413 cannot succeed");
     }
 
     #[test]

@@ -27,8 +27,12 @@
 //!   deadlines are checked by the core's periodic sweep (every 250 ms, or a
 //!   quarter of the shortest of these timeouts when that is less), not by
 //!   a timer per read, so they fire up to one sweep period late;
-//! - an entity request without an answer after [`ASK_TIMEOUT`] is answered
-//!   `504` (the outcome is unknown).
+//! - an entity request carries an ask deadline of `requests.ask_timeout_ms`
+//!   (default 12 s) from its arrival; while it waits in a buffer past that
+//!   deadline it is removed and answered `503` (not delivered, safe to
+//!   retry); one without any answer `requests::ANSWER_GRACE_MS` (1 s) after
+//!   the deadline is answered `504` (it may have reached its entity: the
+//!   outcome is unknown).
 //!
 //! After a response that ends the connection (an error, `Connection:
 //! close`), the write side is shut down and the remaining input is read and
@@ -63,8 +67,6 @@ use crate::transport::{self, Outbox};
 
 /// Most pipelined requests of one connection without a response (count).
 pub const MAX_IN_FLIGHT: u64 = 256;
-/// An entity request is answered `504` after this long without a reply.
-pub const ASK_TIMEOUT: Duration = Duration::from_secs(12);
 /// How long input is drained after the last response of a closing
 /// connection.
 pub const LINGER: Duration = Duration::from_secs(2);
@@ -205,6 +207,9 @@ struct CoreHttp {
     native_types: Vec<String>,
     dirty: bool,
     slot: Option<Arc<Mutex<Published>>>,
+    /// An entity request without any answer after this long is answered
+    /// `504`: the ask timeout plus the answer grace.
+    answer_timeout: Duration,
 }
 
 thread_local! {
@@ -216,6 +221,9 @@ thread_local! {
         native_types: Vec::new(),
         dirty: false,
         slot: None,
+        answer_timeout: Duration::from_millis(
+            crate::config::DEFAULT_ASK_TIMEOUT_MS + crate::config::ANSWER_GRACE_MS,
+        ),
     });
 }
 
@@ -348,6 +356,8 @@ pub(crate) struct HttpFront {
     data_dir: std::path::PathBuf,
     /// Data cores of the node (count).
     data_cores: u16,
+    /// `requests.ask_timeout_ms` plus [`crate::config::ANSWER_GRACE_MS`].
+    answer_timeout: Duration,
 }
 
 /// Binds `http_address` (SO_REUSEPORT) for data core `core`, when the config
@@ -373,6 +383,8 @@ pub(crate) fn bind(config: &NodeConfig, core: u16) -> Option<HttpFront> {
             max_conns: config.http.max_connections_per_core as usize,
             data_dir: config.data_dir.clone(),
             data_cores: config.data_cores,
+            answer_timeout: config.requests.ask_timeout()
+                + Duration::from_millis(crate::config::ANSWER_GRACE_MS),
         }),
         Err(e) => {
             tracing::error!(core, %addr, error = %e, "cannot bind http_address");
@@ -397,7 +409,11 @@ pub(crate) fn start(
         v.push((front.core, slot.clone()));
         v.sort_by_key(|(c, _)| *c);
     }
-    HTTP.with(|h| h.borrow_mut().slot = Some(slot));
+    HTTP.with(|h| {
+        let mut h = h.borrow_mut();
+        h.slot = Some(slot);
+        h.answer_timeout = front.answer_timeout;
+    });
     // Read deadlines are enforced by the sweep: at most a quarter of the
     // shortest timeout late.
     let sweep_period = SWEEP_PERIOD
@@ -454,7 +470,10 @@ async fn refuse(mut stream: TcpStream) {
 
 /// Answers expired asks with `504` and publishes this core's metrics.
 fn sweep(_core: &Rc<RefCell<Core>>) {
-    let conns: Vec<Rc<HttpConn>> = HTTP.with(|h| h.borrow().conns.values().cloned().collect());
+    let (conns, answer_timeout): (Vec<Rc<HttpConn>>, Duration) = HTTP.with(|h| {
+        let h = h.borrow();
+        (h.conns.values().cloned().collect(), h.answer_timeout)
+    });
     let now = Instant::now();
     for c in conns {
         if now >= c.deadline.get() {
@@ -464,7 +483,7 @@ fn sweep(_core: &Rc<RefCell<Core>>) {
             let mut asks = c.asks.borrow_mut();
             let keys: Vec<u64> = asks
                 .iter()
-                .filter(|(_, f)| f.started.elapsed() >= ASK_TIMEOUT)
+                .filter(|(_, f)| f.started.elapsed() >= answer_timeout)
                 .map(|(k, _)| *k)
                 .collect();
             keys.into_iter()
@@ -474,7 +493,11 @@ fn sweep(_core: &Rc<RefCell<Core>>) {
         for (seq, f) in expired {
             let r = Response::from_status(
                 Status::TimedOut,
-                format!("no reply within {} s", ASK_TIMEOUT.as_secs()).into_bytes(),
+                format!(
+                    "no reply within {} ms; it may have reached its entity",
+                    answer_timeout.as_millis()
+                )
+                .into_bytes(),
             );
             HTTP.with(|h| {
                 let mut h = h.borrow_mut();
@@ -580,7 +603,8 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
             break;
         }
         if stop_reading {
-            // Wait for the remaining responses (bounded by ASK_TIMEOUT).
+            // Wait for the remaining responses (bounded by the ask deadline
+            // plus the answer grace).
             if conn.queue.borrow().in_flight() == 0 {
                 break;
             }

@@ -332,6 +332,7 @@ impl Core {
                 ReplyTo::Nobody
             };
             let envelope = Envelope {
+                deadline: None,
                 shard: shard_id_of(o.entity_id.as_str(), self.config.number_of_shards),
                 entity: o.entity_id,
                 sender: to,

@@ -1,0 +1,115 @@
+//! The `[requests]` table: how long a request may wait for its answer and
+//! how large a message the cluster carries. Both are checked at the front a
+//! request arrives on, so that a request's fate never depends on where its
+//! entity lives (see `docs/interfaces.md`, "Limits").
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::ConfigError;
+use crate::envelope::MAX_FRAME_SIZE_BYTES;
+
+/// Bytes a forwarded message's frame needs besides its payload: the type
+/// name and entity id (at most 255 bytes each), the archive's fixed part
+/// and alignment (in bytes; generous).
+pub const ENVELOPE_OVERHEAD_BYTES: u64 = 1024;
+
+/// The largest message (payload) the node-to-node wire can carry, in bytes:
+/// the frame limit ([`MAX_FRAME_SIZE_BYTES`], 16 MiB) less
+/// [`ENVELOPE_OVERHEAD_BYTES`]. Upper bound and default of
+/// [`RequestsConfig::max_message_size_bytes`].
+pub const MAX_MESSAGE_SIZE_BYTES: u64 = MAX_FRAME_SIZE_BYTES as u64 - ENVELOPE_OVERHEAD_BYTES;
+
+/// Default of [`RequestsConfig::ask_timeout_ms`]: 12 s.
+pub const DEFAULT_ASK_TIMEOUT_MS: u64 = 12_000;
+
+/// How long the HTTP front waits past a request's ask deadline before it
+/// answers `504` itself (in ms): time for a "not delivered" answer from a
+/// buffer or from another node to arrive first.
+pub const ANSWER_GRACE_MS: u64 = 1_000;
+
+/// Request deadlines and the message size limit (`[requests]` table; every
+/// key optional).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RequestsConfig {
+    /// The ask deadline of a client request, in milliseconds from its
+    /// arrival at a front (HTTP or native). A request still waiting in a
+    /// buffer (for a shard home, a hand-off, a recovery) at its deadline
+    /// is removed and answered `Unavailable` (HTTP 503: not delivered,
+    /// safe to retry); the deadline travels with a request forwarded to
+    /// another node. The HTTP front answers `504` (outcome unknown) only
+    /// for a request that got no answer by the deadline plus
+    /// [`ANSWER_GRACE_MS`], i.e. one that may have reached its entity.
+    /// Default 12000; 100..=3600000.
+    pub ask_timeout_ms: u64,
+    /// The largest message payload the cluster accepts, in bytes. A larger
+    /// request is refused at once by the front it arrives on: HTTP `413`,
+    /// native protocol a `TooLarge` answer (a request frame over the limit
+    /// plus [`ENVELOPE_OVERHEAD_BYTES`] gets a `TooLarge` frame with request
+    /// id 0, then the connection is closed). `http.max_body_size_bytes`
+    /// may not exceed it. Default and maximum [`MAX_MESSAGE_SIZE_BYTES`]
+    /// (16 MiB less 1 KiB, what a node-to-node frame carries); at least 1.
+    pub max_message_size_bytes: u64,
+}
+
+impl Default for RequestsConfig {
+    fn default() -> Self {
+        RequestsConfig {
+            ask_timeout_ms: DEFAULT_ASK_TIMEOUT_MS,
+            max_message_size_bytes: MAX_MESSAGE_SIZE_BYTES,
+        }
+    }
+}
+
+impl RequestsConfig {
+    /// [`Self::ask_timeout_ms`] as a Duration.
+    pub fn ask_timeout(&self) -> Duration {
+        Duration::from_millis(self.ask_timeout_ms)
+    }
+
+    /// The longest a request frame on the native port may be, in bytes
+    /// (the message limit plus [`ENVELOPE_OVERHEAD_BYTES`]).
+    pub fn max_request_frame_bytes(&self) -> usize {
+        usize::try_from(self.max_message_size_bytes + ENVELOPE_OVERHEAD_BYTES)
+            .unwrap_or(MAX_FRAME_SIZE_BYTES)
+            .min(MAX_FRAME_SIZE_BYTES)
+    }
+
+    /// Checks value ranges and that `http_max_body` (the HTTP front's body
+    /// limit, in bytes) is within the message limit; `bad(key, reason)`
+    /// builds the error.
+    pub(super) fn validate(
+        &self,
+        http_max_body: u64,
+        bad: impl Fn(&str, String) -> ConfigError,
+    ) -> Result<(), ConfigError> {
+        if !(100..=3_600_000).contains(&self.ask_timeout_ms) {
+            return Err(bad(
+                "requests.ask_timeout_ms",
+                format!("{} is not in 100..=3600000", self.ask_timeout_ms),
+            ));
+        }
+        if self.max_message_size_bytes == 0 || self.max_message_size_bytes > MAX_MESSAGE_SIZE_BYTES
+        {
+            return Err(bad(
+                "requests.max_message_size_bytes",
+                format!(
+                    "{} is not in 1..={MAX_MESSAGE_SIZE_BYTES} (a node-to-node frame carries at most {MAX_FRAME_SIZE_BYTES} bytes)",
+                    self.max_message_size_bytes
+                ),
+            ));
+        }
+        if http_max_body > self.max_message_size_bytes {
+            return Err(bad(
+                "http.max_body_size_bytes",
+                format!(
+                    "{http_max_body} exceeds requests.max_message_size_bytes ({}): a body the cluster cannot carry would be accepted",
+                    self.max_message_size_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,479 @@
+//! Nothing dropped at the edges (multi-process, loopback): the field cases
+//! of a request that the engine could not deliver. Each asserts that every
+//! request got an answer and that a "not delivered" answer (503
+//! `Unavailable`, `ShuttingDown`, `BufferFull`; 413 `TooLarge`) was in
+//! fact not applied.
+//!
+//! - a request buffered past its ask deadline during a coordinator
+//!   failover is answered 503 and never applied later (it used to be
+//!   answered 504 and applied afterwards);
+//! - a node that buffers requests (its coordinator's node was killed) and
+//!   is then sent SIGTERM answers every one of them 503 before it exits
+//!   (it used to close the connections without an answer);
+//! - SIGTERM to a node while one keep-alive connection pipelines adds to
+//!   it: every request written gets a response, 200 or 503, and the 503s
+//!   were not applied (it used to cut most of them off without an
+//!   answer);
+//! - one size limit (`requests.max_message_size_bytes`): the HTTP front
+//!   answers a larger body `413` and the native front a `TooLarge` status
+//!   (a frame longer than the limit plus the envelope overhead: a
+//!   `TooLarge` frame, then the connection closes), while a message at
+//!   the limit is served;
+//!
+//! The cases run one at a time (several node processes each).
+
+mod http_support;
+
+#[path = "node_cases/support.rs"]
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use http_support::{config_text_with, post_bytes, shardline_bin, start_nodes_with, Conn, Ports};
+
+/// Runs the cases of this file one at a time.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Pipelines one request per `(path, body)` on one connection and reads
+/// every response (in order); `None` for requests whose connection closed
+/// before their response.
+fn pipeline(conn: &mut Conn, reqs: &[(String, Vec<u8>)]) -> Vec<Option<http_support::Resp>> {
+    let mut bytes = Vec::new();
+    for (p, b) in reqs {
+        bytes.extend_from_slice(&post_bytes(p, b));
+    }
+    conn.send(&bytes);
+    let mut out = Vec::new();
+    for _ in reqs {
+        out.push(conn.read_response());
+    }
+    out
+}
+
+/// The counter's value read through `addr` (HTTP), retried until the
+/// cluster answers 200 or `timeout` passes.
+fn read_counter(addr: std::net::SocketAddr, id: &str, timeout: Duration) -> i64 {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let mut c = Conn::open(addr);
+        // Longer than the ask deadline: a request waiting for the failover
+        // gets its 503 instead of a client-side timeout.
+        c.s.set_read_timeout(Some(Duration::from_secs(20)))
+            .expect("timeout");
+        c.send(&post_bytes(&format!("/v1/entities/counter/{id}"), b"get"));
+        let r = c.read_response();
+        if let Some(r) = &r {
+            if r.code == 200 {
+                return r.text().trim().parse().expect("counter value");
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{id} not readable in {timeout:?}: {:?}",
+            r.map(|r| (r.code, r.text()))
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Reproduction 3 of the issue: during a coordinator failover, requests
+/// for shards without a home wait in the region's buffer longer than the
+/// ask timeout. Each is answered `503` (not delivered, with `Retry-After`)
+/// at its deadline, counted as a `deadline_passed` dead letter, and never
+/// applied once the new coordinator allocates the shards.
+#[test]
+fn requests_buffered_past_their_deadline_are_answered_503_and_never_applied() {
+    let _one = serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ports = Ports { base: 28_000 };
+    // ask_timeout_ms 1500: far below the failover (detection 1.5 s +
+    // stable_after 2 s + removal), so every request waits past it.
+    let mut nodes = start_nodes_with(
+        dir.path(),
+        ports,
+        3,
+        1,
+        "\n[requests]\nask_timeout_ms = 1500",
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let st = support::status(ports.client(1));
+        let ok = st.as_ref().is_some_and(|s| {
+            s.members.iter().filter(|m| m.status == "Up").count() == 3
+                && s.coordinator.as_deref() == Some(&ports.cluster(0).to_string())
+        });
+        if ok {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no 3-member cluster: {st:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The coordinator's node dies before any shard was allocated.
+    nodes[0].kill();
+    let t0 = Instant::now();
+    const N: usize = 60;
+    let reqs: Vec<(String, Vec<u8>)> = (0..N)
+        .map(|i| (format!("/v1/entities/counter/d-{i}"), b"add 1".to_vec()))
+        .collect();
+    let mut conn = Conn::open(nodes[1].http);
+    let resps = pipeline(&mut conn, &reqs);
+    let took = t0.elapsed();
+    let mut codes: BTreeMap<u16, usize> = BTreeMap::new();
+    let mut applied = Vec::new();
+    for (i, r) in resps.iter().enumerate() {
+        let r = r
+            .as_ref()
+            .unwrap_or_else(|| panic!("request {i} got no answer"));
+        *codes.entry(r.code).or_default() += 1;
+        match r.code {
+            200 => applied.push(i),
+            503 => {
+                assert_eq!(r.header("retry-after"), Some("1"), "{}", r.text());
+                assert!(r.text().contains("deadline"), "{}", r.text());
+            }
+            c => panic!("request {i}: unexpected {c} {}", r.text()),
+        }
+    }
+    assert_eq!(
+        codes.get(&503).copied().unwrap_or(0),
+        N,
+        "every request waited past its deadline: {codes:?}"
+    );
+    assert!(
+        took >= Duration::from_millis(1400) && took < Duration::from_secs(5),
+        "answered at the deadline, not before or much later: {took:?}"
+    );
+    let st = support::status(ports.client(1)).expect("status of node 1");
+    let dl: u64 = st
+        .regions
+        .iter()
+        .filter(|r| r.type_name == "counter")
+        .map(|r| {
+            r.dead_letter_reasons
+                .get("deadline_passed")
+                .copied()
+                .unwrap_or(0)
+        })
+        .sum();
+    assert_eq!(dl, N as u64, "dead letters by reason: {:?}", st.regions);
+    // The survivors take over; none of the refused adds was applied.
+    for i in 0..N {
+        let v = read_counter(nodes[1].http, &format!("d-{i}"), Duration::from_secs(40));
+        assert_eq!(v, i64::from(applied.contains(&i)), "counter d-{i}");
+    }
+}
+
+/// Starts `shardline node --config cfg --leave-timeout-ms leave_ms` (log
+/// appended to `log`) and waits for its ready line.
+fn spawn_with_leave_timeout(cfg: &Path, log: &Path, leave_ms: u64) -> support::NodeProc {
+    let logf = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .expect("log file");
+    let mut child = Command::new(shardline_bin())
+        .args(["node", "--config"])
+        .arg(cfg)
+        .arg("--leave-timeout-ms")
+        .arg(leave_ms.to_string())
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(logf))
+        .spawn()
+        .expect("spawn shardline node");
+    let out = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if line.starts_with("shardline: ready") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    support::NodeProc { child, ready: rx }
+}
+
+/// Writes the configs of `n` HTTP nodes (`extra`: the `[http]` table's
+/// body, possibly followed by more tables) and starts them with a leave
+/// timeout of `leave_ms`; waits for every ready line.
+fn start_leavable(
+    dir: &Path,
+    ports: Ports,
+    n: usize,
+    extra: &str,
+    leave_ms: u64,
+) -> Vec<Option<support::NodeProc>> {
+    let mut nodes = Vec::new();
+    for i in 0..n {
+        let cfg = dir.join(format!("node-{i}.toml"));
+        std::fs::write(&cfg, config_text_with(ports, i, n, 1, dir, extra)).expect("config");
+        let log = dir.join(format!("node-{i}.log"));
+        nodes.push(Some(spawn_with_leave_timeout(&cfg, &log, leave_ms)));
+    }
+    for (i, n) in nodes.iter().enumerate() {
+        let n = n.as_ref().expect("started");
+        if n.ready.recv_timeout(Duration::from_secs(30)).is_err() {
+            panic!("node {i} not ready:\n{}", node_log(dir, i));
+        }
+    }
+    nodes
+}
+
+fn node_log(dir: &Path, i: usize) -> String {
+    std::fs::read_to_string(dir.join(format!("node-{i}.log"))).unwrap_or_default()
+}
+
+/// Waits until the node at native address `client` sees `n` members Up
+/// and the coordinator on `coordinator` (any when `None`).
+fn wait_cluster(client: std::net::SocketAddr, n: usize, coordinator: Option<String>) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let st = support::status(client);
+        let ok = st.as_ref().is_some_and(|s| {
+            s.members.iter().filter(|m| m.status == "Up").count() == n
+                && s.coordinator.is_some()
+                && (coordinator.is_none() || s.coordinator == coordinator)
+        });
+        if ok {
+            return;
+        }
+        assert!(Instant::now() < deadline, "cluster not formed: {st:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Reproduction 1 of the issue: the coordinator's node (of five) is
+/// killed, so node 1 buffers 50 adds (one per client connection) for shards whose home
+/// cannot be resolved; node 1 is then sent SIGTERM. Every client gets a
+/// 503 before its connection closes, node 1 logs the buffered messages it
+/// answered, and none of the adds is applied.
+#[test]
+fn sigterm_answers_every_buffered_request_503_before_exiting() {
+    let _one = serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ports = Ports { base: 28_200 };
+    // Five nodes: after node 0 is killed and node 1 left (it stays a
+    // member, unreachable, until its removal converges, which node 0's
+    // unreachability blocks), nodes 2..=4 are the majority and take over.
+    let mut nodes = start_leavable(dir.path(), ports, 5, "", 4_000);
+    wait_cluster(ports.client(1), 5, Some(ports.cluster(0).to_string()));
+    drop(nodes[0].take());
+    const N: usize = 50;
+    let clients: Vec<std::thread::JoinHandle<Option<http_support::Resp>>> = (0..N)
+        .map(|i| {
+            let addr = ports.http(1);
+            std::thread::spawn(move || {
+                let mut c = Conn::open(addr);
+                c.s.set_read_timeout(Some(Duration::from_secs(30)))
+                    .expect("timeout");
+                c.send(&post_bytes(
+                    &format!("/v1/entities/counter/b-{i}"),
+                    b"add 1",
+                ));
+                c.read_response()
+            })
+        })
+        .collect();
+    // All 50 wait in node 1's buffers.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let buffered: usize = support::status(ports.client(1))
+            .map(|s| s.regions.iter().map(|r| r.buffered).sum())
+            .unwrap_or(0);
+        if buffered == N {
+            break;
+        }
+        assert!(Instant::now() < deadline, "buffered {buffered} of {N}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut leaving = nodes[1].take().expect("node 1");
+    leaving.signal(libc::SIGTERM);
+    let t0 = Instant::now();
+    for (i, c) in clients.into_iter().enumerate() {
+        let r = c
+            .join()
+            .expect("client")
+            .unwrap_or_else(|| panic!("client {i}: connection closed without an answer"));
+        assert_eq!(r.code, 503, "client {i}: {}", r.text());
+        assert_eq!(r.header("retry-after"), Some("1"));
+    }
+    // Answered by the stop, well before the 12 s ask deadline.
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    let st = leaving.wait_exit(Duration::from_secs(20));
+    let log = node_log(dir.path(), 1);
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "node 1 exit: {st:?}\n{log}"
+    );
+    assert!(
+        log.contains("buffered messages answered ShuttingDown") && log.contains("answered=50"),
+        "node 1 logs what it answered:\n{log}"
+    );
+    // Nodes 2..=4 take over; none of the adds was applied.
+    std::thread::sleep(Duration::from_secs(3));
+    for i in [2, 3, 4] {
+        let n = nodes[i].as_mut().expect("running");
+        if let Ok(Some(st)) = n.child.try_wait() {
+            panic!("node {i} exited {st:?}:\n{}", node_log(dir.path(), i));
+        }
+    }
+    for i in 0..N {
+        let v = read_counter(ports.http(2), &format!("b-{i}"), Duration::from_secs(60));
+        assert_eq!(v, 0, "counter b-{i}");
+    }
+}
+
+/// Reproduction 2 of the issue: one keep-alive connection pipelines adds
+/// to a single-node cluster that gets SIGTERM. The client stops writing at
+/// its first 503 (as a load balancer does); every request it wrote gets a
+/// response before the connection closes, and after a restart every
+/// counter holds exactly its 200-answered adds (the 503s were not
+/// applied).
+#[test]
+fn sigterm_answers_every_pipelined_request_and_refused_adds_are_not_applied() {
+    let _one = serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ports = Ports { base: 28_400 };
+    let mut nodes = start_leavable(dir.path(), ports, 1, "", 4_000);
+    wait_cluster(ports.client(0), 1, None);
+    const ENTITIES: usize = 30;
+    let mut conn = Conn::open(ports.http(0));
+    conn.s
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    let mut writer = conn.s.try_clone().expect("clone");
+    let saw_503 = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop_writing = saw_503.clone();
+    // Writes 50 requests every 10 ms until the first 503 (or 20 s).
+    let w = std::thread::spawn(move || {
+        let mut sent = 0usize;
+        let until = Instant::now() + Duration::from_secs(20);
+        while !stop_writing.load(std::sync::atomic::Ordering::SeqCst) && Instant::now() < until {
+            let mut batch = Vec::new();
+            for _ in 0..50 {
+                let e = sent % ENTITIES;
+                batch.extend_from_slice(&post_bytes(
+                    &format!("/v1/entities/counter/p-{e}"),
+                    b"add 1",
+                ));
+                sent += 1;
+            }
+            if writer.write_all(&batch).is_err() {
+                panic!("the node closed the connection while requests were being written");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        sent
+    });
+    let mut node = nodes[0].take().expect("node");
+    let mut ok_per_entity = [0i64; ENTITIES];
+    let mut codes: BTreeMap<u16, usize> = BTreeMap::new();
+    let mut answered = 0usize;
+    let mut signalled = false;
+    // Reads until the node closes the connection (after its stop drain).
+    while let Some(r) = {
+        if answered == 300 && !signalled {
+            node.signal(libc::SIGTERM);
+            signalled = true;
+        }
+        conn.read_response()
+    } {
+        let e = answered % ENTITIES;
+        answered += 1;
+        *codes.entry(r.code).or_default() += 1;
+        match r.code {
+            200 => {
+                ok_per_entity[e] += 1;
+                assert_eq!(r.text(), ok_per_entity[e].to_string(), "p-{e}");
+            }
+            503 => saw_503.store(true, std::sync::atomic::Ordering::SeqCst),
+            c => panic!("request {answered}: {c} {}", r.text()),
+        }
+    }
+    let sent = w.join().expect("writer");
+    assert_eq!(
+        answered, sent,
+        "every request written was answered: {codes:?}"
+    );
+    assert!(
+        signalled && saw_503.load(std::sync::atomic::Ordering::SeqCst),
+        "{codes:?}"
+    );
+    let st = node.wait_exit(Duration::from_secs(20));
+    assert!(
+        st.is_some_and(|s| s.success()),
+        "exit {st:?}\n{}",
+        node_log(dir.path(), 0)
+    );
+    // Restart: the journal has exactly the 200-answered adds.
+    let cfg = dir.path().join("node-0.toml");
+    let log = dir.path().join("node-0.log");
+    let node = spawn_with_leave_timeout(&cfg, &log, 4_000);
+    assert!(node.ready.recv_timeout(Duration::from_secs(30)).is_ok());
+    for (e, ok) in ok_per_entity.iter().enumerate() {
+        let v = read_counter(ports.http(0), &format!("p-{e}"), Duration::from_secs(20));
+        assert_eq!(v, *ok, "p-{e}: {codes:?}");
+    }
+}
+
+/// One size limit, refused at once by both fronts (a 1000-byte limit;
+/// `http.max_body_size_bytes` equal to it).
+#[test]
+fn one_message_size_limit_on_both_fronts() {
+    let _one = serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ports = Ports { base: 28_600 };
+    let _nodes = start_nodes_with(
+        dir.path(),
+        ports,
+        1,
+        1,
+        "max_body_size_bytes = 1000\n[requests]\nmax_message_size_bytes = 1000",
+    );
+    wait_cluster(ports.client(0), 1, None);
+    // HTTP: at the limit served, one byte over 413 at once.
+    let mut c = Conn::open(ports.http(0));
+    let r = c.post("/v1/entities/echo/x", &[b'a'; 1000]);
+    assert_eq!((r.code, r.body.len()), (200, 1000), "{}", r.text());
+    let mut c = Conn::open(ports.http(0));
+    let r = c.post("/v1/entities/echo/x", &[b'a'; 1001]);
+    assert_eq!(r.code, 413, "{}", r.text());
+    // Native: at the limit served; over it TooLarge with the request's id.
+    let mut n = shardline::client::Client::connect(ports.client(0)).expect("connect");
+    let t = Duration::from_secs(10);
+    let r = n.ask("echo", "x", &[b'b'; 1000], t).expect("ask");
+    assert_eq!(r.status, shardline::client::Status::Ok);
+    assert_eq!(r.payload.len(), 1000);
+    let r = n.ask("echo", "x", &[b'b'; 1001], t).expect("ask");
+    assert_eq!(r.status, shardline::client::Status::TooLarge);
+    assert!(String::from_utf8_lossy(&r.payload).contains("1000"));
+    // The connection keeps serving after a refused message.
+    let r = n.ask("counter", "size", b"add 1", t).expect("ask");
+    assert_eq!(
+        (r.status, r.payload.as_slice()),
+        (shardline::client::Status::Ok, &b"1"[..])
+    );
+    // A frame over the limit plus the overhead: a TooLarge frame (request
+    // id 0), then the connection is closed.
+    let r = n.ask("echo", "x", &vec![b'c'; 100_000], t).expect("answer");
+    assert_eq!(
+        (r.request_id, r.status),
+        (0, shardline::client::Status::TooLarge)
+    );
+    assert!(n.ask("echo", "x", b"after", t).is_err(), "closed");
+    // Nothing over the limit was delivered: the counter saw one add.
+    let mut n = shardline::client::Client::connect(ports.client(0)).expect("connect");
+    let r = n.ask("counter", "size", b"get", t).expect("ask");
+    assert_eq!(r.payload, b"1");
+}
