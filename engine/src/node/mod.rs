@@ -68,6 +68,10 @@ pub enum NodeError {
     /// state in journals this node cannot share (`journal.backend`).
     #[error("refused to join the cluster: {0}")]
     Refused(String),
+    /// The shared journal backend (`journal.backend = "postgres"`) could
+    /// not be reached at start to read its identity, or refused.
+    #[error("journal.backend = \"postgres\": {0}")]
+    Journal(crate::persistence::pg::PgError),
 }
 
 /// Errors from an [`EntityRef::ask`].
@@ -163,10 +167,15 @@ impl Node {
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
         config.validate(std::path::Path::new("<config>"))?;
         let lock = crate::persistence::DataDirLock::acquire(&config.data_dir)?;
-        let scope = Arc::new(crate::persistence::DataScope::open(
-            &config.data_dir,
-            &config.cluster_name,
-        )?);
+        let mut scope =
+            crate::persistence::DataScope::open(&config.data_dir, &config.cluster_name)?;
+        if let Some(pg) = crate::persistence::pg::PgSettings::from_config(&config.journal) {
+            // On the caller's thread, before any executor runs: the database's
+            // identity joins the handshake's fingerprint.
+            let id = crate::persistence::pg::identity(&pg).map_err(NodeError::Journal)?;
+            scope.use_shared_journal(id);
+        }
+        let scope = Arc::new(scope);
         let uid = MemberUid(rand::random::<u64>() | 1);
         let shared = Arc::new(Shared {
             ready: AtomicBool::new(false),

@@ -316,6 +316,9 @@ pub struct DataScope {
     /// Members seen whose journal identity differs from this node's:
     /// address → journal identity.
     unreadable: Mutex<BTreeMap<String, String>>,
+    /// The identity of a shared journal backend (`postgres:…`), when the
+    /// node keeps its durable state there instead of under the data root.
+    shared_journal: Option<String>,
 }
 
 impl DataScope {
@@ -362,7 +365,17 @@ impl DataScope {
             recorded_id,
             cluster_id: Mutex::new(None),
             unreadable: Mutex::new(BTreeMap::new()),
+            shared_journal: None,
         })
+    }
+
+    /// Records that this node's durable state lives in a shared journal
+    /// backend whose identity is `identity` (e.g. the PostgreSQL backend's
+    /// `postgres:{system_identifier}/{database}`): it becomes the
+    /// [`Self::journal_identity`] exchanged at the handshake, so every
+    /// member must use the same database, wherever its data root is.
+    pub fn use_shared_journal(&mut self, identity: String) {
+        self.shared_journal = Some(identity);
     }
 
     /// The (canonical) `data_dir`.
@@ -386,9 +399,13 @@ impl DataScope {
     }
 
     /// The journal identity exchanged at the handshake: `local:<root id>`
-    /// (two members with the same one can read each other's journals).
+    /// (two members with the same one can read each other's journals), or
+    /// the shared backend's identity ([`Self::use_shared_journal`]).
     pub fn journal_identity(&self) -> String {
-        format!("local:{}", self.root_id)
+        match &self.shared_journal {
+            Some(id) => id.clone(),
+            None => format!("local:{}", self.root_id),
+        }
     }
 
     /// The cluster's id, once known.
