@@ -970,6 +970,7 @@ fn envelope_for(entity: &str, payload: u32) -> Envelope<u32, u32> {
         shard: ShardId(0),
         sender: payload,
         payload,
+        deadline: None,
     }
 }
 
