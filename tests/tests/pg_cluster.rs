@@ -27,7 +27,14 @@ use support::{shardline_bin, start_ready, status, NodeProc};
 
 /// Node `i` of `n`: cluster port `base + i`, client port `base + 50 + i`,
 /// data_dir `{dir}/machine-{i}/node` (a parent of its own).
-fn write_config(dir: &Path, base: u16, i: usize, n: usize, url: &str) -> PathBuf {
+fn write_config(
+    dir: &Path,
+    base: u16,
+    i: usize,
+    n: usize,
+    url: &str,
+    counter_keys: &str,
+) -> PathBuf {
     let seeds: Vec<String> = (0..n)
         .map(|j| format!("\"127.0.0.1:{}\"", base + j as u16))
         .collect();
@@ -53,6 +60,11 @@ name = "counter"
 kind = "counter"
 idle_timeout_ms = 0
 active_entity_limit = 0
+{counter_keys}
+
+[[entity_types]]
+name = "echo"
+kind = "echo"
 "#,
         base + i as u16,
         base + 50 + i as u16,
@@ -69,7 +81,18 @@ fn client_addr(base: u16, i: usize) -> SocketAddr {
 }
 
 fn start_node(dir: &Path, base: u16, i: usize, n: usize, url: &str) -> NodeProc {
-    let cfg = write_config(dir, base, i, n, url);
+    start_node_with(dir, base, i, n, url, "")
+}
+
+fn start_node_with(
+    dir: &Path,
+    base: u16,
+    i: usize,
+    n: usize,
+    url: &str,
+    counter_keys: &str,
+) -> NodeProc {
+    let cfg = write_config(dir, base, i, n, url, counter_keys);
     start_ready(
         &shardline_bin(),
         &cfg,
@@ -306,6 +329,15 @@ fn database_restart_mid_load_answers_unavailable_then_resumes() {
         std::thread::sleep(Duration::from_millis(100));
     };
     assert!(why.contains("journal unavailable"), "{why}");
+    // Non-durable types keep serving meanwhile.
+    let mut e = Client::connect(addr).expect("connect");
+    let r = e
+        .ask("echo", "e-1", b"still here", Duration::from_secs(5))
+        .expect("echo while the database is down");
+    assert_eq!(
+        (r.status, r.payload.as_slice()),
+        (Status::Ok, &b"still here"[..])
+    );
     std::thread::sleep(Duration::from_millis(1000));
     pg.start_server();
     // Service resumes: a fresh add succeeds within a bounded time.
@@ -342,4 +374,52 @@ fn database_restart_mid_load_answers_unavailable_then_resumes() {
     );
     let values = get_all(addr, &ids);
     verify(&values, &t, &ids);
+}
+
+/// Remember entities on PostgreSQL: the counters that lived on a node
+/// killed with SIGKILL start on the survivor without a message for them
+/// (their shard's remember-entities records are read from the database),
+/// with their values.
+#[test]
+fn remembered_counters_of_a_killed_node_start_on_the_survivor_on_postgres() {
+    let _one = support::serial();
+    let pg = TempPg::start();
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = 26_100;
+    let keys = "remember_entities = true";
+    let _a = start_node_with(dir.path(), base, 0, 2, &pg.url(), keys);
+    let b = start_node_with(dir.path(), base, 1, 2, &pg.url(), keys);
+    let addrs = [client_addr(base, 0), client_addr(base, 1)];
+    wait_up(&addrs, 2);
+    let ids: Vec<String> = (0..30).map(|i| format!("m-{i}")).collect();
+    let mut c = Client::connect(addrs[0]).expect("connect");
+    for id in &ids {
+        let r = c
+            .ask("counter", id, b"add 3", Duration::from_secs(20))
+            .expect("add");
+        assert_eq!(
+            (r.status, r.payload.as_slice()),
+            (Status::Ok, &b"3"[..]),
+            "{id}"
+        );
+    }
+    let on_b = support::live_entities(addrs[1], "counter").expect("status");
+    assert!(!on_b.is_empty(), "node 1 hosts some counters");
+    b.signal(libc::SIGKILL);
+    drop(b);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let live = support::live_entities(addrs[0], "counter").unwrap_or_default();
+        if on_b.iter().all(|id| live.contains(id)) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "remembered counters of the killed node not started: {} of {} live",
+            on_b.iter().filter(|id| live.contains(*id)).count(),
+            on_b.len()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(get_all(addrs[0], &ids), vec![3; 30]);
 }

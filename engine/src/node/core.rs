@@ -1704,47 +1704,50 @@ impl Core {
     }
 
     pub(crate) fn status(&self) -> Vec<RegionStatusView> {
-        let mut v: Vec<RegionStatusView> =
-            self.types
-                .iter()
-                .map(|(t, h)| {
-                    let st = h.region.shard_region_state();
-                    RegionStatusView {
-                        type_name: t.clone(),
-                        core: self.index,
-                        proxy: h.region.is_proxy(),
-                        registered: h.region.is_registered(),
-                        entities: h.entities.len(),
-                        shards: st
-                            .shards
-                            .into_iter()
-                            .map(|(s, ids)| {
-                                (
-                                    s.0,
-                                    ids.into_iter().map(|i| i.as_str().to_string()).collect(),
-                                )
-                            })
-                            .collect(),
-                        messages_delivered: h.delivered,
-                        entities_activated: h.activated,
-                        dead_letters: h.region.dead_letters(),
-                        journal_error: self.journal_error.clone().or_else(|| {
-                            crate::persistence::with_log(|l| l.health()).ok().flatten()
-                        }),
-                        dead_letter_reasons: h
-                            .region
-                            .dead_letters_by_reason()
-                            .into_iter()
-                            .filter(|(_, n)| *n > 0)
-                            .map(|(r, n)| (r.label().to_string(), n))
-                            .collect(),
-                        buffered: h.region.buffered(),
-                        hand_offs_begun: h.region.hand_offs_begun(),
-                        hand_offs_completed: h.region.hand_offs_completed(),
-                        worker: h.worker.as_ref().map(|w| w.status()),
-                    }
-                })
-                .collect();
+        // A journal that did not open, or a database that is unavailable.
+        let journal_error = self
+            .journal_error
+            .clone()
+            .or_else(|| crate::persistence::with_log(|l| l.health()).ok().flatten());
+        let mut v: Vec<RegionStatusView> = self
+            .types
+            .iter()
+            .map(|(t, h)| {
+                let st = h.region.shard_region_state();
+                RegionStatusView {
+                    type_name: t.clone(),
+                    core: self.index,
+                    proxy: h.region.is_proxy(),
+                    registered: h.region.is_registered(),
+                    entities: h.entities.len(),
+                    shards: st
+                        .shards
+                        .into_iter()
+                        .map(|(s, ids)| {
+                            (
+                                s.0,
+                                ids.into_iter().map(|i| i.as_str().to_string()).collect(),
+                            )
+                        })
+                        .collect(),
+                    messages_delivered: h.delivered,
+                    entities_activated: h.activated,
+                    dead_letters: h.region.dead_letters(),
+                    journal_error: journal_error.clone(),
+                    dead_letter_reasons: h
+                        .region
+                        .dead_letters_by_reason()
+                        .into_iter()
+                        .filter(|(_, n)| *n > 0)
+                        .map(|(r, n)| (r.label().to_string(), n))
+                        .collect(),
+                    buffered: h.region.buffered(),
+                    hand_offs_begun: h.region.hand_offs_begun(),
+                    hand_offs_completed: h.region.hand_offs_completed(),
+                    worker: h.worker.as_ref().map(|w| w.status()),
+                }
+            })
+            .collect();
         v.sort_by(|a, b| a.type_name.cmp(&b.type_name));
         v
     }
