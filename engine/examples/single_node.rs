@@ -45,6 +45,7 @@ fn main() -> anyhow::Result<()> {
         heartbeat_pause_ms: 3_000,
         http: Default::default(),
         requests: Default::default(),
+        coordinator: Default::default(),
     };
     let node = Node::start(config)?;
     node.sharding().start(

@@ -30,6 +30,7 @@ fn config(i: u16, dir: &std::path::Path) -> anyhow::Result<NodeConfig> {
         heartbeat_pause_ms: 3_000,
         http: Default::default(),
         requests: Default::default(),
+        coordinator: Default::default(),
     })
 }
 

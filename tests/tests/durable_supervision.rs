@@ -46,6 +46,7 @@ fn a_panicking_handler_restarts_with_backoff_and_neighbours_keep_answering() {
         heartbeat_pause_ms: 1_500,
         http: Default::default(),
         requests: Default::default(),
+        coordinator: Default::default(),
     })
     .expect("start");
     let settings = SupervisorSettings {

@@ -10,7 +10,9 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+mod coordinator;
 mod requests;
+pub use coordinator::CoordinatorConfig;
 pub use requests::{
     RequestsConfig, ANSWER_GRACE_MS, DEFAULT_ASK_TIMEOUT_MS, ENVELOPE_OVERHEAD_BYTES,
     MAX_MESSAGE_SIZE_BYTES,
@@ -313,6 +315,11 @@ pub struct NodeConfig {
     /// every key optional, defaults of [`RequestsConfig::default`]).
     #[serde(default)]
     pub requests: RequestsConfig,
+    /// The coordinators' rebalance and hand-off timing (`[coordinator]`
+    /// table; every key optional, defaults of
+    /// [`CoordinatorConfig::default`]).
+    #[serde(default)]
+    pub coordinator: CoordinatorConfig,
 }
 
 /// Limits and timeouts of the HTTP/1.1 front (the `[http]` table), applied
@@ -488,6 +495,7 @@ impl NodeConfig {
         self.http.validate(&bad)?;
         self.requests
             .validate(self.http.max_body_size_bytes, &bad)?;
+        self.coordinator.validate(&bad)?;
         let mut seen = std::collections::HashSet::new();
         for (i, t) in self.entity_types.iter().enumerate() {
             if let Err(e) = shardline_core::ids::TypeName::new(t.name.clone()) {

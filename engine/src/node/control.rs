@@ -99,6 +99,8 @@ struct Control {
     journal: Option<ControlJournal>,
     /// What the coordinator journal records and checks.
     journal_config: CoordinatorConfig,
+    /// The `[coordinator]` table: rebalance and hand-off timing.
+    coordinator_settings: crate::config::CoordinatorConfig,
     /// Per type: the coordinator's region messages held until the events
     /// persisted before them are durable: `(barrier LSN, to, msg)`.
     held: HashMap<String, VecDeque<(u64, RegionId, RegionMsg)>>,
@@ -164,6 +166,7 @@ pub(crate) async fn run(init: ControlInit) {
     let ctl = Rc::new(RefCell::new(Control {
         journal,
         journal_config,
+        coordinator_settings: init.config.coordinator.clone(),
         held: HashMap::new(),
         barrier: HashMap::new(),
         durable_wake: Arc::new(DurableWake::default()),
@@ -467,17 +470,20 @@ impl Control {
         );
         // Members' replicated copies follow the recovered state.
         self.coord_state.insert(t.to_string(), state.clone());
+        let cc = &self.coordinator_settings;
         let settings = CoordinatorSettings {
             min_generation: Generation(wall_clock_ms),
             remember_entities: self.remember.contains(t),
+            rebalance_interval: cc.rebalance_interval(),
+            handoff_timeout: cc.handoff_timeout(),
+            reregister_timeout: cc.reregister_timeout(),
             ..CoordinatorSettings::default()
         };
-        let mut c = ShardCoordinator::recover_state(
-            settings,
-            Box::new(LeastShardAllocationStrategy::default()),
-            state,
-            now,
-        );
+        let strategy = LeastShardAllocationStrategy {
+            rebalance_absolute_limit: cc.rebalance_absolute_limit,
+            rebalance_relative_limit: cc.rebalance_relative_limit,
+        };
+        let mut c = ShardCoordinator::recover_state(settings, Box::new(strategy), state, now);
         c.handle_membership(now, self.current_members());
         self.coordinators.insert(t.to_string(), c);
         self.coord_status.insert(t.to_string(), status);
@@ -844,6 +850,16 @@ impl Control {
         for t in due {
             if let Some(c) = self.coordinators.get_mut(&t) {
                 c.handle_timeout(now);
+                for a in c.take_abandoned_hand_offs() {
+                    tracing::warn!(
+                        type_name = t,
+                        shard = a.shard.0,
+                        owner = %a.owner,
+                        generation = a.generation.0,
+                        reason = a.reason,
+                        "hand-off abandoned; the shard stays with its owner"
+                    );
+                }
             }
         }
         if let Some(l) = &self.leave {

@@ -62,6 +62,7 @@ fn config(port: u16, seeds: &[u16], dir: &std::path::Path) -> NodeConfig {
         heartbeat_pause_ms: 1_500,
         http: Default::default(),
         requests: Default::default(),
+        coordinator: Default::default(),
     }
 }
 
