@@ -705,6 +705,51 @@ active_entity_limit = 0
     }
 
     #[test]
+    fn coordinator_table_defaults_and_ranges() {
+        let c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
+        assert_eq!(c.coordinator, CoordinatorConfig::default());
+        assert_eq!(c.coordinator.rebalance_interval(), Duration::from_secs(10));
+        assert_eq!(c.coordinator.handoff_timeout(), Duration::from_secs(60));
+        assert_eq!(c.coordinator.reregister_timeout(), Duration::from_secs(10));
+        assert_eq!(c.coordinator.rebalance_absolute_limit, 20);
+        let with = |t: &str| format!("{GOOD}\n[coordinator]\n{t}\n");
+        let c = NodeConfig::from_toml(
+            &with("rebalance_interval_ms = 500\nrebalance_absolute_limit = 100\nrebalance_relative_limit = 1.0"),
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.coordinator.rebalance_interval_ms, 500);
+        assert_eq!(c.coordinator.rebalance_absolute_limit, 100);
+        for (t, key) in [
+            (
+                "rebalance_interval_ms = 50",
+                "coordinator.rebalance_interval_ms",
+            ),
+            ("handoff_timeout_ms = 0", "coordinator.handoff_timeout_ms"),
+            (
+                "reregister_timeout_ms = 99",
+                "coordinator.reregister_timeout_ms",
+            ),
+            (
+                "rebalance_absolute_limit = 0",
+                "coordinator.rebalance_absolute_limit",
+            ),
+            (
+                "rebalance_relative_limit = 0.0",
+                "coordinator.rebalance_relative_limit",
+            ),
+            (
+                "rebalance_relative_limit = 1.5",
+                "coordinator.rebalance_relative_limit",
+            ),
+            ("bogus = 1", "bogus"),
+        ] {
+            let e = NodeConfig::from_toml(&with(t), Path::new("x.toml")).unwrap_err();
+            assert!(e.to_string().contains(key), "{t}: {e}");
+        }
+    }
+
+    #[test]
     fn refuses_unknown_keys_naming_file_and_key() {
         let text = format!("{GOOD}\nbogus = 1\n");
         let e = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap_err();
