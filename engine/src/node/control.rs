@@ -773,6 +773,24 @@ impl Control {
         self.backoff.insert(addr.to_string(), (now + step, step));
     }
 
+    /// A peer refused this node at the handshake: when it is a seed and
+    /// this node is not a member yet, this node will not form a cluster of
+    /// its own (see `ClusterNode::handle_seed_refused`).
+    fn peer_refused(&mut self, addr: &str, reason: &str) {
+        let now = self.now();
+        let seed = Address(addr.to_string());
+        let before = self.cluster.join_refused().map(str::to_string);
+        self.cluster.handle_seed_refused(now, &seed, reason);
+        let after = self.cluster.join_refused().map(str::to_string);
+        if after.is_some() && after != before {
+            tracing::error!(
+                seed = addr,
+                reason,
+                "refused by a seed node; this node will not form a cluster of its own and keeps asking the seeds"
+            );
+        }
+    }
+
     fn peer_connected(&mut self, addr: &str) {
         self.backoff.remove(addr);
     }
@@ -1226,7 +1244,8 @@ async fn run_peer(ctl: ControlRef, addr: String, outbox: Rc<Outbox>) {
     .await;
     match &res {
         Err(TransportError::Refused(reason)) => {
-            tracing::error!(peer = addr, reason, "control lane refused")
+            tracing::error!(peer = addr, reason, "control lane refused");
+            ctl.borrow_mut().peer_refused(&addr, reason);
         }
         Err(e) => tracing::debug!(peer = addr, error = %e, "control lane closed"),
         Ok(()) => {}
