@@ -19,6 +19,8 @@
 //!   (a frame longer than the limit plus the envelope overhead: a
 //!   `TooLarge` frame, then the connection closes), while a message at
 //!   the limit is served;
+//! - a first seed restarted with a mismatched `number_of_shards` is refused
+//!   by the other seeds and does not form a cluster of its own;
 //!
 //! The cases run one at a time (several node processes each).
 
@@ -476,4 +478,49 @@ fn one_message_size_limit_on_both_fronts() {
     let mut n = shardline::client::Client::connect(ports.client(0)).expect("connect");
     let r = n.ask("counter", "size", b"get", t).expect("ask");
     assert_eq!(r.payload, b"1");
+}
+
+/// Reproduction 5 of the issue: node 0 (the first seed) is restarted with
+/// a different `number_of_shards`; the other seeds refuse it at the
+/// handshake. It logs the refusal, never forms a cluster of its own (no
+/// Up member, no coordinator, no ready line, well past the 5 s
+/// seed-node timeout after which a first seed nobody answers forms one),
+/// and the other two keep their cluster without it.
+#[test]
+fn a_first_seed_refused_by_the_seeds_never_forms_its_own_cluster() {
+    let _one = serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ports = Ports { base: 28_800 };
+    let mut nodes = start_leavable(dir.path(), ports, 3, "", 4_000);
+    wait_cluster(ports.client(1), 3, Some(ports.cluster(0).to_string()));
+    drop(nodes[0].take());
+    let cfg = dir.path().join("node-0.toml");
+    let text = std::fs::read_to_string(&cfg).expect("config");
+    assert!(text.contains("number_of_shards = 60"));
+    std::fs::write(
+        &cfg,
+        text.replace("number_of_shards = 60", "number_of_shards = 61"),
+    )
+    .expect("config");
+    let restarted = spawn_with_leave_timeout(&cfg, &dir.path().join("node-0.log"), 4_000);
+    std::thread::sleep(Duration::from_secs(9));
+    let log = node_log(dir.path(), 0);
+    assert!(
+        log.contains("refused by a seed node"),
+        "node 0 logs the refusal:\n{log}"
+    );
+    assert!(
+        restarted.ready.try_recv().is_err(),
+        "node 0 must not become ready:\n{log}"
+    );
+    let st = support::status(ports.client(0)).expect("node 0 answers its status");
+    assert!(
+        st.members.iter().all(|m| m.status != "Up") && st.coordinator.is_none(),
+        "node 0 formed a cluster: {st:?}"
+    );
+    let st1 = support::status(ports.client(1)).expect("node 1");
+    assert!(
+        st1.members.iter().all(|m| m.uid != st.uid),
+        "the refused incarnation never joined: {st1:?}"
+    );
 }
