@@ -26,9 +26,6 @@
 
 mod http_support;
 
-#[path = "node_cases/support.rs"]
-mod support;
-
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -107,7 +104,7 @@ fn requests_buffered_past_their_deadline_are_answered_503_and_never_applied() {
     );
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let st = support::status(ports.client(1));
+        let st = http_support::status(ports.client(1));
         let ok = st.as_ref().is_some_and(|s| {
             s.members.iter().filter(|m| m.status == "Up").count() == 3
                 && s.coordinator.as_deref() == Some(&ports.cluster(0).to_string())
@@ -153,7 +150,7 @@ fn requests_buffered_past_their_deadline_are_answered_503_and_never_applied() {
         took >= Duration::from_millis(1400) && took < Duration::from_secs(5),
         "answered at the deadline, not before or much later: {took:?}"
     );
-    let st = support::status(ports.client(1)).expect("status of node 1");
+    let st = http_support::status(ports.client(1)).expect("status of node 1");
     let dl: u64 = st
         .regions
         .iter()
@@ -175,7 +172,7 @@ fn requests_buffered_past_their_deadline_are_answered_503_and_never_applied() {
 
 /// Starts `shardline node --config cfg --leave-timeout-ms leave_ms` (log
 /// appended to `log`) and waits for its ready line.
-fn spawn_with_leave_timeout(cfg: &Path, log: &Path, leave_ms: u64) -> support::NodeProc {
+fn spawn_with_leave_timeout(cfg: &Path, log: &Path, leave_ms: u64) -> http_support::NodeProc {
     let logf = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -203,7 +200,7 @@ fn spawn_with_leave_timeout(cfg: &Path, log: &Path, leave_ms: u64) -> support::N
             }
         }
     });
-    support::NodeProc { child, ready: rx }
+    http_support::NodeProc { child, ready: rx }
 }
 
 /// Writes the configs of `n` HTTP nodes (`extra`: the `[http]` table's
@@ -215,7 +212,7 @@ fn start_leavable(
     n: usize,
     extra: &str,
     leave_ms: u64,
-) -> Vec<Option<support::NodeProc>> {
+) -> Vec<Option<http_support::NodeProc>> {
     let mut nodes = Vec::new();
     for i in 0..n {
         let cfg = dir.join(format!("node-{i}.toml"));
@@ -241,7 +238,7 @@ fn node_log(dir: &Path, i: usize) -> String {
 fn wait_cluster(client: std::net::SocketAddr, n: usize, coordinator: Option<String>) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let st = support::status(client);
+        let st = http_support::status(client);
         let ok = st.as_ref().is_some_and(|s| {
             s.members.iter().filter(|m| m.status == "Up").count() == n
                 && s.coordinator.is_some()
@@ -290,7 +287,7 @@ fn sigterm_answers_every_buffered_request_503_before_exiting() {
     // All 50 wait in node 1's buffers.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let buffered: usize = support::status(ports.client(1))
+        let buffered: usize = http_support::status(ports.client(1))
             .map(|s| s.regions.iter().map(|r| r.buffered).sum())
             .unwrap_or(0);
         if buffered == N {
@@ -513,12 +510,12 @@ fn a_first_seed_refused_by_the_seeds_never_forms_its_own_cluster() {
         restarted.ready.try_recv().is_err(),
         "node 0 must not become ready:\n{log}"
     );
-    let st = support::status(ports.client(0)).expect("node 0 answers its status");
+    let st = http_support::status(ports.client(0)).expect("node 0 answers its status");
     assert!(
         st.members.iter().all(|m| m.status != "Up") && st.coordinator.is_none(),
         "node 0 formed a cluster: {st:?}"
     );
-    let st1 = support::status(ports.client(1)).expect("node 1");
+    let st1 = http_support::status(ports.client(1)).expect("node 1");
     assert!(
         st1.members.iter().all(|m| m.uid != st.uid),
         "the refused incarnation never joined: {st1:?}"

@@ -492,10 +492,9 @@ impl NodeConfig {
         if self.heartbeat_pause_ms < 100 {
             return Err(bad("heartbeat_pause_ms", "must be at least 100".into()));
         }
-        self.http.validate(&bad)?;
-        self.requests
-            .validate(self.http.max_body_size_bytes, &bad)?;
-        self.coordinator.validate(&bad)?;
+        self.http.validate(bad)?;
+        self.requests.validate(self.http.max_body_size_bytes, bad)?;
+        self.coordinator.validate(bad)?;
         let mut seen = std::collections::HashSet::new();
         for (i, t) in self.entity_types.iter().enumerate() {
             if let Err(e) = shardline_core::ids::TypeName::new(t.name.clone()) {
