@@ -499,8 +499,24 @@ fn a_first_seed_refused_by_the_seeds_never_forms_its_own_cluster() {
         text.replace("number_of_shards = 60", "number_of_shards = 61"),
     )
     .expect("config");
-    let restarted = spawn_with_leave_timeout(&cfg, &dir.path().join("node-0.log"), 4_000);
+    // The killed incarnation's port may still be held by closing
+    // connections for a moment: start again until the bind succeeds.
+    let mut tries = 0;
+    let mut restarted = loop {
+        let mut n = spawn_with_leave_timeout(&cfg, &dir.path().join("node-0.log"), 4_000);
+        std::thread::sleep(Duration::from_millis(700));
+        match n.child.try_wait() {
+            Ok(None) => break n,
+            _ if tries < 20 => tries += 1,
+            st => panic!("node 0 does not start: {st:?}\n{}", node_log(dir.path(), 0)),
+        }
+    };
     std::thread::sleep(Duration::from_secs(9));
+    assert!(
+        restarted.child.try_wait().is_ok_and(|s| s.is_none()),
+        "node 0 keeps running:\n{}",
+        node_log(dir.path(), 0)
+    );
     let log = node_log(dir.path(), 0);
     assert!(
         log.contains("refused by a seed node"),
