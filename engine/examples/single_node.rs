@@ -47,6 +47,7 @@ fn main() -> anyhow::Result<()> {
         http: Default::default(),
         journal: Default::default(),
         requests: Default::default(),
+        coordinator: Default::default(),
     };
     let node = Node::start(config)?;
     node.sharding().start(

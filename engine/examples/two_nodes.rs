@@ -32,6 +32,7 @@ fn config(i: u16, dir: &std::path::Path) -> anyhow::Result<NodeConfig> {
         http: Default::default(),
         journal: Default::default(),
         requests: Default::default(),
+        coordinator: Default::default(),
     })
 }
 

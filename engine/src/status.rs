@@ -38,7 +38,8 @@ pub struct RegionStatusView {
     /// Messages refused by the region (count).
     pub dead_letters: u64,
     /// [`Self::dead_letters`] by reason (`buffer_full`, `shutting_down`,
-    /// `not_hosted`; reasons never seen are left out), in counts.
+    /// `not_hosted`, `deadline_passed`; reasons never seen are left out), in
+    /// counts.
     #[serde(default)]
     pub dead_letter_reasons: std::collections::BTreeMap<String, u64>,
     /// Why the core's journal could not be opened (a corrupt or unreadable

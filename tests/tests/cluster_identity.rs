@@ -266,6 +266,7 @@ fn embedded(port: u16, seed: u16, data_dir: &Path) -> shardline::Node {
         http: Default::default(),
         journal: Default::default(),
         requests: Default::default(),
+        coordinator: Default::default(),
     })
     .expect("start");
     node.sharding()

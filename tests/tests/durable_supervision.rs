@@ -48,6 +48,7 @@ fn a_panicking_handler_restarts_with_backoff_and_neighbours_keep_answering() {
         http: Default::default(),
         journal: Default::default(),
         requests: Default::default(),
+        coordinator: Default::default(),
     })
     .expect("start");
     let settings = SupervisorSettings {

@@ -19,13 +19,12 @@
 //!   (a frame longer than the limit plus the envelope overhead: a
 //!   `TooLarge` frame, then the connection closes), while a message at
 //!   the limit is served;
+//! - a first seed restarted with a mismatched `number_of_shards` is refused
+//!   by the other seeds and does not form a cluster of its own;
 //!
 //! The cases run one at a time (several node processes each).
 
 mod http_support;
-
-#[path = "node_cases/support.rs"]
-mod support;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -105,7 +104,7 @@ fn requests_buffered_past_their_deadline_are_answered_503_and_never_applied() {
     );
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let st = support::status(ports.client(1));
+        let st = http_support::status(ports.client(1));
         let ok = st.as_ref().is_some_and(|s| {
             s.members.iter().filter(|m| m.status == "Up").count() == 3
                 && s.coordinator.as_deref() == Some(&ports.cluster(0).to_string())
@@ -151,7 +150,7 @@ fn requests_buffered_past_their_deadline_are_answered_503_and_never_applied() {
         took >= Duration::from_millis(1400) && took < Duration::from_secs(5),
         "answered at the deadline, not before or much later: {took:?}"
     );
-    let st = support::status(ports.client(1)).expect("status of node 1");
+    let st = http_support::status(ports.client(1)).expect("status of node 1");
     let dl: u64 = st
         .regions
         .iter()
@@ -173,7 +172,7 @@ fn requests_buffered_past_their_deadline_are_answered_503_and_never_applied() {
 
 /// Starts `shardline node --config cfg --leave-timeout-ms leave_ms` (log
 /// appended to `log`) and waits for its ready line.
-fn spawn_with_leave_timeout(cfg: &Path, log: &Path, leave_ms: u64) -> support::NodeProc {
+fn spawn_with_leave_timeout(cfg: &Path, log: &Path, leave_ms: u64) -> http_support::NodeProc {
     let logf = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -201,7 +200,7 @@ fn spawn_with_leave_timeout(cfg: &Path, log: &Path, leave_ms: u64) -> support::N
             }
         }
     });
-    support::NodeProc { child, ready: rx }
+    http_support::NodeProc { child, ready: rx }
 }
 
 /// Writes the configs of `n` HTTP nodes (`extra`: the `[http]` table's
@@ -213,7 +212,7 @@ fn start_leavable(
     n: usize,
     extra: &str,
     leave_ms: u64,
-) -> Vec<Option<support::NodeProc>> {
+) -> Vec<Option<http_support::NodeProc>> {
     let mut nodes = Vec::new();
     for i in 0..n {
         let cfg = dir.join(format!("node-{i}.toml"));
@@ -239,7 +238,7 @@ fn node_log(dir: &Path, i: usize) -> String {
 fn wait_cluster(client: std::net::SocketAddr, n: usize, coordinator: Option<String>) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let st = support::status(client);
+        let st = http_support::status(client);
         let ok = st.as_ref().is_some_and(|s| {
             s.members.iter().filter(|m| m.status == "Up").count() == n
                 && s.coordinator.is_some()
@@ -288,7 +287,7 @@ fn sigterm_answers_every_buffered_request_503_before_exiting() {
     // All 50 wait in node 1's buffers.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let buffered: usize = support::status(ports.client(1))
+        let buffered: usize = http_support::status(ports.client(1))
             .map(|s| s.regions.iter().map(|r| r.buffered).sum())
             .unwrap_or(0);
         if buffered == N {
@@ -476,4 +475,65 @@ fn one_message_size_limit_on_both_fronts() {
     let mut n = shardline::client::Client::connect(ports.client(0)).expect("connect");
     let r = n.ask("counter", "size", b"get", t).expect("ask");
     assert_eq!(r.payload, b"1");
+}
+
+/// Reproduction 5 of the issue: node 0 (the first seed) is restarted with
+/// a different `number_of_shards`; the other seeds refuse it at the
+/// handshake. It logs the refusal, never forms a cluster of its own (no
+/// Up member, no coordinator, no ready line, well past the 5 s
+/// seed-node timeout after which a first seed nobody answers forms one),
+/// and the other two keep their cluster without it.
+#[test]
+fn a_first_seed_refused_by_the_seeds_never_forms_its_own_cluster() {
+    let _one = serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ports = Ports { base: 28_800 };
+    let mut nodes = start_leavable(dir.path(), ports, 3, "", 4_000);
+    wait_cluster(ports.client(1), 3, Some(ports.cluster(0).to_string()));
+    drop(nodes[0].take());
+    let cfg = dir.path().join("node-0.toml");
+    let text = std::fs::read_to_string(&cfg).expect("config");
+    assert!(text.contains("number_of_shards = 60"));
+    std::fs::write(
+        &cfg,
+        text.replace("number_of_shards = 60", "number_of_shards = 61"),
+    )
+    .expect("config");
+    // The killed incarnation's port may still be held by closing
+    // connections for a moment: start again until the bind succeeds.
+    let mut tries = 0;
+    let mut restarted = loop {
+        let mut n = spawn_with_leave_timeout(&cfg, &dir.path().join("node-0.log"), 4_000);
+        std::thread::sleep(Duration::from_millis(700));
+        match n.child.try_wait() {
+            Ok(None) => break n,
+            _ if tries < 20 => tries += 1,
+            st => panic!("node 0 does not start: {st:?}\n{}", node_log(dir.path(), 0)),
+        }
+    };
+    std::thread::sleep(Duration::from_secs(9));
+    assert!(
+        restarted.child.try_wait().is_ok_and(|s| s.is_none()),
+        "node 0 keeps running:\n{}",
+        node_log(dir.path(), 0)
+    );
+    let log = node_log(dir.path(), 0);
+    assert!(
+        log.contains("refused by a seed node"),
+        "node 0 logs the refusal:\n{log}"
+    );
+    assert!(
+        restarted.ready.try_recv().is_err(),
+        "node 0 must not become ready:\n{log}"
+    );
+    let st = http_support::status(ports.client(0)).expect("node 0 answers its status");
+    assert!(
+        st.members.iter().all(|m| m.status != "Up") && st.coordinator.is_none(),
+        "node 0 formed a cluster: {st:?}"
+    );
+    let st1 = http_support::status(ports.client(1)).expect("node 1");
+    assert!(
+        st1.members.iter().all(|m| m.uid != st.uid),
+        "the refused incarnation never joined: {st1:?}"
+    );
 }

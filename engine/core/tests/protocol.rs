@@ -496,11 +496,29 @@ fn abandoned_handoff_keeps_one_owner_with_a_new_generation() {
     w.advance(cs.rebalance_interval);
     let s = w.coord.rebalance_in_progress().next().expect("a hand-off");
     let g_before = w.home(s.0).unwrap().1;
+    assert!(w.coord.take_abandoned_hand_offs().is_empty());
     w.advance(Duration::from_secs(31));
     assert_eq!(w.coord.rebalance_in_progress().count(), 0);
     let (home, g) = w.home(s.0).unwrap();
     assert_eq!(home, rid(1));
     assert!(g > g_before);
+    // The runtime is told which hand-off was abandoned, and why.
+    let abandoned = w.coord.take_abandoned_hand_offs();
+    assert_eq!(abandoned.len(), 1, "{abandoned:?}");
+    assert_eq!(
+        (
+            abandoned[0].shard,
+            &abandoned[0].owner,
+            abandoned[0].generation
+        ),
+        (s, &rid(1), g_before)
+    );
+    assert!(
+        abandoned[0].reason.contains("ShardStopped") && abandoned[0].reason.contains("30000 ms"),
+        "{}",
+        abandoned[0].reason
+    );
+    assert!(w.coord.take_abandoned_hand_offs().is_empty());
     // Messages wait while the entity still stops, then reach the restarted shard.
     w.send(1, &format!("e{}", s.0), s.0, 500);
     assert!(!w.delivered.iter().any(|d| d.2 == 500));
@@ -1115,4 +1133,79 @@ fn messages_waiting_for_a_recovering_shard_are_processed_before_it_is_handed_off
         RegionEffect::SendToCoordinator(CoordinatorMsg::ShardStopped { .. })
     )));
     assert_eq!(r.buffered(), 0);
+}
+
+/// Rounds until two regions holding 100 shards and three that join are
+/// balanced (most and fewest shards differ by at most 1), with the given
+/// strategy limits, while every shard gets a message after each round;
+/// panics after 20 rounds.
+fn rounds_to_balance(absolute: usize, relative: f64) -> usize {
+    let cs = CoordinatorSettings::default();
+    let mut w = World::new(2, quiet_settings(), cs.clone());
+    w.coord = ShardCoordinator::new(
+        cs.clone(),
+        Box::new(LeastShardAllocationStrategy {
+            rebalance_absolute_limit: absolute,
+            rebalance_relative_limit: relative,
+        }),
+        w.now,
+    );
+    let now = w.now;
+    w.coord.handle_membership(
+        now,
+        MembershipEvent::CurrentMembers((1..=2).map(|i| (member(i), MemberStatus::Up)).collect()),
+    );
+    for r in &mut w.regions {
+        r.handle_coordinator_moved(now);
+    }
+    w.pump();
+    for s in 0..100u32 {
+        w.send((s % 2) as usize, &format!("e{s}"), s, s);
+    }
+    let counts = |w: &World| -> Vec<usize> {
+        let mut v: Vec<usize> = w.coord.state().regions.values().map(|s| s.len()).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(counts(&w), vec![50, 50]);
+    for i in 3..=5 {
+        let now = w.now;
+        w.coord
+            .handle_membership(now, MembershipEvent::MemberUp(member(i)));
+        w.regions.push(Region::new(
+            rid(i),
+            quiet_settings(),
+            Box::new(LruPolicy::new()),
+            now,
+        ));
+    }
+    w.pump();
+    for round in 1..=20 {
+        w.advance(cs.rebalance_interval);
+        // Live load: a shard moved by the round is allocated again by its
+        // next message (Akka's rebalance: the new home is chosen on demand).
+        for s in 0..100u32 {
+            w.send((s % 2) as usize, &format!("e{s}"), s, 1000 + s);
+        }
+        let c = counts(&w);
+        if c.len() == 5 && c[4] - c[0] <= 1 && c.iter().sum::<usize>() == 100 {
+            return round;
+        }
+    }
+    panic!("not balanced after 20 rounds: {:?}", counts(&w));
+}
+
+/// Three nodes joining two that hold 100 shards are balanced (20 each,
+/// within one) in at most 6 rebalance rounds with the default limits
+/// (min(20, 10% of 100) = 10 shards per round; 60 must move), i.e. 60 s
+/// with the default 10 s `rebalance_interval_ms`; with
+/// `rebalance_relative_limit = 0.3` and `rebalance_absolute_limit = 30`
+/// in at most 2 rounds.
+#[test]
+fn three_joining_regions_are_balanced_within_the_stated_rounds() {
+    let default_rounds = rounds_to_balance(20, 0.1);
+    assert!(default_rounds <= 6, "{default_rounds} rounds");
+    let fast = rounds_to_balance(30, 0.3);
+    eprintln!("balanced in {default_rounds} rounds (defaults), {fast} rounds (30 / 0.3)");
+    assert!(fast <= 2, "{fast} rounds");
 }

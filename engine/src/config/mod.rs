@@ -10,7 +10,9 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+mod coordinator;
 mod requests;
+pub use coordinator::CoordinatorConfig;
 pub use requests::{
     RequestsConfig, ANSWER_GRACE_MS, DEFAULT_ASK_TIMEOUT_MS, ENVELOPE_OVERHEAD_BYTES,
     MAX_MESSAGE_SIZE_BYTES,
@@ -332,6 +334,11 @@ pub struct NodeConfig {
     /// every key optional, defaults of [`RequestsConfig::default`]).
     #[serde(default)]
     pub requests: RequestsConfig,
+    /// The coordinators' rebalance and hand-off timing (`[coordinator]`
+    /// table; every key optional, defaults of
+    /// [`CoordinatorConfig::default`]).
+    #[serde(default)]
+    pub coordinator: CoordinatorConfig,
 }
 
 /// Which journal backend stores durable state.
@@ -649,8 +656,8 @@ impl NodeConfig {
         }
         self.http.validate(bad)?;
         self.journal.validate(bad)?;
-        self.requests
-            .validate(self.http.max_body_size_bytes, bad)?;
+        self.requests.validate(self.http.max_body_size_bytes, bad)?;
+        self.coordinator.validate(bad)?;
         let mut seen = std::collections::HashSet::new();
         for (i, t) in self.entity_types.iter().enumerate() {
             if let Err(e) = shardline_core::ids::TypeName::new(t.name.clone()) {
@@ -882,6 +889,51 @@ active_entity_limit = 0
             ),
             // The HTTP default (1 MiB) exceeds a 1000-byte message limit.
             ("max_message_size_bytes = 1000", "http.max_body_size_bytes"),
+        ] {
+            let e = NodeConfig::from_toml(&with(t), Path::new("x.toml")).unwrap_err();
+            assert!(e.to_string().contains(key), "{t}: {e}");
+        }
+    }
+
+    #[test]
+    fn coordinator_table_defaults_and_ranges() {
+        let c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
+        assert_eq!(c.coordinator, CoordinatorConfig::default());
+        assert_eq!(c.coordinator.rebalance_interval(), Duration::from_secs(10));
+        assert_eq!(c.coordinator.handoff_timeout(), Duration::from_secs(60));
+        assert_eq!(c.coordinator.reregister_timeout(), Duration::from_secs(10));
+        assert_eq!(c.coordinator.rebalance_absolute_limit, 20);
+        let with = |t: &str| format!("{GOOD}\n[coordinator]\n{t}\n");
+        let c = NodeConfig::from_toml(
+            &with("rebalance_interval_ms = 500\nrebalance_absolute_limit = 100\nrebalance_relative_limit = 1.0"),
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.coordinator.rebalance_interval_ms, 500);
+        assert_eq!(c.coordinator.rebalance_absolute_limit, 100);
+        for (t, key) in [
+            (
+                "rebalance_interval_ms = 50",
+                "coordinator.rebalance_interval_ms",
+            ),
+            ("handoff_timeout_ms = 0", "coordinator.handoff_timeout_ms"),
+            (
+                "reregister_timeout_ms = 99",
+                "coordinator.reregister_timeout_ms",
+            ),
+            (
+                "rebalance_absolute_limit = 0",
+                "coordinator.rebalance_absolute_limit",
+            ),
+            (
+                "rebalance_relative_limit = 0.0",
+                "coordinator.rebalance_relative_limit",
+            ),
+            (
+                "rebalance_relative_limit = 1.5",
+                "coordinator.rebalance_relative_limit",
+            ),
+            ("bogus = 1", "bogus"),
         ] {
             let e = NodeConfig::from_toml(&with(t), Path::new("x.toml")).unwrap_err();
             assert!(e.to_string().contains(key), "{t}: {e}");

@@ -98,6 +98,8 @@ struct Control {
     journal: Option<ControlJournal>,
     /// What the coordinator journal records and checks.
     journal_config: CoordinatorConfig,
+    /// The `[coordinator]` table: rebalance and hand-off timing.
+    coordinator_settings: crate::config::CoordinatorConfig,
     /// Per type: the coordinator's region messages held until the events
     /// persisted before them are durable: `(barrier LSN, to, msg)`.
     held: HashMap<String, VecDeque<(u64, RegionId, RegionMsg)>>,
@@ -168,6 +170,7 @@ pub(crate) async fn run(init: ControlInit) {
     let ctl = Rc::new(RefCell::new(Control {
         journal,
         journal_config,
+        coordinator_settings: init.config.coordinator.clone(),
         held: HashMap::new(),
         barrier: HashMap::new(),
         durable_wake: Arc::new(DurableWake::default()),
@@ -556,17 +559,20 @@ impl Control {
         );
         // Members' replicated copies follow the recovered state.
         self.coord_state.insert(t.to_string(), state.clone());
+        let cc = &self.coordinator_settings;
         let settings = CoordinatorSettings {
             min_generation: Generation(wall_clock_ms),
             remember_entities: self.remember.contains(t),
+            rebalance_interval: cc.rebalance_interval(),
+            handoff_timeout: cc.handoff_timeout(),
+            reregister_timeout: cc.reregister_timeout(),
             ..CoordinatorSettings::default()
         };
-        let mut c = ShardCoordinator::recover_state(
-            settings,
-            Box::new(LeastShardAllocationStrategy::default()),
-            state,
-            now,
-        );
+        let strategy = LeastShardAllocationStrategy {
+            rebalance_absolute_limit: cc.rebalance_absolute_limit,
+            rebalance_relative_limit: cc.rebalance_relative_limit,
+        };
+        let mut c = ShardCoordinator::recover_state(settings, Box::new(strategy), state, now);
         c.handle_membership(now, self.current_members());
         self.coordinators.insert(t.to_string(), c);
         self.coord_status.insert(t.to_string(), status);
@@ -857,6 +863,24 @@ impl Control {
         self.backoff.insert(addr.to_string(), (now + step, step));
     }
 
+    /// A peer refused this node at the handshake: when it is a seed and
+    /// this node is not a member yet, this node will not form a cluster of
+    /// its own (see `ClusterNode::handle_seed_refused`).
+    fn peer_refused(&mut self, addr: &str, reason: &str) {
+        let now = self.now();
+        let seed = Address(addr.to_string());
+        let before = self.cluster.join_refused().map(str::to_string);
+        self.cluster.handle_seed_refused(now, &seed, reason);
+        let after = self.cluster.join_refused().map(str::to_string);
+        if after.is_some() && after != before {
+            tracing::error!(
+                seed = addr,
+                reason,
+                "refused by a seed node; this node will not form a cluster of its own and keeps asking the seeds"
+            );
+        }
+    }
+
     fn peer_connected(&mut self, addr: &str) {
         self.backoff.remove(addr);
     }
@@ -935,6 +959,16 @@ impl Control {
         for t in due {
             if let Some(c) = self.coordinators.get_mut(&t) {
                 c.handle_timeout(now);
+                for a in c.take_abandoned_hand_offs() {
+                    tracing::warn!(
+                        type_name = t,
+                        shard = a.shard.0,
+                        owner = %a.owner,
+                        generation = a.generation.0,
+                        reason = a.reason,
+                        "hand-off abandoned; the shard stays with its owner"
+                    );
+                }
             }
         }
         if let Some(l) = &self.leave {
@@ -1314,7 +1348,8 @@ async fn run_peer(ctl: ControlRef, addr: String, outbox: Rc<Outbox>) {
     .await;
     match &res {
         Err(TransportError::Refused(reason)) => {
-            tracing::error!(peer = addr, reason, "control lane refused")
+            tracing::error!(peer = addr, reason, "control lane refused");
+            ctl.borrow_mut().peer_refused(&addr, reason);
         }
         Err(TransportError::Rejected(reason)) => {
             tracing::error!(peer = addr, reason, "rejected by a member");

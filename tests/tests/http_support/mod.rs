@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 #[path = "../node_cases/support.rs"]
 mod node_support;
 
-use node_support::NodeProc;
-pub use node_support::{shardline_bin, spawn_node, Ports};
+// Not every test binary that includes this module uses each of these.
+#[allow(unused_imports)]
+pub use node_support::{shardline_bin, spawn_node, status, NodeProc, Ports};
 
 /// The config of node `i` of `n`.
 pub fn config_text(ports: Ports, i: usize, n: usize, cores: u16, dir: &Path) -> String {

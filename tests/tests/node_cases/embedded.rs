@@ -64,6 +64,7 @@ pub(super) fn config(port: u16, seeds: &[u16], dir: &std::path::Path) -> NodeCon
         http: Default::default(),
         journal: Default::default(),
         requests: Default::default(),
+        coordinator: Default::default(),
     }
 }
 

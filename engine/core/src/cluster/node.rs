@@ -190,6 +190,10 @@ pub struct ClusterNode {
     cfg: ClusterConfig,
     self_ua: UniqueAddress,
     join: JoinState,
+    /// A seed refused this node: it never forms a cluster of its own.
+    seed_refused: bool,
+    /// The last refusal, `seed: reason`.
+    join_refused: Option<String>,
     gossip: Gossip,
     rng: u64,
     transmits: VecDeque<Transmit>,
@@ -264,6 +268,8 @@ impl ClusterNode {
         Self {
             self_ua,
             join,
+            seed_refused: false,
+            join_refused: None,
             gossip: Gossip::default(),
             rng,
             transmits: VecDeque::new(),
@@ -428,6 +434,37 @@ impl ClusterNode {
     }
 
     // ----- inputs -----
+
+    /// A seed answered this node's connection by refusing it (a different
+    /// protocol version or sharding fingerprint, e.g. a mismatched
+    /// `number_of_shards`): a seed answered, so this node never forms a
+    /// cluster of its own (Akka's rule: only the first seed forms a new
+    /// cluster, and only when no other seed answers). It keeps asking the
+    /// seeds; the reason is kept for [`Self::join_refused`]. Ignored once
+    /// this node is a member.
+    pub fn handle_seed_refused(&mut self, now: Duration, seed: &Address, reason: &str) {
+        if self.join == JoinState::Member || !self.cfg.seed_nodes.contains(seed) {
+            return;
+        }
+        if let JoinState::Seeds { next_round, .. } = self.join {
+            self.join = JoinState::Seeds {
+                next_round,
+                form_at: None,
+            };
+        }
+        self.seed_refused = true;
+        self.join_refused = Some(format!("{seed}: {reason}"));
+        self.after_input(now);
+    }
+
+    /// Why a seed refused this node (`seed: reason`), while it is not a
+    /// member; `None` when no seed refused it.
+    pub fn join_refused(&self) -> Option<&str> {
+        if self.join == JoinState::Member {
+            return None;
+        }
+        self.join_refused.as_deref()
+    }
 
     /// Joins the cluster through `address` (for nodes without seeds).
     pub fn join(&mut self, now: Duration, address: Address) {
@@ -730,7 +767,7 @@ impl ClusterNode {
                 next_round,
                 form_at,
             } => {
-                if form_at.is_some_and(|f| now >= f) {
+                if form_at.is_some_and(|f| now >= f) && !self.seed_refused {
                     self.form_cluster();
                     return;
                 }

@@ -797,3 +797,48 @@ fn joining_member_becomes_weakly_up_while_a_member_is_unreachable() {
         Some(MemberStatus::Up)
     );
 }
+
+/// The first seed forms a cluster of its own only when no other seed
+/// answers: a seed that refused it (a mismatched `number_of_shards`, say)
+/// answered, so it keeps asking and never forms one.
+#[test]
+fn a_first_seed_refused_by_another_seed_never_forms_its_own_cluster() {
+    let seeds = vec![addr(0), addr(1)];
+    let mut alone = ClusterNode::new(
+        ClusterConfig::new(addr(0), seeds.clone()),
+        MemberUid(1),
+        Duration::ZERO,
+    );
+    let mut refused = ClusterNode::new(
+        ClusterConfig::new(addr(0), seeds),
+        MemberUid(2),
+        Duration::ZERO,
+    );
+    refused.handle_seed_refused(ms(100), &addr(1), "sharding fingerprint mismatch");
+    // Not a seed: ignored.
+    refused.handle_seed_refused(ms(100), &addr(7), "other");
+    assert_eq!(
+        refused.join_refused(),
+        Some("127.0.0.2:7101: sharding fingerprint mismatch")
+    );
+    for t in (0..=30_000).step_by(250) {
+        let now = ms(t);
+        for n in [&mut alone, &mut refused] {
+            if n.poll_timeout().is_some_and(|d| d <= now) {
+                n.handle_timeout(now);
+            }
+            while n.poll_transmit().is_some() {}
+        }
+    }
+    // Without an answer the first seed formed its cluster after 5 s; the
+    // refused one is still no member and still asks the seeds.
+    assert!(alone.self_member().is_some());
+    assert!(refused.self_member().is_none());
+    assert!(refused.join_refused().is_some());
+    let mut asked = 0;
+    refused.handle_timeout(ms(31_000));
+    while let Some(t) = refused.poll_transmit() {
+        asked += usize::from(matches!(t.message, ClusterMessage::InitJoin { .. }));
+    }
+    assert!(asked > 0, "keeps sending InitJoin");
+}

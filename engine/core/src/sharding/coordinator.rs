@@ -224,6 +224,22 @@ pub enum CoordinatorEffect {
     Persist(CoordinatorEvent),
 }
 
+/// A hand-off the coordinator abandoned at its `handoff_timeout` (the shard
+/// stays with its owner under a new generation), for the runtime to log
+/// ([`ShardCoordinator::take_abandoned_hand_offs`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AbandonedHandOff {
+    /// The shard.
+    pub shard: ShardId,
+    /// Its owner, which keeps it.
+    pub owner: RegionId,
+    /// The generation of the abandoned round.
+    pub generation: Generation,
+    /// Why: which step did not finish in time (regions that did not
+    /// acknowledge `BeginHandOff`, or the owner's missing `ShardStopped`).
+    pub reason: String,
+}
+
 #[derive(Debug, Clone)]
 struct HandOffState {
     generation: Generation,
@@ -255,6 +271,9 @@ pub struct ShardCoordinator {
     next_rebalance_at: Duration,
     effects: VecDeque<CoordinatorEffect>,
     strategy_errors: u64,
+    /// Hand-offs abandoned since the runtime last took them (bounded: the
+    /// oldest are dropped beyond 1,024).
+    abandoned: VecDeque<AbandonedHandOff>,
     /// Recovered regions and proxies that have not registered again yet.
     unconfirmed: BTreeSet<RegionId>,
     reregister_deadline: Duration,
@@ -328,6 +347,7 @@ impl ShardCoordinator {
             next_rebalance_at,
             effects: VecDeque::new(),
             strategy_errors: 0,
+            abandoned: VecDeque::new(),
             unconfirmed,
             reregister_deadline,
         }
@@ -352,6 +372,12 @@ impl ShardCoordinator {
     /// How many times the allocation strategy erred or panicked (count).
     pub fn strategy_errors(&self) -> u64 {
         self.strategy_errors
+    }
+
+    /// The hand-offs abandoned since the last call, oldest first (at most
+    /// 1,024 are kept between calls).
+    pub fn take_abandoned_hand_offs(&mut self) -> Vec<AbandonedHandOff> {
+        self.abandoned.drain(..).collect()
     }
 
     /// The next effect to carry out, if any.
@@ -795,6 +821,28 @@ impl ShardCoordinator {
             .collect();
         for s in expired {
             let h = self.rebalance.remove(&s).expect("present");
+            let reason = if h.handoff_sent {
+                format!(
+                    "the owner did not report ShardStopped within the hand-off timeout ({} ms)",
+                    self.settings.handoff_timeout.as_millis()
+                )
+            } else {
+                let missing: Vec<String> = h.waiting_acks.iter().map(|r| r.to_string()).collect();
+                format!(
+                    "no BeginHandOffAck within the hand-off timeout ({} ms) from {}",
+                    self.settings.handoff_timeout.as_millis(),
+                    missing.join(", ")
+                )
+            };
+            if self.abandoned.len() >= 1024 {
+                self.abandoned.pop_front();
+            }
+            self.abandoned.push_back(AbandonedHandOff {
+                shard: s,
+                owner: h.owner.clone(),
+                generation: h.generation,
+                reason,
+            });
             // Abandon: the shard keeps its owner, under a new generation so
             // that a late ShardStopped or ack of this round changes nothing.
             if self.state.shards.get(&s).map(|(r, _)| r) == Some(&h.owner) {

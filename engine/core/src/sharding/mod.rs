@@ -47,7 +47,8 @@ mod region;
 mod strategy;
 
 pub use coordinator::{
-    CoordinatorEffect, CoordinatorEvent, CoordinatorSettings, CoordinatorState, ShardCoordinator,
+    AbandonedHandOff, CoordinatorEffect, CoordinatorEvent, CoordinatorSettings, CoordinatorState,
+    ShardCoordinator,
 };
 pub use extractor::{
     shard_id_of, HashCodeExtractor, MessageExtractor, ShardingEnvelope, SHARD_ID_HASH_NAME,
