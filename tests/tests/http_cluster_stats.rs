@@ -19,6 +19,31 @@ fn stats(addr: std::net::SocketAddr) -> Value {
     serde_json::from_slice(&r.body).expect("stats JSON")
 }
 
+/// Waits until the node at `addr` sees exactly `all` as Up and reachable
+/// (`GET /v1/cluster/members`).
+fn wait_all_up(addr: std::net::SocketAddr, all: &BTreeSet<String>, timeout: Duration) {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let r = Conn::open(addr).get("/v1/cluster/members");
+        let up: BTreeSet<String> = serde_json::from_slice::<Value>(&r.body)
+            .ok()
+            .and_then(|v| v["members"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter(|m| m["status"] == "Up" && m["reachable"] == true)
+            .filter_map(|m| m["address"].as_str().map(str::to_string))
+            .collect();
+        if &up == all {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{addr} sees {up:?} Up, not {all:?}, after {timeout:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn addresses(v: &Value, key: &str) -> BTreeSet<String> {
     v[key]
         .as_array()
@@ -37,6 +62,12 @@ fn sharding_stats_cover_every_member_and_list_the_silent_ones() {
         wait_ready(n.http, Duration::from_secs(30));
     }
     let all: BTreeSet<String> = (0..3).map(|i| ports.cluster(i).to_string()).collect();
+    // Ready is per node (this member is Up and its regions registered);
+    // the others learn that it is Up by gossip a round later. The stats
+    // cover the members each node sees Up, so wait for every view.
+    for n in &nodes {
+        wait_all_up(n.http, &all, Duration::from_secs(30));
+    }
 
     let mut c = Conn::open(nodes[0].http);
     const ENTITIES: u64 = 40;
