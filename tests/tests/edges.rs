@@ -31,7 +31,6 @@ use std::time::{Duration, Instant};
 
 use std::io::Write;
 use std::path::Path;
-use std::process::{Command, Stdio};
 
 use http_support::{config_text_with, post_bytes, shardline_bin, start_nodes_with, Conn, Ports};
 
@@ -171,36 +170,16 @@ fn requests_buffered_past_their_deadline_are_answered_503_and_never_applied() {
 }
 
 /// Starts `shardline node --config cfg --leave-timeout-ms leave_ms` (log
-/// appended to `log`) and waits for its ready line.
+/// appended to `log`); its ready line arrives on `NodeProc::ready`.
 fn spawn_with_leave_timeout(cfg: &Path, log: &Path, leave_ms: u64) -> http_support::NodeProc {
-    let logf = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .expect("log file");
-    let mut child = Command::new(shardline_bin())
-        .args(["node", "--config"])
-        .arg(cfg)
-        .arg("--leave-timeout-ms")
-        .arg(leave_ms.to_string())
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::from(logf))
-        .spawn()
-        .expect("spawn shardline node");
-    let out = child.stdout.take().expect("stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        use std::io::BufRead;
-        for line in std::io::BufReader::new(out).lines() {
-            let Ok(line) = line else { break };
-            if line.starts_with("shardline: ready") {
-                let _ = tx.send(());
-            }
-        }
-    });
-    http_support::NodeProc { child, ready: rx }
+    let leave_ms = leave_ms.to_string();
+    http_support::spawn_node_with_args(
+        &shardline_bin(),
+        cfg,
+        log,
+        "info",
+        &["--leave-timeout-ms", &leave_ms],
+    )
 }
 
 /// Writes the configs of `n` HTTP nodes (`extra`: the `[http]` table's

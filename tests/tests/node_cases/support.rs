@@ -260,6 +260,18 @@ impl Drop for Cluster {
 /// rust_log`, its stderr appended to `log`; the returned child's `ready`
 /// receives once when the node prints its ready line.
 pub fn spawn_node(bin: &Path, cfg: &Path, log: &Path, rust_log: &str) -> NodeProc {
+    spawn_node_with_args(bin, cfg, log, rust_log, &[])
+}
+
+/// [`spawn_node`] with more arguments after `node --config CFG` (e.g.
+/// `--leave-timeout-ms 4000`).
+pub fn spawn_node_with_args(
+    bin: &Path,
+    cfg: &Path,
+    log: &Path,
+    rust_log: &str,
+    args: &[&str],
+) -> NodeProc {
     let logf = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -268,6 +280,7 @@ pub fn spawn_node(bin: &Path, cfg: &Path, log: &Path, rust_log: &str) -> NodePro
     let mut child = Command::new(bin)
         .args(["node", "--config"])
         .arg(cfg)
+        .args(args)
         .env("RUST_LOG", rust_log)
         .env("NO_COLOR", "1")
         .stdout(Stdio::piped())
