@@ -610,6 +610,9 @@ pub struct Faults {
     pub fail_preallocate: AtomicBool,
     /// Count of syncs that succeeded.
     pub syncs: AtomicU64,
+    /// Every segment sync waits while set (a slow disk): it polls the flag
+    /// every millisecond, then goes on.
+    pub stall_sync: AtomicBool,
 }
 
 /// Wraps a storage and injects faults as [`Faults`] says.
@@ -650,6 +653,9 @@ fn eio() -> io::Error {
 
 impl SegmentSync for FaultySync {
     fn sync(&self) -> io::Result<()> {
+        while self.faults.stall_sync.load(Ordering::SeqCst) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         if self.faults.fail_sync.load(Ordering::SeqCst) {
             return Err(eio());
         }

@@ -335,7 +335,7 @@ impl DurabilityWatcher {
 
     fn ring(&self) {
         if self.ring_on_wait {
-            let _ = self.tx.try_send(SyncMsg::Doorbell);
+            ring(&self.shared, &self.tx);
         }
     }
 
@@ -492,9 +492,11 @@ pub(crate) fn run(
                 None => Some(rx.recv().unwrap_or(SyncMsg::Shutdown)),
             }
         };
-        shared.doorbell_pending.store(false, Ordering::SeqCst);
+        // A doorbell whose message did not fit in the channel (full of
+        // rolls) is still owed: the flag says so.
+        let rung = shared.doorbell_pending.swap(false, Ordering::SeqCst);
         let target = shared.written_lsn.load(Ordering::SeqCst);
-        let mut want_sync = false;
+        let mut want_sync = rung;
         let mut shutdown = false;
         let mut pending = first;
         loop {
