@@ -8,8 +8,8 @@ use proptest::prelude::*;
 use shardline_core::ids::{Address, EntityId, MemberUid, RegionId, ShardId, UniqueAddress};
 use shardline_core::sharding::{
     CoordinatorEffect, CoordinatorEvent, CoordinatorMsg, CoordinatorSettings, CoordinatorState,
-    Envelope, FailureReason, Generation, HandOffPhase, LeastShardAllocationStrategy, LruPolicy, MemberStatus,
-    MembershipEvent, PassivationSettings, RegionEffect, RegionMsg, RegionSettings,
+    Envelope, FailureReason, Generation, HandOffPhase, LeastShardAllocationStrategy, LruPolicy,
+    MemberStatus, MembershipEvent, PassivationSettings, RegionEffect, RegionMsg, RegionSettings,
     ShardAllocationStrategy, ShardCoordinator, ShardRegion, StopReason, StrategyError,
 };
 

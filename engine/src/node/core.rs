@@ -518,6 +518,28 @@ impl Core {
                 ));
                 Ok(())
             }
+            ArchivedClientFrame::CoordinatorAdmin {
+                request_id,
+                rebalance,
+                type_name,
+            } => {
+                let request_id = request_id.to_native();
+                let cmd = if *rebalance {
+                    let t = String::from_utf8_lossy(type_name.as_slice()).into_owned();
+                    crate::node::admin::CoordinatorCommand::Rebalance {
+                        type_name: (!t.is_empty()).then_some(t),
+                    }
+                } else {
+                    crate::node::admin::CoordinatorCommand::Allocation
+                };
+                monoio::spawn(crate::gateway::answer_coordinator_admin(
+                    core.clone(),
+                    conn,
+                    request_id,
+                    cmd,
+                ));
+                Ok(())
+            }
         }
     }
 

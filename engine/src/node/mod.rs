@@ -13,6 +13,7 @@
 //! `ShardCoordinator`, each data executor feeds its `ShardRegion`s, and
 //! they carry out the effects those state machines return.
 
+pub(crate) mod admin;
 mod control;
 pub(crate) mod core;
 mod msg;

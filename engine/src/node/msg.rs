@@ -141,6 +141,13 @@ pub(crate) enum ToControl {
         wait: Duration,
         reply: crossbeam_channel::Sender<StatsEvent>,
     },
+    /// A coordinator admin command (the allocation table, a rebalance
+    /// round), answered here when the coordinators run here, else forwarded
+    /// to the oldest member; one answer on `reply`.
+    CoordinatorAdmin {
+        cmd: super::admin::CoordinatorCommand,
+        reply: crossbeam_channel::Sender<super::admin::AdminAnswer>,
+    },
     /// A new subscriber was added to the shared list.
     Subscribe,
     /// Leave gracefully.
