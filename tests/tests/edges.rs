@@ -21,6 +21,10 @@
 //!   the limit is served;
 //! - a first seed restarted with a mismatched `number_of_shards` is refused
 //!   by the other seeds and does not form a cluster of its own;
+//! - the coordinator visible and steerable: three nodes joining two are
+//!   balanced within a stated bound, read through the allocation route;
+//!   a rebalance round runs on request only (HTTP and `shardline
+//!   rebalance`), and `shardline status --allocation` prints the table;
 //!
 //! The cases run one at a time (several node processes each).
 
