@@ -465,7 +465,9 @@ fn one_message_size_limit_on_both_fronts() {
 /// handshake. It logs the refusal, never forms a cluster of its own (no
 /// Up member, no coordinator, no ready line, well past the 5 s
 /// seed-node timeout after which a first seed nobody answers forms one),
-/// and the other two keep their cluster without it.
+/// and the other two keep their cluster without it. Restarted with
+/// `[cluster] on_join_refused = "exit"`, it exits with code 1 and the
+/// refusal instead.
 #[test]
 fn a_first_seed_refused_by_the_seeds_never_forms_its_own_cluster() {
     let _one = serial();
@@ -519,6 +521,41 @@ fn a_first_seed_refused_by_the_seeds_never_forms_its_own_cluster() {
         st1.members.iter().all(|m| m.uid != st.uid),
         "the refused incarnation never joined: {st1:?}"
     );
+    // With `[cluster] on_join_refused = "exit"` the refused node stops
+    // instead: it exits non-zero within 10 s, its error naming the seed's
+    // reason, still without forming a cluster (no ready line).
+    drop(restarted);
+    let text = std::fs::read_to_string(&cfg).expect("config");
+    std::fs::write(
+        &cfg,
+        format!("{text}\n[cluster]\non_join_refused = \"exit\"\n"),
+    )
+    .expect("config");
+    let log_before = node_log(dir.path(), 0).len();
+    let mut exiting = spawn_with_leave_timeout(&cfg, &dir.path().join("node-0.log"), 4_000);
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = exiting.child.try_wait().expect("wait") {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "node 0 keeps running with on_join_refused = \"exit\":\n{}",
+            &node_log(dir.path(), 0)[log_before..]
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let log = node_log(dir.path(), 0)[log_before..].to_string();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.contains("refused to join the cluster: refused by seed node"),
+        "the exit names the refusal:\n{log}"
+    );
+    assert!(
+        log.contains("sharding fingerprint mismatch"),
+        "and its reason:\n{log}"
+    );
+    assert!(exiting.ready.try_recv().is_err(), "never ready:\n{log}");
 }
 
 /// Starts node `i` of a cluster whose seeds are nodes `0..n` (node 0 alone

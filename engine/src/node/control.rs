@@ -104,6 +104,8 @@ struct Control {
     journal_config: CoordinatorConfig,
     /// The `[coordinator]` table: rebalance and hand-off timing.
     coordinator_settings: crate::config::CoordinatorConfig,
+    /// `[cluster] on_join_refused`: stop, or keep asking the seeds.
+    on_join_refused: crate::config::OnJoinRefused,
     /// Per type: the coordinator's region messages held until the events
     /// persisted before them are durable: `(barrier LSN, to, msg)`.
     held: HashMap<String, VecDeque<(u64, RegionId, RegionMsg)>>,
@@ -175,6 +177,7 @@ pub(crate) async fn run(init: ControlInit) {
         journal,
         journal_config,
         coordinator_settings: init.config.coordinator.clone(),
+        on_join_refused: init.config.cluster.on_join_refused,
         held: HashMap::new(),
         barrier: HashMap::new(),
         durable_wake: Arc::new(DurableWake::default()),
@@ -878,11 +881,22 @@ impl Control {
         self.cluster.handle_seed_refused(now, &seed, reason);
         let after = self.cluster.join_refused().map(str::to_string);
         if after.is_some() && after != before {
-            tracing::error!(
-                seed = addr,
-                reason,
-                "refused by a seed node; this node will not form a cluster of its own and keeps asking the seeds"
-            );
+            if self.stopped {
+                // Already stopping (an earlier seed's refusal).
+            } else if self.on_join_refused == crate::config::OnJoinRefused::Exit {
+                tracing::error!(
+                    seed = addr,
+                    reason,
+                    "refused by a seed node; stopping (cluster.on_join_refused = \"exit\")"
+                );
+                self.refuse_to_join(format!("refused by seed node {addr}: {reason}"));
+            } else {
+                tracing::error!(
+                    seed = addr,
+                    reason,
+                    "refused by a seed node; this node will not form a cluster of its own and keeps asking the seeds"
+                );
+            }
         }
     }
 

@@ -65,6 +65,7 @@ pub(super) fn config(port: u16, seeds: &[u16], dir: &std::path::Path) -> NodeCon
         journal: Default::default(),
         requests: Default::default(),
         coordinator: Default::default(),
+        cluster: Default::default(),
     }
 }
 
