@@ -1600,6 +1600,7 @@ impl Core {
                 type_name,
                 entity,
                 payload,
+                timeout,
                 reply,
             } => {
                 let sender = match reply {
@@ -1612,8 +1613,12 @@ impl Core {
                     }
                 };
                 let shard = shard_id_of(entity.as_str(), c.config.number_of_shards);
+                // The deadline of an HTTP or native request: a message still
+                // buffered then is answered `Unavailable`, never delivered
+                // later.
+                let limit = c.config.requests.ask_timeout();
                 let env = Envelope {
-                    deadline: None,
+                    deadline: Some(now + timeout.map_or(limit, |t| t.min(limit))),
                     entity,
                     shard,
                     sender,

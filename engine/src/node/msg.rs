@@ -82,11 +82,13 @@ pub(crate) enum ToCore {
     Status {
         reply: crossbeam_channel::Sender<Vec<RegionStatusView>>,
     },
-    /// An embedding-API message.
+    /// An embedding-API message. Its ask deadline is `timeout` from its
+    /// arrival, at most `requests.ask_timeout_ms` (that when `None`).
     Ask {
         type_name: String,
         entity: EntityId,
         payload: Vec<u8>,
+        timeout: Option<Duration>,
         reply: Option<crossbeam_channel::Sender<(Status, Vec<u8>)>>,
     },
     /// A user message forwarded by another core of this node.
