@@ -624,6 +624,20 @@ mod tests {
     }
 
     #[test]
+    fn coordinator_admin_answers_map_to_http() {
+        use crate::envelope::Status;
+        let r = coordinator_admin_response(Ok(b"{}".to_vec()));
+        assert_eq!((r.code, r.body.as_slice()), (200, &b"{}\n"[..]));
+        let r = coordinator_admin_response(Err((Status::Unavailable, "no coordinator".into())));
+        assert_eq!(r.code, 503);
+        assert!(r.retry_after);
+        assert_eq!(body(&r), "no coordinator\n");
+        let r = coordinator_admin_response(Err((Status::UnknownEntityType, "nope".into())));
+        assert_eq!(r.code, 404);
+        assert!(!r.retry_after);
+    }
+
+    #[test]
     fn dispatch_routes_and_refuses() {
         let req = |m, t: &str| Request {
             method: m,
