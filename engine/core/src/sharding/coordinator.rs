@@ -11,6 +11,8 @@
 //!   `Persist(ShardHomeDeallocated)` → deferred `GetShardHome`s are answered
 //!   with a new allocation. A hand-off not finished within `handoff_timeout`
 //!   is abandoned: the shard stays with its owner under a new generation.
+//!   An operator may run a round at once ([`ShardCoordinator::rebalance_now`]);
+//!   [`ShardCoordinator::allocation`] is the allocation table they read.
 //!
 //! The state ([`CoordinatorState`]) changes only by applying the events the
 //! coordinator emits, so replaying the journal gives back the same state.
