@@ -48,6 +48,7 @@ fn main() -> anyhow::Result<()> {
         journal: Default::default(),
         requests: Default::default(),
         coordinator: Default::default(),
+        cluster: Default::default(),
     };
     let node = Node::start(config)?;
     node.sharding().start(

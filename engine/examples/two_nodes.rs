@@ -33,6 +33,7 @@ fn config(i: u16, dir: &std::path::Path) -> anyhow::Result<NodeConfig> {
         journal: Default::default(),
         requests: Default::default(),
         coordinator: Default::default(),
+        cluster: Default::default(),
     })
 }
 

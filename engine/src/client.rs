@@ -43,6 +43,17 @@ pub enum ClientError {
     /// `node_status` was answered with an error status.
     #[error("status request failed: {0:?}")]
     Status(Status),
+    /// A coordinator admin request ([`Client::allocation`],
+    /// [`Client::rebalance`]) was refused: `Unavailable` when no coordinator
+    /// runs or its member did not answer, `UnknownEntityType` for a type
+    /// without a coordinator.
+    #[error("{status:?}: {reason}")]
+    Refused {
+        /// The status.
+        status: Status,
+        /// The node's reason.
+        reason: String,
+    },
 }
 
 /// A response to one request.
@@ -161,6 +172,63 @@ impl Client {
         let r = self.recv_with_timeout(timeout)?;
         if r.status != Status::Ok {
             return Err(ClientError::Status(r.status));
+        }
+        serde_json::from_slice(&r.payload).map_err(|e| ClientError::Protocol(e.to_string()))
+    }
+
+    /// Admin: the coordinators' allocation table (every allocated shard's
+    /// home, generation and hand-off), from the member that runs them (the
+    /// node asked forwards the request there).
+    ///
+    /// # Errors
+    /// As [`Self::ask`]; [`ClientError::Refused`] with the node's reason;
+    /// [`ClientError::Protocol`] when the JSON does not parse.
+    pub fn allocation(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<crate::status::AllocationTable, ClientError> {
+        self.coordinator_admin(false, None, timeout)
+    }
+
+    /// Admin: runs one rebalance round of the coordinator of `type_name`
+    /// (every type when `None`) now, and answers the hand-offs it started.
+    ///
+    /// # Errors
+    /// As [`Self::allocation`].
+    pub fn rebalance(
+        &mut self,
+        type_name: Option<&str>,
+        timeout: Duration,
+    ) -> Result<crate::status::RebalanceAnswer, ClientError> {
+        self.coordinator_admin(true, type_name, timeout)
+    }
+
+    fn coordinator_admin<T: serde::de::DeserializeOwned>(
+        &mut self,
+        rebalance: bool,
+        type_name: Option<&str>,
+        timeout: Duration,
+    ) -> Result<T, ClientError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.writer.buf.clear();
+        encode_frame(
+            &ClientFrame::CoordinatorAdmin {
+                request_id: id,
+                rebalance,
+                type_name: type_name.unwrap_or("").as_bytes().to_vec(),
+            },
+            &mut self.writer.buf,
+        )
+        .map_err(|e| ClientError::Protocol(e.to_string()))?;
+        self.writer.out.write_all(&self.writer.buf)?;
+        self.writer.flush()?;
+        let r = self.recv_with_timeout(timeout)?;
+        if r.status != Status::Ok {
+            return Err(ClientError::Refused {
+                status: r.status,
+                reason: String::from_utf8_lossy(&r.payload).into_owned(),
+            });
         }
         serde_json::from_slice(&r.payload).map_err(|e| ClientError::Protocol(e.to_string()))
     }

@@ -215,3 +215,141 @@ pub struct ClusterShardingStats {
     /// Members that did not answer, by address.
     pub failed: Vec<FailedMember>,
 }
+
+/// Writes and reads a member uid as a JSON string: uids use all 64 bits,
+/// and JSON readers that parse numbers as IEEE doubles (JavaScript, jq)
+/// would round those above 2^53.
+mod uid_string {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(uid: &u64, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(uid)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        let t = String::deserialize(d)?;
+        t.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// A region in the allocation table: (member address, uid, data core).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionRef {
+    /// The member's cluster address.
+    pub address: String,
+    /// The member's incarnation uid (a JSON string).
+    #[serde(with = "uid_string")]
+    pub uid: u64,
+    /// The data core index on that member.
+    pub core: u16,
+}
+
+/// A shard's hand-off in progress in an [`AllocationTable`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandOffStatus {
+    /// How long ago it started, in milliseconds.
+    pub since_ms: u64,
+    /// Milliseconds left before it is abandoned (`[coordinator]
+    /// handoff_timeout_ms`; the shard then stays with its owner).
+    pub abandoned_in_ms: u64,
+    /// `waiting_for_acks` (regions have not all acknowledged
+    /// `BeginHandOff`) or `stopping` (the owner stops the shard's entities).
+    pub phase: String,
+    /// Regions whose `BeginHandOffAck` is missing (count; 0 when
+    /// `stopping`).
+    pub pending_acks: usize,
+    /// The region the allocation strategy planned for the shard when the
+    /// hand-off started (`null` for a hand-off of a leaving member); the
+    /// shard's new home is decided when it is allocated again after it
+    /// stopped, from the loads of that moment.
+    pub planned_target: Option<RegionRef>,
+}
+
+/// One allocated shard in an [`AllocationTable`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardAllocationStatus {
+    /// The shard id.
+    pub shard: u32,
+    /// Its home region.
+    pub region: RegionRef,
+    /// The generation of its allocation.
+    pub generation: u64,
+    /// Its hand-off, if one is in progress.
+    pub hand_off: Option<HandOffStatus>,
+}
+
+/// One region's load in an [`AllocationTable`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionLoad {
+    /// The region.
+    pub region: RegionRef,
+    /// Shards allocated to it (count).
+    pub shards: usize,
+}
+
+/// One entity type's allocation in an [`AllocationTable`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TypeAllocation {
+    /// The entity type.
+    pub type_name: String,
+    /// Every allocated shard, by shard id.
+    pub shards: Vec<ShardAllocationStatus>,
+    /// Every registered region (proxies excluded) with its shard count,
+    /// regions without shards included.
+    pub regions: Vec<RegionLoad>,
+    /// Shards in hand-off now (count).
+    pub in_hand_off: usize,
+}
+
+/// The coordinators' allocation tables (`GET /v1/coordinator/allocation`,
+/// `shardline status --allocation`), answered by the member that runs the
+/// coordinators.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocationTable {
+    /// The cluster address of the member that runs the coordinators.
+    pub coordinator: String,
+    /// Its incarnation uid (a JSON string).
+    #[serde(with = "uid_string")]
+    pub uid: u64,
+    /// Per entity type, by name.
+    pub types: Vec<TypeAllocation>,
+}
+
+/// A hand-off a requested rebalance round started ([`RebalanceAnswer`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RebalanceMove {
+    /// The shard.
+    pub shard: u32,
+    /// Its owner, which hands it off.
+    pub from: RegionRef,
+    /// See [`HandOffStatus::planned_target`].
+    pub planned_target: Option<RegionRef>,
+}
+
+/// What a requested rebalance round did for one entity type.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TypeRebalance {
+    /// The entity type.
+    pub type_name: String,
+    /// The hand-offs it started.
+    pub started: Vec<RebalanceMove>,
+    /// Why the round did not run (too few Up members, the strategy failed),
+    /// or `null` when it ran (an empty `started` then means the regions are
+    /// balanced within the strategy's threshold, or an earlier round is
+    /// still in progress).
+    pub skipped: Option<String>,
+    /// Shards in hand-off after the round (count).
+    pub in_hand_off: usize,
+}
+
+/// The answer to `POST /v1/coordinator/rebalance` (`shardline rebalance`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RebalanceAnswer {
+    /// The cluster address of the member that runs the coordinators.
+    pub coordinator: String,
+    /// Its incarnation uid (a JSON string).
+    #[serde(with = "uid_string")]
+    pub uid: u64,
+    /// Per entity type asked for, by name.
+    pub types: Vec<TypeRebalance>,
+}

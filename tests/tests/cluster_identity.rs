@@ -267,6 +267,7 @@ fn embedded(port: u16, seed: u16, data_dir: &Path) -> shardline::Node {
         journal: Default::default(),
         requests: Default::default(),
         coordinator: Default::default(),
+        cluster: Default::default(),
     })
     .expect("start");
     node.sharding()

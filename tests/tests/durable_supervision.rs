@@ -49,6 +49,7 @@ fn a_panicking_handler_restarts_with_backoff_and_neighbours_keep_answering() {
         journal: Default::default(),
         requests: Default::default(),
         coordinator: Default::default(),
+        cluster: Default::default(),
     })
     .expect("start");
     let settings = SupervisorSettings {

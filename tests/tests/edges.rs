@@ -21,6 +21,10 @@
 //!   the limit is served;
 //! - a first seed restarted with a mismatched `number_of_shards` is refused
 //!   by the other seeds and does not form a cluster of its own;
+//! - the coordinator visible and steerable: three nodes joining two are
+//!   balanced within a stated bound, read through the allocation route;
+//!   a rebalance round runs on request only (HTTP and `shardline
+//!   rebalance`), and `shardline status --allocation` prints the table;
 //!
 //! The cases run one at a time (several node processes each).
 
@@ -461,7 +465,9 @@ fn one_message_size_limit_on_both_fronts() {
 /// handshake. It logs the refusal, never forms a cluster of its own (no
 /// Up member, no coordinator, no ready line, well past the 5 s
 /// seed-node timeout after which a first seed nobody answers forms one),
-/// and the other two keep their cluster without it.
+/// and the other two keep their cluster without it. Restarted with
+/// `[cluster] on_join_refused = "exit"`, it exits with code 1 and the
+/// refusal instead.
 #[test]
 fn a_first_seed_refused_by_the_seeds_never_forms_its_own_cluster() {
     let _one = serial();
@@ -514,5 +520,328 @@ fn a_first_seed_refused_by_the_seeds_never_forms_its_own_cluster() {
     assert!(
         st1.members.iter().all(|m| m.uid != st.uid),
         "the refused incarnation never joined: {st1:?}"
+    );
+    // With `[cluster] on_join_refused = "exit"` the refused node stops
+    // instead: it exits non-zero within 10 s, its error naming the seed's
+    // reason, still without forming a cluster (no ready line).
+    drop(restarted);
+    let text = std::fs::read_to_string(&cfg).expect("config");
+    std::fs::write(
+        &cfg,
+        format!("{text}\n[cluster]\non_join_refused = \"exit\"\n"),
+    )
+    .expect("config");
+    let log_before = node_log(dir.path(), 0).len();
+    let mut exiting = spawn_with_leave_timeout(&cfg, &dir.path().join("node-0.log"), 4_000);
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = exiting.child.try_wait().expect("wait") {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "node 0 keeps running with on_join_refused = \"exit\":\n{}",
+            &node_log(dir.path(), 0)[log_before..]
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let log = node_log(dir.path(), 0)[log_before..].to_string();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.contains("refused to join the cluster: refused by seed node"),
+        "the exit names the refusal:\n{log}"
+    );
+    assert!(
+        log.contains("sharding fingerprint mismatch"),
+        "and its reason:\n{log}"
+    );
+    assert!(exiting.ready.try_recv().is_err(), "never ready:\n{log}");
+}
+
+/// Starts node `i` of a cluster whose seeds are nodes `0..n` (node 0 alone
+/// when `i == 0`, so that it forms the cluster at once), with `extra`
+/// after the `[http]` table; its ready line arrives on `NodeProc::ready`.
+fn spawn_one(dir: &Path, ports: Ports, i: usize, n: usize, extra: &str) -> http_support::NodeProc {
+    let seeds_of = if i == 0 { 1 } else { n };
+    let cfg = dir.join(format!("node-{i}.toml"));
+    std::fs::write(&cfg, config_text_with(ports, i, seeds_of, 1, dir, extra)).expect("config");
+    let log = dir.join(format!("node-{i}.log"));
+    http_support::spawn_node(&shardline_bin(), &cfg, &log, "info")
+}
+
+/// Waits for node `i`'s ready line.
+fn wait_ready_line(dir: &Path, i: usize, p: &http_support::NodeProc) {
+    if p.ready.recv_timeout(Duration::from_secs(30)).is_err() {
+        panic!("node {i} not ready:\n{}", node_log(dir, i));
+    }
+}
+
+/// [`spawn_one`], then waits for its ready line.
+fn start_one(dir: &Path, ports: Ports, i: usize, n: usize, extra: &str) -> http_support::NodeProc {
+    let p = spawn_one(dir, ports, i, n, extra);
+    wait_ready_line(dir, i, &p);
+    p
+}
+
+/// One entity id per shard of the test configs' 60 shards (`c-<shard>-..`).
+fn one_id_per_shard() -> Vec<String> {
+    let mut ids: Vec<Option<String>> = vec![None; 60];
+    let mut i = 0u64;
+    while ids.iter().any(Option::is_none) {
+        let id = format!("c-{i}");
+        let s = shardline_core::sharding::shard_id_of(&id, 60).0 as usize;
+        if ids[s].is_none() {
+            ids[s] = Some(id);
+        }
+        i += 1;
+    }
+    ids.into_iter().map(|s| s.expect("every shard")).collect()
+}
+
+/// Sends `add 1` to one entity of every shard through `http` (pipelined)
+/// and asserts every one is answered 200: a shard without a home is
+/// allocated on its first message.
+fn touch_every_shard(http: std::net::SocketAddr, ids: &[String]) {
+    let reqs: Vec<(String, Vec<u8>)> = ids
+        .iter()
+        .map(|id| (format!("/v1/entities/counter/{id}"), b"add 1".to_vec()))
+        .collect();
+    let mut conn = Conn::open(http);
+    conn.s
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    for (i, r) in pipeline(&mut conn, &reqs).into_iter().enumerate() {
+        let r = r.unwrap_or_else(|| panic!("{} got no answer", ids[i]));
+        assert_eq!(r.code, 200, "{}: {}", ids[i], r.text());
+    }
+}
+
+/// `GET /v1/coordinator/allocation` through `http`, parsed.
+fn allocation(http: std::net::SocketAddr) -> shardline::status::AllocationTable {
+    let r = Conn::open(http).get("/v1/coordinator/allocation");
+    assert_eq!(r.code, 200, "{}", r.text());
+    serde_json::from_slice(&r.body).unwrap_or_else(|e| panic!("{e}: {}", r.text()))
+}
+
+/// The `counter` part of an allocation table.
+fn counter_allocation(
+    t: &shardline::status::AllocationTable,
+) -> &shardline::status::TypeAllocation {
+    t.types
+        .iter()
+        .find(|t| t.type_name == "counter")
+        .expect("counter's coordinator")
+}
+
+/// The case 6: three nodes join a cluster of two that hosts all 60
+/// shards. With `[coordinator] rebalance_interval_ms = 300` and limits
+/// that let one round move every shard that must move, the allocation
+/// table (read through a node that does not run the coordinator, which
+/// forwards the request) shows the 60 shards balanced over the 5 regions
+/// (most minus fewest shards at most 1, the least-shards strategy's
+/// threshold, so 12 each) and no hand-off in progress within 20 s of the
+/// last node's ready line, while one message per shard every 200 ms
+/// re-allocates the shards that were handed off.
+#[test]
+fn three_joining_nodes_are_balanced_within_the_bound() {
+    let _one = serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ports = Ports { base: 29_000 };
+    let extra = "\n[coordinator]\nrebalance_interval_ms = 300\nrebalance_absolute_limit = 60\nrebalance_relative_limit = 1.0";
+    let ids = one_id_per_shard();
+    let mut nodes = vec![start_one(dir.path(), ports, 0, 5, extra)];
+    nodes.push(start_one(dir.path(), ports, 1, 5, extra));
+    wait_cluster(ports.client(1), 2, Some(ports.cluster(0).to_string()));
+    touch_every_shard(ports.http(0), &ids);
+    let mut touches = 1;
+    let before = allocation(ports.http(1));
+    assert_eq!(before.coordinator, ports.cluster(0).to_string());
+    assert_eq!(counter_allocation(&before).shards.len(), 60);
+    for i in 2..5 {
+        nodes.push(spawn_one(dir.path(), ports, i, 5, extra));
+    }
+    for (i, n) in nodes.iter().enumerate().skip(2) {
+        wait_ready_line(dir.path(), i, n);
+    }
+    let t0 = Instant::now();
+    let bound = Duration::from_secs(20);
+    let last = loop {
+        touch_every_shard(ports.http(2), &ids);
+        touches += 1;
+        let t = allocation(ports.http(1));
+        let c = counter_allocation(&t);
+        let counts: Vec<usize> = c.regions.iter().map(|r| r.shards).collect();
+        let balanced = c.regions.len() == 5
+            && c.shards.len() == 60
+            && c.in_hand_off == 0
+            && counts
+                .iter()
+                .max()
+                .zip(counts.iter().min())
+                .is_some_and(|(a, b)| a - b <= 1);
+        if balanced {
+            break t;
+        }
+        assert!(
+            t0.elapsed() < bound,
+            "not balanced within {bound:?}: {counts:?} ({} shards allocated, {} in hand-off)",
+            c.shards.len(),
+            c.in_hand_off
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let c = counter_allocation(&last);
+    assert!(c.regions.iter().all(|r| r.shards == 12), "{:?}", c.regions);
+    // Every row names its home's member; moved shards have newer generations.
+    for s in &c.shards {
+        let r = c
+            .regions
+            .iter()
+            .find(|r| r.region == s.region)
+            .expect("a registered region");
+        assert!(r.shards > 0);
+        assert!(s.generation > 0);
+    }
+    let moved = c
+        .shards
+        .iter()
+        .filter(|s| {
+            s.region.address != ports.cluster(0).to_string()
+                && s.region.address != ports.cluster(1).to_string()
+        })
+        .count();
+    assert_eq!(moved, 36, "three new regions host 12 each");
+    eprintln!("balanced {:?} after the last node was ready", t0.elapsed());
+    // Every add answered 200 during the moves was applied exactly once.
+    for id in [&ids[0], &ids[59]] {
+        assert_eq!(
+            read_counter(ports.http(3), id, Duration::from_secs(10)),
+            touches,
+            "{id}"
+        );
+    }
+}
+
+/// The rebalance command: with `rebalance_interval_ms` at its maximum (one
+/// hour), two regions at 60/0 stay so until `POST
+/// /v1/coordinator/rebalance?type=counter` (sent to the node that does not
+/// run the coordinator) runs a round: it answers the 6 hand-offs it
+/// started (the default relative limit, 10% of 60), each from node 0 with
+/// node 1 as the planned target; the moved shards' next messages allocate
+/// them on node 1. `shardline rebalance` runs the next round and
+/// `shardline status --allocation` prints the table.
+#[test]
+fn a_rebalance_round_runs_on_request_only() {
+    let _one = serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ports = Ports { base: 29_200 };
+    let extra = "\n[coordinator]\nrebalance_interval_ms = 3600000";
+    let ids = one_id_per_shard();
+    let _n0 = start_one(dir.path(), ports, 0, 2, extra);
+    touch_every_shard(ports.http(0), &ids);
+    let _n1 = start_one(dir.path(), ports, 1, 2, extra);
+    wait_cluster(ports.client(0), 2, Some(ports.cluster(0).to_string()));
+    std::thread::sleep(Duration::from_secs(1));
+    let t = allocation(ports.http(1));
+    let c = counter_allocation(&t);
+    let counts: Vec<usize> = c.regions.iter().map(|r| r.shards).collect();
+    assert_eq!(
+        counts,
+        vec![60, 0],
+        "nothing moves before the interval: {:?}",
+        c.regions
+    );
+    // An unknown type, and a GET, are refused.
+    let r = Conn::open(ports.http(1)).post("/v1/coordinator/rebalance?type=nope", b"");
+    assert_eq!(r.code, 404, "{}", r.text());
+    assert!(r.text().contains("nope"), "{}", r.text());
+    let r = Conn::open(ports.http(1)).get("/v1/coordinator/rebalance");
+    assert_eq!(r.code, 405);
+    let r = Conn::open(ports.http(1)).post("/v1/coordinator/rebalance?type=counter", b"");
+    assert_eq!(r.code, 200, "{}", r.text());
+    let a: shardline::status::RebalanceAnswer = serde_json::from_slice(&r.body).expect("JSON");
+    assert_eq!(a.coordinator, ports.cluster(0).to_string());
+    assert_eq!(a.types.len(), 1);
+    let round = &a.types[0];
+    assert_eq!(
+        (round.type_name.as_str(), round.skipped.as_deref()),
+        ("counter", None)
+    );
+    assert_eq!(round.started.len(), 6, "{round:?}");
+    for m in &round.started {
+        assert_eq!(m.from.address, ports.cluster(0).to_string());
+        assert_eq!(
+            m.planned_target.as_ref().map(|r| r.address.clone()),
+            Some(ports.cluster(1).to_string())
+        );
+    }
+    // The moved shards' next messages allocate them on node 1.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        touch_every_shard(ports.http(0), &ids);
+        let t = allocation(ports.http(0));
+        let c = counter_allocation(&t);
+        let on_1: Vec<u32> = c
+            .shards
+            .iter()
+            .filter(|s| s.region.address == ports.cluster(1).to_string())
+            .map(|s| s.shard)
+            .collect();
+        let mut want: Vec<u32> = round.started.iter().map(|m| m.shard).collect();
+        want.sort_unstable();
+        if on_1 == want && c.in_hand_off == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "moved shards not on node 1: {on_1:?}, want {want:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The command line: the next round, then the table.
+    let out = std::process::Command::new(shardline_bin())
+        .args([
+            "rebalance",
+            "--node",
+            &ports.client(1).to_string(),
+            "--type",
+            "counter",
+        ])
+        .output()
+        .expect("shardline rebalance");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("counter: 6 hand-offs started"), "{text}");
+    let out = std::process::Command::new(shardline_bin())
+        .args([
+            "status",
+            "--allocation",
+            "--node",
+            &ports.client(1).to_string(),
+        ])
+        .output()
+        .expect("shardline status --allocation");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains(&format!("coordinator: {}", ports.cluster(0))),
+        "{text}"
+    );
+    assert!(text.contains("counter: "), "{text}");
+    assert!(text.contains("shards allocated"), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.contains(&ports.cluster(1).to_string())
+                && l.contains("core 0")
+                && l.ends_with(" shards")),
+        "node 1's region is listed: {text}"
     );
 }

@@ -8,8 +8,8 @@ use proptest::prelude::*;
 use shardline_core::ids::{Address, EntityId, MemberUid, RegionId, ShardId, UniqueAddress};
 use shardline_core::sharding::{
     CoordinatorEffect, CoordinatorEvent, CoordinatorMsg, CoordinatorSettings, CoordinatorState,
-    Envelope, FailureReason, Generation, LeastShardAllocationStrategy, LruPolicy, MemberStatus,
-    MembershipEvent, PassivationSettings, RegionEffect, RegionMsg, RegionSettings,
+    Envelope, FailureReason, Generation, HandOffPhase, LeastShardAllocationStrategy, LruPolicy,
+    MemberStatus, MembershipEvent, PassivationSettings, RegionEffect, RegionMsg, RegionSettings,
     ShardAllocationStrategy, ShardCoordinator, ShardRegion, StopReason, StrategyError,
 };
 
@@ -286,6 +286,75 @@ fn rebalance_hands_off_after_all_acks_and_reallocates() {
     let counts: Vec<usize> = w.coord.state().regions.values().map(|s| s.len()).collect();
     assert_eq!(counts.len(), 2);
     assert!(counts[0].abs_diff(counts[1]) <= 1, "{counts:?}");
+}
+
+/// The allocation table shows every home, its generation and a hand-off
+/// in progress (since when, planned target, phase); `rebalance_now` runs a
+/// round at once, long before the rebalance interval, and answers what it
+/// started.
+#[test]
+fn allocation_table_and_a_rebalance_round_on_request() {
+    let cs = CoordinatorSettings {
+        rebalance_interval: Duration::from_secs(3600),
+        ..CoordinatorSettings::default()
+    };
+    let mut w = World::new(1, quiet_settings(), cs);
+    for s in 0..10u32 {
+        w.send(0, &format!("e{s}"), s, s);
+    }
+    let table = w.coord.allocation();
+    assert_eq!(table.len(), 10);
+    assert!(table
+        .iter()
+        .all(|a| a.region == rid(1) && a.hand_off.is_none()));
+    let gens: Vec<Generation> = table.iter().map(|a| a.generation).collect();
+    assert_eq!(gens, (1..=10).map(Generation).collect::<Vec<_>>());
+    // Two regions join; nothing moves before the interval unless asked.
+    let now = w.now;
+    for n in [2, 3] {
+        w.coord
+            .handle_membership(now, MembershipEvent::MemberUp(member(n)));
+        w.regions.push(Region::new(
+            rid(n),
+            quiet_settings(),
+            Box::new(LruPolicy::new()),
+            now,
+        ));
+    }
+    w.pump();
+    w.advance(Duration::from_secs(5));
+    assert_eq!(w.coord.rebalance_in_progress().count(), 0);
+    w.auto_stop = false;
+    let t = w.now;
+    let round = w.coord.rebalance_now(t);
+    w.pump();
+    assert_eq!(round.skipped, None);
+    // 10% of 10 shards: one shard per round, planned for the least loaded.
+    assert_eq!(round.started.len(), 1, "{round:?}");
+    let st = &round.started[0];
+    assert_eq!(st.from, rid(1));
+    assert_eq!(st.planned_target, Some(rid(2)));
+    w.advance(Duration::from_millis(250));
+    let row = w
+        .coord
+        .allocation()
+        .into_iter()
+        .find(|a| a.shard == st.shard)
+        .expect("still allocated while it stops");
+    let h = row.hand_off.expect("in hand-off");
+    assert_eq!(h.since, t);
+    assert_eq!(h.planned_target, Some(rid(2)));
+    assert_eq!(h.phase, HandOffPhase::Stopping);
+    // A round while one is in progress starts nothing and says so.
+    let again = w.coord.rebalance_now(w.now);
+    assert!(again.started.is_empty());
+    assert_eq!(again.in_progress, 1);
+    // The shard stops; a message re-allocates it to the planned target.
+    w.auto_stop = true;
+    w.pump();
+    assert!(w.coord.allocation().iter().all(|a| a.shard != st.shard));
+    w.send(0, &format!("e{}", st.shard.0), st.shard.0, 99);
+    assert_eq!(w.home(st.shard.0).map(|h| h.0), Some(rid(2)));
 }
 
 #[test]

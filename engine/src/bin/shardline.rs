@@ -21,8 +21,12 @@ enum Command {
     ShardOf(shardline::cli::shard_of::ShardOfArgs),
     /// Run a node: `shardline node --config FILE`.
     Node(shardline::cli::node::NodeArgs),
-    /// Print a node's view of the cluster: `shardline status --node ADDR`.
+    /// Print a node's view of the cluster: `shardline status --node ADDR`
+    /// (`--allocation`: the coordinators' allocation table).
     Status(shardline::cli::status::StatusArgs),
+    /// Run one rebalance round of the coordinator now:
+    /// `shardline rebalance --node ADDR [--type T]`.
+    Rebalance(shardline::cli::rebalance::RebalanceArgs),
     /// Journal tools: `shardline journal verify DIR`, `shardline journal inspect DIR`.
     Journal(shardline::cli::journal::JournalArgs),
 }
@@ -60,6 +64,9 @@ fn run() -> anyhow::Result<()> {
             shardline::cli::node::run(&args)
         }
         Command::Status(args) => shardline::cli::status::run(&args, &mut std::io::stdout().lock()),
+        Command::Rebalance(args) => {
+            shardline::cli::rebalance::run(&args, &mut std::io::stdout().lock())
+        }
         Command::Journal(args) => {
             if !shardline::cli::journal::run(&args, &mut std::io::stdout().lock())? {
                 std::process::exit(1);

@@ -4,5 +4,6 @@
 
 pub mod journal;
 pub mod node;
+pub mod rebalance;
 pub mod shard_of;
 pub mod status;

@@ -1,5 +1,7 @@
 //! `shardline status --node ADDR`: a node's view of the cluster (members,
-//! coordinator, regions with shards and entities).
+//! coordinator, regions with shards and entities); with `--allocation`, the
+//! coordinators' allocation table (every shard's home, generation and
+//! hand-off), which the node fetches from the member that runs them.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -15,6 +17,70 @@ pub struct StatusArgs {
     /// Print the raw JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Print the coordinators' allocation table (shard → region,
+    /// generation, hand-off) instead of the node's status.
+    #[arg(long)]
+    pub allocation: bool,
+}
+
+/// Writes the allocation table as readable text: per entity type, each
+/// region's shard count, then one line per shard.
+///
+/// # Errors
+/// Write errors of `out`.
+pub fn write_allocation(
+    t: &crate::status::AllocationTable,
+    out: &mut impl std::io::Write,
+) -> std::io::Result<()> {
+    writeln!(out, "coordinator: {} (uid {})", t.coordinator, t.uid)?;
+    for ty in &t.types {
+        writeln!(
+            out,
+            "{}: {} shards allocated, {} in hand-off",
+            ty.type_name,
+            ty.shards.len(),
+            ty.in_hand_off
+        )?;
+        writeln!(out, "  regions:")?;
+        for r in &ty.regions {
+            writeln!(
+                out,
+                "    {:<22} core {:<3} uid {:<20} {} shards",
+                r.region.address, r.region.core, r.region.uid, r.shards
+            )?;
+        }
+        writeln!(
+            out,
+            "  {:<6} {:<22} {:<5} {:<12} hand-off",
+            "shard", "home", "core", "generation"
+        )?;
+        for s in &ty.shards {
+            let h = match &s.hand_off {
+                None => "-".to_string(),
+                Some(h) => format!(
+                    "{} for {} ms (abandoned in {} ms{}), planned target {}",
+                    h.phase,
+                    h.since_ms,
+                    h.abandoned_in_ms,
+                    if h.pending_acks > 0 {
+                        format!(", {} acks missing", h.pending_acks)
+                    } else {
+                        String::new()
+                    },
+                    h.planned_target
+                        .as_ref()
+                        .map(|r| format!("{} core {}", r.address, r.core))
+                        .unwrap_or_else(|| "-".into())
+                ),
+            };
+            writeln!(
+                out,
+                "  {:<6} {:<22} {:<5} {:<12} {h}",
+                s.shard, s.region.address, s.region.core, s.generation
+            )?;
+        }
+    }
+    Ok(())
 }
 
 /// Prints the status.
@@ -26,6 +92,17 @@ pub fn run(args: &StatusArgs, out: &mut impl std::io::Write) -> anyhow::Result<(
     use anyhow::Context as _;
     let mut c =
         Client::connect(args.node).with_context(|| format!("cannot connect to {}", args.node))?;
+    if args.allocation {
+        let t = c
+            .allocation(Duration::from_secs(10))
+            .with_context(|| format!("{} did not answer the allocation table", args.node))?;
+        if args.json {
+            writeln!(out, "{}", serde_json::to_string_pretty(&t)?)?;
+        } else {
+            write_allocation(&t, out)?;
+        }
+        return Ok(());
+    }
     let st = c.node_status(Duration::from_secs(5)).with_context(|| {
         format!(
             "{} did not answer as a Shardline node's native client port \

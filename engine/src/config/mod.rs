@@ -10,8 +10,10 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+mod cluster;
 mod coordinator;
 mod requests;
+pub use cluster::{ClusterTableConfig, OnJoinRefused};
 pub use coordinator::CoordinatorConfig;
 pub use requests::{
     RequestsConfig, ANSWER_GRACE_MS, DEFAULT_ASK_TIMEOUT_MS, ENVELOPE_OVERHEAD_BYTES,
@@ -339,6 +341,10 @@ pub struct NodeConfig {
     /// [`CoordinatorConfig::default`]).
     #[serde(default)]
     pub coordinator: CoordinatorConfig,
+    /// What the node does when the seeds refuse it (`[cluster]` table;
+    /// every key optional, defaults of [`ClusterTableConfig::default`]).
+    #[serde(default)]
+    pub cluster: ClusterTableConfig,
 }
 
 /// Which journal backend stores durable state.
@@ -933,6 +939,27 @@ active_entity_limit = 0
                 "rebalance_relative_limit = 1.5",
                 "coordinator.rebalance_relative_limit",
             ),
+            ("bogus = 1", "bogus"),
+        ] {
+            let e = NodeConfig::from_toml(&with(t), Path::new("x.toml")).unwrap_err();
+            assert!(e.to_string().contains(key), "{t}: {e}");
+        }
+    }
+
+    #[test]
+    fn cluster_table_on_join_refused() {
+        let c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
+        assert_eq!(c.cluster.on_join_refused, OnJoinRefused::Retry);
+        let with = |t: &str| format!("{GOOD}\n[cluster]\n{t}\n");
+        for (t, want) in [
+            ("on_join_refused = \"exit\"", OnJoinRefused::Exit),
+            ("on_join_refused = \"retry\"", OnJoinRefused::Retry),
+        ] {
+            let c = NodeConfig::from_toml(&with(t), Path::new("x.toml")).unwrap();
+            assert_eq!(c.cluster.on_join_refused, want, "{t}");
+        }
+        for (t, key) in [
+            ("on_join_refused = \"stop\"", "on_join_refused"),
             ("bogus = 1", "bogus"),
         ] {
             let e = NodeConfig::from_toml(&with(t), Path::new("x.toml")).unwrap_err();

@@ -25,4 +25,18 @@ pub enum ClientFrame {
         /// Echoed in the response.
         request_id: u64,
     },
+    /// Admin: a coordinator command, answered by the member that runs the
+    /// coordinators (any node forwards it there): with `rebalance` false,
+    /// the allocation table (JSON [`crate::status::AllocationTable`]); with
+    /// `rebalance` true, one rebalance round now for `type_name` (empty:
+    /// every type), answered with a JSON [`crate::status::RebalanceAnswer`].
+    /// An error status carries the reason as text.
+    CoordinatorAdmin {
+        /// Echoed in the response.
+        request_id: u64,
+        /// Run a rebalance round (else: read the allocation table).
+        rebalance: bool,
+        /// The entity type of a rebalance (UTF-8; empty: every type).
+        type_name: Vec<u8>,
+    },
 }

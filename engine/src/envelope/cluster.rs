@@ -345,6 +345,29 @@ pub enum ControlFrame {
         /// Its regions of the type.
         regions: Vec<WireRegionStats>,
     },
+    /// A coordinator admin command forwarded to the member that runs the
+    /// coordinators (the oldest); answered with
+    /// [`ControlFrame::CoordinatorAdminReply`] to `reply_to`.
+    CoordinatorAdminRequest {
+        /// Chosen by the asker to match the answer.
+        id: u64,
+        /// `false`: the allocation table; `true`: one rebalance round.
+        rebalance: bool,
+        /// The entity type of a rebalance (`None`: every type).
+        type_name: Option<String>,
+        /// The asker's cluster address.
+        reply_to: String,
+    },
+    /// The answer to a [`ControlFrame::CoordinatorAdminRequest`].
+    CoordinatorAdminReply {
+        /// The request's id.
+        id: u64,
+        /// A client status code (`Status as u8`): 0 with a JSON body, else
+        /// the body is the reason as text.
+        status: u8,
+        /// JSON or the reason.
+        body: Vec<u8>,
+    },
 }
 
 /// One region's stats in a [`ControlFrame::StatsReply`] (fields as in

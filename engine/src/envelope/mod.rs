@@ -265,7 +265,7 @@ mod tests {
                 assert_eq!(request_id.to_native(), 9);
                 assert_eq!(payload.as_slice(), b"hello");
             }
-            ArchivedClientFrame::NodeStatus { .. } => panic!("wrong variant"),
+            _ => panic!("wrong variant"),
         }
     }
 

@@ -151,6 +151,59 @@ pub(crate) async fn answer_status(core: Rc<RefCell<Core>>, conn: u64, request_id
     }
 }
 
+/// Answers a native `CoordinatorAdmin` request (see
+/// [`coordinator_admin`]): `Ok` with the JSON, or the error status with the
+/// reason as text.
+pub(crate) async fn answer_coordinator_admin(
+    core: Rc<RefCell<Core>>,
+    conn: u64,
+    request_id: u64,
+    cmd: crate::node::admin::CoordinatorCommand,
+) {
+    let (code, payload) = match coordinator_admin(&core, cmd).await {
+        Ok(json) => (Status::Ok, json),
+        Err((st, why)) => (st, why.into_bytes()),
+    };
+    let c = core.borrow();
+    if let Some(o) = c.conn_outbox(conn) {
+        let f = ServerFrame {
+            request_id,
+            status: code as u8,
+            payload,
+        };
+        let _ = encode_frame(&f, &mut o.buf.borrow_mut());
+        o.flush();
+    }
+}
+
+/// Runs a coordinator admin command through the control executor, which
+/// answers it from the coordinators on this member or forwards it to the
+/// member that runs them. `Unavailable` when the control executor does not
+/// answer in time.
+pub(crate) async fn coordinator_admin(
+    core: &Rc<RefCell<Core>>,
+    cmd: crate::node::admin::CoordinatorCommand,
+) -> crate::node::admin::AdminAnswer {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let sent = core
+        .borrow()
+        .to_control()
+        .send(ToControl::CoordinatorAdmin { cmd, reply: tx })
+        .is_ok();
+    let wait = crate::node::admin::FORWARD_TIMEOUT + Duration::from_secs(1);
+    let deadline = Instant::now() + wait;
+    while sent && Instant::now() < deadline {
+        if let Ok(a) = rx.try_recv() {
+            return a;
+        }
+        monoio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Err((
+        Status::Unavailable,
+        "the node's control executor did not answer".into(),
+    ))
+}
+
 /// Collects this node's status: the cluster view from the control executor
 /// and the region views from every data executor (waiting at most
 /// `STATUS_TIMEOUT`). `None` when the control executor did not answer.

@@ -23,6 +23,7 @@ use shardline_core::sharding::{
     RegionMsg, ShardCoordinator, SHARD_ID_HASH_NAME,
 };
 
+use super::admin::{AdminAnswer, CoordinatorCommand};
 use super::msg::{sharding_event, ClusterView, StatsEvent, ToControl, ToCore};
 use super::{MemberStatusView, Shared};
 use crate::config::NodeConfig;
@@ -94,12 +95,17 @@ struct Control {
     /// Pending cluster-wide stats requests: id → (asker, expiry).
     stats_waiters: HashMap<u64, (crossbeam_channel::Sender<StatsEvent>, Duration)>,
     next_stats_id: u64,
+    /// Coordinator admin commands forwarded to the oldest member: id →
+    /// (asker, expiry).
+    admin_waiters: HashMap<u64, (crossbeam_channel::Sender<AdminAnswer>, Duration)>,
     /// The control core's journal (the coordinators' events), if it opened.
     journal: Option<ControlJournal>,
     /// What the coordinator journal records and checks.
     journal_config: CoordinatorConfig,
     /// The `[coordinator]` table: rebalance and hand-off timing.
     coordinator_settings: crate::config::CoordinatorConfig,
+    /// `[cluster] on_join_refused`: stop, or keep asking the seeds.
+    on_join_refused: crate::config::OnJoinRefused,
     /// Per type: the coordinator's region messages held until the events
     /// persisted before them are durable: `(barrier LSN, to, msg)`.
     held: HashMap<String, VecDeque<(u64, RegionId, RegionMsg)>>,
@@ -171,6 +177,7 @@ pub(crate) async fn run(init: ControlInit) {
         journal,
         journal_config,
         coordinator_settings: init.config.coordinator.clone(),
+        on_join_refused: init.config.cluster.on_join_refused,
         held: HashMap::new(),
         barrier: HashMap::new(),
         durable_wake: Arc::new(DurableWake::default()),
@@ -201,6 +208,7 @@ pub(crate) async fn run(init: ControlInit) {
         shared: init.shared,
         stats_waiters: HashMap::new(),
         next_stats_id: 0,
+        admin_waiters: HashMap::new(),
     }));
     CTL_SELF.with(|c| *c.borrow_mut() = Some(ctl.clone()));
     ctl.borrow_mut().drive();
@@ -873,11 +881,22 @@ impl Control {
         self.cluster.handle_seed_refused(now, &seed, reason);
         let after = self.cluster.join_refused().map(str::to_string);
         if after.is_some() && after != before {
-            tracing::error!(
-                seed = addr,
-                reason,
-                "refused by a seed node; this node will not form a cluster of its own and keeps asking the seeds"
-            );
+            if self.stopped {
+                // Already stopping (an earlier seed's refusal).
+            } else if self.on_join_refused == crate::config::OnJoinRefused::Exit {
+                tracing::error!(
+                    seed = addr,
+                    reason,
+                    "refused by a seed node; stopping (cluster.on_join_refused = \"exit\")"
+                );
+                self.refuse_to_join(format!("refused by seed node {addr}: {reason}"));
+            } else {
+                tracing::error!(
+                    seed = addr,
+                    reason,
+                    "refused by a seed node; this node will not form a cluster of its own and keeps asking the seeds"
+                );
+            }
         }
     }
 
@@ -937,6 +956,36 @@ impl Control {
                     let _ = tx.send(StatsEvent::Answer(member_stats(member, regions)));
                 }
             }
+            ControlFrame::CoordinatorAdminRequest {
+                id,
+                rebalance,
+                type_name,
+                reply_to,
+            } => {
+                let cmd = if rebalance {
+                    CoordinatorCommand::Rebalance { type_name }
+                } else {
+                    CoordinatorCommand::Allocation
+                };
+                let (status, body) = match self.admin_here(&cmd) {
+                    Ok(json) => (crate::envelope::Status::Ok as u8, json),
+                    Err((st, why)) => (st as u8, why.into_bytes()),
+                };
+                let f = ControlFrame::CoordinatorAdminReply { id, status, body };
+                self.send_control(&reply_to, &f);
+            }
+            ControlFrame::CoordinatorAdminReply { id, status, body } => {
+                if let Some((tx, _)) = self.admin_waiters.remove(&id) {
+                    let answer = match crate::envelope::Status::from_u8(status) {
+                        Some(crate::envelope::Status::Ok) => Ok(body),
+                        st => Err((
+                            st.unwrap_or(crate::envelope::Status::EntityFailed),
+                            String::from_utf8_lossy(&body).into_owned(),
+                        )),
+                    };
+                    let _ = tx.send(answer);
+                }
+            }
         }
         self.drive();
         Ok(())
@@ -980,6 +1029,25 @@ impl Control {
             }
         }
         self.stats_waiters.retain(|_, (_, until)| now < *until);
+        let expired: Vec<u64> = self
+            .admin_waiters
+            .iter()
+            .filter(|(_, (_, until))| now >= *until)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            if let Some((tx, _)) = self.admin_waiters.remove(&id) {
+                let oldest = self.cluster.oldest().map(|o| o.address.0);
+                let _ = tx.send(Err((
+                    crate::envelope::Status::Unavailable,
+                    format!(
+                        "the coordinator's member {} did not answer within {} ms",
+                        oldest.as_deref().unwrap_or("(none)"),
+                        super::admin::FORWARD_TIMEOUT.as_millis()
+                    ),
+                )));
+            }
+        }
         if self.leave.as_ref().is_some_and(|l| now >= l.deadline) {
             if let Some(l) = self.leave.take() {
                 tracing::warn!("leave did not complete in time");
@@ -1041,6 +1109,7 @@ impl Control {
                 wait,
                 reply,
             } => self.ask_stats(type_name, wait, reply),
+            ToControl::CoordinatorAdmin { cmd, reply } => self.coordinator_admin(cmd, reply),
             ToControl::Subscribe => {
                 if let Ok(subs) = self.shared.subscribers.lock() {
                     let snapshot = ClusterEvent::CurrentClusterState(self.state.clone());
@@ -1070,6 +1139,64 @@ impl Control {
             ToControl::Shutdown => self.shutdown = true,
         }
         self.drive();
+    }
+
+    // ----- coordinator admin commands -----
+
+    /// Answers `cmd` from the coordinators on this member, or says where
+    /// they run.
+    fn admin_here(&mut self, cmd: &CoordinatorCommand) -> AdminAnswer {
+        if !self.singleton {
+            let where_ = match self.cluster.oldest() {
+                Some(o) => format!("they run on {}", o.address.0),
+                None => "no member is Up".to_string(),
+            };
+            return Err((
+                crate::envelope::Status::Unavailable,
+                format!(
+                    "the coordinators do not run on {}: {where_}",
+                    self.me.address.0
+                ),
+            ));
+        }
+        let now = self.now();
+        let me = self.me.clone();
+        super::admin::answer(&me, now, &mut self.coordinators, cmd)
+    }
+
+    /// A coordinator admin command: answered here when the coordinators
+    /// run here, else forwarded to the oldest member (answered
+    /// `Unavailable` when there is none, or after
+    /// [`super::admin::FORWARD_TIMEOUT`] without its answer).
+    fn coordinator_admin(
+        &mut self,
+        cmd: CoordinatorCommand,
+        reply: crossbeam_channel::Sender<AdminAnswer>,
+    ) {
+        let oldest = self.cluster.oldest();
+        match oldest {
+            Some(o) if !self.singleton && o != self.me => {
+                let now = self.now();
+                self.next_stats_id += 1;
+                let id = self.next_stats_id;
+                self.admin_waiters
+                    .insert(id, (reply, now + super::admin::FORWARD_TIMEOUT));
+                let (rebalance, type_name) = match cmd {
+                    CoordinatorCommand::Allocation => (false, None),
+                    CoordinatorCommand::Rebalance { type_name } => (true, type_name),
+                };
+                let f = ControlFrame::CoordinatorAdminRequest {
+                    id,
+                    rebalance,
+                    type_name,
+                    reply_to: self.me.address.0.clone(),
+                };
+                self.send_control(&o.address.0, &f);
+            }
+            _ => {
+                let _ = reply.send(self.admin_here(&cmd));
+            }
+        }
     }
 
     // ----- cluster-wide sharding stats -----

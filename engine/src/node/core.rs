@@ -518,6 +518,28 @@ impl Core {
                 ));
                 Ok(())
             }
+            ArchivedClientFrame::CoordinatorAdmin {
+                request_id,
+                rebalance,
+                type_name,
+            } => {
+                let request_id = request_id.to_native();
+                let cmd = if *rebalance {
+                    let t = String::from_utf8_lossy(type_name.as_slice()).into_owned();
+                    crate::node::admin::CoordinatorCommand::Rebalance {
+                        type_name: (!t.is_empty()).then_some(t),
+                    }
+                } else {
+                    crate::node::admin::CoordinatorCommand::Allocation
+                };
+                monoio::spawn(crate::gateway::answer_coordinator_admin(
+                    core.clone(),
+                    conn,
+                    request_id,
+                    cmd,
+                ));
+                Ok(())
+            }
         }
     }
 
@@ -1578,6 +1600,7 @@ impl Core {
                 type_name,
                 entity,
                 payload,
+                timeout,
                 reply,
             } => {
                 let sender = match reply {
@@ -1590,8 +1613,12 @@ impl Core {
                     }
                 };
                 let shard = shard_id_of(entity.as_str(), c.config.number_of_shards);
+                // The deadline of an HTTP or native request: a message still
+                // buffered then is answered `Unavailable`, never delivered
+                // later.
+                let limit = c.config.requests.ask_timeout();
                 let env = Envelope {
-                    deadline: None,
+                    deadline: Some(now + timeout.map_or(limit, |t| t.min(limit))),
                     entity,
                     shard,
                     sender,

@@ -13,6 +13,7 @@
 //! `ShardCoordinator`, each data executor feeds its `ShardRegion`s, and
 //! they carry out the effects those state machines return.
 
+pub(crate) mod admin;
 mod control;
 pub(crate) mod core;
 mod msg;
@@ -360,6 +361,7 @@ impl Node {
             type_name: t,
             id,
             to_core: self.to_cores[core].clone(),
+            ask_timeout: self.config.requests.ask_timeout(),
         })
     }
 
@@ -634,6 +636,8 @@ pub struct EntityRef {
     type_name: TypeName,
     id: EntityId,
     to_core: RingSender<ToCore>,
+    /// `requests.ask_timeout_ms`.
+    ask_timeout: Duration,
 }
 
 impl EntityRef {
@@ -642,7 +646,10 @@ impl EntityRef {
         &self.id
     }
 
-    /// Sends a message without waiting for a reply (at most once).
+    /// Sends a message without waiting for a reply (at most once). Its ask
+    /// deadline is `requests.ask_timeout_ms`: still buffered then (a shard
+    /// home being resolved, a hand-off), it is dropped as a
+    /// `deadline_passed` dead letter and never delivered later.
     ///
     /// # Errors
     /// [`AskError::Stopped`] when the node is gone, [`AskError::Failed`] with
@@ -653,6 +660,7 @@ impl EntityRef {
                 type_name: self.type_name.as_str().to_string(),
                 entity: self.id.clone(),
                 payload: message.to_vec(),
+                timeout: None,
                 reply: None,
             })
             .map_err(|e| match e {
@@ -661,25 +669,39 @@ impl EntityRef {
             })
     }
 
-    /// Sends a message and blocks until the entity's reply (or `timeout`).
+    /// Sends a message and blocks until the entity's reply.
+    ///
+    /// The message's ask deadline is `timeout` from now, at most
+    /// `requests.ask_timeout_ms` (the deadline of HTTP and native requests):
+    /// a message still buffered at its deadline (a shard home being
+    /// resolved, a hand-off, a recovery) is answered
+    /// [`AskError::Failed`]`(`[`Status::Unavailable`]`)` — not delivered,
+    /// safe to retry — and never delivered later. The call waits for the
+    /// reply until `timeout`, and at least until 1 s
+    /// ([`crate::config::ANSWER_GRACE_MS`]) after the deadline so that such
+    /// an answer arrives first; without any answer by then it returns
+    /// [`AskError::TimedOut`] (the message may have reached its entity).
     ///
     /// # Errors
     /// [`AskError::Failed`] with the status of a failed request,
     /// [`AskError::TimedOut`], [`AskError::Stopped`].
     pub fn ask(&self, message: &[u8], timeout: Duration) -> Result<Vec<u8>, AskError> {
+        let deadline = timeout.min(self.ask_timeout);
+        let wait = timeout.max(deadline + Duration::from_millis(crate::config::ANSWER_GRACE_MS));
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.to_core
             .send(ToCore::Ask {
                 type_name: self.type_name.as_str().to_string(),
                 entity: self.id.clone(),
                 payload: message.to_vec(),
+                timeout: Some(deadline),
                 reply: Some(tx),
             })
             .map_err(|e| match e {
                 crate::runtime::RingSendError::Full(_) => AskError::Failed(Status::BufferFull),
                 _ => AskError::Stopped,
             })?;
-        match rx.recv_timeout(timeout) {
+        match rx.recv_timeout(wait) {
             Ok((Status::Ok, payload)) => Ok(payload),
             Ok((status, _)) => Err(AskError::Failed(status)),
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(AskError::TimedOut),

@@ -82,11 +82,13 @@ pub(crate) enum ToCore {
     Status {
         reply: crossbeam_channel::Sender<Vec<RegionStatusView>>,
     },
-    /// An embedding-API message.
+    /// An embedding-API message. Its ask deadline is `timeout` from its
+    /// arrival, at most `requests.ask_timeout_ms` (that when `None`).
     Ask {
         type_name: String,
         entity: EntityId,
         payload: Vec<u8>,
+        timeout: Option<Duration>,
         reply: Option<crossbeam_channel::Sender<(Status, Vec<u8>)>>,
     },
     /// A user message forwarded by another core of this node.
@@ -140,6 +142,13 @@ pub(crate) enum ToControl {
         type_name: String,
         wait: Duration,
         reply: crossbeam_channel::Sender<StatsEvent>,
+    },
+    /// A coordinator admin command (the allocation table, a rebalance
+    /// round), answered here when the coordinators run here, else forwarded
+    /// to the oldest member; one answer on `reply`.
+    CoordinatorAdmin {
+        cmd: super::admin::CoordinatorCommand,
+        reply: crossbeam_channel::Sender<super::admin::AdminAnswer>,
     },
     /// A new subscriber was added to the shared list.
     Subscribe,

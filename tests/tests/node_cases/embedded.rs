@@ -65,6 +65,7 @@ pub(super) fn config(port: u16, seeds: &[u16], dir: &std::path::Path) -> NodeCon
         journal: Default::default(),
         requests: Default::default(),
         coordinator: Default::default(),
+        cluster: Default::default(),
     }
 }
 
@@ -83,6 +84,56 @@ fn wait_for(node: &Node, id: &str, msg: &[u8], want: &str) {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The embedding API's asks carry the deadline of HTTP and native
+/// requests: on a node that cannot join (its only seed does not answer),
+/// so its region buffers every message while it asks for shard homes, an
+/// ask is answered `Unavailable` (not delivered, safe to retry) at its
+/// deadline — `requests.ask_timeout_ms` (300 ms here) when the caller's
+/// timeout is longer, the caller's timeout when it is shorter — instead of
+/// waiting out the caller's timeout and answering `TimedOut`.
+#[test]
+fn an_embedded_ask_buffered_past_its_deadline_is_answered_unavailable() {
+    let _one_at_a_time = super::support::serial();
+    let dir = tempfile::tempdir().expect("tmp");
+    let mut cfg = config(23_720, &[23_721], dir.path());
+    cfg.requests.ask_timeout_ms = 300;
+    let node = Node::start(cfg).expect("start");
+    node.sharding()
+        .start(
+            "ticker",
+            Arc::new(|_| Box::<Ticker>::default()),
+            EntitySettings::default(),
+        )
+        .expect("region");
+    let t = node.entity_ref("ticker", "t1").expect("ref");
+    for (timeout, at_least, below) in [
+        (Duration::from_secs(10), 300, 1_300),
+        (Duration::from_millis(150), 150, 1_150),
+    ] {
+        let t0 = std::time::Instant::now();
+        let r = t.ask(b"start", timeout);
+        let took = t0.elapsed().as_millis();
+        assert!(
+            matches!(r, Err(AskError::Failed(Status::Unavailable))),
+            "timeout {timeout:?}: {r:?} after {took} ms"
+        );
+        assert!(
+            (at_least..below).contains(&took),
+            "timeout {timeout:?}: answered after {took} ms"
+        );
+    }
+    let st = Client::connect("127.0.0.1:23770".parse().expect("addr"))
+        .expect("connect")
+        .node_status(Duration::from_secs(5))
+        .expect("status");
+    let passed: u64 = st
+        .regions
+        .iter()
+        .filter_map(|r| r.dead_letter_reasons.get("deadline_passed"))
+        .sum();
+    assert_eq!(passed, 2, "{:?}", st.regions);
 }
 
 #[test]

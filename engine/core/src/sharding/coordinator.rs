@@ -11,6 +11,8 @@
 //!   `Persist(ShardHomeDeallocated)` → deferred `GetShardHome`s are answered
 //!   with a new allocation. A hand-off not finished within `handoff_timeout`
 //!   is abandoned: the shard stays with its owner under a new generation.
+//!   An operator may run a round at once ([`ShardCoordinator::rebalance_now`]);
+//!   [`ShardCoordinator::allocation`] is the allocation table they read.
 //!
 //! The state ([`CoordinatorState`]) changes only by applying the events the
 //! coordinator emits, so replaying the journal gives back the same state.
@@ -240,13 +242,86 @@ pub struct AbandonedHandOff {
     pub reason: String,
 }
 
+/// Where a hand-off is ([`HandOffView::phase`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandOffPhase {
+    /// `BeginHandOff` sent; waiting for this many regions' `BeginHandOffAck`
+    /// (count).
+    WaitingForAcks {
+        /// Regions that have not acknowledged yet (count).
+        pending: usize,
+    },
+    /// `HandOff` sent to the owner; waiting for its `ShardStopped`.
+    Stopping,
+}
+
+/// A shard's hand-off in progress, as [`ShardCoordinator::allocation`]
+/// shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandOffView {
+    /// When it started, on the clock the coordinator is fed.
+    pub since: Duration,
+    /// When it is abandoned if not finished, on the same clock.
+    pub deadline: Duration,
+    /// The region the allocation strategy picked for the shard when the
+    /// hand-off started, counting the round's earlier moves (`None` when
+    /// it was started by a graceful shutdown of the owner or the strategy
+    /// gave no answer). The shard's new home is decided when it is
+    /// allocated again after it stopped (on the next `GetShardHome` for
+    /// it), by the same strategy and the loads of that moment, so it may
+    /// differ.
+    pub planned_target: Option<RegionId>,
+    /// Where it is.
+    pub phase: HandOffPhase,
+}
+
+/// One allocated shard in [`ShardCoordinator::allocation`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardAllocation {
+    /// The shard.
+    pub shard: ShardId,
+    /// Its home.
+    pub region: RegionId,
+    /// The generation of its allocation.
+    pub generation: Generation,
+    /// Its hand-off, when one is in progress.
+    pub hand_off: Option<HandOffView>,
+}
+
+/// A hand-off a rebalance round started ([`ShardCoordinator::rebalance_now`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RebalanceStart {
+    /// The shard.
+    pub shard: ShardId,
+    /// Its owner, which hands it off.
+    pub from: RegionId,
+    /// See [`HandOffView::planned_target`].
+    pub planned_target: Option<RegionId>,
+}
+
+/// What one rebalance round did ([`ShardCoordinator::rebalance_now`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RebalanceRound {
+    /// The hand-offs it started, by shard.
+    pub started: Vec<RebalanceStart>,
+    /// Why nothing was started when `started` is empty and something
+    /// prevented the round (too few Up members, the strategy failed); `None`
+    /// when the round ran (an empty `started` then means the strategy found
+    /// the regions balanced, or an earlier round is still in progress).
+    pub skipped: Option<String>,
+    /// Shards still handing off from earlier rounds or shutdowns (count).
+    pub in_progress: usize,
+}
+
 #[derive(Debug, Clone)]
 struct HandOffState {
     generation: Generation,
     owner: RegionId,
     waiting_acks: BTreeSet<RegionId>,
     handoff_sent: bool,
+    since: Duration,
     deadline: Duration,
+    planned_target: Option<RegionId>,
 }
 
 /// The shard coordinator state machine (one per cluster, on the oldest
@@ -362,6 +437,44 @@ impl ShardCoordinator {
     /// The current durable state.
     pub fn state(&self) -> &CoordinatorState {
         &self.state
+    }
+
+    /// The allocation table: every allocated shard with its home, its
+    /// generation and its hand-off, if one is in progress, by shard id.
+    /// Shards without a home (never asked for, or handed off and not asked
+    /// for since) are not in it.
+    pub fn allocation(&self) -> Vec<ShardAllocation> {
+        self.state
+            .shards
+            .iter()
+            .map(|(s, (region, generation))| ShardAllocation {
+                shard: *s,
+                region: region.clone(),
+                generation: *generation,
+                hand_off: self.rebalance.get(s).map(|h| HandOffView {
+                    since: h.since,
+                    deadline: h.deadline,
+                    planned_target: h.planned_target.clone(),
+                    phase: if h.handoff_sent {
+                        HandOffPhase::Stopping
+                    } else {
+                        HandOffPhase::WaitingForAcks {
+                            pending: h.waiting_acks.len(),
+                        }
+                    },
+                }),
+            })
+            .collect()
+    }
+
+    /// Runs one rebalance round now (an operator's request), as the
+    /// rebalance timer would: the strategy picks the shards to move and
+    /// their hand-offs start. The next timed round comes one
+    /// `rebalance_interval` after this one. Returns what the round started.
+    pub fn rebalance_now(&mut self, now: Duration) -> RebalanceRound {
+        let round = self.rebalance_round(now);
+        self.allocate_unallocated();
+        round
     }
 
     /// Shards whose hand-off is in progress.
@@ -633,7 +746,7 @@ impl ShardCoordinator {
                     self.shutting_down.insert(region);
                     for s in shards {
                         if !self.rebalance.contains_key(&s) {
-                            self.start_handoff(now, s);
+                            self.start_handoff(now, s, None);
                         }
                     }
                 }
@@ -641,7 +754,7 @@ impl ShardCoordinator {
         }
     }
 
-    fn start_handoff(&mut self, now: Duration, shard: ShardId) {
+    fn start_handoff(&mut self, now: Duration, shard: ShardId, planned_target: Option<RegionId>) {
         let Some((owner, generation)) = self.state.shards.get(&shard).cloned() else {
             return;
         };
@@ -670,7 +783,9 @@ impl ShardCoordinator {
                 owner,
                 waiting_acks: waiting,
                 handoff_sent: false,
+                since: now,
                 deadline: now + self.settings.handoff_timeout,
+                planned_target,
             },
         );
         self.maybe_send_handoff(shard);
@@ -864,26 +979,88 @@ impl ShardCoordinator {
             self.answer_deferred(s);
         }
         if now >= self.next_rebalance_at {
-            self.next_rebalance_at = now + self.settings.rebalance_interval;
-            if self.up_count() >= self.settings.min_nr_of_members.max(1) {
-                let current = self.eligible();
-                let in_progress: BTreeSet<ShardId> = self.rebalance.keys().copied().collect();
-                let chosen = catch_unwind(AssertUnwindSafe(|| {
-                    self.strategy.rebalance(&current, &in_progress)
-                }));
-                match chosen {
-                    Ok(Ok(shards)) => {
-                        for s in shards {
-                            if self.state.shards.contains_key(&s)
-                                && !self.rebalance.contains_key(&s)
-                            {
-                                self.start_handoff(now, s);
-                            }
-                        }
+            let _ = self.rebalance_round(now);
+        }
+    }
+
+    /// One rebalance round: the strategy picks shards, their hand-offs
+    /// start, each with the target the strategy would pick for it now.
+    fn rebalance_round(&mut self, now: Duration) -> RebalanceRound {
+        self.next_rebalance_at = now + self.settings.rebalance_interval;
+        let mut round = RebalanceRound::default();
+        let needed = self.settings.min_nr_of_members.max(1);
+        if self.up_count() < needed {
+            round.skipped = Some(format!(
+                "{} Up members, {needed} needed before shards are allocated",
+                self.up_count()
+            ));
+            round.in_progress = self.rebalance.len();
+            return round;
+        }
+        let current = self.eligible();
+        let in_progress: BTreeSet<ShardId> = self.rebalance.keys().copied().collect();
+        let chosen = catch_unwind(AssertUnwindSafe(|| {
+            self.strategy.rebalance(&current, &in_progress)
+        }));
+        match chosen {
+            Ok(Ok(shards)) => {
+                let mut planned = current;
+                for s in shards {
+                    let Some((owner, _)) = self.state.shards.get(&s).cloned() else {
+                        continue;
+                    };
+                    if self.rebalance.contains_key(&s) {
+                        continue;
                     }
-                    _ => self.strategy_errors += 1,
+                    let target = self.plan_target(&mut planned, &owner, s);
+                    self.start_handoff(now, s, target.clone());
+                    round.started.push(RebalanceStart {
+                        shard: s,
+                        from: owner,
+                        planned_target: target,
+                    });
                 }
             }
+            Ok(Err(e)) => {
+                self.strategy_errors += 1;
+                round.skipped = Some(e.to_string());
+            }
+            Err(_) => {
+                self.strategy_errors += 1;
+                round.skipped = Some("the allocation strategy panicked".into());
+            }
+        }
+        round.in_progress = self.rebalance.len();
+        round
+    }
+
+    /// The region the strategy would allocate `shard` to once it left
+    /// `owner`, in `planned` (the loads with the round's earlier moves
+    /// applied, updated with this one). `None` when the strategy errs,
+    /// panics or names no eligible region (not counted as a strategy
+    /// error: nothing depends on the plan).
+    fn plan_target(
+        &mut self,
+        planned: &mut BTreeMap<RegionId, Vec<ShardId>>,
+        owner: &RegionId,
+        shard: ShardId,
+    ) -> Option<RegionId> {
+        if let Some(v) = planned.get_mut(owner) {
+            v.retain(|x| *x != shard);
+        }
+        let view: &BTreeMap<RegionId, Vec<ShardId>> = planned;
+        let chosen = catch_unwind(AssertUnwindSafe(|| {
+            self.strategy.allocate_shard(owner, shard, view)
+        }));
+        match chosen {
+            Ok(Ok(r)) if planned.contains_key(&r) => {
+                if let Some(v) = planned.get_mut(&r) {
+                    v.push(shard);
+                    v.sort();
+                }
+                Some(r)
+            }
+            _ => None,
         }
     }
 }

@@ -48,7 +48,7 @@ mod strategy;
 
 pub use coordinator::{
     AbandonedHandOff, CoordinatorEffect, CoordinatorEvent, CoordinatorSettings, CoordinatorState,
-    ShardCoordinator,
+    HandOffPhase, HandOffView, RebalanceRound, RebalanceStart, ShardAllocation, ShardCoordinator,
 };
 pub use extractor::{
     shard_id_of, HashCodeExtractor, MessageExtractor, ShardingEnvelope, SHARD_ID_HASH_NAME,

@@ -30,7 +30,10 @@ pub enum StrategyError {
 /// skipped.
 pub trait ShardAllocationStrategy {
     /// Picks the home of a shard that has none. `requester` is the region
-    /// that asked.
+    /// that asked. Also called when a rebalance round starts, with the
+    /// shard's owner as `requester` and the loads after the round's earlier
+    /// moves, to plan each moved shard's target (shown in the allocation
+    /// table; the shard's home is still chosen by a later call).
     ///
     /// # Errors
     /// [`StrategyError::NoEligibleRegion`] when `current` is empty, or any

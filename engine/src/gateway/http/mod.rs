@@ -376,6 +376,9 @@ pub fn admin_response(
             )
         }
         Route::Entity { .. } => Response::text(500, "entity route reached the admin handler"),
+        Route::Allocation | Route::Rebalance { .. } => {
+            Response::text(500, "coordinator route reached the node-status handler")
+        }
     }
 }
 
@@ -422,6 +425,27 @@ pub fn sharding_stats_response(type_name: &TypeName, stats: &ClusterShardingStat
             .collect(),
         members,
     })
+}
+
+/// The response to a coordinator admin route (`/v1/coordinator/...`):
+/// `200` with the JSON, else the status's code (`503` with `Retry-After`
+/// when no coordinator runs or its member did not answer, `404` for a type
+/// without a coordinator) and the reason.
+pub fn coordinator_admin_response(
+    answer: Result<Vec<u8>, (crate::envelope::Status, String)>,
+) -> Response {
+    match answer {
+        Ok(mut json) => {
+            json.push(b'\n');
+            Response::json(200, json)
+        }
+        Err((st, why)) => {
+            let code = status_code_of(st);
+            let mut r = Response::text(code, why);
+            r.retry_after = code == 503;
+            r
+        }
+    }
 }
 
 fn unknown_type(t: &TypeName) -> Response {
@@ -597,6 +621,20 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
         assert_eq!(v["shard"], shard_id_of("a", 10).0);
         assert!(v["home"].is_null());
+    }
+
+    #[test]
+    fn coordinator_admin_answers_map_to_http() {
+        use crate::envelope::Status;
+        let r = coordinator_admin_response(Ok(b"{}".to_vec()));
+        assert_eq!((r.code, r.body.as_slice()), (200, &b"{}\n"[..]));
+        let r = coordinator_admin_response(Err((Status::Unavailable, "no coordinator".into())));
+        assert_eq!(r.code, 503);
+        assert!(r.retry_after);
+        assert_eq!(body(&r), "no coordinator\n");
+        let r = coordinator_admin_response(Err((Status::UnknownEntityType, "nope".into())));
+        assert_eq!(r.code, 404);
+        assert!(!r.retry_after);
     }
 
     #[test]

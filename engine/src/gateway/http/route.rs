@@ -7,6 +7,8 @@
 //! | GET | `/v1/sharding/shard-of/{id}?shards=N` | [`Route::ShardOf`] |
 //! | GET | `/v1/sharding/{type}/stats` | [`Route::ShardingStats`] |
 //! | GET | `/v1/sharding/{type}/region` | [`Route::Region`] |
+//! | GET | `/v1/coordinator/allocation` | [`Route::Allocation`] |
+//! | POST | `/v1/coordinator/rebalance[?type=T]` | [`Route::Rebalance`] |
 //! | GET | `/health/live` | [`Route::Live`] |
 //! | GET | `/health/ready` | [`Route::Ready`] |
 //! | GET | `/metrics` | [`Route::Metrics`] |
@@ -21,7 +23,7 @@
 //! is a plus sign, not a space. The decoded type name and id must be UTF-8,
 //! 1 to 255 bytes, and contain no NUL byte; otherwise the answer is `400`
 //! with the reason. The query string is ignored except by the shard-of
-//! route.
+//! and rebalance routes.
 
 use shardline_core::ids::{EntityId, IdError, TypeName};
 use thiserror::Error;
@@ -57,6 +59,15 @@ pub enum Route {
         /// `shards=N` from the query (1..=u32::MAX); `None` means the node's
         /// `number_of_shards`.
         shards: Option<u32>,
+    },
+    /// `GET /v1/coordinator/allocation`: the coordinators' allocation
+    /// table, from the member that runs them.
+    Allocation,
+    /// `POST /v1/coordinator/rebalance[?type=T]`: one rebalance round now,
+    /// for type `T` or every type.
+    Rebalance {
+        /// `type=T` from the query (percent-decoded); `None`: every type.
+        type_name: Option<TypeName>,
     },
     /// `GET /health/live`.
     Live,
@@ -156,6 +167,15 @@ pub fn route(method: Method, target: &str) -> Result<Route, RouteError> {
             };
             get(r)
         }
+        ["v1", "coordinator", "allocation"] => get(Route::Allocation),
+        ["v1", "coordinator", "rebalance"] => {
+            if method != Method::Post {
+                return Err(RouteError::MethodNotAllowed { allow: "POST" });
+            }
+            Ok(Route::Rebalance {
+                type_name: type_param(query)?,
+            })
+        }
         ["health", "live"] => get(Route::Live),
         ["health", "ready"] => get(Route::Ready),
         ["metrics"] => get(Route::Metrics),
@@ -208,6 +228,18 @@ fn shards_param(query: Option<&str>) -> Result<Option<u32>, RouteError> {
                 ))
             })?;
             found = Some(n);
+        }
+    }
+    Ok(found)
+}
+
+/// `type=T` in the query (other parameters are ignored).
+fn type_param(query: Option<&str>) -> Result<Option<TypeName>, RouteError> {
+    let Some(q) = query else { return Ok(None) };
+    let mut found = None;
+    for pair in q.split('&') {
+        if let Some(("type", v)) = pair.split_once('=') {
+            found = Some(type_name(v)?);
         }
     }
     Ok(found)
@@ -385,6 +417,32 @@ mod tests {
                 entity_id: EntityId::new("a").unwrap(),
                 shards: None
             }
+        );
+        assert_eq!(
+            route(Method::Get, "/v1/coordinator/allocation").unwrap(),
+            Route::Allocation
+        );
+        assert_eq!(
+            route(Method::Post, "/v1/coordinator/rebalance").unwrap(),
+            Route::Rebalance { type_name: None }
+        );
+        assert_eq!(
+            route(Method::Post, "/v1/coordinator/rebalance?type=counter").unwrap(),
+            Route::Rebalance {
+                type_name: Some(TypeName::new("counter").unwrap())
+            }
+        );
+        assert_eq!(
+            route(Method::Get, "/v1/coordinator/rebalance")
+                .unwrap_err()
+                .status_code(),
+            405
+        );
+        assert_eq!(
+            route(Method::Post, "/v1/coordinator/rebalance?type=")
+                .unwrap_err()
+                .status_code(),
+            400
         );
         for q in ["shards=0", "shards=x", "shards=", "shards=4294967296"] {
             let t = format!("/v1/sharding/shard-of/a?{q}");

@@ -787,6 +787,23 @@ fn handle(
                 if route == Route::Metrics {
                     publish();
                 }
+                let cmd = match &route {
+                    Route::Allocation => Some(crate::node::admin::CoordinatorCommand::Allocation),
+                    Route::Rebalance { type_name } => {
+                        Some(crate::node::admin::CoordinatorCommand::Rebalance {
+                            type_name: type_name.as_ref().map(|t| t.as_str().to_string()),
+                        })
+                    }
+                    _ => None,
+                };
+                if let Some(cmd) = cmd {
+                    let r = super::coordinator_admin_response(
+                        crate::gateway::coordinator_admin(&core, cmd).await,
+                    );
+                    record(None, r.code);
+                    conn.respond(seq, &r, head_only, keep_alive);
+                    return;
+                }
                 let r = match crate::gateway::collect_status(&core).await {
                     Some(status) if matches!(route, Route::ShardingStats { .. }) => {
                         sharding_stats(&core, &route, &status, front.number_of_shards).await

@@ -1,0 +1,68 @@
+//! `shardline rebalance --node ADDR [--type T]`: runs one rebalance round
+//! of the coordinator (of type `T`, or of every type) now, and prints the
+//! hand-offs it started.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use crate::client::Client;
+
+/// Arguments of `shardline rebalance`.
+#[derive(Debug, clap::Args)]
+pub struct RebalanceArgs {
+    /// Any node's client address (it forwards the command to the member
+    /// that runs the coordinators).
+    #[arg(long)]
+    pub node: SocketAddr,
+    /// The entity type (default: every type).
+    #[arg(long = "type")]
+    pub type_name: Option<String>,
+    /// Print the raw JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs the round and prints what it started.
+///
+/// # Errors
+/// Connection errors, and the node's reason when it refused (no
+/// coordinator yet, an unknown type).
+pub fn run(args: &RebalanceArgs, out: &mut impl std::io::Write) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let mut c =
+        Client::connect(args.node).with_context(|| format!("cannot connect to {}", args.node))?;
+    let a = c
+        .rebalance(args.type_name.as_deref(), Duration::from_secs(10))
+        .with_context(|| format!("{} did not run the rebalance round", args.node))?;
+    if args.json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&a)?)?;
+        return Ok(());
+    }
+    writeln!(out, "coordinator: {} (uid {})", a.coordinator, a.uid)?;
+    for t in &a.types {
+        match &t.skipped {
+            Some(why) => writeln!(out, "{}: round skipped: {why}", t.type_name)?,
+            None => writeln!(
+                out,
+                "{}: {} hand-offs started, {} shards in hand-off now",
+                t.type_name,
+                t.started.len(),
+                t.in_hand_off
+            )?,
+        }
+        for m in &t.started {
+            writeln!(
+                out,
+                "  shard {:<6} from {} core {} to {}",
+                m.shard,
+                m.from.address,
+                m.from.core,
+                m.planned_target
+                    .as_ref()
+                    .map(|r| format!("{} core {} (planned)", r.address, r.core))
+                    .unwrap_or_else(|| "(decided at re-allocation)".into())
+            )?;
+        }
+    }
+    Ok(())
+}
