@@ -28,7 +28,10 @@ use super::{MemberStatusView, Shared};
 use crate::config::NodeConfig;
 use crate::envelope::{decode_frame_body, encode_frame, FrameError, MAX_FRAME_SIZE_BYTES};
 use crate::envelope::{ControlFrame, Hello, Lane, WireMember, WireRegionStats};
-use crate::persistence::coordinator::{next_epoch, ControlJournal, CoordinatorConfig};
+use crate::persistence::coordinator::{
+    next_epoch, ControlJournal, ControlStore, CoordinatorConfig, CoordinatorJournalError,
+    RecoveredCoordinator, RecoveryStart,
+};
 use crate::persistence::DurableWake;
 use crate::runtime::{RingReceiver, RingSender};
 use crate::status::CoordinatorStatusView;
@@ -52,6 +55,9 @@ const BACKOFF_MAX: Duration = Duration::from_secs(2);
 /// Most bytes queued for one control lane; beyond it frames are dropped
 /// (membership and coordinator protocols retry).
 const CONTROL_OUTBOX_MAX_BYTES: usize = 16 << 20;
+/// Most messages kept per entity type for a coordinator whose recovery
+/// read is under way (count; regions register again on their own).
+const WAITING_MAX: usize = 4096;
 
 enum LeavePhase {
     HandingOff { until: Duration },
@@ -95,7 +101,10 @@ struct Control {
     stats_waiters: HashMap<u64, (crossbeam_channel::Sender<StatsEvent>, Duration)>,
     next_stats_id: u64,
     /// The control core's journal (the coordinators' events), if it opened.
-    journal: Option<ControlJournal>,
+    journal: Option<ControlStore>,
+    /// Per type: messages for a coordinator whose recovery read is under
+    /// way (handled once it started; at most [`WAITING_MAX`] each).
+    waiting: HashMap<String, VecDeque<CoordinatorMsg>>,
     /// What the coordinator journal records and checks.
     journal_config: CoordinatorConfig,
     /// The `[coordinator]` table: rebalance and hand-off timing.
@@ -153,15 +162,23 @@ pub(crate) async fn run(init: ControlInit) {
             return;
         }
     };
-    let journal = match ControlJournal::open(&init.config.data_dir, &init.config.durability) {
-        Ok(mut j) => {
-            j.set_scope(init.scope.clone());
-            Some(j)
-        }
-        Err(e) => {
-            tracing::error!(error = %e, "cannot open the control journal; coordinator state is kept in memory only");
-            None
-        }
+    let durable_wake = Arc::new(DurableWake::default());
+    let journal = match crate::persistence::pg::PgSettings::from_config(&init.config.journal) {
+        // The coordinators' state lives in the database (no I/O here: the
+        // journal's own thread connects).
+        Some(pg) => Some(ControlStore::Postgres(
+            crate::persistence::pg_control::PgControlJournal::open(&pg, durable_wake.clone()),
+        )),
+        None => match ControlJournal::open(&init.config.data_dir, &init.config.durability) {
+            Ok(mut j) => {
+                j.set_scope(init.scope.clone());
+                Some(ControlStore::Local(j))
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot open the control journal; coordinator state is kept in memory only");
+                None
+            }
+        },
     };
     let journal_config = CoordinatorConfig {
         number_of_shards: init.config.number_of_shards,
@@ -169,11 +186,12 @@ pub(crate) async fn run(init: ControlInit) {
     };
     let ctl = Rc::new(RefCell::new(Control {
         journal,
+        waiting: HashMap::new(),
         journal_config,
         coordinator_settings: init.config.coordinator.clone(),
         held: HashMap::new(),
         barrier: HashMap::new(),
-        durable_wake: Arc::new(DurableWake::default()),
+        durable_wake,
         armed_lsn: 0,
         coord_status: BTreeMap::new(),
         me,
@@ -492,6 +510,83 @@ impl Control {
     /// (regions of members that are gone are terminated at once; the others
     /// must register again within the re-register timeout).
     fn new_coordinator(&mut self, t: &str) {
+        let Some(j) = self.journal.as_mut() else {
+            self.start_coordinator(t, None);
+            return;
+        };
+        match j.recover_start(t, &self.journal_config) {
+            RecoveryStart::Ready(r) => self.start_coordinator(t, Some(r)),
+            RecoveryStart::Pending => {
+                // The database's thread reads; the coordinator starts when
+                // it finished (`poll_journal`), never before.
+                tracing::info!(type_name = t, "coordinator recovering from the database");
+                self.waiting.entry(t.to_string()).or_default();
+                self.coord_status.insert(
+                    t.to_string(),
+                    CoordinatorStatusView {
+                        type_name: t.to_string(),
+                        writer_epoch: 0,
+                        recovered_from: "recovering".to_string(),
+                        journal_dir: None,
+                        recovered_records: 0,
+                        recovered_shards: 0,
+                        shards: 0,
+                        refused: None,
+                        journal_error: None,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Outcomes of the database journal: finished recoveries start their
+    /// coordinators (with the messages that waited for them); refused
+    /// appends stop theirs.
+    fn poll_journal(&mut self) {
+        let Some(j) = self.journal.as_mut() else {
+            return;
+        };
+        let refused = j.take_refused();
+        let recovered = j.take_recovered();
+        for (t, why) in refused {
+            self.fail_coordinator(&t, why);
+        }
+        for (t, r) in recovered {
+            self.start_coordinator(&t, Some(r));
+            let msgs = self.waiting.remove(&t).unwrap_or_default();
+            if !msgs.is_empty() && self.coordinators.contains_key(&t) {
+                let now = self.now();
+                if let Some(c) = self.coordinators.get_mut(&t) {
+                    for m in msgs {
+                        c.handle_message(now, m);
+                    }
+                }
+                self.drain_coordinator(&t);
+            }
+        }
+    }
+
+    /// Keeps `msg` for `t`'s coordinator when its recovery is under way;
+    /// false: there is none to wait for.
+    fn keep_for_recovering(&mut self, t: &str, msg: CoordinatorMsg) -> bool {
+        let Some(q) = self.waiting.get_mut(t) else {
+            return false;
+        };
+        if q.len() >= WAITING_MAX {
+            // Regions register again on their own; the oldest goes.
+            q.pop_front();
+        }
+        q.push_back(msg);
+        true
+    }
+
+    /// Starts `t`'s coordinator from its journal's recovery `rec` (`None`:
+    /// no journal).
+    fn start_coordinator(
+        &mut self,
+        t: &str,
+        rec: Option<Result<RecoveredCoordinator, CoordinatorJournalError>>,
+    ) {
         let now = self.now();
         // Generations are the journal's writer epochs: floor them at the wall
         // clock so a cluster whose coordinator journals are gone never reuses
@@ -508,11 +603,12 @@ impl Control {
             recovered_shards: 0,
             shards: 0,
             refused: None,
+            journal_error: None,
         };
         let replicated = self.coord_state.get(t).cloned();
         let mut state = CoordinatorState::default();
-        if let Some(j) = self.journal.as_mut() {
-            let rec = match j.recover(t, &self.journal_config) {
+        if let (Some(j), Some(rec)) = (self.journal.as_mut(), rec) {
+            let rec = match rec {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::error!(type_name = t, error = %e, "coordinator refused to start");
@@ -522,7 +618,11 @@ impl Control {
                 }
             };
             if let Some(dir) = &rec.source {
-                status.recovered_from = "journal".to_string();
+                status.recovered_from = if rec.from_database {
+                    "database".to_string()
+                } else {
+                    "journal".to_string()
+                };
                 status.journal_dir = Some(dir.display().to_string());
                 status.recovered_records = rec.records;
                 state = rec.state;
@@ -530,7 +630,9 @@ impl Control {
                 status.recovered_from = "replicated".to_string();
                 state = r;
             }
-            let epoch = next_epoch(rec.highest_epoch, wall_clock_ms);
+            let epoch = rec
+                .claimed_epoch
+                .unwrap_or_else(|| next_epoch(rec.highest_epoch, wall_clock_ms));
             match j.begin(t, epoch, &state, &self.journal_config) {
                 Ok(lsn) => {
                     self.barrier.insert(t.to_string(), lsn.0);
@@ -602,10 +704,13 @@ impl Control {
 
     /// Sends the held region messages whose events are now durable.
     fn release_held(&mut self) {
+        // Read before the refusals are taken: the database journal records
+        // a refusal before the durable LSN moves past it.
         let durable = self
             .journal
             .as_ref()
             .map_or(u64::MAX, |j| j.durable_lsn().0);
+        self.poll_journal();
         let types: Vec<String> = self.held.keys().cloned().collect();
         for t in types {
             let ready: Vec<(RegionId, RegionMsg)> = match self.held.get_mut(&t) {
@@ -636,9 +741,7 @@ impl Control {
             return;
         }
         self.armed_lsn = want;
-        let w = self.durable_wake.clone();
-        j.watcher()
-            .on_durable(shardline_journal::Lsn(want), move |_| w.notify());
+        j.notify_when_durable(shardline_journal::Lsn(want), self.durable_wake.clone());
     }
 
     fn start_coordinators(&mut self) {
@@ -663,6 +766,12 @@ impl Control {
                 j.end(t);
             }
         }
+        if let Some(j) = self.journal.as_mut() {
+            for t in self.waiting.keys() {
+                j.end(t);
+            }
+        }
+        self.waiting.clear();
         self.coordinators.clear();
         self.held.clear();
         self.barrier.clear();
@@ -802,6 +911,8 @@ impl Control {
             if let Some(c) = self.coordinators.get_mut(t) {
                 c.handle_message(now, msg);
                 self.drain_coordinator(t);
+            } else {
+                self.keep_for_recovering(t, msg);
             }
             return;
         }
@@ -897,6 +1008,8 @@ impl Control {
                 if self.singleton {
                     if let Some(c) = self.coordinators.get_mut(&type_name) {
                         c.handle_message(now, msg.into());
+                    } else {
+                        self.keep_for_recovering(&type_name, msg.into());
                     }
                 }
             }
@@ -1194,6 +1307,7 @@ impl Control {
                     if let Some(c) = self.coordinators.get(&s.type_name) {
                         s.shards = c.state().shards.len() as u64;
                     }
+                    s.journal_error = self.journal.as_ref().and_then(ControlStore::health);
                     s
                 })
                 .collect(),
