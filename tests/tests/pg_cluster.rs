@@ -42,7 +42,8 @@ fn write_config(
     url: &str,
     counter_keys: &str,
 ) -> PathBuf {
-    write_config_at(dir, base, i, n, url, counter_keys, &data_dir_of(dir, i))
+    let all: Vec<usize> = (0..n).collect();
+    write_config_at(dir, base, i, &all, url, counter_keys, &data_dir_of(dir, i))
 }
 
 /// Node `i`'s default data_dir under `dir`.
@@ -50,18 +51,20 @@ fn data_dir_of(dir: &Path, i: usize) -> PathBuf {
     dir.join(format!("machine-{i}")).join("node")
 }
 
-/// As [`write_config`], with the data_dir `data`.
+/// As [`write_config`], with the data_dir `data` and the seed nodes
+/// `seeds` (indices).
 fn write_config_at(
     dir: &Path,
     base: u16,
     i: usize,
-    n: usize,
+    seeds: &[usize],
     url: &str,
     counter_keys: &str,
     data: &Path,
 ) -> PathBuf {
-    let seeds: Vec<String> = (0..n)
-        .map(|j| format!("\"127.0.0.1:{}\"", base + j as u16))
+    let seeds: Vec<String> = seeds
+        .iter()
+        .map(|j| format!("\"127.0.0.1:{}\"", base + *j as u16))
         .collect();
     let text = format!(
         r#"cluster_address = "127.0.0.1:{}"
@@ -123,25 +126,6 @@ fn start_node_with(
         &shardline_bin(),
         &cfg,
         &dir.join(format!("node-{i}.log")),
-        "warn",
-        Duration::from_secs(60),
-    )
-}
-
-/// Node `i` on the data_dir `data`, its log in `{dir}/{log}`.
-fn start_node_at(
-    dir: &Path,
-    base: u16,
-    (i, n): (usize, usize),
-    url: &str,
-    data: &Path,
-    log: &str,
-) -> NodeProc {
-    let cfg = write_config_at(dir, base, i, n, url, "", data);
-    start_ready(
-        &shardline_bin(),
-        &cfg,
-        &dir.join(log),
         "warn",
         Duration::from_secs(60),
     )
@@ -581,10 +565,27 @@ fn coordinator_kill_9_and_whole_cluster_restarts_recover_from_the_database() {
     let url = pg.url();
     // Three nodes: the two survivors of a kill -9 are the majority (of
     // two, the survivor would be downed).
+    // Started together, then waited for (one after the other, each would
+    // wait for the seeds not started yet).
     let start_all = |data: &dyn Fn(usize) -> PathBuf, round: &str| -> Vec<NodeProc> {
-        (0..3)
-            .map(|i| start_node_at(d, base, (i, 3), &url, &data(i), &format!("{round}-{i}.log")))
-            .collect()
+        let nodes: Vec<NodeProc> = (0..3)
+            .map(|i| {
+                // Node 0 is the only seed: it forms the cluster at once.
+                let cfg = write_config_at(d, base, i, &[0], &url, "", &data(i));
+                support::spawn_node(
+                    &shardline_bin(),
+                    &cfg,
+                    &d.join(format!("{round}-{i}.log")),
+                    "warn",
+                )
+            })
+            .collect();
+        for n in &nodes {
+            n.ready
+                .recv_timeout(Duration::from_secs(60))
+                .expect("node ready");
+        }
+        nodes
     };
     let addrs = [
         client_addr(base, 0),
