@@ -172,7 +172,7 @@ pub(crate) async fn run(init: ControlInit) {
         None => match ControlJournal::open(&init.config.data_dir, &init.config.durability) {
             Ok(mut j) => {
                 j.set_scope(init.scope.clone());
-                Some(ControlStore::Local(j))
+                Some(ControlStore::Local(Box::new(j)))
             }
             Err(e) => {
                 tracing::error!(error = %e, "cannot open the control journal; coordinator state is kept in memory only");
@@ -515,7 +515,7 @@ impl Control {
             return;
         };
         match j.recover_start(t, &self.journal_config) {
-            RecoveryStart::Ready(r) => self.start_coordinator(t, Some(r)),
+            RecoveryStart::Ready(r) => self.start_coordinator(t, Some(*r)),
             RecoveryStart::Pending => {
                 // The database's thread reads; the coordinator starts when
                 // it finished (`poll_journal`), never before.

@@ -808,7 +808,7 @@ impl ControlJournal {
 #[derive(Debug)]
 pub enum ControlStore {
     /// `{data_dir}/control`, recovered with the sibling `data_dir`s'.
-    Local(ControlJournal),
+    Local(Box<ControlJournal>),
     /// The cluster's PostgreSQL database.
     Postgres(super::pg_control::PgControlJournal),
 }
@@ -817,7 +817,7 @@ pub enum ControlStore {
 #[derive(Debug)]
 pub enum RecoveryStart {
     /// Finished at once (the local journal).
-    Ready(Result<RecoveredCoordinator, CoordinatorJournalError>),
+    Ready(Box<Result<RecoveredCoordinator, CoordinatorJournalError>>),
     /// Under way on the database's thread: the outcome comes from
     /// [`ControlStore::take_recovered`] after the control executor's wake.
     Pending,
@@ -833,10 +833,12 @@ impl ControlStore {
         expected: &CoordinatorConfig,
     ) -> RecoveryStart {
         match self {
-            ControlStore::Local(j) => RecoveryStart::Ready(j.recover(type_name, expected)),
+            ControlStore::Local(j) => {
+                RecoveryStart::Ready(Box::new(j.recover(type_name, expected)))
+            }
             ControlStore::Postgres(j) => match j.recover_start(type_name, expected) {
                 Ok(()) => RecoveryStart::Pending,
-                Err(e) => RecoveryStart::Ready(Err(e)),
+                Err(e) => RecoveryStart::Ready(Box::new(Err(e))),
             },
         }
     }

@@ -698,7 +698,7 @@ fn commit(
     match r {
         Ok(accepted) => {
             for r in rows {
-                if !accepted.iter().any(|a| *a == r.pid) {
+                if !accepted.contains(&r.pid) {
                     refused.push((r.type_name.clone(), r.epoch, fenced(r).to_string()));
                 }
             }
