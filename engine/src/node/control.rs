@@ -546,11 +546,8 @@ impl Control {
         let Some(j) = self.journal.as_mut() else {
             return;
         };
-        let refused = j.take_refused();
         let recovered = j.take_recovered();
-        for (t, why) in refused {
-            self.fail_coordinator(&t, why);
-        }
+        self.fail_refused();
         for (t, r) in recovered {
             self.start_coordinator(&t, Some(r));
             let msgs = self.waiting.remove(&t).unwrap_or_default();
@@ -564,6 +561,20 @@ impl Control {
                 self.drain_coordinator(&t);
             }
         }
+    }
+
+    /// Stops the coordinators whose appends the database refused; whether
+    /// there were any.
+    fn fail_refused(&mut self) -> bool {
+        let Some(j) = self.journal.as_mut() else {
+            return false;
+        };
+        let refused = j.take_refused();
+        let any = !refused.is_empty();
+        for (t, why) in refused {
+            self.fail_coordinator(&t, why);
+        }
+        any
     }
 
     /// Keeps `msg` for `t`'s coordinator when its recovery is under way;
@@ -800,6 +811,11 @@ impl Control {
                         .journal
                         .as_ref()
                         .map_or(u64::MAX, |j| j.durable_lsn().0);
+                    // The database journal's LSN also passes refused
+                    // appends: a refused coordinator sends nothing more.
+                    if self.fail_refused() && !self.coordinators.contains_key(t) {
+                        return true;
+                    }
                     let q = self.held.entry(t.to_string()).or_default();
                     if q.is_empty() && barrier <= durable {
                         self.send_region(t, to, msg);
