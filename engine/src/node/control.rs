@@ -504,8 +504,9 @@ impl Control {
     }
 
     /// Starts `t`'s coordinator here: recovers its state (the newest
-    /// control journal of the data root; else the copy replicated to this
-    /// member; else empty), begins a new journal incarnation with a writer
+    /// control journal of the data root, or the database, read on its own
+    /// thread: the coordinator starts in [`Self::poll_journal`] then; else
+    /// the copy replicated to this member; else empty), begins a new journal incarnation with a writer
     /// epoch above every recorded one, then reconciles with the membership
     /// (regions of members that are gone are terminated at once; the others
     /// must register again within the re-register timeout).
