@@ -129,7 +129,8 @@ pub struct CoordinatorStatusView {
     /// The incarnation's journal writer epoch (0 without a journal).
     pub writer_epoch: u64,
     /// Where its state came from: `journal` (a control journal of the data
-    /// root), `replicated` (the in-memory copy other coordinators sent this
+    /// root), `database` (the PostgreSQL backend), `recovering` (the
+    /// database read is under way), `replicated` (the in-memory copy other coordinators sent this
     /// member), or `empty`.
     pub recovered_from: String,
     /// The control journal directory it recovered from, if any.
@@ -143,6 +144,11 @@ pub struct CoordinatorStatusView {
     /// Why the coordinator refused to start or stopped (config mismatch,
     /// fenced or failed journal), if it did.
     pub refused: Option<String>,
+    /// Why its journal cannot be written or read now (the PostgreSQL
+    /// database unreachable: the coordinator waits and retries, and a
+    /// recovery under way shows `recovered_from = "recovering"`).
+    #[serde(default)]
+    pub journal_error: Option<String>,
 }
 
 /// One region's figures in [`ClusterShardingStats`] (Akka's

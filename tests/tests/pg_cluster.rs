@@ -7,8 +7,14 @@
 //! - kill -9 of a node under load: every counter holds its acknowledged
 //!   adds (or up to as many more as adds whose answer was lost);
 //! - the database restarted mid-load: durable commands are answered
-//!   `JournalUnavailable` while it is down, the node's status names the
-//!   cause, service resumes without a restart, and the same check holds.
+//!   `JournalUnavailable` while it is down (HTTP: 503 with `Retry-After`),
+//!   non-durable types keep serving, the node's status, `/health/ready`
+//!   and `shardline status` name the cause, service resumes without a
+//!   restart, and the same check holds;
+//! - kill -9 of the coordinator's node under load, then whole-cluster
+//!   restarts (SIGTERM onto the same data dirs, kill -9 onto empty new
+//!   ones): the coordinator recovers from the database each time, the
+//!   cluster keeps its id, and every counter keeps its value.
 
 #[path = "node_cases/support.rs"]
 mod support;
@@ -26,7 +32,8 @@ use shardline::client::{Client, Status};
 use support::{shardline_bin, start_ready, status, NodeProc};
 
 /// Node `i` of `n`: cluster port `base + i`, client port `base + 50 + i`,
-/// data_dir `{dir}/machine-{i}/node` (a parent of its own).
+/// HTTP port `base + 80 + i`, data_dir `{dir}/machine-{i}/node` (a parent
+/// of its own; [`data_dir_of`]).
 fn write_config(
     dir: &Path,
     base: u16,
@@ -35,13 +42,34 @@ fn write_config(
     url: &str,
     counter_keys: &str,
 ) -> PathBuf {
-    let seeds: Vec<String> = (0..n)
-        .map(|j| format!("\"127.0.0.1:{}\"", base + j as u16))
+    let all: Vec<usize> = (0..n).collect();
+    write_config_at(dir, base, i, &all, url, counter_keys, &data_dir_of(dir, i))
+}
+
+/// Node `i`'s default data_dir under `dir`.
+fn data_dir_of(dir: &Path, i: usize) -> PathBuf {
+    dir.join(format!("machine-{i}")).join("node")
+}
+
+/// As [`write_config`], with the data_dir `data` and the seed nodes
+/// `seeds` (indices).
+fn write_config_at(
+    dir: &Path,
+    base: u16,
+    i: usize,
+    seeds: &[usize],
+    url: &str,
+    counter_keys: &str,
+    data: &Path,
+) -> PathBuf {
+    let seeds: Vec<String> = seeds
+        .iter()
+        .map(|j| format!("\"127.0.0.1:{}\"", base + *j as u16))
         .collect();
-    let data = dir.join(format!("machine-{i}")).join("node");
     let text = format!(
         r#"cluster_address = "127.0.0.1:{}"
 client_address = "127.0.0.1:{}"
+http_address = "127.0.0.1:{}"
 seed_nodes = [{}]
 data_cores = 2
 pin_cores = false
@@ -68,6 +96,7 @@ kind = "echo"
 "#,
         base + i as u16,
         base + 50 + i as u16,
+        base + 80 + i as u16,
         seeds.join(", "),
         data.display()
     );
@@ -100,6 +129,44 @@ fn start_node_with(
         "warn",
         Duration::from_secs(60),
     )
+}
+
+fn http_addr(base: u16, i: usize) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], base + 80 + i as u16))
+}
+
+/// One HTTP/1.1 request (connection closed after): `(code, lower-case
+/// headers, body)`.
+fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect http");
+    s.set_read_timeout(Some(Duration::from_secs(15)))
+        .expect("timeout");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read");
+    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    let code = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (code, head.to_ascii_lowercase(), body.to_string())
+}
+
+/// `shardline status --node addr`'s output.
+fn status_cli(addr: SocketAddr) -> String {
+    let out = std::process::Command::new(shardline_bin())
+        .args(["status", "--node", &addr.to_string()])
+        .output()
+        .expect("shardline status");
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn wait_up(addrs: &[SocketAddr], n: usize) {
@@ -338,7 +405,33 @@ fn database_restart_mid_load_answers_unavailable_then_resumes() {
         (r.status, r.payload.as_slice()),
         (Status::Ok, &b"still here"[..])
     );
-    std::thread::sleep(Duration::from_millis(1000));
+    // Through HTTP: a durable command is answered 503 with Retry-After
+    // and the cause, a non-durable one is served, and readiness and
+    // `shardline status` name the cause.
+    let web = http_addr(base, 0);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let (code, head, body) = loop {
+        let r = http(web, "POST", "/v1/entities/counter/d-0", "add 1");
+        if r.0 != 200 {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "a durable add kept succeeding");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(code, 503, "{head} {body}");
+    assert!(head.contains("retry-after: 1"), "{head}");
+    assert!(body.contains("journal unavailable"), "{body}");
+    let (code, _, body) = http(web, "POST", "/v1/entities/echo/h-1", "over http");
+    assert_eq!((code, body.as_str()), (200, "over http"));
+    let (code, _, body) = http(web, "GET", "/health/ready", "");
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("journal unavailable"), "{body}");
+    let cli = status_cli(addr);
+    assert!(
+        cli.contains("JOURNAL ERROR") && cli.contains("journal unavailable"),
+        "{cli}"
+    );
+    std::thread::sleep(Duration::from_millis(500));
     pg.start_server();
     // Service resumes: a fresh add succeeds within a bounded time.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -372,6 +465,12 @@ fn database_restart_mid_load_answers_unavailable_then_resumes() {
         st.regions.iter().all(|r| r.journal_error.is_none()),
         "the outage is cleared from the status"
     );
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while http(http_addr(base, 0), "GET", "/health/ready", "").0 != 200 {
+        assert!(Instant::now() < deadline, "never ready again");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!status_cli(addr).contains("JOURNAL ERROR"));
     let values = get_all(addr, &ids);
     verify(&values, &t, &ids);
 }
@@ -422,4 +521,170 @@ fn remembered_counters_of_a_killed_node_start_on_the_survivor_on_postgres() {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_eq!(get_all(addrs[0], &ids), vec![3; 30]);
+}
+
+/// The coordinator's view on the node that runs it, as seen from `addr`,
+/// once it runs (bounded wait).
+fn coordinator_view(addrs: &[SocketAddr], base: u16) -> shardline::node::CoordinatorStatusView {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let found = addrs.iter().find_map(|a| {
+            let st = status(*a)?;
+            if !st.coordinator_here {
+                return None;
+            }
+            st.coordinators
+                .into_iter()
+                .find(|c| c.type_name == "counter" && c.recovered_from != "recovering")
+        });
+        if let Some(c) = found {
+            return c;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no coordinator runs (base {base})"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Issue 12's coordinator cases on PostgreSQL, on one database: kill -9 of
+/// the coordinator's node under load (the survivor's coordinator recovers
+/// the allocation state from the database; verify holds), then the whole
+/// cluster stopped and started again on the same data dirs, then killed
+/// with SIGKILL and started onto empty new data dirs: each time the
+/// coordinator recovered from the database, the cluster has its id, and
+/// every counter has its value.
+#[test]
+fn coordinator_kill_9_and_whole_cluster_restarts_recover_from_the_database() {
+    let _one = support::serial();
+    let pg = TempPg::start();
+    let dir = tempfile::tempdir().expect("tmp");
+    let d = dir.path();
+    let base = 26_200;
+    let url = pg.url();
+    // Three nodes: the two survivors of a kill -9 are the majority (of
+    // two, the survivor would be downed).
+    // Started together, then waited for (one after the other, each would
+    // wait for the seeds not started yet).
+    let start_all = |data: &dyn Fn(usize) -> PathBuf, round: &str| -> Vec<NodeProc> {
+        let nodes: Vec<NodeProc> = (0..3)
+            .map(|i| {
+                // Node 0 is the only seed: it forms the cluster at once.
+                let cfg = write_config_at(d, base, i, &[0], &url, "", &data(i));
+                support::spawn_node(
+                    &shardline_bin(),
+                    &cfg,
+                    &d.join(format!("{round}-{i}.log")),
+                    "warn",
+                )
+            })
+            .collect();
+        for n in &nodes {
+            n.ready
+                .recv_timeout(Duration::from_secs(60))
+                .expect("node ready");
+        }
+        nodes
+    };
+    let addrs = [
+        client_addr(base, 0),
+        client_addr(base, 1),
+        client_addr(base, 2),
+    ];
+    let mut nodes = start_all(&|i| data_dir_of(d, i), "r0");
+    wait_up(&addrs, 3);
+    let first = status(addrs[1]).expect("status");
+    assert_eq!(
+        first.coordinator.as_deref(),
+        Some(format!("127.0.0.1:{base}").as_str()),
+        "node 0 (the oldest) runs the coordinator"
+    );
+    let cluster_id = first.cluster_id.clone().expect("cluster id");
+    let ids: Vec<String> = (0..30).map(|i| format!("w-{i}")).collect();
+
+    // 1. kill -9 of the coordinator's node under load through node 1.
+    let stop = Arc::new(AtomicBool::new(false));
+    let loader = load(addrs[1], ids.clone(), stop.clone());
+    std::thread::sleep(Duration::from_millis(1500));
+    let a = nodes.remove(0);
+    a.signal(libc::SIGKILL);
+    drop(a);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while status(addrs[1]).is_none_or(|s| {
+        s.members.iter().filter(|m| m.status == "Up").count() != 2
+            || s.coordinator.as_deref() == Some(format!("127.0.0.1:{base}").as_str())
+    }) {
+        assert!(
+            Instant::now() < deadline,
+            "node 0 never replaced: {:?}",
+            status(addrs[1])
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    stop.store(true, Ordering::Relaxed);
+    let t = loader.join().expect("loader");
+    let c = coordinator_view(&addrs[1..], base);
+    assert_eq!(c.recovered_from, "database", "{c:?}");
+    assert!(c.recovered_shards > 0 && c.refused.is_none(), "{c:?}");
+    let values = get_all(addrs[1], &ids);
+    eprintln!(
+        "acked {} unknown {} errors {:?}",
+        t.acked.iter().sum::<i64>(),
+        t.unknown.iter().sum::<i64>(),
+        t.errors
+    );
+    assert!(t.acked.iter().all(|a| *a > 0), "every counter got adds");
+    verify(&values, &t, &ids);
+
+    // 2. The whole cluster stops (SIGTERM) and starts on the same dirs.
+    for n in &nodes {
+        n.signal(libc::SIGTERM);
+    }
+    for n in &mut nodes {
+        assert!(n.wait_exit(Duration::from_secs(30)).is_some(), "exits");
+    }
+    drop(nodes);
+    // `shards`: the allocated shards the coordinator must recover (after a
+    // kill -9; a graceful leave hands shards off first).
+    let check = |round: &str, shards: Option<u64>| {
+        let c = coordinator_view(&addrs, base);
+        assert_eq!(c.recovered_from, "database", "{round}: {c:?}");
+        assert!(
+            c.recovered_records > 0 && c.refused.is_none(),
+            "{round}: {c:?}"
+        );
+        if let Some(n) = shards {
+            assert_eq!(c.recovered_shards, n, "{round}: allocation state {c:?}");
+        }
+        assert_eq!(
+            status(addrs[0]).and_then(|s| s.cluster_id).as_deref(),
+            Some(cluster_id.as_str()),
+            "{round}: the same cluster"
+        );
+        assert_eq!(get_all(addrs[0], &ids), values, "{round}: every counter");
+    };
+    let nodes = start_all(&|i| data_dir_of(d, i), "r1");
+    wait_up(&addrs, 3);
+    check("restart on the same data dirs", None);
+    let shards = coordinator_view(&addrs, base).shards;
+    assert!(shards > 0);
+
+    // 3. kill -9 of every node, then onto empty data dirs.
+    for n in &nodes {
+        n.signal(libc::SIGKILL);
+    }
+    drop(nodes);
+    let fresh = |i: usize| d.join(format!("new-machine-{i}")).join("node");
+    assert!((0..3).all(|i| !fresh(i).exists()));
+    let nodes = start_all(&fresh, "r2");
+    wait_up(&addrs, 3);
+    check("restart onto empty data dirs", Some(shards));
+    for n in &nodes {
+        n.signal(libc::SIGTERM);
+    }
+    for mut n in nodes {
+        let _ = n.wait_exit(Duration::from_secs(20));
+    }
 }

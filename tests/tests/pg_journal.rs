@@ -2,16 +2,24 @@
 //! throwaway server (`pg_support`): schema creation and the version check,
 //! the database's identity, group commit (one transaction per batch, split
 //! at the batch limits), fencing of two writers racing on one persistence
-//! id, and an outage (refused, then resumed without a restart).
+//! id, an outage (refused, then resumed without a restart), the
+//! coordinators' journal on the database (recovery claims an epoch that
+//! fences the older incarnation; the state folds back) and the cluster id
+//! kept per cluster name.
 
 mod pg_support;
 
 use std::time::{Duration, Instant};
 
 use pg_support::TempPg;
+use shardline::persistence::coordinator::{
+    CoordinatorConfig, CoordinatorJournalError, RecoveredCoordinator,
+};
 use shardline::persistence::pg::{self, PgError, PgLog, PgSettings};
+use shardline::persistence::pg_control::{self, PgControlJournal};
 use shardline::persistence::{DurableWake, EventLog, LogErrorKind};
 use shardline_journal::{PersistenceId, SequenceNr, WriterEpoch};
+use std::sync::Arc;
 
 fn settings(pg: &TempPg) -> PgSettings {
     PgSettings {
@@ -68,9 +76,23 @@ fn schema_is_created_once_and_a_newer_version_is_refused() {
     assert_eq!(
         pg.psql(
             "SELECT count(*) FROM pg_tables WHERE tablename IN \
-             ('shardline_events','shardline_snapshots','shardline_writers','shardline_schema')"
+             ('shardline_events','shardline_snapshots','shardline_writers','shardline_schema', \
+             'shardline_clusters')"
         ),
-        "4"
+        "5"
+    );
+    // A database of schema version 1 (before `shardline_clusters`) is
+    // migrated.
+    pg.psql("DROP TABLE shardline_clusters");
+    pg.psql("UPDATE shardline_schema SET version = 1");
+    pg::connect(&s).expect("migrates version 1");
+    assert_eq!(
+        pg.psql("SELECT version FROM shardline_schema"),
+        pg::SCHEMA_VERSION.to_string()
+    );
+    assert_eq!(
+        pg.psql("SELECT count(*) FROM pg_tables WHERE tablename = 'shardline_clusters'"),
+        "1"
     );
     pg.psql("UPDATE shardline_schema SET version = 99");
     match pg::connect(&s) {
@@ -263,5 +285,173 @@ fn an_outage_refuses_appends_then_resumes_without_a_restart() {
     assert_eq!(
         pg.psql("SELECT string_agg(sequence_nr::text, ',' ORDER BY sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|out'"),
         "1,2"
+    );
+}
+
+/// Waits (bounded) for the coordinator journal's recovery of `t`.
+fn recovered(
+    j: &mut PgControlJournal,
+    t: &str,
+) -> Result<RecoveredCoordinator, CoordinatorJournalError> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some((_, r)) = j.take_recovered().into_iter().find(|(n, _)| n == t) {
+            return r;
+        }
+        assert!(Instant::now() < deadline, "recovery of {t} never finished");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn wait_lsn(j: &PgControlJournal, lsn: shardline_journal::Lsn) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while j.durable_lsn() < lsn {
+        assert!(Instant::now() < deadline, "lsn {lsn:?} never resolved");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn coordinator_state_on_postgres_recovers_and_fences_the_older_incarnation() {
+    use shardline_core::ids::{Address, MemberUid, RegionId, ShardId, UniqueAddress};
+    use shardline_core::sharding::{CoordinatorEvent, CoordinatorState, Generation};
+    let mut pg = TempPg::start();
+    let s = settings(&pg);
+    let cfg = CoordinatorConfig {
+        number_of_shards: 12,
+        hash_name: shardline_core::sharding::SHARD_ID_HASH_NAME.to_string(),
+    };
+    let region = RegionId {
+        member: UniqueAddress {
+            address: Address("127.0.0.1:7101".into()),
+            uid: MemberUid(7),
+        },
+        core: 1,
+    };
+    let wake = Arc::new(DurableWake::default());
+    let mut a = PgControlJournal::open(&s, wake.clone());
+    a.recover_start("counter", &cfg).expect("start");
+    let r = recovered(&mut a, "counter").expect("recover empty");
+    assert!(r.source.is_none(), "nothing recorded yet");
+    let epoch_a = r.claimed_epoch.expect("claimed");
+    let mut st = CoordinatorState::default();
+    a.begin("counter", epoch_a, &st, &cfg).expect("begin");
+    let mut events = vec![CoordinatorEvent::ShardRegionRegistered {
+        region: region.clone(),
+    }];
+    for i in 0..5u32 {
+        events.push(CoordinatorEvent::ShardHomeAllocated {
+            shard: ShardId(i),
+            region: region.clone(),
+            generation: Generation(100 + u64::from(i)),
+        });
+    }
+    let mut last = shardline_journal::Lsn(0);
+    for (i, e) in events.iter().enumerate() {
+        last = a.append("counter", e).expect("append");
+        st.apply(e);
+        if i == 2 {
+            a.save_snapshot("counter", &st, &cfg).expect("snapshot");
+        }
+    }
+    wait_lsn(&a, last);
+    assert!(a.take_refused().is_empty(), "committed");
+    assert_eq!(
+        pg.psql(
+            "SELECT count(*) FROM shardline_events WHERE persistence_id = 'coordinator|counter'"
+        ),
+        "7",
+        "takeover record and six events"
+    );
+    // A second incarnation (another node) recovers the same state and
+    // claims a higher epoch.
+    let wake_b = Arc::new(DurableWake::default());
+    let mut b = PgControlJournal::open(&s, wake_b.clone());
+    b.recover_start("counter", &cfg).expect("start");
+    let r = recovered(&mut b, "counter").expect("recover");
+    assert_eq!(r.state, st);
+    assert!(r.from_database);
+    assert_eq!(r.highest_epoch, epoch_a);
+    let epoch_b = r.claimed_epoch.expect("claimed");
+    assert!(epoch_b > epoch_a);
+    assert_eq!(
+        r.records, 4,
+        "snapshot at the third event, then three events"
+    );
+    b.begin("counter", epoch_b, &r.state, &cfg).expect("begin");
+    // The old incarnation's late append is refused by the database.
+    let late = a
+        .append(
+            "counter",
+            &CoordinatorEvent::ShardUnallocated { shard: ShardId(1) },
+        )
+        .expect("queued");
+    wait_lsn(&a, late);
+    let refused = a.take_refused();
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert!(refused[0].1.contains("fenced"), "{refused:?}");
+    // A config that disagrees with the recorded one is refused.
+    let mut c = PgControlJournal::open(&s, Arc::new(DurableWake::default()));
+    let other = CoordinatorConfig {
+        number_of_shards: 24,
+        ..cfg.clone()
+    };
+    c.recover_start("counter", &other).expect("start");
+    match recovered(&mut c, "counter") {
+        Err(CoordinatorJournalError::ConfigMismatch {
+            recorded_shards: 12,
+            configured_shards: 24,
+            ..
+        }) => {}
+        other => panic!("config mismatch expected: {other:?}"),
+    }
+    drop(c);
+    // While the database is down the recovery waits (and says why), and
+    // finishes once it is back.
+    pg.stop_server();
+    let wake_d = Arc::new(DurableWake::default());
+    let mut d = PgControlJournal::open(&s, wake_d.clone());
+    d.recover_start("counter", &cfg).expect("start");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while d.health().is_none() {
+        assert!(Instant::now() < deadline, "the outage is never named");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        d.health()
+            .is_some_and(|h| h.contains("journal unavailable")),
+        "{:?}",
+        d.health()
+    );
+    assert!(d.take_recovered().is_empty(), "no recovery while down");
+    pg.start_server();
+    let r = recovered(&mut d, "counter").expect("recover after the outage");
+    assert_eq!(r.state, st, "the fenced append is not in the state");
+    assert!(r.claimed_epoch.expect("claimed") > epoch_b);
+    assert!(d.health().is_none());
+}
+
+#[test]
+fn the_cluster_id_is_kept_per_cluster_name() {
+    let pg = TempPg::start();
+    let s = settings(&pg);
+    let hs: Vec<_> = (0..4)
+        .map(|i| {
+            let s = s.clone();
+            std::thread::spawn(move || pg_control::cluster_id(&s, "one", &format!("id-{i}")))
+        })
+        .collect();
+    let ids: Vec<String> = hs
+        .into_iter()
+        .map(|h| h.join().expect("thread").expect("cluster id"))
+        .collect();
+    assert!(ids.iter().all(|i| *i == ids[0]), "one winner: {ids:?}");
+    assert_eq!(
+        pg_control::cluster_id(&s, "one", "later").expect("again"),
+        ids[0]
+    );
+    assert_eq!(
+        pg_control::cluster_id(&s, "two", "id-two").expect("other name"),
+        "id-two"
     );
 }

@@ -152,6 +152,13 @@ pub fn run(args: &StatusArgs, out: &mut impl std::io::Write) -> anyhow::Result<(
                 .map(|r| format!("; REFUSED: {r}"))
                 .unwrap_or_default(),
         )?;
+        if let Some(e) = &c.journal_error {
+            writeln!(
+                out,
+                "  COORDINATOR JOURNAL ERROR ({}): {e} (the coordinator waits and retries)",
+                c.type_name
+            )?;
+        }
     }
     writeln!(out, "members:")?;
     for m in &st.members {

@@ -29,7 +29,10 @@ use super::{MemberStatusView, Shared};
 use crate::config::NodeConfig;
 use crate::envelope::{decode_frame_body, encode_frame, FrameError, MAX_FRAME_SIZE_BYTES};
 use crate::envelope::{ControlFrame, Hello, Lane, WireMember, WireRegionStats};
-use crate::persistence::coordinator::{next_epoch, ControlJournal, CoordinatorConfig};
+use crate::persistence::coordinator::{
+    next_epoch, ControlJournal, ControlStore, CoordinatorConfig, CoordinatorJournalError,
+    RecoveredCoordinator, RecoveryStart,
+};
 use crate::persistence::DurableWake;
 use crate::runtime::{RingReceiver, RingSender};
 use crate::status::CoordinatorStatusView;
@@ -53,6 +56,9 @@ const BACKOFF_MAX: Duration = Duration::from_secs(2);
 /// Most bytes queued for one control lane; beyond it frames are dropped
 /// (membership and coordinator protocols retry).
 const CONTROL_OUTBOX_MAX_BYTES: usize = 16 << 20;
+/// Most messages kept per entity type for a coordinator whose recovery
+/// read is under way (count; regions register again on their own).
+const WAITING_MAX: usize = 4096;
 
 enum LeavePhase {
     HandingOff { until: Duration },
@@ -99,7 +105,10 @@ struct Control {
     /// (asker, expiry).
     admin_waiters: HashMap<u64, (crossbeam_channel::Sender<AdminAnswer>, Duration)>,
     /// The control core's journal (the coordinators' events), if it opened.
-    journal: Option<ControlJournal>,
+    journal: Option<ControlStore>,
+    /// Per type: messages for a coordinator whose recovery read is under
+    /// way (handled once it started; at most [`WAITING_MAX`] each).
+    waiting: HashMap<String, VecDeque<CoordinatorMsg>>,
     /// What the coordinator journal records and checks.
     journal_config: CoordinatorConfig,
     /// The `[coordinator]` table: rebalance and hand-off timing.
@@ -159,15 +168,23 @@ pub(crate) async fn run(init: ControlInit) {
             return;
         }
     };
-    let journal = match ControlJournal::open(&init.config.data_dir, &init.config.durability) {
-        Ok(mut j) => {
-            j.set_scope(init.scope.clone());
-            Some(j)
-        }
-        Err(e) => {
-            tracing::error!(error = %e, "cannot open the control journal; coordinator state is kept in memory only");
-            None
-        }
+    let durable_wake = Arc::new(DurableWake::default());
+    let journal = match crate::persistence::pg::PgSettings::from_config(&init.config.journal) {
+        // The coordinators' state lives in the database (no I/O here: the
+        // journal's own thread connects).
+        Some(pg) => Some(ControlStore::Postgres(
+            crate::persistence::pg_control::PgControlJournal::open(&pg, durable_wake.clone()),
+        )),
+        None => match ControlJournal::open(&init.config.data_dir, &init.config.durability) {
+            Ok(mut j) => {
+                j.set_scope(init.scope.clone());
+                Some(ControlStore::Local(Box::new(j)))
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot open the control journal; coordinator state is kept in memory only");
+                None
+            }
+        },
     };
     let journal_config = CoordinatorConfig {
         number_of_shards: init.config.number_of_shards,
@@ -175,12 +192,13 @@ pub(crate) async fn run(init: ControlInit) {
     };
     let ctl = Rc::new(RefCell::new(Control {
         journal,
+        waiting: HashMap::new(),
         journal_config,
         coordinator_settings: init.config.coordinator.clone(),
         on_join_refused: init.config.cluster.on_join_refused,
         held: HashMap::new(),
         barrier: HashMap::new(),
-        durable_wake: Arc::new(DurableWake::default()),
+        durable_wake,
         armed_lsn: 0,
         coord_status: BTreeMap::new(),
         me,
@@ -494,12 +512,101 @@ impl Control {
     }
 
     /// Starts `t`'s coordinator here: recovers its state (the newest
-    /// control journal of the data root; else the copy replicated to this
-    /// member; else empty), begins a new journal incarnation with a writer
+    /// control journal of the data root, or the database, read on its own
+    /// thread: the coordinator starts in [`Self::poll_journal`] then; else
+    /// the copy replicated to this member; else empty), begins a new journal incarnation with a writer
     /// epoch above every recorded one, then reconciles with the membership
     /// (regions of members that are gone are terminated at once; the others
     /// must register again within the re-register timeout).
     fn new_coordinator(&mut self, t: &str) {
+        let Some(j) = self.journal.as_mut() else {
+            self.start_coordinator(t, None);
+            return;
+        };
+        match j.recover_start(t, &self.journal_config) {
+            RecoveryStart::Ready(r) => self.start_coordinator(t, Some(*r)),
+            RecoveryStart::Pending => {
+                // The database's thread reads; the coordinator starts when
+                // it finished (`poll_journal`), never before.
+                tracing::info!(type_name = t, "coordinator recovering from the database");
+                self.waiting.entry(t.to_string()).or_default();
+                self.coord_status.insert(
+                    t.to_string(),
+                    CoordinatorStatusView {
+                        type_name: t.to_string(),
+                        writer_epoch: 0,
+                        recovered_from: "recovering".to_string(),
+                        journal_dir: None,
+                        recovered_records: 0,
+                        recovered_shards: 0,
+                        shards: 0,
+                        refused: None,
+                        journal_error: None,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Outcomes of the database journal: finished recoveries start their
+    /// coordinators (with the messages that waited for them); refused
+    /// appends stop theirs.
+    fn poll_journal(&mut self) {
+        let Some(j) = self.journal.as_mut() else {
+            return;
+        };
+        let recovered = j.take_recovered();
+        self.fail_refused();
+        for (t, r) in recovered {
+            self.start_coordinator(&t, Some(r));
+            let msgs = self.waiting.remove(&t).unwrap_or_default();
+            if !msgs.is_empty() && self.coordinators.contains_key(&t) {
+                let now = self.now();
+                if let Some(c) = self.coordinators.get_mut(&t) {
+                    for m in msgs {
+                        c.handle_message(now, m);
+                    }
+                }
+                self.drain_coordinator(&t);
+            }
+        }
+    }
+
+    /// Stops the coordinators whose appends the database refused; whether
+    /// there were any.
+    fn fail_refused(&mut self) -> bool {
+        let Some(j) = self.journal.as_mut() else {
+            return false;
+        };
+        let refused = j.take_refused();
+        let any = !refused.is_empty();
+        for (t, why) in refused {
+            self.fail_coordinator(&t, why);
+        }
+        any
+    }
+
+    /// Keeps `msg` for `t`'s coordinator when its recovery is under way;
+    /// false: there is none to wait for.
+    fn keep_for_recovering(&mut self, t: &str, msg: CoordinatorMsg) -> bool {
+        let Some(q) = self.waiting.get_mut(t) else {
+            return false;
+        };
+        if q.len() >= WAITING_MAX {
+            // Regions register again on their own; the oldest goes.
+            q.pop_front();
+        }
+        q.push_back(msg);
+        true
+    }
+
+    /// Starts `t`'s coordinator from its journal's recovery `rec` (`None`:
+    /// no journal).
+    fn start_coordinator(
+        &mut self,
+        t: &str,
+        rec: Option<Result<RecoveredCoordinator, CoordinatorJournalError>>,
+    ) {
         let now = self.now();
         // Generations are the journal's writer epochs: floor them at the wall
         // clock so a cluster whose coordinator journals are gone never reuses
@@ -516,11 +623,12 @@ impl Control {
             recovered_shards: 0,
             shards: 0,
             refused: None,
+            journal_error: None,
         };
         let replicated = self.coord_state.get(t).cloned();
         let mut state = CoordinatorState::default();
-        if let Some(j) = self.journal.as_mut() {
-            let rec = match j.recover(t, &self.journal_config) {
+        if let (Some(j), Some(rec)) = (self.journal.as_mut(), rec) {
+            let rec = match rec {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::error!(type_name = t, error = %e, "coordinator refused to start");
@@ -530,7 +638,11 @@ impl Control {
                 }
             };
             if let Some(dir) = &rec.source {
-                status.recovered_from = "journal".to_string();
+                status.recovered_from = if rec.from_database {
+                    "database".to_string()
+                } else {
+                    "journal".to_string()
+                };
                 status.journal_dir = Some(dir.display().to_string());
                 status.recovered_records = rec.records;
                 state = rec.state;
@@ -538,7 +650,9 @@ impl Control {
                 status.recovered_from = "replicated".to_string();
                 state = r;
             }
-            let epoch = next_epoch(rec.highest_epoch, wall_clock_ms);
+            let epoch = rec
+                .claimed_epoch
+                .unwrap_or_else(|| next_epoch(rec.highest_epoch, wall_clock_ms));
             match j.begin(t, epoch, &state, &self.journal_config) {
                 Ok(lsn) => {
                     self.barrier.insert(t.to_string(), lsn.0);
@@ -610,10 +724,13 @@ impl Control {
 
     /// Sends the held region messages whose events are now durable.
     fn release_held(&mut self) {
+        // Read before the refusals are taken: the database journal records
+        // a refusal before the durable LSN moves past it.
         let durable = self
             .journal
             .as_ref()
             .map_or(u64::MAX, |j| j.durable_lsn().0);
+        self.poll_journal();
         let types: Vec<String> = self.held.keys().cloned().collect();
         for t in types {
             let ready: Vec<(RegionId, RegionMsg)> = match self.held.get_mut(&t) {
@@ -644,9 +761,7 @@ impl Control {
             return;
         }
         self.armed_lsn = want;
-        let w = self.durable_wake.clone();
-        j.watcher()
-            .on_durable(shardline_journal::Lsn(want), move |_| w.notify());
+        j.notify_when_durable(shardline_journal::Lsn(want), self.durable_wake.clone());
     }
 
     fn start_coordinators(&mut self) {
@@ -671,6 +786,12 @@ impl Control {
                 j.end(t);
             }
         }
+        if let Some(j) = self.journal.as_mut() {
+            for t in self.waiting.keys() {
+                j.end(t);
+            }
+        }
+        self.waiting.clear();
         self.coordinators.clear();
         self.held.clear();
         self.barrier.clear();
@@ -699,6 +820,11 @@ impl Control {
                         .journal
                         .as_ref()
                         .map_or(u64::MAX, |j| j.durable_lsn().0);
+                    // The database journal's LSN also passes refused
+                    // appends: a refused coordinator sends nothing more.
+                    if self.fail_refused() && !self.coordinators.contains_key(t) {
+                        return true;
+                    }
                     let q = self.held.entry(t.to_string()).or_default();
                     if q.is_empty() && barrier <= durable {
                         self.send_region(t, to, msg);
@@ -810,6 +936,8 @@ impl Control {
             if let Some(c) = self.coordinators.get_mut(t) {
                 c.handle_message(now, msg);
                 self.drain_coordinator(t);
+            } else {
+                self.keep_for_recovering(t, msg);
             }
             return;
         }
@@ -916,6 +1044,8 @@ impl Control {
                 if self.singleton {
                     if let Some(c) = self.coordinators.get_mut(&type_name) {
                         c.handle_message(now, msg.into());
+                    } else {
+                        self.keep_for_recovering(&type_name, msg.into());
                     }
                 }
             }
@@ -1321,6 +1451,7 @@ impl Control {
                     if let Some(c) = self.coordinators.get(&s.type_name) {
                         s.shards = c.state().shards.len() as u64;
                     }
+                    s.journal_error = self.journal.as_ref().and_then(ControlStore::health);
                     s
                 })
                 .collect(),

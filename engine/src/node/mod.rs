@@ -175,6 +175,15 @@ impl Node {
             // identity joins the handshake's fingerprint.
             let id = crate::persistence::pg::identity(&pg).map_err(NodeError::Journal)?;
             scope.use_shared_journal(id);
+            // The database holds the cluster's identity: a fresh data_dir
+            // adopts the id recorded for the cluster's name.
+            let proposed = scope
+                .recorded_cluster_id()
+                .map_or_else(crate::persistence::identity::random_id, str::to_string);
+            let cluster_id =
+                crate::persistence::pg_control::cluster_id(&pg, &config.cluster_name, &proposed)
+                    .map_err(NodeError::Journal)?;
+            scope.use_database_cluster_id(&cluster_id)?;
         }
         let scope = Arc::new(scope);
         let uid = MemberUid(rand::random::<u64>() | 1);

@@ -142,6 +142,10 @@ pub enum CoordinatorJournalError {
     /// No incarnation was begun for the type ([`ControlJournal::begin`]).
     #[error("no coordinator incarnation begun for type {0:?}")]
     NotBegun(String),
+    /// The database (PostgreSQL backend) refused (schema too new, bad
+    /// data); unavailability is retried, not returned.
+    #[error("coordinator journal: {0}")]
+    Database(super::pg::PgError),
 }
 
 /// The persistence id of `type_name`'s coordinator: `coordinator|{type}`.
@@ -466,6 +470,13 @@ pub struct RecoveredCoordinator {
     pub highest_epoch: WriterEpoch,
     /// Journals that held the id (count).
     pub journals: usize,
+    /// The writer epoch the recovery claimed for the new incarnation
+    /// (PostgreSQL: the database fences every older one from the claim
+    /// on); `None`: the caller picks one with [`next_epoch`].
+    pub claimed_epoch: Option<WriterEpoch>,
+    /// Whether it was read from the database (`[journal] backend =
+    /// "postgres"`, see [`super::pg_control`]).
+    pub from_database: bool,
 }
 
 // ------------------------------------------------------------ the journal
@@ -648,6 +659,8 @@ impl ControlJournal {
             records: v.records,
             highest_epoch,
             journals,
+            claimed_epoch: None,
+            from_database: false,
         })
     }
 
@@ -783,6 +796,181 @@ impl ControlJournal {
             return Ok(());
         }
         self.journal.wait_durable(last).map_err(|e| e.to_string())
+    }
+}
+
+// ------------------------------------------------------- the two backends
+
+/// A node's coordinator journal: the local control journal
+/// (`[journal] backend = "local"`), or the database
+/// (`"postgres"`, [`super::pg_control::PgControlJournal`]). The control
+/// executor calls only these; neither does database I/O on its thread.
+#[derive(Debug)]
+pub enum ControlStore {
+    /// `{data_dir}/control`, recovered with the sibling `data_dir`s'.
+    Local(Box<ControlJournal>),
+    /// The cluster's PostgreSQL database.
+    Postgres(super::pg_control::PgControlJournal),
+}
+
+/// How [`ControlStore::recover_start`] went.
+#[derive(Debug)]
+pub enum RecoveryStart {
+    /// Finished at once (the local journal).
+    Ready(Box<Result<RecoveredCoordinator, CoordinatorJournalError>>),
+    /// Under way on the database's thread: the outcome comes from
+    /// [`ControlStore::take_recovered`] after the control executor's wake.
+    Pending,
+}
+
+impl ControlStore {
+    /// Starts recovering `type_name`'s coordinator (see
+    /// [`ControlJournal::recover`] and
+    /// [`super::pg_control::PgControlJournal::recover_start`]).
+    pub fn recover_start(
+        &mut self,
+        type_name: &str,
+        expected: &CoordinatorConfig,
+    ) -> RecoveryStart {
+        match self {
+            ControlStore::Local(j) => {
+                RecoveryStart::Ready(Box::new(j.recover(type_name, expected)))
+            }
+            ControlStore::Postgres(j) => match j.recover_start(type_name, expected) {
+                Ok(()) => RecoveryStart::Pending,
+                Err(e) => RecoveryStart::Ready(Box::new(Err(e))),
+            },
+        }
+    }
+
+    /// Whether a recovery of `type_name` is under way.
+    pub fn is_recovering(&self, type_name: &str) -> bool {
+        match self {
+            ControlStore::Local(_) => false,
+            ControlStore::Postgres(j) => j.is_recovering(type_name),
+        }
+    }
+
+    /// Recoveries finished since the last call (the database only).
+    pub fn take_recovered(
+        &mut self,
+    ) -> Vec<(
+        String,
+        Result<RecoveredCoordinator, CoordinatorJournalError>,
+    )> {
+        match self {
+            ControlStore::Local(_) => Vec::new(),
+            ControlStore::Postgres(j) => j.take_recovered(),
+        }
+    }
+
+    /// Appends the database refused since the last call, `(type, why)`
+    /// (the local journal refuses at [`Self::append`] instead).
+    pub fn take_refused(&mut self) -> Vec<(String, String)> {
+        match self {
+            ControlStore::Local(_) => Vec::new(),
+            ControlStore::Postgres(j) => j.take_refused(),
+        }
+    }
+
+    /// Starts an incarnation: its takeover record. Returns its LSN.
+    ///
+    /// # Errors
+    /// As [`ControlJournal::begin`].
+    pub fn begin(
+        &mut self,
+        type_name: &str,
+        epoch: WriterEpoch,
+        state: &CoordinatorState,
+        config: &CoordinatorConfig,
+    ) -> Result<Lsn, CoordinatorJournalError> {
+        match self {
+            ControlStore::Local(j) => j.begin(type_name, epoch, state, config),
+            ControlStore::Postgres(j) => j.begin(type_name, epoch, state, config),
+        }
+    }
+
+    /// Appends one event of the current incarnation (the database writes
+    /// it with the epoch the incarnation began with). Returns its LSN.
+    ///
+    /// # Errors
+    /// As [`ControlJournal::append`].
+    pub fn append(
+        &mut self,
+        type_name: &str,
+        epoch: WriterEpoch,
+        event: &CoordinatorEvent,
+    ) -> Result<Lsn, CoordinatorJournalError> {
+        match self {
+            ControlStore::Local(j) => j.append(type_name, epoch, event),
+            ControlStore::Postgres(j) => j.append(type_name, event),
+        }
+    }
+
+    /// Whether a snapshot of `type_name` is due.
+    pub fn snapshot_due(&self, type_name: &str) -> bool {
+        match self {
+            ControlStore::Local(j) => j.snapshot_due(type_name),
+            ControlStore::Postgres(j) => j.snapshot_due(type_name),
+        }
+    }
+
+    /// Saves a snapshot of `type_name`'s coordinator.
+    ///
+    /// # Errors
+    /// As [`ControlJournal::save_snapshot`].
+    pub fn save_snapshot(
+        &mut self,
+        type_name: &str,
+        state: &CoordinatorState,
+        config: &CoordinatorConfig,
+    ) -> Result<(), CoordinatorJournalError> {
+        match self {
+            ControlStore::Local(j) => j.save_snapshot(type_name, state, config),
+            ControlStore::Postgres(j) => j.save_snapshot(type_name, state, config),
+        }
+    }
+
+    /// The writer epoch of `type_name`'s current incarnation, if begun.
+    pub fn epoch(&self, type_name: &str) -> Option<WriterEpoch> {
+        match self {
+            ControlStore::Local(j) => j.epoch(type_name),
+            ControlStore::Postgres(j) => j.epoch(type_name),
+        }
+    }
+
+    /// Forgets `type_name`'s incarnation (or its recovery under way).
+    pub fn end(&mut self, type_name: &str) {
+        match self {
+            ControlStore::Local(j) => j.end(type_name),
+            ControlStore::Postgres(j) => j.end(type_name),
+        }
+    }
+
+    /// The highest LSN with an outcome (see the backends'
+    /// `durable_lsn`); the database reports refusals before it moves.
+    pub fn durable_lsn(&self) -> Lsn {
+        match self {
+            ControlStore::Local(j) => j.durable_lsn(),
+            ControlStore::Postgres(j) => j.durable_lsn(),
+        }
+    }
+
+    /// Has `wake` notified once `lsn` is durable (the local journal's sync
+    /// thread; the database's thread notifies after every outcome anyway).
+    pub fn notify_when_durable(&self, lsn: Lsn, wake: std::sync::Arc<super::DurableWake>) {
+        if let ControlStore::Local(j) = self {
+            j.watcher().on_durable(lsn, move |_| wake.notify());
+        }
+    }
+
+    /// Why the journal is unusable now (the database unreachable), if it
+    /// is.
+    pub fn health(&self) -> Option<String> {
+        match self {
+            ControlStore::Local(_) => None,
+            ControlStore::Postgres(j) => j.health(),
+        }
     }
 }
 

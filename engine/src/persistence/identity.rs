@@ -25,6 +25,11 @@
 //!   and stops when the cluster it joins has another id than the one its
 //!   data records. The journals of a sibling `data_dir` are read only when
 //!   its `identity.toml` records this node's cluster name and (known) id.
+//!   With the PostgreSQL backend the database records each cluster
+//!   name's id (`shardline_clusters`); a node adopts it at start
+//!   ([`DataScope::use_database_cluster_id`]), so a cluster restarted onto
+//!   empty `data_dir`s keeps its id, and a `data_dir` of another id is
+//!   refused.
 //! - **Journal identity**: `local:<data root id>` for the local journal
 //!   ([`DataScope::journal_identity`]). Members exchange it at the handshake;
 //!   a node with durable types on the local journal does not join members
@@ -88,6 +93,23 @@ pub enum IdentityError {
         path: PathBuf,
         /// The I/O error.
         source: std::io::Error,
+    },
+    /// The `data_dir` records another cluster id than the shared journal
+    /// database records for the cluster's name.
+    #[error(
+        "data_dir {dir} belongs to the cluster {name:?} with id {recorded}, but the journal \
+         database records id {database} for that cluster name; refusing to start on another \
+         cluster's data (use a fresh data_dir, or another cluster_name)"
+    )]
+    OtherClusterId {
+        /// The `data_dir`.
+        dir: PathBuf,
+        /// The cluster name.
+        name: String,
+        /// The id the `data_dir` records.
+        recorded: String,
+        /// The id the database records.
+        database: String,
     },
     /// A file does not hold what it should.
     #[error("{path}: {reason}")]
@@ -376,6 +398,45 @@ impl DataScope {
     /// member must use the same database, wherever its data root is.
     pub fn use_shared_journal(&mut self, identity: String) {
         self.shared_journal = Some(identity);
+    }
+
+    /// The cluster id this `data_dir` recorded at start (`None`: fresh).
+    pub fn recorded_cluster_id(&self) -> Option<&str> {
+        self.recorded_id.as_deref()
+    }
+
+    /// Takes the cluster id `id` that the shared journal database records
+    /// for this cluster's name (see [`crate::persistence::pg_control::cluster_id`])
+    /// as the one this `data_dir` records: a fresh `data_dir` adopts it (and
+    /// records it), so a whole cluster restarted onto empty `data_dir`s
+    /// against the same database is the same cluster. The id still becomes
+    /// known the usual way (established by the oldest member, or learned),
+    /// and a cluster with another id is not joined.
+    ///
+    /// # Errors
+    /// [`IdentityError::OtherClusterId`] when the `data_dir` records
+    /// another id; [`IdentityError::Io`] when it cannot be recorded.
+    pub fn use_database_cluster_id(&mut self, id: &str) -> Result<(), IdentityError> {
+        match &self.recorded_id {
+            Some(r) if r != id => Err(IdentityError::OtherClusterId {
+                dir: self.data_dir.clone(),
+                name: self.cluster_name.clone(),
+                recorded: r.clone(),
+                database: id.to_string(),
+            }),
+            Some(_) => Ok(()),
+            None => {
+                write_identity(
+                    &self.data_dir,
+                    &RecordedIdentity {
+                        cluster_name: self.cluster_name.clone(),
+                        cluster_id: Some(id.to_string()),
+                    },
+                )?;
+                self.recorded_id = Some(id.to_string());
+                Ok(())
+            }
+        }
     }
 
     /// The (canonical) `data_dir`.

@@ -26,6 +26,7 @@
 pub mod coordinator;
 pub mod identity;
 pub mod pg;
+pub mod pg_control;
 pub mod remember;
 
 pub use identity::{DataDirLock, DataScope, IdentityError};

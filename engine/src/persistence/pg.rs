@@ -40,8 +40,9 @@ use super::{DurableWake, EventLog, LogError, RecoverStart, Recovered};
 use crate::config::JournalConfig;
 
 /// The schema version this build writes and reads. A database whose
-/// recorded version is higher is refused (a newer release migrated it).
-pub const SCHEMA_VERSION: i32 = 1;
+/// recorded version is higher is refused (a newer release migrated it); a
+/// lower one is migrated (version 2 added `shardline_clusters`).
+pub const SCHEMA_VERSION: i32 = 2;
 
 /// The schema, created at first start (idempotent; run under an advisory
 /// lock so that nodes starting together do not race).
@@ -68,6 +69,11 @@ CREATE TABLE IF NOT EXISTS shardline_snapshots (
     writer_epoch bigint NOT NULL,
     data bytea NOT NULL
 );
+CREATE TABLE IF NOT EXISTS shardline_clusters (
+    cluster_name text PRIMARY KEY,
+    cluster_id text NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
 ";
 
 /// The key of the advisory lock held while the schema is created.
@@ -75,7 +81,7 @@ const SCHEMA_LOCK_KEY: i64 = 0x5348_4152_444c_494e; // "SHARDLIN"
 
 /// The group-commit statement: fenced writer-epoch upsert, then the events
 /// and snapshots of the ids it accepted; returns the accepted ids.
-const APPEND_SQL: &str = "
+pub(crate) const APPEND_SQL: &str = "
 WITH w AS (
     INSERT INTO shardline_writers AS cur (persistence_id, writer_epoch)
     SELECT * FROM unnest($1::text[], $2::int8[])
@@ -172,7 +178,7 @@ pub enum PgError {
 }
 
 impl PgError {
-    fn classify(e: &postgres::Error) -> PgError {
+    pub(crate) fn classify(e: &postgres::Error) -> PgError {
         match e.as_db_error() {
             None => PgError::Unavailable(e.to_string()),
             Some(db) => {
@@ -229,6 +235,12 @@ fn ensure_schema(client: &mut Client) -> Result<(), PgError> {
     tx.batch_execute(SCHEMA_SQL).map_err(err)?;
     tx.execute(
         "INSERT INTO shardline_schema (id, version) VALUES (1, $1) ON CONFLICT (id) DO NOTHING",
+        &[&SCHEMA_VERSION],
+    )
+    .map_err(err)?;
+    // Older schemas are migrated by the `IF NOT EXISTS` statements above.
+    tx.execute(
+        "UPDATE shardline_schema SET version = $1 WHERE id = 1 AND version < $1",
         &[&SCHEMA_VERSION],
     )
     .map_err(err)?;
