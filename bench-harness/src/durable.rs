@@ -81,6 +81,12 @@ pub struct DurableArgs {
     /// emptied before each run.
     #[arg(long)]
     pub pg_url: Option<String>,
+    /// PostgreSQL raw baseline on the same `depth` persistence ids in every
+    /// batch (appends at the right edge of the key index: the baseline of
+    /// the first measurements) instead of `depth` distinct ids drawn
+    /// uniformly from `--entities` per batch, as the counters' rows are.
+    #[arg(long)]
+    pub raw_fixed_keys: bool,
     /// Write every figure, the configuration and the machine as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -327,6 +333,7 @@ pub fn run(args: &DurableArgs, connector: Arc<dyn Connector>) -> Result<Vec<Dura
                     JournalKind::Postgres => raw_pg_loop(
                         args.pg_url.as_deref().unwrap_or_default(),
                         depth,
+                        (!args.raw_fixed_keys).then_some(args.entities),
                         &payload,
                         args.raw_duration,
                     )?,
@@ -384,14 +391,19 @@ fn reset_pg(url: &str) -> Result<()> {
 /// The PostgreSQL raw baseline: `depth` rows in flight as one multi-row
 /// `INSERT` (one statement, one commit) after another from one
 /// connection, into a scratch table shaped like `shardline_events`, for
-/// `duration`. Returns rows per second and the per-row latency (µs: a
-/// row's batch from send to commit).
+/// `duration`. With `spread = Some(n)` each batch's rows go to `depth`
+/// distinct ids drawn uniformly from `n` (each id's sequence numbers
+/// 1, 2, ...), as the bench's counter adds do; with `None` every batch
+/// uses the same `depth` ids. Returns rows per second and the per-row
+/// latency (µs: a row's batch from send to commit).
 fn raw_pg_loop(
     url: &str,
     depth: usize,
+    spread: Option<u64>,
     payload: &[u8],
     duration: Duration,
 ) -> Result<(f64, hdrhistogram::Histogram<u64>)> {
+    use rand::SeedableRng;
     let mut c = postgres::Client::connect(url, postgres::NoTls)
         .with_context(|| format!("connecting to {url}"))?;
     c.batch_execute(
@@ -408,17 +420,28 @@ fn raw_pg_loop(
         )
         .context("preparing the raw insert")?;
     let mut hist = crate::stats::latency_histogram(3);
-    let pids: Vec<String> = (0..depth)
-        .map(|i| format!("{COUNTER_TYPE}|raw-{i}"))
-        .collect();
+    let ids = spread.unwrap_or(depth as u64).max(depth as u64) as usize;
+    let all: Vec<String> = (0..ids).map(|i| format!("{COUNTER_TYPE}|{i}")).collect();
+    let mut next_seq = vec![1i64; ids];
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5241_5750);
     let epochs = vec![1i64; depth];
     let payloads: Vec<&[u8]> = vec![payload; depth];
-    let mut seq = 0i64;
     let mut rows = 0u64;
     let start = Instant::now();
     while start.elapsed() < duration {
-        seq += 1;
-        let seqs = vec![seq; depth];
+        let picked: Vec<usize> = if spread.is_some() {
+            rand::seq::index::sample(&mut rng, ids, depth).into_vec()
+        } else {
+            (0..depth).collect()
+        };
+        let pids: Vec<&str> = picked.iter().map(|&i| all[i].as_str()).collect();
+        let seqs: Vec<i64> = picked
+            .iter()
+            .map(|&i| {
+                next_seq[i] += 1;
+                next_seq[i] - 1
+            })
+            .collect();
         let t = Instant::now();
         c.execute(&st, &[&pids, &seqs, &epochs, &payloads])
             .context("raw insert")?;
