@@ -87,6 +87,13 @@ pub struct DurableArgs {
     /// uniformly from `--entities` per batch, as the counters' rows are.
     #[arg(long)]
     pub raw_fixed_keys: bool,
+    /// Rounds per depth: the raw baseline and the durable run alternate
+    /// this many times (each round gets 1/rounds of `--duration` and
+    /// `--raw-duration`; the first round's durable part also warms up), so
+    /// a disk or database whose speed drifts during the run (a shared
+    /// machine) moves both figures alike.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: u32,
     /// Write every figure, the configuration and the machine as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -125,6 +132,9 @@ impl DurableArgs {
         }
         if self.duration.is_zero() || self.raw_duration.is_zero() {
             bail!("--duration and --raw-duration must be above 0");
+        }
+        if self.rounds == 0 {
+            bail!("--rounds must be at least 1");
         }
         if self.journal.is_empty() {
             bail!("--journal needs at least one of local, postgres");
@@ -317,30 +327,57 @@ pub fn run(args: &DurableArgs, connector: Arc<dyn Connector>) -> Result<Vec<Dura
                 _ => None,
             };
             for &depth in &args.depths {
-                // Raw baseline first, while the node is idle.
-                let (raw_per_s, raw_us) = match journal {
-                    JournalKind::Local => {
-                        let raw = raw_closed_loop(
-                            cluster.dir(),
-                            interval,
-                            depth as u64,
-                            &pid,
+                let rounds = args.rounds.max(1);
+                let mut raw_rows = 0.0f64;
+                let mut raw_secs = 0.0f64;
+                let mut raw_us = crate::stats::latency_histogram(3);
+                let mut ok = 0u64;
+                let mut secs = 0.0f64;
+                let mut errors = 0u64;
+                let mut hist = crate::stats::latency_histogram(3);
+                let mut conns = 0;
+                for round in 0..rounds {
+                    let raw_duration = args.raw_duration / rounds;
+                    // Raw baseline first, while the node is idle.
+                    let (per_s, h) = match journal {
+                        JournalKind::Local => {
+                            let raw = raw_closed_loop(
+                                cluster.dir(),
+                                interval,
+                                depth as u64,
+                                &pid,
+                                &payload,
+                                raw_duration,
+                            )?;
+                            (raw.records_per_s(), ns_to_us(&raw.latency_ns))
+                        }
+                        JournalKind::Postgres => raw_pg_loop(
+                            args.pg_url.as_deref().unwrap_or_default(),
+                            depth,
+                            (!args.raw_fixed_keys).then_some(args.entities),
                             &payload,
-                            args.raw_duration,
-                        )?;
-                        (raw.records_per_s(), ns_to_us(&raw.latency_ns))
-                    }
-                    JournalKind::Postgres => raw_pg_loop(
-                        args.pg_url.as_deref().unwrap_or_default(),
-                        depth,
-                        (!args.raw_fixed_keys).then_some(args.entities),
-                        &payload,
-                        args.raw_duration,
-                    )?,
-                };
-                let (adds_per_s, errors, latency, conns) =
-                    drive(args, &connector, &addrs, depth)
+                            raw_duration,
+                        )?,
+                    };
+                    raw_rows += per_s * raw_duration.as_secs_f64();
+                    raw_secs += raw_duration.as_secs_f64();
+                    let _ = raw_us.add(&h);
+                    let warmup = if round == 0 {
+                        args.warmup
+                    } else {
+                        args.warmup.min(Duration::from_millis(200))
+                    };
+                    let d = drive(args, &connector, &addrs, depth, warmup, args.duration / rounds)
                         .with_context(|| format!("durable adds, {label} depth {depth}"))?;
+                    ok += d.ok;
+                    secs += d.measured_s;
+                    errors += d.errors;
+                    let _ = hist.add(&d.histogram);
+                    conns = d.connections;
+                }
+                let raw_per_s = ratio(raw_rows, raw_secs);
+                let adds_per_s = ratio(ok as f64, secs);
+                let latency = LatencySummary::of(&hist);
                 let row = DurableRow::new(
                     label.clone(),
                     depth,
@@ -464,13 +501,29 @@ fn ns_to_us(h: &hdrhistogram::Histogram<u64>) -> hdrhistogram::Histogram<u64> {
     out
 }
 
-/// One closed-loop run of counter adds: `(adds/s, errors, latency, connections)`.
+/// What one closed-loop run of counter adds measured.
+struct Driven {
+    /// Acknowledged adds after the warm-up (count).
+    ok: u64,
+    /// Measured time (s).
+    measured_s: f64,
+    /// Failed adds after the warm-up (count).
+    errors: u64,
+    /// Add latency (µs).
+    histogram: hdrhistogram::Histogram<u64>,
+    /// Connections used (count).
+    connections: usize,
+}
+
+/// One closed-loop run of counter adds: `warmup`, then `duration` measured.
 fn drive(
     args: &DurableArgs,
     connector: &Arc<dyn Connector>,
     addrs: &[std::net::SocketAddr],
     depth: usize,
-) -> Result<(f64, u64, LatencySummary, usize)> {
+    warmup: Duration,
+    duration: Duration,
+) -> Result<Driven> {
     let conns = depth.min(args.connections).max(1);
     let n = conns as u64;
     let workload = Workload::Synthetic {
@@ -491,8 +544,8 @@ fn drive(
         rates_per_s: vec![0.0; conns],
         windows,
         quotas: vec![u64::MAX; conns],
-        warmup: args.warmup,
-        duration: Some(args.duration),
+        warmup,
+        duration: Some(duration),
         request_timeout: args.request_timeout,
         capture_values: false,
     };
@@ -504,15 +557,15 @@ fn drive(
         Arc::new(AtomicBool::new(false)),
     )
     .join()?;
-    let warmup_ns = args.warmup.as_nanos() as u64;
+    let warmup_ns = warmup.as_nanos() as u64;
     let measured_s = out.recorder.last_completion_ns.saturating_sub(warmup_ns) as f64 / 1e9;
-    let adds_per_s = ratio(out.recorder.ok as f64, measured_s);
-    Ok((
-        adds_per_s,
-        out.recorder.error_count(),
-        LatencySummary::of(&out.recorder.histogram),
-        conns,
-    ))
+    Ok(Driven {
+        ok: out.recorder.ok,
+        measured_s,
+        errors: out.recorder.error_count(),
+        histogram: out.recorder.histogram,
+        connections: conns,
+    })
 }
 
 #[cfg(test)]
