@@ -594,6 +594,8 @@ mod tests {
         assert_eq!(a.duration, Duration::from_secs(6));
         assert_eq!(a.warmup, Duration::from_secs(1));
         assert_eq!(a.raw_duration, Duration::from_secs(2));
+        assert_eq!(a.rounds, 1);
+        assert!(!a.raw_fixed_keys);
         a.validate().unwrap();
         // Bounded: about a minute with the defaults (cluster starts aside).
         let runs = (a.policies.len() * a.depths.len()) as u32;
@@ -613,8 +615,13 @@ mod tests {
             "500ms",
             "--entities",
             "10",
+            "--rounds",
+            "3",
+            "--raw-fixed-keys",
         ])
         .unwrap();
+        assert_eq!(a.rounds, 3);
+        assert!(a.raw_fixed_keys);
         assert_eq!(a.policies, vec![Durability::IntervalMs(5)]);
         assert_eq!(a.depths, vec![2, 8, 32]);
         assert_eq!(a.connections, 2);
@@ -634,6 +641,7 @@ mod tests {
             .validate()
             .is_err());
         assert!(parse(&["--duration", "0s"]).unwrap().validate().is_err());
+        assert!(parse(&["--rounds", "0"]).unwrap().validate().is_err());
         assert!(parse(&["--journal", "postgres"])
             .unwrap()
             .validate()
