@@ -892,7 +892,7 @@ fn merge(batch: &mut Batch, more: Batch) {
 /// `..._no_delay_count`): the batches queued while a statement ran are
 /// taken before the core is woken; the commit's replies then bring the
 /// clients' next appends, so the writer waits for as many new rows as the
-/// commit carried, at most half the commit's own duration and at most
+/// commit carried, at most the commit's own duration and at most
 /// [`GATHER_MAX`], before it sends the next statement. Without that wait,
 /// a closed loop of D requests splits into two halves that alternate
 /// (each commit carries D/2 rows and every row waits for two commits);
@@ -992,7 +992,7 @@ fn writer_loop(
         carried = queued;
         let took = started.elapsed();
         if rows > 1 {
-            gather = Some((rows, Instant::now() + (took / 2).min(GATHER_MAX)));
+            gather = Some((rows, Instant::now() + took.min(GATHER_MAX)));
         }
         // `resolved` moves only after the refusals are recorded.
         shared.resolved.fetch_max(last, Ordering::SeqCst);
