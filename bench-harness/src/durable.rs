@@ -367,8 +367,15 @@ pub fn run(args: &DurableArgs, connector: Arc<dyn Connector>) -> Result<Vec<Dura
                     } else {
                         args.warmup.min(Duration::from_millis(200))
                     };
-                    let d = drive(args, &connector, &addrs, depth, warmup, args.duration / rounds)
-                        .with_context(|| format!("durable adds, {label} depth {depth}"))?;
+                    let d = drive(
+                        args,
+                        &connector,
+                        &addrs,
+                        depth,
+                        warmup,
+                        args.duration / rounds,
+                    )
+                    .with_context(|| format!("durable adds, {label} depth {depth}"))?;
                     ok += d.ok;
                     secs += d.measured_s;
                     errors += d.errors;
