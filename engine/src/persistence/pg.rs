@@ -922,20 +922,24 @@ fn writer_loop(
     // Rows of the previous statement and the end of its gathering window.
     let mut gather: Option<(usize, Instant)> = None;
     loop {
+        // Rows that came after the previous statement's wake (all but the
+        // carried ones).
+        let mut new_rows = 0usize;
         let mut batch = match carried.take() {
             Some(b) => b,
             None => match rx.recv() {
-                Ok(b) => b,
+                Ok(b) => {
+                    new_rows = batch_len(&b);
+                    b
+                }
                 Err(_) => return,
             },
         };
         while let Ok(more) = rx.try_recv() {
+            new_rows += batch_len(&more);
             merge(&mut batch, more);
         }
         if let Some((want, until)) = gather.take() {
-            // `batch` holds what was queued before the wake plus what came
-            // since; the new rows are what came after the wake.
-            let mut new_rows = 0usize;
             while new_rows < want {
                 match rx.recv_deadline(until) {
                     Ok(more) => {
