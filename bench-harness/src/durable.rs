@@ -81,6 +81,19 @@ pub struct DurableArgs {
     /// emptied before each run.
     #[arg(long)]
     pub pg_url: Option<String>,
+    /// PostgreSQL raw baseline on the same `depth` persistence ids in every
+    /// batch (appends at the right edge of the key index: the baseline of
+    /// the first measurements) instead of `depth` distinct ids drawn
+    /// uniformly from `--entities` per batch, as the counters' rows are.
+    #[arg(long)]
+    pub raw_fixed_keys: bool,
+    /// Rounds per depth: the raw baseline and the durable run alternate
+    /// this many times (each round gets 1/rounds of `--duration` and
+    /// `--raw-duration`; the first round's durable part also warms up), so
+    /// a disk or database whose speed drifts during the run (a shared
+    /// machine) moves both figures alike.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: u32,
     /// Write every figure, the configuration and the machine as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -119,6 +132,9 @@ impl DurableArgs {
         }
         if self.duration.is_zero() || self.raw_duration.is_zero() {
             bail!("--duration and --raw-duration must be above 0");
+        }
+        if self.rounds == 0 {
+            bail!("--rounds must be at least 1");
         }
         if self.journal.is_empty() {
             bail!("--journal needs at least one of local, postgres");
@@ -311,29 +327,64 @@ pub fn run(args: &DurableArgs, connector: Arc<dyn Connector>) -> Result<Vec<Dura
                 _ => None,
             };
             for &depth in &args.depths {
-                // Raw baseline first, while the node is idle.
-                let (raw_per_s, raw_us) = match journal {
-                    JournalKind::Local => {
-                        let raw = raw_closed_loop(
-                            cluster.dir(),
-                            interval,
-                            depth as u64,
-                            &pid,
+                let rounds = args.rounds.max(1);
+                let mut raw_rows = 0.0f64;
+                let mut raw_secs = 0.0f64;
+                let mut raw_us = crate::stats::latency_histogram(3);
+                let mut ok = 0u64;
+                let mut secs = 0.0f64;
+                let mut errors = 0u64;
+                let mut hist = crate::stats::latency_histogram(3);
+                let mut conns = 0;
+                for round in 0..rounds {
+                    let raw_duration = args.raw_duration / rounds;
+                    // Raw baseline first, while the node is idle.
+                    let (per_s, h) = match journal {
+                        JournalKind::Local => {
+                            let raw = raw_closed_loop(
+                                cluster.dir(),
+                                interval,
+                                depth as u64,
+                                &pid,
+                                &payload,
+                                raw_duration,
+                            )?;
+                            (raw.records_per_s(), ns_to_us(&raw.latency_ns))
+                        }
+                        JournalKind::Postgres => raw_pg_loop(
+                            args.pg_url.as_deref().unwrap_or_default(),
+                            depth,
+                            (!args.raw_fixed_keys).then_some(args.entities),
                             &payload,
-                            args.raw_duration,
-                        )?;
-                        (raw.records_per_s(), ns_to_us(&raw.latency_ns))
-                    }
-                    JournalKind::Postgres => raw_pg_loop(
-                        args.pg_url.as_deref().unwrap_or_default(),
+                            raw_duration,
+                        )?,
+                    };
+                    raw_rows += per_s * raw_duration.as_secs_f64();
+                    raw_secs += raw_duration.as_secs_f64();
+                    let _ = raw_us.add(&h);
+                    let warmup = if round == 0 {
+                        args.warmup
+                    } else {
+                        args.warmup.min(Duration::from_millis(200))
+                    };
+                    let d = drive(
+                        args,
+                        &connector,
+                        &addrs,
                         depth,
-                        &payload,
-                        args.raw_duration,
-                    )?,
-                };
-                let (adds_per_s, errors, latency, conns) =
-                    drive(args, &connector, &addrs, depth)
-                        .with_context(|| format!("durable adds, {label} depth {depth}"))?;
+                        warmup,
+                        args.duration / rounds,
+                    )
+                    .with_context(|| format!("durable adds, {label} depth {depth}"))?;
+                    ok += d.ok;
+                    secs += d.measured_s;
+                    errors += d.errors;
+                    let _ = hist.add(&d.histogram);
+                    conns = d.connections;
+                }
+                let raw_per_s = ratio(raw_rows, raw_secs);
+                let adds_per_s = ratio(ok as f64, secs);
+                let latency = LatencySummary::of(&hist);
                 let row = DurableRow::new(
                     label.clone(),
                     depth,
@@ -384,14 +435,19 @@ fn reset_pg(url: &str) -> Result<()> {
 /// The PostgreSQL raw baseline: `depth` rows in flight as one multi-row
 /// `INSERT` (one statement, one commit) after another from one
 /// connection, into a scratch table shaped like `shardline_events`, for
-/// `duration`. Returns rows per second and the per-row latency (µs: a
-/// row's batch from send to commit).
+/// `duration`. With `spread = Some(n)` each batch's rows go to `depth`
+/// distinct ids drawn uniformly from `n` (each id's sequence numbers
+/// 1, 2, ...), as the bench's counter adds do; with `None` every batch
+/// uses the same `depth` ids. Returns rows per second and the per-row
+/// latency (µs: a row's batch from send to commit).
 fn raw_pg_loop(
     url: &str,
     depth: usize,
+    spread: Option<u64>,
     payload: &[u8],
     duration: Duration,
 ) -> Result<(f64, hdrhistogram::Histogram<u64>)> {
+    use rand::SeedableRng;
     let mut c = postgres::Client::connect(url, postgres::NoTls)
         .with_context(|| format!("connecting to {url}"))?;
     c.batch_execute(
@@ -408,17 +464,28 @@ fn raw_pg_loop(
         )
         .context("preparing the raw insert")?;
     let mut hist = crate::stats::latency_histogram(3);
-    let pids: Vec<String> = (0..depth)
-        .map(|i| format!("{COUNTER_TYPE}|raw-{i}"))
-        .collect();
+    let ids = spread.unwrap_or(depth as u64).max(depth as u64) as usize;
+    let all: Vec<String> = (0..ids).map(|i| format!("{COUNTER_TYPE}|{i}")).collect();
+    let mut next_seq = vec![1i64; ids];
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5241_5750);
     let epochs = vec![1i64; depth];
     let payloads: Vec<&[u8]> = vec![payload; depth];
-    let mut seq = 0i64;
     let mut rows = 0u64;
     let start = Instant::now();
     while start.elapsed() < duration {
-        seq += 1;
-        let seqs = vec![seq; depth];
+        let picked: Vec<usize> = if spread.is_some() {
+            rand::seq::index::sample(&mut rng, ids, depth).into_vec()
+        } else {
+            (0..depth).collect()
+        };
+        let pids: Vec<&str> = picked.iter().map(|&i| all[i].as_str()).collect();
+        let seqs: Vec<i64> = picked
+            .iter()
+            .map(|&i| {
+                next_seq[i] += 1;
+                next_seq[i] - 1
+            })
+            .collect();
         let t = Instant::now();
         c.execute(&st, &[&pids, &seqs, &epochs, &payloads])
             .context("raw insert")?;
@@ -441,13 +508,29 @@ fn ns_to_us(h: &hdrhistogram::Histogram<u64>) -> hdrhistogram::Histogram<u64> {
     out
 }
 
-/// One closed-loop run of counter adds: `(adds/s, errors, latency, connections)`.
+/// What one closed-loop run of counter adds measured.
+struct Driven {
+    /// Acknowledged adds after the warm-up (count).
+    ok: u64,
+    /// Measured time (s).
+    measured_s: f64,
+    /// Failed adds after the warm-up (count).
+    errors: u64,
+    /// Add latency (µs).
+    histogram: hdrhistogram::Histogram<u64>,
+    /// Connections used (count).
+    connections: usize,
+}
+
+/// One closed-loop run of counter adds: `warmup`, then `duration` measured.
 fn drive(
     args: &DurableArgs,
     connector: &Arc<dyn Connector>,
     addrs: &[std::net::SocketAddr],
     depth: usize,
-) -> Result<(f64, u64, LatencySummary, usize)> {
+    warmup: Duration,
+    duration: Duration,
+) -> Result<Driven> {
     let conns = depth.min(args.connections).max(1);
     let n = conns as u64;
     let workload = Workload::Synthetic {
@@ -468,8 +551,8 @@ fn drive(
         rates_per_s: vec![0.0; conns],
         windows,
         quotas: vec![u64::MAX; conns],
-        warmup: args.warmup,
-        duration: Some(args.duration),
+        warmup,
+        duration: Some(duration),
         request_timeout: args.request_timeout,
         capture_values: false,
     };
@@ -481,15 +564,15 @@ fn drive(
         Arc::new(AtomicBool::new(false)),
     )
     .join()?;
-    let warmup_ns = args.warmup.as_nanos() as u64;
+    let warmup_ns = warmup.as_nanos() as u64;
     let measured_s = out.recorder.last_completion_ns.saturating_sub(warmup_ns) as f64 / 1e9;
-    let adds_per_s = ratio(out.recorder.ok as f64, measured_s);
-    Ok((
-        adds_per_s,
-        out.recorder.error_count(),
-        LatencySummary::of(&out.recorder.histogram),
-        conns,
-    ))
+    Ok(Driven {
+        ok: out.recorder.ok,
+        measured_s,
+        errors: out.recorder.error_count(),
+        histogram: out.recorder.histogram,
+        connections: conns,
+    })
 }
 
 #[cfg(test)]
@@ -518,6 +601,8 @@ mod tests {
         assert_eq!(a.duration, Duration::from_secs(6));
         assert_eq!(a.warmup, Duration::from_secs(1));
         assert_eq!(a.raw_duration, Duration::from_secs(2));
+        assert_eq!(a.rounds, 1);
+        assert!(!a.raw_fixed_keys);
         a.validate().unwrap();
         // Bounded: about a minute with the defaults (cluster starts aside).
         let runs = (a.policies.len() * a.depths.len()) as u32;
@@ -537,8 +622,13 @@ mod tests {
             "500ms",
             "--entities",
             "10",
+            "--rounds",
+            "3",
+            "--raw-fixed-keys",
         ])
         .unwrap();
+        assert_eq!(a.rounds, 3);
+        assert!(a.raw_fixed_keys);
         assert_eq!(a.policies, vec![Durability::IntervalMs(5)]);
         assert_eq!(a.depths, vec![2, 8, 32]);
         assert_eq!(a.connections, 2);
@@ -558,6 +648,7 @@ mod tests {
             .validate()
             .is_err());
         assert!(parse(&["--duration", "0s"]).unwrap().validate().is_err());
+        assert!(parse(&["--rounds", "0"]).unwrap().validate().is_err());
         assert!(parse(&["--journal", "postgres"])
             .unwrap()
             .validate()
