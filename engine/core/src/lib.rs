@@ -5,5 +5,6 @@
 //! arrives with the current time, every effect leaves as a value.
 
 pub mod cluster;
+pub mod det;
 pub mod ids;
 pub mod sharding;

@@ -65,7 +65,7 @@ mod tests {
         for sc in SCENARIOS {
             {
                 let seed = 7;
-                let a = run(sc, seed, &cfg, false);
+                let a = run(sc, seed, &cfg, true);
                 assert!(
                     a.violation.is_none(),
                     "{} seed {seed}: {:?}",
@@ -79,6 +79,14 @@ mod tests {
                 );
                 let b = run(sc, seed, &cfg, true);
                 assert_eq!(a.stats, b.stats, "{} seed {seed} does not replay", sc.name);
+                // The whole event trace, not only the counters: every
+                // effect of every state machine, in the same order.
+                assert!(a.trace_digest.1 > 0, "{}: empty trace", sc.name);
+                assert_eq!(
+                    a.trace_digest, b.trace_digest,
+                    "{} seed {seed}: the event trace does not replay",
+                    sc.name
+                );
             }
         }
     }

@@ -2,11 +2,12 @@
 //! the invariant checks.
 
 use std::cmp::Ordering;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use shardline_core::det::{DetHashMap as HashMap, DetHashSet as HashSet};
 use shardline_core::ids::{Address, EntityId, MemberUid, RegionId, ShardId, UniqueAddress};
 use shardline_core::sharding::{
     shard_id_of, CoordinatorEffect, CoordinatorEvent, CoordinatorMsg, Envelope, FailureReason,
@@ -93,6 +94,10 @@ pub struct RunOutcome {
     pub stats: RunStats,
     /// The last events (when tracing was on).
     pub last_events: Vec<String>,
+    /// An FNV-1a digest of the whole event trace and its length in lines
+    /// (when tracing was on; `(FNV offset, 0)` otherwise): two runs with the
+    /// same digest produced the same events in the same order.
+    pub trace_digest: (u64, u64),
 }
 
 /// The user payload in the simulation: the id of the message in the ledger.
@@ -277,6 +282,8 @@ pub struct World {
     violation: Option<Violation>,
     stats: RunStats,
     trace: Option<VecDeque<String>>,
+    /// FNV-1a digest of every trace line (when tracing), and their count.
+    trace_digest: (u64, u64),
 }
 
 const TRACE_LINES: usize = 60;
@@ -311,21 +318,21 @@ impl World {
             seq: 0,
             script,
             nodes: Vec::new(),
-            slot_of: HashMap::new(),
+            slot_of: HashMap::default(),
             members: BTreeMap::new(),
             coord_at: None,
             journal: Vec::new(),
             latest_alloc: vec![None; cfg.shards as usize],
             hosts_scratch: vec![None; cfg.shards as usize],
-            remembered: HashMap::new(),
-            isolated: HashSet::new(),
+            remembered: HashMap::default(),
+            isolated: HashSet::default(),
             held: BTreeMap::new(),
-            link_last: HashMap::new(),
+            link_last: HashMap::default(),
             ledger: Vec::new(),
             entity_ids,
-            next_seq: HashMap::new(),
-            last_seq: HashMap::new(),
-            live: HashMap::new(),
+            next_seq: HashMap::default(),
+            last_seq: HashMap::default(),
+            live: HashMap::default(),
             next_incarnation: 1,
             next_join_seq: 0,
             next_sender_base: 0,
@@ -334,6 +341,7 @@ impl World {
             violation: None,
             stats: RunStats::default(),
             trace: trace.then(VecDeque::new),
+            trace_digest: (0xcbf2_9ce4_8422_2325, 0),
         };
         for i in 0..w.script.len() {
             let at = w.script[i].0;
@@ -355,6 +363,11 @@ impl World {
                 t.pop_front();
             }
             let line = format!("{:>9.3}s {}", self.now.as_secs_f64(), f());
+            let (h, n) = &mut self.trace_digest;
+            for b in line.bytes().chain(std::iter::once(b'\n')) {
+                *h = (*h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+            }
+            *n += 1;
             t.push_back(line);
         }
     }
@@ -404,7 +417,7 @@ impl World {
             join_seq,
             sender_base,
             regions: Vec::new(),
-            actors: (0..=self.cfg.cores).map(|_| HashMap::new()).collect(),
+            actors: (0..=self.cfg.cores).map(|_| HashMap::default()).collect(),
             coordinator: None,
             cn: None,
             paused: None,
@@ -1489,6 +1502,7 @@ impl World {
                 .as_ref()
                 .map(|t| t.iter().cloned().collect())
                 .unwrap_or_default(),
+            trace_digest: self.trace_digest,
         }
     }
 

@@ -2,7 +2,7 @@
 //! pluggable replacement policy (Akka's "Automatic Passivation" strategies;
 //! least-recently-used is the default).
 
-use std::collections::HashMap;
+use crate::det::DetHashMap;
 use std::time::Duration;
 
 use super::EntityKey;
@@ -58,7 +58,7 @@ struct Node {
 pub struct LruPolicy {
     nodes: Vec<Node>,
     free: Vec<usize>,
-    index: HashMap<EntityKey, usize>,
+    index: DetHashMap<EntityKey, usize>,
     /// Most recently used.
     head: Option<usize>,
     /// Least recently used.

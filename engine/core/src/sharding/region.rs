@@ -53,8 +53,10 @@
 //! with a crashed or downed node) leaves a gap; the messages after it are
 //! still processed in order.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
+
+use crate::det::{DetHashMap, DetHashSet};
 
 use super::passivation::{PassivationSettings, ReplacementPolicy};
 use super::{
@@ -275,7 +277,7 @@ enum ShardState<M, S> {
 struct Shard<M, S> {
     generation: Generation,
     state: ShardState<M, S>,
-    entities: HashMap<EntityId, Entity<M, S>>,
+    entities: DetHashMap<EntityId, Entity<M, S>>,
 }
 
 /// The region state machine: routes messages of one entity type on one core
@@ -299,19 +301,19 @@ pub struct ShardRegion<M, S> {
     proxy: bool,
     registered: bool,
     shutting_down: bool,
-    homes: HashMap<ShardId, (RegionId, Generation)>,
-    floors: HashMap<ShardId, Generation>,
-    buffers: HashMap<ShardId, VecDeque<Envelope<M, S>>>,
-    pending_start: HashMap<ShardId, Vec<EntityId>>,
+    homes: DetHashMap<ShardId, (RegionId, Generation)>,
+    floors: DetHashMap<ShardId, Generation>,
+    buffers: DetHashMap<ShardId, VecDeque<Envelope<M, S>>>,
+    pending_start: DetHashMap<ShardId, Vec<EntityId>>,
     buffered_total: usize,
-    shards: HashMap<ShardId, Shard<M, S>>,
+    shards: DetHashMap<ShardId, Shard<M, S>>,
     policy: Box<dyn ReplacementPolicy + Send>,
     active_count: usize,
     dead_letters: u64,
     dead_letters_by_reason: [u64; FailureReason::ALL.len()],
     hand_offs_begun: u64,
     hand_offs_completed: u64,
-    dead_regions: HashSet<RegionId>,
+    dead_regions: DetHashSet<RegionId>,
     next_retry_at: Duration,
     next_idle_check_at: Option<Duration>,
     paced_starts: VecDeque<EntityKey>,
@@ -375,19 +377,19 @@ impl<M, S> ShardRegion<M, S> {
             proxy,
             registered: false,
             shutting_down: false,
-            homes: HashMap::new(),
-            floors: HashMap::new(),
-            buffers: HashMap::new(),
-            pending_start: HashMap::new(),
+            homes: DetHashMap::default(),
+            floors: DetHashMap::default(),
+            buffers: DetHashMap::default(),
+            pending_start: DetHashMap::default(),
             buffered_total: 0,
-            shards: HashMap::new(),
+            shards: DetHashMap::default(),
             policy,
             active_count: 0,
             dead_letters: 0,
             dead_letters_by_reason: [0; FailureReason::ALL.len()],
             hand_offs_begun: 0,
             hand_offs_completed: 0,
-            dead_regions: HashSet::new(),
+            dead_regions: DetHashSet::default(),
             next_idle_check_at: if proxy { None } else { next_idle_check_at },
             paced_starts: VecDeque::new(),
             next_paced_start_at: None,
@@ -746,7 +748,7 @@ impl<M, S> ShardRegion<M, S> {
             Shard {
                 generation,
                 state,
-                entities: HashMap::new(),
+                entities: DetHashMap::default(),
             },
         );
     }
