@@ -186,14 +186,10 @@ pub fn node_binary() -> Result<PathBuf> {
     let mut command = Command::new(cargo);
     command
         .current_dir(&workspace)
-        .args([
-            "build",
-            "-p",
-            "shardline",
-            "--bin",
-            "shardline",
-            "--target-dir",
-        ])
+        // `--workspace --bins`, as the README's build: `-p shardline` alone
+        // resolves the dependencies' features differently and would rebuild
+        // the engine each time it alternates with a workspace build.
+        .args(["build", "--workspace", "--bins", "--target-dir"])
         .arg(target_dir);
     if profile == "release" {
         command.arg("--release");

@@ -13,8 +13,9 @@ use shardline::client::{Client, Status};
 use shardline::NodeStatus;
 
 /// The `shardline` binary of the same profile as this test binary, brought
-/// up to date with `cargo build` once per test process (a no-op when fresh;
-/// this also keeps a stale binary from an older checkout from being used).
+/// up to date with `cargo build --workspace --bins` once per test process (a
+/// no-op when fresh; this also keeps a stale binary from an older checkout
+/// from being used).
 pub fn shardline_bin() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
@@ -29,7 +30,11 @@ pub fn shardline_bin() -> PathBuf {
             let target_dir = profile_dir.parent().expect("target dir").to_path_buf();
             let release = profile_dir.file_name().is_some_and(|n| n == "release");
             let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-            cmd.args(["build", "-q", "-p", "shardline", "--bin", "shardline"])
+            // The same command as `scripts/test`'s first step: building
+            // `-p shardline` alone resolves the dependencies' features
+            // differently, so it would rebuild the engine (minutes) and
+            // flip the binary back and forth with every workspace build.
+            cmd.args(["build", "-q", "--workspace", "--bins"])
                 .env("CARGO_TARGET_DIR", &target_dir)
                 .current_dir(env!("CARGO_MANIFEST_DIR"));
             if release {
