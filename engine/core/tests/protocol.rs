@@ -1319,7 +1319,6 @@ fn a_frozen_member_stalls_only_the_hand_offs_that_need_it() {
     let strategy = LeastShardAllocationStrategy {
         rebalance_absolute_limit: 100,
         rebalance_relative_limit: 1.0,
-        ..LeastShardAllocationStrategy::default()
     };
     let mut w = World::with_strategy(2, quiet_settings(), cs, strategy);
     for s in 0..12u32 {
