@@ -25,6 +25,9 @@
 //!   balanced within a stated bound, read through the allocation route;
 //!   a rebalance round runs on request only (HTTP and `shardline
 //!   rebalance`), and `shardline status --allocation` prints the table;
+//! - a member frozen with SIGSTOP stalls the other owners' hand-offs by
+//!   its own `BeginHandOffAck` only, and every hand-off ends when it is
+//!   removed, before the hand-off timeout;
 //!
 //! The cases run one at a time (several node processes each).
 
@@ -844,4 +847,147 @@ fn a_rebalance_round_runs_on_request_only() {
                 && l.ends_with(" shards")),
         "node 1's region is listed: {text}"
     );
+}
+
+/// A frozen member stalls only what needs it. Three nodes (node 0 runs the
+/// coordinator), `[coordinator] handoff_timeout_ms = 60000`,
+/// `heartbeat_pause_ms = 2500`: node 1 is stopped with SIGSTOP and a
+/// rebalance round is run at once. While node 1 is still a member, the
+/// hand-offs of node 0's shards wait only for the frozen region's
+/// `BeginHandOffAck` (`pending_acks` 1: the healthy regions' acks are
+/// counted), as in Akka where the hand-off waits for it until the region
+/// terminates or the hand-off times out; those of node 1's shards wait for
+/// all three (the other regions acknowledge through the owner). Once node
+/// 1 is downed and removed (its region terminated: about 18 s after the
+/// freeze with these settings, the split-brain resolver's down-removal
+/// margin included), every hand-off of the round is done within 35 s of
+/// the freeze, before the hand-off timeout and without an abandoned one:
+/// node 0's shards are stopped and the frozen owner's deallocated.
+#[test]
+fn a_frozen_member_stalls_only_the_hand_offs_that_need_it() {
+    let _one = serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ports = Ports { base: 29_400 };
+    let extra = "\n[coordinator]\nrebalance_interval_ms = 3600000\nhandoff_timeout_ms = 60000";
+    let spawn = |i: usize, n: usize| {
+        let seeds_of = if i == 0 { 1 } else { n };
+        let cfg = dir.path().join(format!("node-{i}.toml"));
+        let text = config_text_with(ports, i, seeds_of, 1, dir.path(), extra)
+            .replace("heartbeat_pause_ms = 1500", "heartbeat_pause_ms = 2500");
+        std::fs::write(&cfg, text).expect("config");
+        let log = dir.path().join(format!("node-{i}.log"));
+        let p = http_support::spawn_node(&shardline_bin(), &cfg, &log, "info");
+        wait_ready_line(dir.path(), i, &p);
+        p
+    };
+    let ids = one_id_per_shard();
+    let _n0 = spawn(0, 3);
+    let n1 = spawn(1, 3);
+    wait_cluster(ports.client(0), 2, Some(ports.cluster(0).to_string()));
+    touch_every_shard(ports.http(0), &ids);
+    let _n2 = spawn(2, 3);
+    wait_cluster(ports.client(0), 3, Some(ports.cluster(0).to_string()));
+    let t = allocation(ports.http(0));
+    let c = counter_allocation(&t);
+    let owned_by = |c: &shardline::status::TypeAllocation, i: usize| {
+        c.shards
+            .iter()
+            .filter(|s| s.region.address == ports.cluster(i).to_string())
+            .count()
+    };
+    assert!(
+        owned_by(c, 0) > 0 && owned_by(c, 1) > 0 && c.shards.len() == 60,
+        "both first nodes host shards: {:?}",
+        c.regions
+    );
+    let frozen_at = Instant::now();
+    n1.signal(libc::SIGSTOP);
+    let r = Conn::open(ports.http(0)).post("/v1/coordinator/rebalance?type=counter", b"");
+    assert_eq!(r.code, 200, "{}", r.text());
+    let a: shardline::status::RebalanceAnswer = serde_json::from_slice(&r.body).expect("JSON");
+    let started = &a.types[0].started;
+    let from = |i: usize| -> Vec<u32> {
+        started
+            .iter()
+            .filter(|m| m.from.address == ports.cluster(i).to_string())
+            .map(|m| m.shard)
+            .collect()
+    };
+    let (from_0, from_1) = (from(0), from(1));
+    assert!(
+        !from_0.is_empty(),
+        "the round moves node 0's shards: {started:?}"
+    );
+    // While node 1 is frozen but not unreachable: node 0's hand-offs miss
+    // only the frozen region's ack.
+    std::thread::sleep(Duration::from_millis(500));
+    let t = allocation(ports.http(0));
+    let c = counter_allocation(&t);
+    let frozen_still_up = http_support::status(ports.client(0)).is_some_and(|s| {
+        s.members
+            .iter()
+            .any(|m| m.address == ports.cluster(1).to_string() && m.status == "Up")
+    });
+    for s in c.shards.iter().filter(|s| from_0.contains(&s.shard)) {
+        let h = s
+            .hand_off
+            .as_ref()
+            .unwrap_or_else(|| panic!("shard {} of node 0 not in hand-off: {:?}", s.shard, s));
+        assert_eq!(
+            (h.phase.as_str(), h.pending_acks),
+            ("waiting_for_acks", 1),
+            "shard {} of node 0: only the frozen region's ack is missing \
+             (log of node 0:\n{})",
+            s.shard,
+            node_log(dir.path(), 0)
+        );
+    }
+    // The frozen owner's shards: every region acknowledges through it.
+    for s in c.shards.iter().filter(|s| from_1.contains(&s.shard)) {
+        let h = s.hand_off.as_ref().expect("in hand-off");
+        assert_eq!(
+            (h.phase.as_str(), h.pending_acks),
+            ("waiting_for_acks", 3),
+            "shard {} of the frozen node 1",
+            s.shard
+        );
+    }
+    eprintln!(
+        "{:?} after the freeze: node 0's {} hand-offs miss one ack (node 1 still Up: {frozen_still_up})",
+        frozen_at.elapsed(),
+        from_0.len()
+    );
+    // Node 1 is downed and removed: every hand-off of the round is done.
+    let bound = Duration::from_secs(35);
+    loop {
+        let t = allocation(ports.http(0));
+        let c = counter_allocation(&t);
+        let busy: Vec<u32> = c
+            .shards
+            .iter()
+            .filter(|s| from_0.contains(&s.shard) || from_1.contains(&s.shard))
+            .filter(|s| {
+                s.hand_off.is_some()
+                    || s.region.address == ports.cluster(1).to_string()
+                    || (from_0.contains(&s.shard)
+                        && s.region.address == ports.cluster(0).to_string())
+            })
+            .map(|s| s.shard)
+            .collect();
+        if busy.is_empty() && c.in_hand_off == 0 {
+            break;
+        }
+        assert!(
+            frozen_at.elapsed() < bound,
+            "hand-offs not done {bound:?} after the freeze: {busy:?} (log of node 0:\n{})",
+            node_log(dir.path(), 0)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!(
+        "every hand-off done {:?} after the freeze",
+        frozen_at.elapsed()
+    );
+    let log = node_log(dir.path(), 0);
+    assert!(!log.contains("hand-off abandoned"), "{log}");
 }

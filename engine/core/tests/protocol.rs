@@ -52,13 +52,24 @@ struct World {
     /// Stops not yet confirmed: (region, shard, entity).
     stopping: Vec<(usize, ShardId, EntityId, StopReason)>,
     auto_stop: bool,
+    /// A frozen region (process stopped): what is sent to it waits here.
+    frozen: Option<usize>,
+    held: Vec<Pkt>,
 }
 
 impl World {
     fn new(n: u64, settings: RegionSettings, cs: CoordinatorSettings) -> Self {
+        Self::with_strategy(n, settings, cs, LeastShardAllocationStrategy::default())
+    }
+
+    fn with_strategy(
+        n: u64,
+        settings: RegionSettings,
+        cs: CoordinatorSettings,
+        strategy: LeastShardAllocationStrategy,
+    ) -> Self {
         let now = Duration::ZERO;
-        let mut coord =
-            ShardCoordinator::new(cs, Box::new(LeastShardAllocationStrategy::default()), now);
+        let mut coord = ShardCoordinator::new(cs, Box::new(strategy), now);
         coord.handle_membership(
             now,
             MembershipEvent::CurrentMembers(
@@ -78,6 +89,8 @@ impl World {
             failed: Vec::new(),
             stopping: Vec::new(),
             auto_stop: true,
+            frozen: None,
+            held: Vec::new(),
         };
         w.pump();
         w
@@ -147,6 +160,12 @@ impl World {
             let Some(p) = self.queue.pop_front() else {
                 return;
             };
+            if let (Pkt::ToRegion(i, _) | Pkt::User(i, _), Some(f)) = (&p, self.frozen) {
+                if *i == f {
+                    self.held.push(p);
+                    continue;
+                }
+            }
             match p {
                 Pkt::ToCoord(m) => self.coord.handle_message(self.now, m),
                 Pkt::ToRegion(i, m) => self.regions[i].handle_region_msg(self.now, m),
@@ -171,8 +190,10 @@ impl World {
     fn advance(&mut self, by: Duration) {
         self.now += by;
         self.coord.handle_timeout(self.now);
-        for r in &mut self.regions {
-            r.handle_timeout(self.now);
+        for (i, r) in self.regions.iter_mut().enumerate() {
+            if self.frozen != Some(i) {
+                r.handle_timeout(self.now);
+            }
         }
         self.pump();
     }
@@ -1277,4 +1298,130 @@ fn three_joining_regions_are_balanced_within_the_stated_rounds() {
     let fast = rounds_to_balance(30, 0.3);
     eprintln!("balanced in {default_rounds} rounds (defaults), {fast} rounds (30 / 0.3)");
     assert!(fast <= 2, "{fast} rounds");
+}
+
+/// A frozen member (its process stopped, not yet removed) stalls only what
+/// needs it. Three regions; region 2's member is frozen and a round moves
+/// shards of region 1 and of region 2. Region 1's hand-offs wait for the
+/// frozen region's ack alone (the healthy regions' acks are counted);
+/// region 2's wait for every ack, since the other regions acknowledge
+/// through the owner (behind what they forwarded to it), and the abandoned
+/// reason says so. In a second round, removing the frozen member ends
+/// every hand-off at once, long before the hand-off timeout: region 1's
+/// shards stop and move, region 2's are deallocated.
+#[test]
+fn a_frozen_member_stalls_only_the_hand_offs_that_need_it() {
+    let cs = CoordinatorSettings {
+        rebalance_interval: Duration::from_secs(3600),
+        handoff_timeout: Duration::from_secs(2),
+        ..CoordinatorSettings::default()
+    };
+    let strategy = LeastShardAllocationStrategy {
+        rebalance_absolute_limit: 100,
+        rebalance_relative_limit: 1.0,
+    };
+    let mut w = World::with_strategy(2, quiet_settings(), cs, strategy);
+    for s in 0..12u32 {
+        w.send((s % 2) as usize, &format!("e{s}"), s, s);
+    }
+    let owned = |w: &World, r: u64| {
+        w.coord
+            .allocation()
+            .iter()
+            .filter(|a| a.region == rid(r))
+            .count()
+    };
+    assert!(
+        owned(&w, 1) > 0 && owned(&w, 2) > 0,
+        "{:?}",
+        w.coord.allocation()
+    );
+    let now = w.now;
+    w.coord
+        .handle_membership(now, MembershipEvent::MemberUp(member(3)));
+    w.regions.push(Region::new(
+        rid(3),
+        quiet_settings(),
+        Box::new(LruPolicy::new()),
+        now,
+    ));
+    w.pump();
+    w.frozen = Some(1);
+    let round = w.coord.rebalance_now(w.now);
+    w.pump();
+    let from = |round: &shardline_core::sharding::RebalanceRound, r: u64| -> Vec<ShardId> {
+        round
+            .started
+            .iter()
+            .filter(|m| m.from == rid(r))
+            .map(|m| m.shard)
+            .collect()
+    };
+    let (from_1, from_2) = (from(&round, 1), from(&round, 2));
+    assert!(!from_1.is_empty() && !from_2.is_empty(), "{round:?}");
+    for a in w.coord.allocation() {
+        let Some(h) = a.hand_off else { continue };
+        let want = if a.region == rid(1) { 1 } else { 3 };
+        assert_eq!(
+            h.phase,
+            HandOffPhase::WaitingForAcks { pending: want },
+            "shard {:?} of {}",
+            a.shard,
+            a.region
+        );
+    }
+    w.advance(Duration::from_secs(2));
+    let abandoned = w.coord.take_abandoned_hand_offs();
+    assert_eq!(abandoned.len(), from_1.len() + from_2.len());
+    for a in &abandoned {
+        if a.owner == rid(1) {
+            assert!(
+                a.reason.ends_with(&format!("from {}", rid(2))),
+                "{}",
+                a.reason
+            );
+        } else {
+            assert!(
+                a.reason.contains(&format!(
+                    "relayed by the owner {}, which has not acknowledged",
+                    rid(2)
+                )),
+                "{}",
+                a.reason
+            );
+        }
+    }
+    // A second round; then the frozen member is removed.
+    let round = w.coord.rebalance_now(w.now);
+    w.pump();
+    let (from_1, from_2) = (from(&round, 1), from(&round, 2));
+    assert!(!from_1.is_empty() && !from_2.is_empty(), "{round:?}");
+    w.advance(Duration::from_millis(500));
+    assert_eq!(
+        w.coord.rebalance_in_progress().count(),
+        from_1.len() + from_2.len()
+    );
+    let now = w.now;
+    let removed = MembershipEvent::MemberRemoved(member(2));
+    w.coord.handle_membership(now, removed.clone());
+    for i in [0, 2] {
+        w.regions[i].handle_membership(now, &removed);
+    }
+    w.pump();
+    assert_eq!(w.coord.rebalance_in_progress().count(), 0);
+    assert!(w.coord.take_abandoned_hand_offs().is_empty());
+    let table = w.coord.allocation();
+    assert!(table.iter().all(|a| a.region != rid(2)), "{table:?}");
+    for s in &from_1 {
+        assert!(
+            table.iter().all(|a| a.shard != *s),
+            "shard {s:?} stopped, not yet re-allocated"
+        );
+    }
+    // Their next messages allocate them on the live regions.
+    for s in from_1.iter().chain(&from_2) {
+        w.send(0, &format!("e{}", s.0), s.0, 100 + s.0);
+        let home = w.home(s.0).expect("allocated").0;
+        assert!(home == rid(1) || home == rid(3), "{home}");
+    }
 }

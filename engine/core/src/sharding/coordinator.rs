@@ -246,9 +246,12 @@ pub struct AbandonedHandOff {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HandOffPhase {
     /// `BeginHandOff` sent; waiting for this many regions' `BeginHandOffAck`
-    /// (count).
+    /// (count). The owner acknowledges directly, every other region through
+    /// the owner (behind what it forwarded to it), so while the owner does
+    /// not answer (a frozen member) every region's ack is pending; a region
+    /// whose member is removed counts as acknowledged.
     WaitingForAcks {
-        /// Regions that have not acknowledged yet (count).
+        /// Regions whose ack has not reached the coordinator yet (count).
         pending: usize,
     },
     /// `HandOff` sent to the owner; waiting for its `ShardStopped`.
@@ -943,8 +946,19 @@ impl ShardCoordinator {
                 )
             } else {
                 let missing: Vec<String> = h.waiting_acks.iter().map(|r| r.to_string()).collect();
+                // The other regions acknowledge through the owner (behind
+                // what they forwarded to it): an owner that does not answer
+                // holds their acks too.
+                let relayed = if h.waiting_acks.contains(&h.owner) && h.waiting_acks.len() > 1 {
+                    format!(
+                        "; the other regions' acks are relayed by the owner {}, which has not acknowledged",
+                        h.owner
+                    )
+                } else {
+                    String::new()
+                };
                 format!(
-                    "no BeginHandOffAck within the hand-off timeout ({} ms) from {}",
+                    "no BeginHandOffAck within the hand-off timeout ({} ms) from {}{relayed}",
                     self.settings.handoff_timeout.as_millis(),
                     missing.join(", ")
                 )
