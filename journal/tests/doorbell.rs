@@ -49,9 +49,8 @@ fn a_wait_that_rings_while_the_channel_is_full_still_flushes() {
     std::thread::sleep(Duration::from_millis(100));
     faults.stall_sync.store(false, Ordering::SeqCst);
     let j = appender.join().unwrap();
-    assert_eq!(
+    assert!(
         waiter.join().unwrap().unwrap(),
-        true,
         "the flush asked for while the channel was full never happened"
     );
     j.close().unwrap();
