@@ -322,7 +322,7 @@ fn sigterm_answers_every_buffered_request_503_before_exiting() {
 }
 
 /// Reproduction 2 of the issue: one keep-alive connection to node 0 of a
-/// two-node cluster pipelines 3,000 adds to 100 counters (about half on
+/// two-node cluster pipelines 20,000 adds to 100 counters (about half on
 /// node 1), all written at once, and node 0 gets SIGTERM after 300
 /// answers, so most requests are still in its decoder or socket buffer.
 /// Every request gets a response (200, or 503 with `Retry-After`) before
@@ -339,7 +339,7 @@ fn sigterm_answers_every_pipelined_request_and_refused_adds_are_not_applied() {
     let mut nodes = start_leavable(dir.path(), ports, 2, "", 4_000);
     wait_cluster(ports.client(0), 2, None);
     const ENTITIES: usize = 100;
-    const REQUESTS: usize = 3_000;
+    const REQUESTS: usize = 20_000;
     let mut conn = Conn::open(ports.http(0));
     conn.s
         .set_read_timeout(Some(Duration::from_secs(20)))
