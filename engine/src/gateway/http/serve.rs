@@ -34,6 +34,18 @@
 //!   the deadline is answered `504` (it may have reached its entity: the
 //!   outcome is unknown).
 //!
+//! Requests already received are dispatched before the socket is read
+//! again, and the header and body clocks start only when the task waits
+//! for bytes of an incomplete request, so a request held back behind
+//! [`MAX_IN_FLIGHT`] is never answered `408`.
+//!
+//! Shutdown: while the node's stop drain runs (1 s), requests are answered
+//! by the stopped core (`503 ShuttingDown`); when it ends, every complete
+//! request still buffered and those readable within [`STOP_READ_WINDOW`]
+//! (at most [`LINGER_MAX_BYTES`]) are answered `503`, then the connection
+//! closes after its answers are written, with a lingering read of at most
+//! [`STOP_LINGER`] so the client gets a close, not a reset.
+//!
 //! After a response that ends the connection (an error, `Connection:
 //! close`), the write side is shut down and the remaining input is read and
 //! discarded for at most [`LINGER`] (a "lingering close", as nginx does), so
