@@ -56,7 +56,7 @@ const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
 const FORWARD_GRACE: Duration = Duration::from_millis(500);
 /// A connection whose queued output exceeds this stops being read until the
 /// peer catches up, in bytes.
-const OUTBOX_HIGH_WATER_BYTES: usize = 32 << 20;
+pub(crate) const OUTBOX_HIGH_WATER_BYTES: usize = 32 << 20;
 /// Tick period of the executor's timers.
 const TICK: Duration = Duration::from_millis(5);
 /// After the node stops (it left, or was downed), how long its connections

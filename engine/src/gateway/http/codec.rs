@@ -37,6 +37,10 @@
 //! Slow clients: the decoder records when the first byte of the current
 //! partial request arrived ([`RequestDecoder::pending`]); the connection
 //! task compares it with its header and body deadlines and answers `408`.
+//! Only the client's own slowness counts: bytes of a request that came
+//! with an earlier one start its clock when the connection task starts
+//! waiting for the rest ([`RequestDecoder::start_clock`]), so a complete
+//! request held back behind the task's in-flight limit never times out.
 //!
 //! Keep-alive: HTTP/1.1 keeps the connection open unless `Connection:
 //! close`; HTTP/1.0 closes unless `Connection: keep-alive`.
@@ -211,8 +215,6 @@ pub struct RequestDecoder {
     scanned: usize,
     /// When the first byte of the current request arrived.
     since: Option<Duration>,
-    /// When bytes were last fed.
-    last_feed: Duration,
     head: Option<Head>,
     continue_due: bool,
     poisoned: bool,
@@ -229,7 +231,6 @@ impl RequestDecoder {
             start: 0,
             scanned: 0,
             since: None,
-            last_feed: Duration::ZERO,
             head: None,
             continue_due: false,
             poisoned: false,
@@ -256,8 +257,18 @@ impl RequestDecoder {
         if self.since.is_none() {
             self.since = Some(now);
         }
-        self.last_feed = now;
         self.buf.extend_from_slice(bytes);
+    }
+
+    /// The caller is about to wait for bytes at `now` (time since the
+    /// runtime's origin): a partial request left over from earlier reads
+    /// whose clock has not started yet (see [`Self::pending`]) starts it
+    /// now. Call it before [`Self::pending`] when no complete request is
+    /// buffered; a no-op otherwise.
+    pub fn start_clock(&mut self, now: Duration) {
+        if self.since.is_none() && self.buffered_bytes() > 0 && !self.poisoned {
+            self.since = Some(now);
+        }
     }
 
     /// Bytes held and not yet returned as a request, in bytes.
@@ -271,7 +282,12 @@ impl RequestDecoder {
     }
 
     /// What the current partial request waits for, or `None` when no
-    /// request is in progress (the buffer is empty).
+    /// request is in progress: the buffer is empty, or it holds bytes that
+    /// arrived with an earlier request and nobody waits for more of them
+    /// yet. The header and body clocks measure the client's slowness only:
+    /// they start at the first byte of a request fed on its own, or, for
+    /// bytes that came with an earlier request, when the caller starts
+    /// waiting for the rest ([`Self::start_clock`]) or feeds more.
     pub fn pending(&self) -> Option<Pending> {
         let since = self.since?;
         if self.poisoned {
@@ -343,8 +359,11 @@ impl RequestDecoder {
             self.start = 0;
             self.since = None;
         } else {
-            // The next request's first bytes arrived with the last feed.
-            self.since = Some(self.last_feed);
+            // The next request's bytes are already here: its clock starts
+            // only when the caller waits for more of them
+            // ([`Self::start_clock`]) or feeds more; a request held back
+            // behind the caller's in-flight limit is never timed out.
+            self.since = None;
         }
         Ok(Some(Request {
             method: h.method,
@@ -620,6 +639,33 @@ mod tests {
         let targets: Vec<_> = v.iter().map(|r| r.target.as_str()).collect();
         assert_eq!(targets, ["/a", "/b", "/c"]);
         assert_eq!(v[2].body, b"yz");
+    }
+
+    #[test]
+    fn leftover_bytes_are_clocked_from_the_wait_not_from_their_arrival() {
+        let mut d = dec();
+        d.feed(
+            b"GET /a HTTP/1.1\r\n\r\nGET /b HTTP/1.1\r\n\r\nGET /c HT",
+            Duration::from_secs(1),
+        );
+        assert_eq!(d.next_request().unwrap().unwrap().target, "/a");
+        // Held back (the caller's in-flight limit): no clock runs.
+        assert_eq!(d.pending(), None);
+        d.start_clock(Duration::from_secs(30));
+        // A complete request is buffered: the caller takes it first.
+        assert_eq!(d.next_request().unwrap().unwrap().target, "/b");
+        assert_eq!(d.pending(), None);
+        d.start_clock(Duration::from_secs(40));
+        assert!(d.next_request().unwrap().is_none());
+        assert_eq!(
+            d.pending(),
+            Some(Pending::Headers {
+                since: Duration::from_secs(40)
+            })
+        );
+        d.feed(b"TP/1.1\r\n\r\n", Duration::from_secs(41));
+        assert_eq!(d.next_request().unwrap().unwrap().target, "/c");
+        assert_eq!(d.pending(), None);
     }
 
     #[test]

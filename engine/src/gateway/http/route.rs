@@ -233,13 +233,35 @@ fn shards_param(query: Option<&str>) -> Result<Option<u32>, RouteError> {
     Ok(found)
 }
 
-/// `type=T` in the query (other parameters are ignored).
+/// `type=T` in the query, the only parameter of the rebalance route.
+///
+/// # Errors
+/// [`RouteError::BadRequest`] for any other parameter (a misspelt `type`
+/// must not widen the request to every type), a repeated `type`, or an
+/// invalid type name.
 fn type_param(query: Option<&str>) -> Result<Option<TypeName>, RouteError> {
     let Some(q) = query else { return Ok(None) };
     let mut found = None;
     for pair in q.split('&') {
-        if let Some(("type", v)) = pair.split_once('=') {
-            found = Some(type_name(v)?);
+        if pair.is_empty() {
+            continue;
+        }
+        match pair.split_once('=') {
+            Some(("type", v)) => {
+                if found.is_some() {
+                    return Err(RouteError::BadRequest(
+                        "the query parameter `type` is given more than once".to_string(),
+                    ));
+                }
+                found = Some(type_name(v)?);
+            }
+            _ => {
+                let k = pair.split_once('=').map_or(pair, |(k, _)| k);
+                return Err(RouteError::BadRequest(format!(
+                    "unknown query parameter `{}` (only `type` is accepted)",
+                    truncate(k).escape_debug()
+                )));
+            }
         }
     }
     Ok(found)

@@ -34,6 +34,18 @@
 //!   the deadline is answered `504` (it may have reached its entity: the
 //!   outcome is unknown).
 //!
+//! Requests already received are dispatched before the socket is read
+//! again, and the header and body clocks start only when the task waits
+//! for bytes of an incomplete request, so a request held back behind
+//! [`MAX_IN_FLIGHT`] is never answered `408`.
+//!
+//! Shutdown: while the node's stop drain runs (1 s), requests are answered
+//! by the stopped core (`503 ShuttingDown`); when it ends, every complete
+//! request still buffered and those readable within [`STOP_READ_WINDOW`]
+//! (at most [`LINGER_MAX_BYTES`]) are answered `503`, then the connection
+//! closes after its answers are written, with a lingering read of at most
+//! [`STOP_LINGER`] so the client gets a close, not a reset.
+//!
 //! After a response that ends the connection (an error, `Connection:
 //! close`), the write side is shut down and the remaining input is read and
 //! discarded for at most [`LINGER`] (a "lingering close", as nginx does), so
@@ -74,6 +86,15 @@ pub const LINGER: Duration = Duration::from_secs(2);
 const UNKNOWN_TYPE_LABEL: &str = "_unknown";
 /// Bytes read from the socket at a time.
 const READ_BYTES: usize = 16 * 1024;
+/// How long a read still has to complete once the node's stop drain
+/// ended, and how long each read after it waits for more bytes.
+const STOP_READ_GRACE: Duration = Duration::from_millis(20);
+/// How long a connection still reads requests once the node's stop drain
+/// ended (each is answered `503`).
+const STOP_READ_WINDOW: Duration = Duration::from_millis(300);
+/// The lingering close of a stopping node (it exits after
+/// `EXIT_WRITE_WAIT`, 2 s, of the core).
+const STOP_LINGER: Duration = Duration::from_millis(1000);
 /// Most bytes discarded during a lingering close.
 const LINGER_MAX_BYTES: usize = 1 << 20;
 /// How often a core sweeps for expired reads and asks and publishes its
@@ -528,25 +549,53 @@ fn publish() {
     });
 }
 
-/// Reads into `buf` until the read completes or `expired` is woken (then
-/// `None`; the read is cancelled and the buffer dropped).
+/// How a read of the connection task ended.
+enum ReadEnd {
+    /// The read completed.
+    Done(std::io::Result<usize>, Vec<u8>),
+    /// The sweep woke `expired` (the read was cancelled, its buffer
+    /// dropped).
+    Expired,
+    /// The node's stop drain ended; no bytes came within [`STOP_READ_GRACE`]
+    /// (the read was cancelled, its buffer dropped).
+    Stopped,
+}
+
+/// Reads into `buf` until the read completes, `expired` is woken, or the
+/// node's stop drain ended (`stop` closed; the read then gets
+/// [`STOP_READ_GRACE`] more to complete, so bytes already on their way are
+/// not lost with a cancelled read).
 async fn read_or_expire<R: AsyncReadRent>(
     r: &mut R,
     buf: Vec<u8>,
     expired: &crate::runtime::LocalNotify,
-) -> Option<(std::io::Result<usize>, Vec<u8>)> {
+    stop: &Outbox,
+) -> ReadEnd {
     let mut read = std::pin::pin!(r.read(buf));
     let mut wait = std::pin::pin!(expired.wait());
-    std::future::poll_fn(|cx| {
-        if let std::task::Poll::Ready(v) = read.as_mut().poll(cx) {
-            return std::task::Poll::Ready(Some(v));
+    let mut stopped = std::pin::pin!(stop.notify.wait());
+    let first = std::future::poll_fn(|cx| {
+        if let std::task::Poll::Ready((res, b)) = read.as_mut().poll(cx) {
+            return std::task::Poll::Ready(Some(ReadEnd::Done(res, b)));
         }
         if wait.as_mut().poll(cx).is_ready() {
+            return std::task::Poll::Ready(Some(ReadEnd::Expired));
+        }
+        // `stop` is only ever notified by its close.
+        let _ = stopped.as_mut().poll(cx);
+        if stop.closed.get() {
             return std::task::Poll::Ready(None);
         }
         std::task::Poll::Pending
     })
-    .await
+    .await;
+    if let Some(end) = first {
+        return end;
+    }
+    match monoio::time::timeout(STOP_READ_GRACE, read).await {
+        Ok((res, b)) => ReadEnd::Done(res, b),
+        Err(_) => ReadEnd::Stopped,
+    }
 }
 
 /// Reads into `buf` with a deadline; `None` when the deadline passed.
@@ -559,11 +608,176 @@ async fn read_until<R: AsyncReadRent>(
     monoio::time::timeout(left, r.read(buf)).await.ok()
 }
 
+/// What [`take_requests`] stopped at.
+enum Taken {
+    /// No complete request is buffered: read more.
+    NeedBytes,
+    /// The in-flight limit is reached: wait for responses first.
+    Full,
+    /// The connection ends after what was dispatched (`Connection: close`
+    /// or a request that cannot be framed).
+    Stop,
+}
+
+/// Dispatches the complete requests buffered in `decoder`, in order, up to
+/// the in-flight limit. Requests already received are always served
+/// before the socket is read again.
+fn take_requests(
+    core: &Rc<RefCell<Core>>,
+    front: &Rc<HttpFront>,
+    conn: &Rc<HttpConn>,
+    conn_id: u64,
+    decoder: &mut RequestDecoder,
+) -> Taken {
+    if decoder.is_poisoned() {
+        return Taken::Stop;
+    }
+    // One clock read per batch of requests.
+    let now = Instant::now();
+    loop {
+        if conn.queue.borrow().in_flight() >= MAX_IN_FLIGHT {
+            return Taken::Full;
+        }
+        match decoder.next_request() {
+            Ok(Some(req)) => {
+                let keep_alive = req.keep_alive;
+                handle(core, front, conn, conn_id, req, now);
+                if !keep_alive {
+                    return Taken::Stop;
+                }
+            }
+            Ok(None) => {
+                if decoder.take_continue() && conn.queue.borrow().in_flight() == 0 {
+                    conn.outbox.buf.borrow_mut().extend_from_slice(CONTINUE);
+                    conn.outbox.flush();
+                }
+                return Taken::NeedBytes;
+            }
+            Err(e) => {
+                let seq = conn.queue.borrow_mut().begin();
+                conn.respond(seq, &error_response(&e), false, false);
+                return Taken::Stop;
+            }
+        }
+    }
+}
+
+/// The node's stop drain ended while the connection was open: every
+/// complete request already buffered, and those readable within
+/// [`STOP_READ_WINDOW`] (at most [`LINGER_MAX_BYTES`]), is answered — an
+/// entity request through the stopped core (`503 ShuttingDown`, not
+/// delivered), anything else `503` directly — in order after the answers
+/// still owed.
+async fn answer_after_stop<R: AsyncReadRent>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+    core: &Rc<RefCell<Core>>,
+    conn: &Rc<HttpConn>,
+    conn_id: u64,
+    decoder: &mut RequestDecoder,
+) {
+    let until = Instant::now() + STOP_READ_WINDOW;
+    let mut read = 0usize;
+    let mut answered = 0u64;
+    loop {
+        match decoder.next_request() {
+            Ok(Some(req)) => {
+                answered += 1;
+                let head_only = req.method == Method::Head;
+                let keep_alive = req.keep_alive;
+                let seq = conn.queue.borrow_mut().begin();
+                match dispatch(req) {
+                    Action::Respond(resp) => {
+                        record(None, resp.code);
+                        conn.respond(seq, &resp, head_only, keep_alive);
+                    }
+                    Action::Ask {
+                        type_name,
+                        entity_id,
+                        payload,
+                    } => {
+                        conn.asks.borrow_mut().insert(
+                            seq,
+                            InFlight {
+                                head_only,
+                                keep_alive,
+                                type_name: type_name.as_str().to_string(),
+                                started: Instant::now(),
+                            },
+                        );
+                        // The core is stopped: answered at once (503, or
+                        // 400/404 for a bad id or type).
+                        core.borrow_mut().client_request(
+                            conn_id,
+                            seq,
+                            type_name.as_str().as_bytes(),
+                            entity_id.as_str().as_bytes(),
+                            payload,
+                        );
+                    }
+                    Action::Admin(_) => {
+                        let resp = Response::from_status(
+                            Status::ShuttingDown,
+                            b"the node is shutting down".to_vec(),
+                        );
+                        record(None, resp.code);
+                        conn.respond(seq, &resp, head_only, keep_alive);
+                    }
+                }
+                if !keep_alive {
+                    break;
+                }
+            }
+            Ok(None) => {
+                if read >= LINGER_MAX_BYTES || Instant::now() >= until {
+                    break;
+                }
+                let mut b = std::mem::take(buf);
+                if b.capacity() == 0 {
+                    b = Vec::with_capacity(READ_BYTES);
+                }
+                let wait = (Instant::now() + STOP_READ_GRACE).min(until);
+                match read_until(r, b, wait).await {
+                    Some((Ok(n), back)) if n > 0 => {
+                        read += n;
+                        // No clocks run any more: the time is not used.
+                        decoder.feed(&back[..n], Duration::ZERO);
+                        *buf = back;
+                        buf.clear();
+                    }
+                    Some((_, back)) => {
+                        *buf = back;
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            Err(e) => {
+                let seq = conn.queue.borrow_mut().begin();
+                conn.respond(seq, &error_response(&e), false, false);
+                break;
+            }
+        }
+    }
+    if answered > 0 {
+        tracing::debug!(
+            conn = conn_id,
+            answered,
+            "requests read after the stop drain answered"
+        );
+    }
+}
+
 /// Serves one HTTP connection until it closes, breaks the protocol or
 /// times out.
 async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpStream) {
     let outbox = Rc::new(Outbox::default());
-    let conn_id = core.borrow_mut().add_conn(outbox.clone());
+    // What the core knows of this connection: closed by the core when its
+    // stop drain ends (the connection then answers what it has read and
+    // closes itself), `finished` once this task is done. Answers go through
+    // [`deliver`] and the connection's own `outbox`.
+    let signal = Rc::new(Outbox::default());
+    let conn_id = core.borrow_mut().add_conn(signal.clone());
     let conn = Rc::new(HttpConn {
         outbox: outbox.clone(),
         queue: RefCell::new(ResponseQueue::default()),
@@ -598,59 +812,87 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
     let mut buf = Vec::with_capacity(READ_BYTES);
     let mut stop_reading = false;
     let mut eof = false;
+    let mut stopped = false;
     'conn: loop {
-        if conn.closing.get() || outbox.closed.get() {
+        if conn.closing.get() || outbox.finished.get() {
+            break;
+        }
+        if signal.closed.get() {
+            stopped = true;
             break;
         }
         if stop_reading {
             // Wait for the remaining responses (bounded by the ask deadline
-            // plus the answer grace).
+            // plus the answer grace, or by the node's stop drain).
             if conn.queue.borrow().in_flight() == 0 {
                 break;
             }
-            conn.drained.wait().await;
+            let _ = monoio::time::timeout(Duration::from_millis(50), conn.drained.wait()).await;
             continue;
         }
         // Back-pressure: no reading while the client does not take its
         // responses or too many requests are outstanding.
-        while conn.queue.borrow().in_flight() >= MAX_IN_FLIGHT || core.borrow().high_water(conn_id)
+        while conn.queue.borrow().in_flight() >= MAX_IN_FLIGHT
+            || outbox.buf.borrow().len() > crate::node::core::OUTBOX_HIGH_WATER_BYTES
         {
-            if conn.closing.get() || outbox.closed.get() {
+            if conn.closing.get() || outbox.finished.get() {
+                break 'conn;
+            }
+            if signal.closed.get() {
+                stopped = true;
                 break 'conn;
             }
             let _ = monoio::time::timeout(Duration::from_millis(5), conn.drained.wait()).await;
         }
+        // Requests already received are served before the socket is read.
+        match take_requests(&core, &front, &conn, conn_id, &mut decoder) {
+            Taken::NeedBytes => {}
+            Taken::Full => continue,
+            Taken::Stop => {
+                stop_reading = true;
+                continue;
+            }
+        }
+        // The header and body clocks of a request whose bytes came with an
+        // earlier one start now, when the node waits for the rest.
+        decoder.start_clock(Instant::now().saturating_duration_since(origin));
         let deadline = match decoder.pending() {
             Some(Pending::Headers { since }) => origin + since + front.header_timeout,
             Some(Pending::Body { since, .. }) => origin + since + front.body_timeout,
             None => last_activity + front.idle_timeout,
         };
         conn.deadline.set(deadline);
-        let got = read_or_expire(&mut r, std::mem::take(&mut buf), &conn.expired).await;
+        let got = read_or_expire(&mut r, std::mem::take(&mut buf), &conn.expired, &signal).await;
         conn.deadline.set(far_future(deadline));
-        let Some((res, b)) = got else {
-            if Instant::now() < deadline {
-                // A wake-up for an earlier deadline: read again (the
-                // buffer went with the cancelled read).
+        let (res, b) = match got {
+            ReadEnd::Done(res, b) => (res, b),
+            ReadEnd::Stopped => {
                 buf = Vec::with_capacity(READ_BYTES);
-                continue;
+                stopped = true;
+                break;
             }
-            if decoder.pending().is_some() {
-                let seq = conn.queue.borrow_mut().begin();
-                let resp = Response::text(408, "request not received in time");
-                conn.respond(seq, &resp, false, false);
-                stop_reading = true;
-                continue;
-            }
-            if conn.queue.borrow().in_flight() > 0 {
-                // Not idle: a response is still owed (a slow ask, or the
-                // cluster stats waiting for a member); idle time counts
-                // again from now.
-                last_activity = Instant::now();
+            ReadEnd::Expired => {
                 buf = Vec::with_capacity(READ_BYTES);
-                continue;
+                if Instant::now() < deadline {
+                    // A wake-up for an earlier deadline: read again.
+                    continue;
+                }
+                if decoder.pending().is_some() {
+                    let seq = conn.queue.borrow_mut().begin();
+                    let resp = Response::text(408, "request not received in time");
+                    conn.respond(seq, &resp, false, false);
+                    stop_reading = true;
+                    continue;
+                }
+                if conn.queue.borrow().in_flight() > 0 {
+                    // Not idle: a response is still owed (a slow ask, or the
+                    // cluster stats waiting for a member); idle time counts
+                    // again from now.
+                    last_activity = Instant::now();
+                    continue;
+                }
+                break;
             }
-            break;
         };
         buf = b;
         let n = match res {
@@ -665,42 +907,15 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
                 break;
             }
         };
-        // One clock read per batch of requests.
         let now = Instant::now();
         last_activity = now;
         decoder.feed(&buf[..n], now.saturating_duration_since(origin));
         buf.clear();
-        loop {
-            match decoder.next_request() {
-                Ok(Some(req)) => {
-                    let keep_alive = req.keep_alive;
-                    handle(&core, &front, &conn, conn_id, req, now);
-                    if !keep_alive {
-                        stop_reading = true;
-                        break;
-                    }
-                    if conn.queue.borrow().in_flight() >= MAX_IN_FLIGHT {
-                        break;
-                    }
-                }
-                Ok(None) => {
-                    if decoder.take_continue() && conn.queue.borrow().in_flight() == 0 {
-                        outbox.buf.borrow_mut().extend_from_slice(CONTINUE);
-                        outbox.flush();
-                    }
-                    break;
-                }
-                Err(e) => {
-                    let seq = conn.queue.borrow_mut().begin();
-                    conn.respond(seq, &error_response(&e), false, false);
-                    stop_reading = true;
-                    break;
-                }
-            }
-        }
-        if decoder.is_poisoned() {
-            stop_reading = true;
-        }
+    }
+    if stopped && !conn.closing.get() && !outbox.finished.get() && !eof && !stop_reading {
+        // The node's stop drain ended: answer what was read or is readable
+        // now, then close.
+        answer_after_stop(&mut r, &mut buf, &core, &conn, conn_id, &mut decoder).await;
     }
     // Lingering close: the writer flushes and shuts down the write side; the
     // input is drained so the client reads its last response, not a reset.
@@ -710,8 +925,10 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
         h.dirty = true;
     });
     outbox.close();
-    if !eof && conn.closing.get() {
-        let until = Instant::now() + LINGER;
+    if !eof && (conn.closing.get() || stopped) {
+        // A stopping node exits soon after its drain: linger less.
+        let linger = if stopped { STOP_LINGER } else { LINGER };
+        let until = Instant::now() + linger;
         let mut drained = 0;
         while !writer_flag.get() && Instant::now() < until {
             let _ = monoio::time::timeout(until - Instant::now(), writer_done.wait()).await;
@@ -731,8 +948,12 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
                 _ => break,
             }
         }
+    } else if stopped && !writer_flag.get() {
+        // Stopping: the answers go out before the core exits.
+        let _ = monoio::time::timeout(STOP_LINGER, writer_done.wait()).await;
     }
     core.borrow_mut().remove_conn(conn_id);
+    signal.finished.set(true);
 }
 
 /// Dispatches one request: answers at once, asks the entity, or starts an
