@@ -418,7 +418,7 @@ fn sigterm_answers_every_pipelined_request_and_refused_adds_are_not_applied() {
 fn a_pipelined_connection_held_back_by_its_in_flight_limit_is_not_timed_out() {
     let _one = serial();
     let dir = tempfile::tempdir().expect("tempdir");
-    let ports = Ports { base: 29_400 };
+    let ports = Ports { base: 29_600 };
     let _nodes = start_nodes_with(
         dir.path(),
         ports,
