@@ -641,7 +641,7 @@ fn take_requests(
         match decoder.next_request() {
             Ok(Some(req)) => {
                 let keep_alive = req.keep_alive;
-                handle(core, front, conn, conn_id, req, now);
+                handle(core, front, conn, conn_id, req, now, false);
                 if !keep_alive {
                     return Taken::Stop;
                 }
@@ -672,6 +672,7 @@ async fn answer_after_stop<R: AsyncReadRent>(
     r: &mut R,
     buf: &mut Vec<u8>,
     core: &Rc<RefCell<Core>>,
+    front: &Rc<HttpFront>,
     conn: &Rc<HttpConn>,
     conn_id: u64,
     decoder: &mut RequestDecoder,
@@ -683,47 +684,11 @@ async fn answer_after_stop<R: AsyncReadRent>(
         match decoder.next_request() {
             Ok(Some(req)) => {
                 answered += 1;
-                let head_only = req.method == Method::Head;
                 let keep_alive = req.keep_alive;
-                let seq = conn.queue.borrow_mut().begin();
-                match dispatch(req) {
-                    Action::Respond(resp) => {
-                        record(None, resp.code);
-                        conn.respond(seq, &resp, head_only, keep_alive);
-                    }
-                    Action::Ask {
-                        type_name,
-                        entity_id,
-                        payload,
-                    } => {
-                        conn.asks.borrow_mut().insert(
-                            seq,
-                            InFlight {
-                                head_only,
-                                keep_alive,
-                                type_name: type_name.as_str().to_string(),
-                                started: Instant::now(),
-                            },
-                        );
-                        // The core is stopped: answered at once (503, or
-                        // 400/404 for a bad id or type).
-                        core.borrow_mut().client_request(
-                            conn_id,
-                            seq,
-                            type_name.as_str().as_bytes(),
-                            entity_id.as_str().as_bytes(),
-                            payload,
-                        );
-                    }
-                    Action::Admin(_) => {
-                        let resp = Response::from_status(
-                            Status::ShuttingDown,
-                            b"the node is shutting down".to_vec(),
-                        );
-                        record(None, resp.code);
-                        conn.respond(seq, &resp, head_only, keep_alive);
-                    }
-                }
+                // The core is stopped: an entity request is answered at
+                // once (503, or 400/404 for a bad id or type), an admin
+                // route 503.
+                handle(core, front, conn, conn_id, req, Instant::now(), true);
                 if !keep_alive {
                     break;
                 }
@@ -915,7 +880,16 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
     if stopped && !conn.closing.get() && !outbox.finished.get() && !eof && !stop_reading {
         // The node's stop drain ended: answer what was read or is readable
         // now, then close.
-        answer_after_stop(&mut r, &mut buf, &core, &conn, conn_id, &mut decoder).await;
+        answer_after_stop(
+            &mut r,
+            &mut buf,
+            &core,
+            &front,
+            &conn,
+            conn_id,
+            &mut decoder,
+        )
+        .await;
     }
     // Lingering close: the writer flushes and shuts down the write side; the
     // input is drained so the client reads its last response, not a reset.
@@ -957,7 +931,9 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
 }
 
 /// Dispatches one request: answers at once, asks the entity, or starts an
-/// admin task.
+/// admin task. After the node's stop drain (`stopped`) an admin route is
+/// answered `503 ShuttingDown` instead (the entity request still goes to the
+/// stopped core, which answers it at once).
 fn handle(
     core: &Rc<RefCell<Core>>,
     front: &Rc<HttpFront>,
@@ -965,6 +941,7 @@ fn handle(
     conn_id: u64,
     req: super::Request,
     now: Instant,
+    stopped: bool,
 ) {
     let head_only = req.method == Method::Head;
     let keep_alive = req.keep_alive;
@@ -995,6 +972,12 @@ fn handle(
                 entity_id.as_str().as_bytes(),
                 payload,
             );
+        }
+        Action::Admin(_) if stopped => {
+            let resp =
+                Response::from_status(Status::ShuttingDown, b"the node is shutting down".to_vec());
+            record(None, resp.code);
+            conn.respond(seq, &resp, head_only, keep_alive);
         }
         Action::Admin(Route::Live) => {
             record(None, 200);
