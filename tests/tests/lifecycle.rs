@@ -270,7 +270,8 @@ max_restarts = 2
 restart_window_ms = 60000
 "#;
     let parsed = NodeConfig::from_toml(text, Path::new("fragile.toml")).expect("config");
-    let settings = parsed.entity_types[0].supervisor_settings();
+    let settings =
+        shardline::entity::supervision::SupervisorSettings::of_type(&parsed.entity_types[0]);
     assert_eq!(settings.max_restarts, 2);
     cfg.entity_types.clear();
     let node = Node::start(cfg).expect("start");

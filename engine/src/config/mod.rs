@@ -200,25 +200,22 @@ impl EntityTypeConfig {
             .unwrap_or_else(|| self.kind.worker_by_default())
     }
 
-    /// The target type of an `aggregate` kind.
+    /// The target type of an `aggregate` kind (`aggregate_to`, or
+    /// [`DEFAULT_AGGREGATE_TARGET_TYPE`]).
     pub fn aggregate_target(&self) -> &str {
         self.aggregate_to
             .as_deref()
-            .unwrap_or(crate::entity::aggregate::DEFAULT_TARGET_TYPE)
-    }
-
-    /// The type's supervisor settings (restart backoff and limits) from
-    /// the `restart_*` and `max_restarts` keys.
-    pub fn supervisor_settings(&self) -> crate::entity::supervision::SupervisorSettings {
-        crate::entity::supervision::SupervisorSettings {
-            min_backoff: Duration::from_millis(self.restart_min_backoff_ms),
-            max_backoff: Duration::from_millis(self.restart_max_backoff_ms),
-            random_factor: self.restart_random_factor,
-            max_restarts: self.max_restarts,
-            window: Duration::from_millis(self.restart_window_ms),
-        }
+            .unwrap_or(DEFAULT_AGGREGATE_TARGET_TYPE)
     }
 }
+
+/// The type an `aggregate` kind sends its partial sums to when the config
+/// does not name one (`aggregate_to`).
+pub const DEFAULT_AGGREGATE_TARGET_TYPE: &str = "aggregate_totals";
+
+/// Default bound of a data core's stateless-worker queue
+/// (`worker_queue_size`), in messages.
+pub const DEFAULT_WORKER_QUEUE_SIZE: u32 = 10_000;
 
 fn default_restart_min_backoff_ms() -> u64 {
     100
@@ -236,7 +233,7 @@ fn default_restart_window_ms() -> u64 {
     60_000
 }
 fn default_worker_queue_size() -> u32 {
-    crate::entity::worker::DEFAULT_WORKER_QUEUE_SIZE as u32
+    DEFAULT_WORKER_QUEUE_SIZE
 }
 fn default_aggregate_interval_ms() -> u64 {
     1000
@@ -808,17 +805,6 @@ impl NodeConfig {
     pub fn idle_timeout(t: &EntityTypeConfig) -> Option<Duration> {
         (t.idle_timeout_ms > 0).then(|| Duration::from_millis(t.idle_timeout_ms))
     }
-
-    /// The stateless-worker settings of an entity type (None when it is not
-    /// a worker).
-    pub fn worker_settings(t: &EntityTypeConfig) -> Option<crate::entity::worker::WorkerSettings> {
-        t.is_stateless_worker()
-            .then(|| crate::entity::worker::WorkerSettings {
-                max_local_workers: (t.max_local_workers > 0)
-                    .then_some(t.max_local_workers as usize),
-                queue_size: t.worker_queue_size as usize,
-            })
-    }
 }
 
 #[cfg(test)]
@@ -978,7 +964,7 @@ active_entity_limit = 0
     #[test]
     fn worker_keys() {
         let c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
-        assert!(NodeConfig::worker_settings(&c.entity_types[0]).is_none());
+        assert!(crate::entity::worker::WorkerSettings::of_type(&c.entity_types[0]).is_none());
         let text = GOOD.replace(
             "active_entity_limit = 0",
             "active_entity_limit = 0\nstateless_worker = true",
@@ -989,9 +975,9 @@ active_entity_limit = 0
             "{GOOD}\n[[entity_types]]\nname = \"agg\"\nkind = \"aggregate\"\naggregate_to = \"counter\"\nmax_local_workers = 3\naggregate_interval_ms = 20\n[[entity_types]]\nname = \"e\"\nkind = \"echo\"\n"
         );
         let c = NodeConfig::from_toml(&agg, Path::new("x.toml")).unwrap();
-        let w = NodeConfig::worker_settings(&c.entity_types[1]).unwrap();
+        let w = crate::entity::worker::WorkerSettings::of_type(&c.entity_types[1]).unwrap();
         assert_eq!(w.max_local_workers, Some(3));
-        let w = NodeConfig::worker_settings(&c.entity_types[2]).unwrap();
+        let w = crate::entity::worker::WorkerSettings::of_type(&c.entity_types[2]).unwrap();
         assert_eq!(w.max_local_workers, None);
         let e = NodeConfig::from_toml(
             &agg.replace("aggregate_to = \"counter\"", "aggregate_to = \"e\""),
@@ -1181,7 +1167,7 @@ active_entity_limit = 0
         t.idle_timeout_ms = 120_000;
         assert_eq!(c.entity_types[0], t, "new() has the TOML defaults");
         assert_eq!(
-            c.entity_types[0].supervisor_settings(),
+            crate::entity::supervision::SupervisorSettings::of_type(&c.entity_types[0]),
             crate::entity::supervision::SupervisorSettings::default()
         );
         let text = format!(
@@ -1189,7 +1175,7 @@ active_entity_limit = 0
              restart_random_factor = 0.5\nmax_restarts = 3\nrestart_window_ms = 1000\n"
         );
         let c = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap();
-        let s = c.entity_types[0].supervisor_settings();
+        let s = crate::entity::supervision::SupervisorSettings::of_type(&c.entity_types[0]);
         assert_eq!(s.min_backoff, Duration::from_millis(5));
         assert_eq!(s.max_backoff, Duration::from_millis(50));
         assert_eq!(s.random_factor, 0.5);

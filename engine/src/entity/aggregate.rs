@@ -32,7 +32,7 @@ use shardline_core::ids::EntityId;
 use super::{Entity, EntityContext, EntityError};
 
 /// The aggregator type when the config does not name one.
-pub const DEFAULT_TARGET_TYPE: &str = "aggregate_totals";
+pub const DEFAULT_TARGET_TYPE: &str = crate::config::DEFAULT_AGGREGATE_TARGET_TYPE;
 /// The flush interval when the config does not say.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
 /// Distinct keys an activation holds before it flushes early (count),

@@ -43,6 +43,21 @@ pub struct SupervisorSettings {
     pub window: Duration,
 }
 
+impl SupervisorSettings {
+    /// The supervisor settings of a configured entity type, from its
+    /// `restart_min_backoff_ms`, `restart_max_backoff_ms`,
+    /// `restart_random_factor`, `max_restarts` and `restart_window_ms` keys.
+    pub fn of_type(t: &crate::config::EntityTypeConfig) -> SupervisorSettings {
+        SupervisorSettings {
+            min_backoff: Duration::from_millis(t.restart_min_backoff_ms),
+            max_backoff: Duration::from_millis(t.restart_max_backoff_ms),
+            random_factor: t.restart_random_factor,
+            max_restarts: t.max_restarts,
+            window: Duration::from_millis(t.restart_window_ms),
+        }
+    }
+}
+
 impl Default for SupervisorSettings {
     fn default() -> Self {
         SupervisorSettings {

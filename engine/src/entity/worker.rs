@@ -40,7 +40,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 /// Default bound of a core's worker queue (messages).
-pub const DEFAULT_WORKER_QUEUE_SIZE: usize = 10_000;
+pub const DEFAULT_WORKER_QUEUE_SIZE: usize = crate::config::DEFAULT_WORKER_QUEUE_SIZE as usize;
 
 /// Settings of a stateless worker type (embedding API and config).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +52,18 @@ pub struct WorkerSettings {
     /// Most requests waiting per data core while every activation is busy
     /// (count). Default [`DEFAULT_WORKER_QUEUE_SIZE`].
     pub queue_size: usize,
+}
+
+impl WorkerSettings {
+    /// The stateless-worker settings of a configured entity type
+    /// (`max_local_workers`, 0 meaning the number of data cores, and
+    /// `worker_queue_size`); `None` when the type is not a stateless worker.
+    pub fn of_type(t: &crate::config::EntityTypeConfig) -> Option<WorkerSettings> {
+        t.is_stateless_worker().then(|| WorkerSettings {
+            max_local_workers: (t.max_local_workers > 0).then_some(t.max_local_workers as usize),
+            queue_size: t.worker_queue_size as usize,
+        })
+    }
 }
 
 impl Default for WorkerSettings {

@@ -275,7 +275,7 @@ impl Node {
                 crate::entity::builtin_factory_full(
                     t.kind,
                     t.snapshot_every,
-                    t.supervisor_settings(),
+                    crate::entity::supervision::SupervisorSettings::of_type(&t),
                     Some((
                         t.aggregate_target().to_string(),
                         Duration::from_millis(t.aggregate_interval_ms),
@@ -289,7 +289,7 @@ impl Node {
                     remember_entities_pace: crate::persistence::remember::pace(
                         t.remember_entities_per_s,
                     ),
-                    stateless_worker: NodeConfig::worker_settings(&t),
+                    stateless_worker: crate::entity::worker::WorkerSettings::of_type(&t),
                     ..EntitySettings::default()
                 },
             )?;
