@@ -30,6 +30,7 @@
 //! - Every forwarded message is answered: by its entity, by a failure status,
 //!   or `TimedOut` when its link broke or no reply came in 10 s.
 
+pub mod api;
 pub mod cli;
 pub mod client;
 pub mod config;
@@ -41,6 +42,7 @@ pub mod persistence;
 pub mod runtime;
 pub mod status;
 pub mod transport;
+pub mod typed;
 
 pub use config::NodeConfig;
 pub use entity::worker::WorkerSettings;

@@ -132,7 +132,50 @@ pub struct Outgoing {
     /// Whether the target answers the sender of the message being handled
     /// (a forward) instead of nobody (a tell).
     pub forward: bool,
+    /// `Some` for an ask between entities ([`EntityContext::ask`]): the
+    /// target's reply comes back to the asking entity.
+    pub ask: Option<OutgoingAsk>,
 }
+
+/// The ask part of an [`Outgoing`] made by [`EntityContext::ask`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutgoingAsk {
+    /// The ask's id, as given to [`Entity::on_ask_reply`].
+    pub id: AskId,
+    /// The asking entity's type.
+    pub from_type: String,
+    /// The asking entity's id.
+    pub from_id: EntityId,
+    /// How long the asker waits for the reply.
+    pub timeout: Duration,
+}
+
+/// The id of an ask between entities ([`EntityContext::ask`]), unique in
+/// the process; [`Entity::on_ask_reply`] names the ask it answers with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AskId(pub u64);
+
+/// Why an ask between entities got no reply ([`Entity::on_ask_reply`]).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum EntityAskError {
+    /// The request failed: the status, and the payload that came with it
+    /// (the target's error message for `EntityFailed`, the reason for a
+    /// message not delivered).
+    #[error("ask failed: {status:?}: {}", String::from_utf8_lossy(payload))]
+    Failed {
+        /// The status of the answer.
+        status: crate::envelope::Status,
+        /// The answer's payload.
+        payload: Vec<u8>,
+    },
+    /// No answer within the ask's timeout (the message may have reached
+    /// its target; a reply arriving later is dropped).
+    #[error("ask timed out")]
+    TimedOut,
+}
+
+static NEXT_ASK_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl<'a> EntityContext<'a> {
     /// A context for entity `id` (used by the runtime and by unit tests of
@@ -294,7 +337,44 @@ impl<'a> EntityContext<'a> {
             entity_id: entity_id.clone(),
             payload: payload.into(),
             forward: false,
+            ask: None,
         });
+    }
+
+    /// Asks entity `entity_id` of type `type_name` (Akka's
+    /// `context.ask`): `payload` is routed like a [`Self::tell`], and the
+    /// target's reply comes back to this entity as a call of
+    /// [`Entity::on_ask_reply`] with the returned [`AskId`], on this
+    /// entity's data core, like any message (never concurrently with a
+    /// handler). Exactly one such call per ask, while this incarnation
+    /// lives: the reply, [`EntityAskError::Failed`] (the message was not
+    /// delivered, or the target failed), or [`EntityAskError::TimedOut`]
+    /// after `timeout` (a later reply is dropped). The message's ask
+    /// deadline is `timeout`, at most `requests.ask_timeout_ms`. If this
+    /// incarnation stops first, the answer is dropped. Works across cores
+    /// and nodes; only sharded entities can ask (from a stateless worker
+    /// the ask is dropped and logged).
+    pub fn ask(
+        &mut self,
+        type_name: &str,
+        entity_id: &EntityId,
+        payload: impl Into<Vec<u8>>,
+        timeout: Duration,
+    ) -> AskId {
+        let id = AskId(NEXT_ASK_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        self.outgoing.push(Outgoing {
+            type_name: type_name.to_string(),
+            entity_id: entity_id.clone(),
+            payload: payload.into(),
+            forward: false,
+            ask: Some(OutgoingAsk {
+                id,
+                from_type: self.type_name.to_string(),
+                from_id: self.id.clone(),
+                timeout,
+            }),
+        });
+        id
     }
 
     /// Sends `payload` to entity `entity_id` of type `type_name` on behalf
@@ -312,6 +392,7 @@ impl<'a> EntityContext<'a> {
             entity_id: entity_id.clone(),
             payload: payload.into(),
             forward: self.reply_token.is_some(),
+            ask: None,
         });
     }
 
@@ -363,6 +444,23 @@ pub trait Entity: 'static {
 
     /// Called once when the incarnation stops (passivation, hand-off, leave).
     fn on_stop(&mut self) {}
+
+    /// The answer to an ask this incarnation made with
+    /// [`EntityContext::ask`] (`ask` is the id it returned): the target's
+    /// reply payload, or why there is none. The context has no reply
+    /// target (a reply is dropped); timers, tells, asks, watches and
+    /// passivation work as in a handler. Default: nothing.
+    ///
+    /// # Errors
+    /// [`EntityError`]: the incarnation is stopped, as for a handler.
+    fn on_ask_reply(
+        &mut self,
+        _ctx: &mut EntityContext<'_>,
+        _ask: AskId,
+        _reply: Result<Vec<u8>, EntityAskError>,
+    ) -> Result<(), EntityError> {
+        Ok(())
+    }
 
     /// Called when an entity this one watches ([`EntityContext::watch`])
     /// stopped, once per watch: `type_name`/`entity_id` name it, `reason`
