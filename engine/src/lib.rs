@@ -46,9 +46,12 @@ pub mod typed;
 
 pub use config::NodeConfig;
 pub use entity::worker::WorkerSettings;
-pub use entity::{Entity, EntityContext, EntityError, EntityFactory, TerminatedReason};
+pub use entity::{
+    AskId, Entity, EntityAskError, EntityContext, EntityError, EntityFactory, TerminatedReason,
+};
 pub use node::{
     AskError, EntityRef, EntitySettings, Node, NodeError, NodeStatus, RegionHandle,
     BIND_RETRY_TIMEOUT,
 };
+pub use shardline_core::ids::EntityId;
 pub use status::WorkerPoolStatus;

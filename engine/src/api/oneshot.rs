@@ -84,7 +84,6 @@ impl<T> Sender<T> {
         }
         Ok(())
     }
-
 }
 
 impl<T> Drop for Sender<T> {

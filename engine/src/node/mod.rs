@@ -725,7 +725,8 @@ impl EntityRef {
         message: Vec<u8>,
         timeout: Duration,
     ) -> Result<crate::api::AskFuture, crate::api::SendError<Vec<u8>>> {
-        self.send_ask(message, timeout).map(crate::api::AskFuture::new)
+        self.send_ask(message, timeout)
+            .map(crate::api::AskFuture::new)
     }
 
     /// How long an ask with `timeout` waits for its answer: `timeout`, and

@@ -301,12 +301,10 @@ impl<P: Protocol> EntityRef<P> {
             Ok(b) => b,
             Err(error) => return Err(AskError::Encode { command, error }),
         };
-        self.raw
-            .try_tell(bytes)
-            .map_err(|e| AskError::NotSent {
-                command,
-                reason: e.reason,
-            })
+        self.raw.try_tell(bytes).map_err(|e| AskError::NotSent {
+            command,
+            reason: e.reason,
+        })
     }
 }
 

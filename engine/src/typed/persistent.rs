@@ -49,7 +49,9 @@ pub trait PersistentEntity: 'static {
 }
 
 type ReplyFn<E> = Box<
-    dyn FnOnce(&<E as PersistentEntity>::State) -> <<E as PersistentEntity>::Protocol as Protocol>::Reply,
+    dyn FnOnce(
+        &<E as PersistentEntity>::State,
+    ) -> <<E as PersistentEntity>::Protocol as Protocol>::Reply,
 >;
 
 /// What a command does: persist events (possibly none), then reply from
