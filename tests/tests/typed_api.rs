@@ -98,7 +98,8 @@ fn typed_ask_and_tell_from_block_on_and_tokio() {
         .collect();
     let sums = rt.block_on(async {
         let mut tasks = Vec::new();
-        for r in refs.iter().cycle().take(200).cloned() {
+        for r in refs.iter().cycle().take(200) {
+            let r = r.clone();
             tasks.push(tokio::spawn(async move { r.ask(CounterCmd::Add(1)).await }));
         }
         for t in tasks {
@@ -391,6 +392,9 @@ enum AskerCmd {
     Last,
 }
 
+/// What an asker answers: the last answer of its asks.
+type Last = Option<Result<i64, String>>;
+
 struct AskerProtocol;
 impl Protocol for AskerProtocol {
     type Command = AskerCmd;
@@ -476,7 +480,7 @@ fn an_entity_asks_an_entity_on_another_node() {
 
     let t = Duration::from_secs(5);
     let x = a.typed_ref(&askers, "x").expect("ref");
-    let wait_last = |want: &dyn Fn(&Option<Result<i64, String>>) -> bool| {
+    let wait_last = |want: &dyn Fn(&Last) -> bool| {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let last = x.ask_blocking(AskerCmd::Last, t).expect("last");
