@@ -122,7 +122,10 @@ async fn request(method: &str, path: &str) -> anyhow::Result<String> {
         .await?;
     let mut out = String::new();
     c.read_to_string(&mut out).await?;
-    Ok(out.lines().last().unwrap_or("").to_string())
+    // "HTTP/1.1 200 OK" and the body's line.
+    let status = out.lines().next().unwrap_or("");
+    let body = out.lines().last().unwrap_or("");
+    Ok(format!("{status}: {body}"))
 }
 
 fn main() -> anyhow::Result<()> {
@@ -143,8 +146,9 @@ fn main() -> anyhow::Result<()> {
     node.wait_ready(Duration::from_secs(30))?;
     let node = Arc::new(node);
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // One tokio thread serves every connection: the asks are futures, so
+    // no handler holds the thread while its entity works.
+    let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
@@ -157,8 +161,8 @@ fn main() -> anyhow::Result<()> {
         });
         println!("serving on http://{ADDR}");
         if serve_forever {
-            tokio::signal::ctrl_c().await?;
-            return anyhow::Ok(());
+            // Until the process is killed (Ctrl-C).
+            std::future::pending::<()>().await;
         }
         // 100 concurrent adds from tokio tasks, then the value.
         let mut tasks = Vec::new();
