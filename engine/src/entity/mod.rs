@@ -99,7 +99,7 @@ impl TerminatedReason {
 }
 
 /// A watch command of a handler: `(watch?, type_name, entity_id)`.
-pub type WatchCommand = (bool, String, EntityId);
+pub(crate) type WatchCommand = (bool, String, EntityId);
 
 /// What a handler may ask of the runtime.
 pub struct EntityContext<'a> {
@@ -122,7 +122,7 @@ pub struct EntityContext<'a> {
 /// returns, through the sending core's inbox and the normal routing path
 /// (region, shard home, another node), at most once.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Outgoing {
+pub(crate) struct Outgoing {
     /// The target's entity type.
     pub type_name: String,
     /// The target's id.
@@ -139,7 +139,7 @@ pub struct Outgoing {
 
 /// The ask part of an [`Outgoing`] made by [`EntityContext::ask`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutgoingAsk {
+pub(crate) struct OutgoingAsk {
     /// The ask's id, as given to [`Entity::on_ask_reply`].
     pub id: AskId,
     /// The asking entity's type.
@@ -178,9 +178,8 @@ pub enum EntityAskError {
 static NEXT_ASK_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl<'a> EntityContext<'a> {
-    /// A context for entity `id` (used by the runtime and by unit tests of
-    /// entities).
-    pub fn new(id: &'a EntityId) -> Self {
+    /// A context for entity `id` (made by the runtime for each call).
+    pub(crate) fn new(id: &'a EntityId) -> Self {
         EntityContext {
             id,
             type_name: "",
@@ -199,7 +198,7 @@ impl<'a> EntityContext<'a> {
 
     /// The same context, naming the entity type and the writer epoch (the
     /// shard's allocation generation) that durable entities append with.
-    pub fn with_type(mut self, type_name: &'a str, writer_epoch: u64) -> Self {
+    pub(crate) fn with_type(mut self, type_name: &'a str, writer_epoch: u64) -> Self {
         self.type_name = type_name;
         self.writer_epoch = writer_epoch;
         self
@@ -207,7 +206,7 @@ impl<'a> EntityContext<'a> {
 
     /// Gives the message being handled a reply token (the runtime does this
     /// for every delivered message; see [`Self::defer_reply`]).
-    pub fn with_reply_token(mut self, token: u64) -> Self {
+    pub(crate) fn with_reply_token(mut self, token: u64) -> Self {
         self.reply_token = Some(token);
         self
     }
@@ -239,7 +238,7 @@ impl<'a> EntityContext<'a> {
     }
 
     /// Whether the handler deferred its reply.
-    pub fn reply_deferred(&self) -> bool {
+    pub(crate) fn reply_deferred(&self) -> bool {
         self.reply_deferred
     }
 
@@ -250,7 +249,7 @@ impl<'a> EntityContext<'a> {
     }
 
     /// Whether the handler asked for durability notices.
-    pub fn wants_durable(&self) -> bool {
+    pub(crate) fn wants_durable(&self) -> bool {
         self.await_durable
     }
 
@@ -299,7 +298,7 @@ impl<'a> EntityContext<'a> {
     }
 
     /// Takes the watch commands of the handler, in order.
-    pub fn take_watches(&mut self) -> Vec<WatchCommand> {
+    pub(crate) fn take_watches(&mut self) -> Vec<WatchCommand> {
         std::mem::take(&mut self.watches)
     }
 
@@ -313,17 +312,17 @@ impl<'a> EntityContext<'a> {
     }
 
     /// Whether the handler asked [`Self::stop_after_failure`].
-    pub fn wants_failed_stop(&self) -> bool {
+    pub(crate) fn wants_failed_stop(&self) -> bool {
         self.failed_stop
     }
 
     /// Takes the reply set by the handler.
-    pub fn take_reply(&mut self) -> Option<Vec<u8>> {
+    pub(crate) fn take_reply(&mut self) -> Option<Vec<u8>> {
         self.reply.take()
     }
 
     /// Whether the handler asked to be passivated.
-    pub fn wants_passivation(&self) -> bool {
+    pub(crate) fn wants_passivation(&self) -> bool {
         self.passivate
     }
 
@@ -403,12 +402,12 @@ impl<'a> EntityContext<'a> {
     }
 
     /// Takes the messages the handler sent ([`Self::tell`], [`Self::forward`]).
-    pub fn take_outgoing(&mut self) -> Vec<Outgoing> {
+    pub(crate) fn take_outgoing(&mut self) -> Vec<Outgoing> {
         std::mem::take(&mut self.outgoing)
     }
 
     /// Takes the timer commands (`(key, Some(delay))` set, `(key, None)` cancel).
-    pub fn take_timers(&mut self) -> Vec<(u64, Option<Duration>)> {
+    pub(crate) fn take_timers(&mut self) -> Vec<(u64, Option<Duration>)> {
         std::mem::take(&mut self.timers)
     }
 }
