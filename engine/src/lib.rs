@@ -19,7 +19,7 @@
 //! `docs/decisions/runtime.md`) per data core and one control executor, each
 //! on its own thread; state inside an executor is `Rc<RefCell<_>>` and never
 //! crosses threads; executors talk only through bounded rings
-//! ([`runtime::ring`]). The blocking [`client::Client`] and the embedding
+//! (`runtime::ring`). The blocking [`client::Client`] and the embedding
 //! handle ([`Node`]) are used from ordinary threads.
 //!
 //! ## Invariants
@@ -39,7 +39,7 @@ pub mod envelope;
 pub mod gateway;
 pub mod node;
 pub mod persistence;
-pub mod runtime;
+pub(crate) mod runtime;
 pub mod status;
 pub mod transport;
 pub mod typed;

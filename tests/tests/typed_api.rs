@@ -88,6 +88,17 @@ fn typed_ask_and_tell_from_block_on_and_tokio() {
         5
     );
 
+    // A timeout too long for a clock waits for the answer.
+    assert_eq!(
+        block_on(a.ask_within(CounterCmd::Get, Duration::MAX)).expect("ask"),
+        5
+    );
+    assert_eq!(
+        a.raw().ask(&[1], Duration::MAX).expect("raw ask"),
+        [10],
+        "postcard: Get is variant 1; the reply 5 is the zigzag varint 10"
+    );
+
     // From tokio: 200 concurrent asks on one thread, none blocks it.
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()

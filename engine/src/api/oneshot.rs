@@ -113,7 +113,8 @@ impl<T> Receiver<T> {
     /// Blocks the calling thread until the value arrives, the sender is
     /// dropped (`Err(Some(Closed))`) or `timeout` passed (`Err(None)`).
     pub(crate) fn recv_timeout(&self, timeout: Duration) -> Result<T, Option<Closed>> {
-        let deadline = Instant::now() + timeout;
+        // A timeout too long for an `Instant` waits for ever.
+        let deadline = Instant::now().checked_add(timeout);
         loop {
             {
                 let mut s = self.inner.lock();
@@ -125,12 +126,17 @@ impl<T> Receiver<T> {
                 }
                 s.thread = Some(std::thread::current());
             }
-            let now = Instant::now();
-            if now >= deadline {
-                self.inner.lock().thread = None;
-                return Err(None);
+            match deadline {
+                None => std::thread::park(),
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        self.inner.lock().thread = None;
+                        return Err(None);
+                    }
+                    std::thread::park_timeout(deadline - now);
+                }
             }
-            std::thread::park_timeout(deadline - now);
         }
     }
 }

@@ -1735,7 +1735,8 @@ impl Core {
                         let id = c.next_tag;
                         c.next_tag += 1;
                         c.api_waiters.insert(id, r.tx);
-                        c.api_expiry.push(std::cmp::Reverse((now + r.wait, id)));
+                        c.api_expiry
+                            .push(std::cmp::Reverse((now.saturating_add(r.wait), id)));
                         ReplyTo::Api { id }
                     }
                 };

@@ -352,7 +352,7 @@ impl Core {
                     },
                 );
                 self.entity_ask_expiry
-                    .push(std::cmp::Reverse((now + a.timeout, a.id.0)));
+                    .push(std::cmp::Reverse((now.saturating_add(a.timeout), a.id.0)));
                 deadline = Some(now + a.timeout.min(self.config.requests.ask_timeout()));
                 ReplyTo::EntityAsk { id: a.id.0 }
             } else if o.forward {
