@@ -14,7 +14,10 @@
 //! - `reference oneshot`: the same with a `tokio::sync::oneshot` reply,
 //!   awaited with `shardline::api::block_on`.
 //! - `ask (blocking)`: `EntityRef::ask`.
-//! - `ask_async + block_on`: `EntityRef::ask_async`.
+//! - `ask_async + block_on`: `EntityRef::ask_async`, awaited with an
+//!   untimed park.
+//! - `ask_async + wait`: the same future waited for with a timed park
+//!   (`AskFuture::wait`, what the blocking ask does).
 //! - `typed ask (postcard)`: `typed::EntityRef::ask` + `block_on`.
 //!
 //! Run: `cargo bench -p shardline --bench ask_path` (`ASK_BENCH_N` asks
@@ -177,6 +180,12 @@ fn main() {
     let asynchronous = measure("ask_async + block_on", n, warmup, |_| {
         block_on(r.ask_async(payload.clone(), t).expect("sent")).expect("ask");
     });
+    let timed = measure("ask_async + wait", n, warmup, |_| {
+        r.ask_async(payload.clone(), t)
+            .expect("sent")
+            .wait(t)
+            .expect("ask");
+    });
     let tr = node.typed_ref(&key, "e").expect("ref");
     let typed_ask = measure("typed ask (postcard)", n, warmup, |i| {
         assert_eq!(block_on(tr.ask_within(i, t)).expect("ask"), i);
@@ -185,16 +194,34 @@ fn main() {
 
     println!("ask path: {n} asks per way, {warmup} warm-up, one caller thread, 4-byte payload");
     println!(
-        "{:<24} {:>10} {:>10} {:>10} {:>10} {:>11} {:>9} {:>9}",
-        "way", "p50 ns", "p99 ns", "p99.9 ns", "max ns", "allocs/ask", "p50 x", "p99 x"
+        "{:<24} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7} {:>7} {:>7} {:>7}",
+        "way",
+        "p50 ns",
+        "p99 ns",
+        "p99.9 ns",
+        "max ns",
+        "allocs/ask",
+        "p50 xc",
+        "p99 xc",
+        "p50 xo",
+        "p99 xo"
     );
     let refp50 = crossbeam.hist.value_at_quantile(0.5) as f64;
     let refp99 = crossbeam.hist.value_at_quantile(0.99) as f64;
-    for f in [&crossbeam, &oneshot, &blocking, &asynchronous, &typed_ask] {
+    let onep50 = oneshot.hist.value_at_quantile(0.5) as f64;
+    let onep99 = oneshot.hist.value_at_quantile(0.99) as f64;
+    for f in [
+        &crossbeam,
+        &oneshot,
+        &blocking,
+        &asynchronous,
+        &timed,
+        &typed_ask,
+    ] {
         let p50 = f.hist.value_at_quantile(0.5);
         let p99 = f.hist.value_at_quantile(0.99);
         println!(
-            "{:<24} {:>10} {:>10} {:>10} {:>10} {:>11.2} {:>9.2} {:>9.2}",
+            "{:<24} {:>9} {:>9} {:>9} {:>9} {:>10.2} {:>7.2} {:>7.2} {:>7.2} {:>7.2}",
             f.name,
             p50,
             p99,
@@ -203,7 +230,9 @@ fn main() {
             f.allocs_per_op,
             p50 as f64 / refp50,
             p99 as f64 / refp99,
+            p50 as f64 / onep50,
+            p99 as f64 / onep99,
         );
     }
-    println!("(ratios against `reference crossbeam` of this run)");
+    println!("(xc: ratio to `reference crossbeam`, xo: to `reference oneshot`, of this run)");
 }
