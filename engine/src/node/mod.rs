@@ -367,7 +367,7 @@ impl Node {
             shardline_core::sharding::shard_id_of(id.as_str(), self.config.number_of_shards);
         let core = shard.0 as usize % self.to_cores.len();
         Ok(EntityRef {
-            type_name: t,
+            type_name: t.as_str().into(),
             id,
             to_core: self.to_cores[core].clone(),
             ask_timeout: self.config.requests.ask_timeout(),
@@ -642,7 +642,9 @@ impl Sharding<'_> {
 /// A reference to one entity; cheap to clone, usable from any thread.
 #[derive(Clone)]
 pub struct EntityRef {
-    type_name: TypeName,
+    /// The type name, shared by the messages of this reference (no
+    /// allocation per message).
+    type_name: std::sync::Arc<str>,
     id: EntityId,
     to_core: RingSender<ToCore>,
     /// `requests.ask_timeout_ms`.
@@ -666,7 +668,7 @@ impl EntityRef {
     pub fn tell(&self, message: &[u8]) -> Result<(), AskError> {
         self.to_core
             .send(ToCore::Ask {
-                type_name: self.type_name.as_str().to_string(),
+                type_name: self.type_name.clone(),
                 entity: self.id.clone(),
                 payload: message.to_vec(),
                 timeout: None,
@@ -751,7 +753,7 @@ impl EntityRef {
         let (tx, rx) = crate::api::oneshot::channel();
         self.to_core
             .send(ToCore::Ask {
-                type_name: self.type_name.as_str().to_string(),
+                type_name: self.type_name.clone(),
                 entity: self.id.clone(),
                 payload: message,
                 timeout: Some(deadline),
@@ -782,7 +784,7 @@ impl EntityRef {
     pub fn try_tell(&self, message: Vec<u8>) -> Result<(), crate::api::SendError<Vec<u8>>> {
         self.to_core
             .send(ToCore::Ask {
-                type_name: self.type_name.as_str().to_string(),
+                type_name: self.type_name.clone(),
                 entity: self.id.clone(),
                 payload: message,
                 timeout: None,

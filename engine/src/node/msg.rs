@@ -100,7 +100,7 @@ pub(crate) enum ToCore {
     /// An embedding-API message. Its ask deadline is `timeout` from its
     /// arrival, at most `requests.ask_timeout_ms` (that when `None`).
     Ask {
-        type_name: String,
+        type_name: std::sync::Arc<str>,
         entity: EntityId,
         payload: Vec<u8>,
         timeout: Option<Duration>,
