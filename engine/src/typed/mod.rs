@@ -438,7 +438,9 @@ impl<'a, P: Protocol> Context<'_, 'a, P> {
     /// commands, which [`Entity::handle`] then handles like any message
     /// (its reply goes nowhere). Exactly one such command per ask while
     /// this incarnation lives; none if it stops first. Works across cores
-    /// and nodes.
+    /// and nodes. Only sharded entities ask: in a stateless worker the ask
+    /// is dropped (logged) and `adapt` is kept, never called, until the
+    /// activation stops.
     ///
     /// # Errors
     /// [`CodecError`] when the command does not encode (nothing sent).
