@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shardline::client::{Client, Status};
-use shardline::config::{Durability, DurabilityName};
 use shardline::{Entity, EntityContext, EntityError, EntitySettings, Node, NodeConfig};
 
 /// A greeter that counts how often it was greeted.
@@ -30,26 +29,17 @@ impl Entity for Greeter {
 
 fn main() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let config = NodeConfig {
-        cluster_address: "127.0.0.1:17100".parse()?,
-        client_address: "127.0.0.1:17200".parse()?,
-        http_address: None,
-        seed_nodes: vec!["127.0.0.1:17100".parse()?],
-        data_cores: 1,
-        pin_cores: false,
-        cluster_name: shardline::config::DEFAULT_CLUSTER_NAME.to_string(),
-        data_dir: dir.path().to_path_buf(),
-        number_of_shards: 32,
-        durability: Durability::Named(DurabilityName::None),
-        entity_types: Vec::new(),
-        downing_stable_after_ms: 20_000,
-        heartbeat_pause_ms: 3_000,
-        http: Default::default(),
-        journal: Default::default(),
-        requests: Default::default(),
-        coordinator: Default::default(),
-        cluster: Default::default(),
-    };
+    // Every key not set keeps the config file's default (see
+    // `NodeConfig::builder`); `build` runs the config file's checks.
+    let config = NodeConfig::builder(
+        "127.0.0.1:17100".parse()?,
+        "127.0.0.1:17200".parse()?,
+        dir.path(),
+    )
+    .seed_nodes(["127.0.0.1:17100".parse()?])
+    .pin_cores(false)
+    .number_of_shards(32)
+    .build()?;
     let node = Node::start(config)?;
     node.sharding().start(
         "greeter",

@@ -19,7 +19,7 @@
 //! `docs/decisions/runtime.md`) per data core and one control executor, each
 //! on its own thread; state inside an executor is `Rc<RefCell<_>>` and never
 //! crosses threads; executors talk only through bounded rings
-//! ([`runtime::ring`]). The blocking [`client::Client`] and the embedding
+//! (`runtime::ring`). The blocking [`client::Client`] and the embedding
 //! handle ([`Node`]) are used from ordinary threads.
 //!
 //! ## Invariants
@@ -30,6 +30,7 @@
 //! - Every forwarded message is answered: by its entity, by a failure status,
 //!   or `TimedOut` when its link broke or no reply came in 10 s.
 
+pub mod api;
 pub mod cli;
 pub mod client;
 pub mod config;
@@ -38,15 +39,19 @@ pub mod envelope;
 pub mod gateway;
 pub mod node;
 pub mod persistence;
-pub mod runtime;
+pub(crate) mod runtime;
 pub mod status;
 pub mod transport;
+pub mod typed;
 
 pub use config::NodeConfig;
 pub use entity::worker::WorkerSettings;
-pub use entity::{Entity, EntityContext, EntityError, EntityFactory, TerminatedReason};
+pub use entity::{
+    AskId, Entity, EntityAskError, EntityContext, EntityError, EntityFactory, TerminatedReason,
+};
 pub use node::{
     AskError, EntityRef, EntitySettings, Node, NodeError, NodeStatus, RegionHandle,
     BIND_RETRY_TIMEOUT,
 };
+pub use shardline_core::ids::EntityId;
 pub use status::WorkerPoolStatus;

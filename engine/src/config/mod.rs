@@ -10,9 +10,11 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+mod builder;
 mod cluster;
 mod coordinator;
 mod requests;
+pub use builder::{NodeConfigBuilder, BUILDER_FILE};
 pub use cluster::{ClusterTableConfig, OnJoinRefused};
 pub use coordinator::CoordinatorConfig;
 pub use requests::{

@@ -99,7 +99,7 @@ impl TerminatedReason {
 }
 
 /// A watch command of a handler: `(watch?, type_name, entity_id)`.
-pub type WatchCommand = (bool, String, EntityId);
+pub(crate) type WatchCommand = (bool, String, EntityId);
 
 /// What a handler may ask of the runtime.
 pub struct EntityContext<'a> {
@@ -122,7 +122,7 @@ pub struct EntityContext<'a> {
 /// returns, through the sending core's inbox and the normal routing path
 /// (region, shard home, another node), at most once.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Outgoing {
+pub(crate) struct Outgoing {
     /// The target's entity type.
     pub type_name: String,
     /// The target's id.
@@ -132,12 +132,54 @@ pub struct Outgoing {
     /// Whether the target answers the sender of the message being handled
     /// (a forward) instead of nobody (a tell).
     pub forward: bool,
+    /// `Some` for an ask between entities ([`EntityContext::ask`]): the
+    /// target's reply comes back to the asking entity.
+    pub ask: Option<OutgoingAsk>,
 }
 
+/// The ask part of an [`Outgoing`] made by [`EntityContext::ask`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct OutgoingAsk {
+    /// The ask's id, as given to [`Entity::on_ask_reply`].
+    pub id: AskId,
+    /// The asking entity's type.
+    pub from_type: String,
+    /// The asking entity's id.
+    pub from_id: EntityId,
+    /// How long the asker waits for the reply.
+    pub timeout: Duration,
+}
+
+/// The id of an ask between entities ([`EntityContext::ask`]), unique in
+/// the process; [`Entity::on_ask_reply`] names the ask it answers with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AskId(pub u64);
+
+/// Why an ask between entities got no reply ([`Entity::on_ask_reply`]).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum EntityAskError {
+    /// The request failed: the status, and the payload that came with it
+    /// (the target's error message for `EntityFailed`, the reason for a
+    /// message not delivered).
+    #[error("ask failed: {status:?}: {}", String::from_utf8_lossy(payload))]
+    Failed {
+        /// The status of the answer.
+        status: crate::envelope::Status,
+        /// The answer's payload.
+        payload: Vec<u8>,
+    },
+    /// No answer within the ask's timeout (the message may have reached
+    /// its target; a reply arriving later is dropped).
+    #[error("ask timed out")]
+    TimedOut,
+}
+
+static NEXT_ASK_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 impl<'a> EntityContext<'a> {
-    /// A context for entity `id` (used by the runtime and by unit tests of
-    /// entities).
-    pub fn new(id: &'a EntityId) -> Self {
+    /// A context for entity `id` (made by the runtime for each call).
+    pub(crate) fn new(id: &'a EntityId) -> Self {
         EntityContext {
             id,
             type_name: "",
@@ -156,7 +198,7 @@ impl<'a> EntityContext<'a> {
 
     /// The same context, naming the entity type and the writer epoch (the
     /// shard's allocation generation) that durable entities append with.
-    pub fn with_type(mut self, type_name: &'a str, writer_epoch: u64) -> Self {
+    pub(crate) fn with_type(mut self, type_name: &'a str, writer_epoch: u64) -> Self {
         self.type_name = type_name;
         self.writer_epoch = writer_epoch;
         self
@@ -164,7 +206,7 @@ impl<'a> EntityContext<'a> {
 
     /// Gives the message being handled a reply token (the runtime does this
     /// for every delivered message; see [`Self::defer_reply`]).
-    pub fn with_reply_token(mut self, token: u64) -> Self {
+    pub(crate) fn with_reply_token(mut self, token: u64) -> Self {
         self.reply_token = Some(token);
         self
     }
@@ -196,7 +238,7 @@ impl<'a> EntityContext<'a> {
     }
 
     /// Whether the handler deferred its reply.
-    pub fn reply_deferred(&self) -> bool {
+    pub(crate) fn reply_deferred(&self) -> bool {
         self.reply_deferred
     }
 
@@ -207,7 +249,7 @@ impl<'a> EntityContext<'a> {
     }
 
     /// Whether the handler asked for durability notices.
-    pub fn wants_durable(&self) -> bool {
+    pub(crate) fn wants_durable(&self) -> bool {
         self.await_durable
     }
 
@@ -256,7 +298,7 @@ impl<'a> EntityContext<'a> {
     }
 
     /// Takes the watch commands of the handler, in order.
-    pub fn take_watches(&mut self) -> Vec<WatchCommand> {
+    pub(crate) fn take_watches(&mut self) -> Vec<WatchCommand> {
         std::mem::take(&mut self.watches)
     }
 
@@ -270,17 +312,17 @@ impl<'a> EntityContext<'a> {
     }
 
     /// Whether the handler asked [`Self::stop_after_failure`].
-    pub fn wants_failed_stop(&self) -> bool {
+    pub(crate) fn wants_failed_stop(&self) -> bool {
         self.failed_stop
     }
 
     /// Takes the reply set by the handler.
-    pub fn take_reply(&mut self) -> Option<Vec<u8>> {
+    pub(crate) fn take_reply(&mut self) -> Option<Vec<u8>> {
         self.reply.take()
     }
 
     /// Whether the handler asked to be passivated.
-    pub fn wants_passivation(&self) -> bool {
+    pub(crate) fn wants_passivation(&self) -> bool {
         self.passivate
     }
 
@@ -294,7 +336,44 @@ impl<'a> EntityContext<'a> {
             entity_id: entity_id.clone(),
             payload: payload.into(),
             forward: false,
+            ask: None,
         });
+    }
+
+    /// Asks entity `entity_id` of type `type_name` (Akka's
+    /// `context.ask`): `payload` is routed like a [`Self::tell`], and the
+    /// target's reply comes back to this entity as a call of
+    /// [`Entity::on_ask_reply`] with the returned [`AskId`], on this
+    /// entity's data core, like any message (never concurrently with a
+    /// handler). Exactly one such call per ask, while this incarnation
+    /// lives: the reply, [`EntityAskError::Failed`] (the message was not
+    /// delivered, or the target failed), or [`EntityAskError::TimedOut`]
+    /// after `timeout` (a later reply is dropped). The message's ask
+    /// deadline is `timeout`, at most `requests.ask_timeout_ms`. If this
+    /// incarnation stops first, the answer is dropped. Works across cores
+    /// and nodes; only sharded entities can ask (from a stateless worker
+    /// the ask is dropped and logged).
+    pub fn ask(
+        &mut self,
+        type_name: &str,
+        entity_id: &EntityId,
+        payload: impl Into<Vec<u8>>,
+        timeout: Duration,
+    ) -> AskId {
+        let id = AskId(NEXT_ASK_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        self.outgoing.push(Outgoing {
+            type_name: type_name.to_string(),
+            entity_id: entity_id.clone(),
+            payload: payload.into(),
+            forward: false,
+            ask: Some(OutgoingAsk {
+                id,
+                from_type: self.type_name.to_string(),
+                from_id: self.id.clone(),
+                timeout,
+            }),
+        });
+        id
     }
 
     /// Sends `payload` to entity `entity_id` of type `type_name` on behalf
@@ -312,6 +391,7 @@ impl<'a> EntityContext<'a> {
             entity_id: entity_id.clone(),
             payload: payload.into(),
             forward: self.reply_token.is_some(),
+            ask: None,
         });
     }
 
@@ -322,12 +402,12 @@ impl<'a> EntityContext<'a> {
     }
 
     /// Takes the messages the handler sent ([`Self::tell`], [`Self::forward`]).
-    pub fn take_outgoing(&mut self) -> Vec<Outgoing> {
+    pub(crate) fn take_outgoing(&mut self) -> Vec<Outgoing> {
         std::mem::take(&mut self.outgoing)
     }
 
     /// Takes the timer commands (`(key, Some(delay))` set, `(key, None)` cancel).
-    pub fn take_timers(&mut self) -> Vec<(u64, Option<Duration>)> {
+    pub(crate) fn take_timers(&mut self) -> Vec<(u64, Option<Duration>)> {
         std::mem::take(&mut self.timers)
     }
 }
@@ -363,6 +443,23 @@ pub trait Entity: 'static {
 
     /// Called once when the incarnation stops (passivation, hand-off, leave).
     fn on_stop(&mut self) {}
+
+    /// The answer to an ask this incarnation made with
+    /// [`EntityContext::ask`] (`ask` is the id it returned): the target's
+    /// reply payload, or why there is none. The context has no reply
+    /// target (a reply is dropped); timers, tells, asks, watches and
+    /// passivation work as in a handler. Default: nothing.
+    ///
+    /// # Errors
+    /// [`EntityError`]: the incarnation is stopped, as for a handler.
+    fn on_ask_reply(
+        &mut self,
+        _ctx: &mut EntityContext<'_>,
+        _ask: AskId,
+        _reply: Result<Vec<u8>, EntityAskError>,
+    ) -> Result<(), EntityError> {
+        Ok(())
+    }
 
     /// Called when an entity this one watches ([`EntityContext::watch`])
     /// stopped, once per watch: `type_name`/`entity_id` name it, `reason`

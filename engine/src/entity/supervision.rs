@@ -293,6 +293,25 @@ impl Entity for Supervisor {
         }
     }
 
+    fn on_ask_reply(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        ask: super::AskId,
+        reply: Result<Vec<u8>, super::EntityAskError>,
+    ) -> Result<(), EntityError> {
+        // A restarted child did not make the ask: the answer is dropped.
+        let Some(c) = self.child.as_mut() else {
+            return Ok(());
+        };
+        let why = match catch_unwind(AssertUnwindSafe(|| c.on_ask_reply(ctx, ask, reply))) {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) => e.to_string(),
+            Err(p) => format!("ask reply handler panicked: {}", panic_text(p.as_ref())),
+        };
+        self.failed(ctx, &why);
+        Ok(())
+    }
+
     fn on_stop(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = catch_unwind(AssertUnwindSafe(|| c.on_stop()));

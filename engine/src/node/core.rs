@@ -164,7 +164,13 @@ pub(crate) struct Core {
     pending: FastMap<u64, Pending>,
     local_pending: FastMap<u64, ReplyTo>,
     next_tag: u64,
-    api_waiters: FastMap<u64, crossbeam_channel::Sender<(Status, Vec<u8>)>>,
+    api_waiters: FastMap<u64, crate::api::oneshot::Sender<super::msg::ApiAnswer>>,
+    /// When the core stops waiting for an API ask's answer: (due, id).
+    api_expiry: BinaryHeap<std::cmp::Reverse<(Duration, u64)>>,
+    /// Asks of this core's entities waiting for their answer, by ask id.
+    entity_asks: FastMap<u64, EntityAskWait>,
+    /// When an entity's ask times out: (due, ask id).
+    entity_ask_expiry: BinaryHeap<std::cmp::Reverse<(Duration, u64)>>,
     to_control: RingSender<ToControl>,
     to_cores: Vec<RingSender<ToCore>>,
     timers: BinaryHeap<TimerEntry>,
@@ -198,6 +204,13 @@ pub(crate) struct Core {
 
 type CoreRef = Rc<RefCell<Core>>;
 
+/// An ask of an entity of this core waiting for its answer.
+struct EntityAskWait {
+    type_name: String,
+    entity: EntityId,
+    incarnation: u64,
+}
+
 /// Runs a data executor until [`ToCore::Shutdown`].
 pub(crate) async fn run(init: CoreInit) {
     let me = UniqueAddress {
@@ -230,6 +243,9 @@ pub(crate) async fn run(init: CoreInit) {
         local_pending: FastMap::default(),
         next_tag: 1,
         api_waiters: FastMap::default(),
+        api_expiry: BinaryHeap::new(),
+        entity_asks: FastMap::default(),
+        entity_ask_expiry: BinaryHeap::new(),
         to_control: init.to_control,
         to_cores: init.to_cores,
         timers: BinaryHeap::new(),
@@ -464,7 +480,28 @@ impl Core {
             }
             ReplyTo::Api { id } => {
                 if let Some(tx) = self.api_waiters.remove(&id) {
-                    let _ = tx.try_send((status, payload));
+                    // The asker may have dropped its future: the answer
+                    // is dropped with it.
+                    let _ = tx.send(Some((status, payload)));
+                }
+            }
+            ReplyTo::EntityAsk { id } => {
+                if !self.entity_asks.contains_key(&id) {
+                    return; // timed out or its asker stopped
+                }
+                let own = self.to_cores.get(usize::from(self.index));
+                if own.is_none_or(|tx| {
+                    tx.send(ToCore::AskReply {
+                        id,
+                        status,
+                        payload,
+                    })
+                    .is_err()
+                }) {
+                    tracing::warn!(
+                        core = self.index,
+                        "answer to an entity's ask dropped: inbox full (the ask times out)"
+                    );
                 }
             }
             ReplyTo::System(m) => {
@@ -1067,6 +1104,71 @@ impl Core {
         }
     }
 
+    /// Hands the answer of ask `id` of an entity of this core to the
+    /// asker's [`crate::entity::Entity::on_ask_reply`], once, if the
+    /// incarnation that asked still lives (else the answer is dropped).
+    fn answer_entity_ask(
+        &mut self,
+        id: u64,
+        reply: Result<Vec<u8>, crate::entity::EntityAskError>,
+    ) {
+        let Some(w) = self.entity_asks.remove(&id) else {
+            return;
+        };
+        let t = w.type_name;
+        let Some(h) = self.types.get_mut(&t) else {
+            return;
+        };
+        let Some(live) = h.entities.get_mut(&w.entity) else {
+            return;
+        };
+        if live.incarnation != w.incarnation {
+            return;
+        }
+        let (inc, shard) = (live.incarnation, live.shard);
+        let mut ctx = EntityContext::new(&w.entity).with_type(&t, live.epoch);
+        let res = live
+            .entity
+            .on_ask_reply(&mut ctx, crate::entity::AskId(id), reply);
+        let out = ctx.take_outgoing();
+        let timers = ctx.take_timers();
+        let passivate = ctx.wants_passivation();
+        let wants_durable = ctx.wants_durable();
+        let watches = ctx.take_watches();
+        let failed = ctx.wants_failed_stop();
+        drop(ctx);
+        self.apply_watches(&t, &w.entity, watches, failed);
+        if let Err(e) = res {
+            tracing::warn!(entity = %w.entity, error = %e, "entity failed on an ask's answer");
+            if let Some(h) = self.types.get_mut(&t) {
+                if let Some(mut l) = h.entities.remove(&w.entity) {
+                    l.entity.on_stop();
+                    self.entity_gone(&t, &w.entity, TerminatedReason::Failed);
+                }
+            }
+            self.fail_deferred(inc);
+            let now = self.now();
+            if let Some(h) = self.types.get_mut(&t) {
+                h.region.handle_entity_stopped(now, shard, &w.entity);
+            }
+            self.run_effects(&t);
+            return;
+        }
+        self.apply_timers(&t, &w.entity, inc, timers);
+        if wants_durable {
+            self.durable.wait(&t, &w.entity, inc);
+        }
+        self.drain_completions();
+        self.send_outgoing(out, &mut None);
+        if passivate {
+            let now = self.now();
+            if let Some(h) = self.types.get_mut(&t) {
+                h.region.handle_passivate(now, shard, &w.entity, None);
+            }
+            self.run_effects(&t);
+        }
+    }
+
     /// Routes the system messages the watch book queued, like user
     /// messages. Bounded per call; the rest waits for the next tick.
     fn flush_system(&mut self) {
@@ -1463,6 +1565,30 @@ impl Core {
             }
         }
         self.workers_tick(now);
+        // Embedding-API asks past their wait: answered `None` (timed out).
+        while self
+            .api_expiry
+            .peek()
+            .is_some_and(|std::cmp::Reverse((due, _))| *due <= now)
+        {
+            let Some(std::cmp::Reverse((_, id))) = self.api_expiry.pop() else {
+                break;
+            };
+            if let Some(tx) = self.api_waiters.remove(&id) {
+                let _ = tx.send(None);
+            }
+        }
+        // Asks of entities past their timeout.
+        while self
+            .entity_ask_expiry
+            .peek()
+            .is_some_and(|std::cmp::Reverse((due, _))| *due <= now)
+        {
+            let Some(std::cmp::Reverse((_, id))) = self.entity_ask_expiry.pop() else {
+                break;
+            };
+            self.answer_entity_ask(id, Err(crate::entity::EntityAskError::TimedOut));
+        }
         // Forwarded messages without a reply.
         if !self.pending.is_empty() {
             let late: Vec<u64> = self
@@ -1605,10 +1731,12 @@ impl Core {
             } => {
                 let sender = match reply {
                     None => ReplyTo::Nobody,
-                    Some(tx) => {
+                    Some(r) => {
                         let id = c.next_tag;
                         c.next_tag += 1;
-                        c.api_waiters.insert(id, tx);
+                        c.api_waiters.insert(id, r.tx);
+                        c.api_expiry
+                            .push(std::cmp::Reverse((now.saturating_add(r.wait), id)));
                         ReplyTo::Api { id }
                     }
                 };
@@ -1630,6 +1758,18 @@ impl Core {
                 type_name,
                 envelope,
             } => c.route(&type_name, envelope),
+            ToCore::AskReply {
+                id,
+                status,
+                payload,
+            } => {
+                let reply = if status == Status::Ok {
+                    Ok(payload)
+                } else {
+                    Err(crate::entity::EntityAskError::Failed { status, payload })
+                };
+                c.answer_entity_ask(id, reply);
+            }
             ToCore::LocalReply {
                 token,
                 status,

@@ -32,7 +32,7 @@ use crate::entity::EntityFactory;
 use crate::envelope::Status;
 use crate::runtime::{ring, RingSender};
 pub use crate::status::{CoordinatorStatusView, MemberStatusView, NodeStatus, RegionStatusView};
-pub(crate) use msg::{StatsEvent, ToControl, ToCore};
+pub(crate) use msg::{ApiAnswer, StatsEvent, ToControl, ToCore};
 
 /// Errors from starting a node.
 #[derive(Debug, Error)]
@@ -367,7 +367,7 @@ impl Node {
             shardline_core::sharding::shard_id_of(id.as_str(), self.config.number_of_shards);
         let core = shard.0 as usize % self.to_cores.len();
         Ok(EntityRef {
-            type_name: t,
+            type_name: t.as_str().into(),
             id,
             to_core: self.to_cores[core].clone(),
             ask_timeout: self.config.requests.ask_timeout(),
@@ -642,7 +642,9 @@ impl Sharding<'_> {
 /// A reference to one entity; cheap to clone, usable from any thread.
 #[derive(Clone)]
 pub struct EntityRef {
-    type_name: TypeName,
+    /// The type name, shared by the messages of this reference (no
+    /// allocation per message).
+    type_name: std::sync::Arc<str>,
     id: EntityId,
     to_core: RingSender<ToCore>,
     /// `requests.ask_timeout_ms`.
@@ -666,7 +668,7 @@ impl EntityRef {
     pub fn tell(&self, message: &[u8]) -> Result<(), AskError> {
         self.to_core
             .send(ToCore::Ask {
-                type_name: self.type_name.as_str().to_string(),
+                type_name: self.type_name.clone(),
                 entity: self.id.clone(),
                 payload: message.to_vec(),
                 timeout: None,
@@ -678,7 +680,9 @@ impl EntityRef {
             })
     }
 
-    /// Sends a message and blocks until the entity's reply.
+    /// Sends a message and blocks until the entity's reply (a wrapper of
+    /// [`Self::ask_async`] for plain threads; inside an async service use
+    /// that instead, which does not hold a worker thread).
     ///
     /// The message's ask deadline is `timeout` from now, at most
     /// `requests.ask_timeout_ms` (the deadline of HTTP and native requests):
@@ -692,29 +696,110 @@ impl EntityRef {
     /// [`AskError::TimedOut`] (the message may have reached its entity).
     ///
     /// # Errors
-    /// [`AskError::Failed`] with the status of a failed request,
-    /// [`AskError::TimedOut`], [`AskError::Stopped`].
+    /// [`AskError::Failed`] with the status of a failed request (`BufferFull`
+    /// when the core's inbox is full), [`AskError::TimedOut`],
+    /// [`AskError::Stopped`].
     pub fn ask(&self, message: &[u8], timeout: Duration) -> Result<Vec<u8>, AskError> {
+        let wait = self.wait_of(timeout);
+        self.ask_async(message.to_vec(), timeout)
+            .map_err(|e| match e.reason {
+                crate::api::NotSent::InboxFull => AskError::Failed(Status::BufferFull),
+                crate::api::NotSent::Stopped => AskError::Stopped,
+            })?
+            .wait(wait)
+    }
+
+    /// Sends a message and returns a future of the entity's reply, usable
+    /// on any executor (completed from the data core's thread; see
+    /// [`crate::api`]). Deadline and wait as [`Self::ask`]: the future
+    /// resolves at the latest at the wait, to [`AskError::TimedOut`], by
+    /// the data core's tick (5 ms).
+    ///
+    /// Cancel safety: the message is sent by this call; dropping the
+    /// future does not recall it (it is still delivered, at most once) and
+    /// its reply is discarded.
+    ///
+    /// # Errors
+    /// [`crate::api::SendError`] with the message when it could not be sent
+    /// (the core's inbox is full, the node stopped).
+    pub fn ask_async(
+        &self,
+        message: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<crate::api::AskFuture, crate::api::SendError<Vec<u8>>> {
+        self.send_ask(message, timeout)
+            .map(crate::api::AskFuture::new)
+    }
+
+    /// How long an ask with `timeout` waits for its answer: `timeout`, and
+    /// at least 1 s past its deadline.
+    pub(crate) fn wait_of(&self, timeout: Duration) -> Duration {
         let deadline = timeout.min(self.ask_timeout);
-        let wait = timeout.max(deadline + Duration::from_millis(crate::config::ANSWER_GRACE_MS));
-        let (tx, rx) = crossbeam_channel::bounded(1);
+        timeout.max(deadline + Duration::from_millis(crate::config::ANSWER_GRACE_MS))
+    }
+
+    /// The `requests.ask_timeout_ms` of the node.
+    pub(crate) fn default_timeout(&self) -> Duration {
+        self.ask_timeout
+    }
+
+    /// Sends an ask; the answer arrives on the returned receiver.
+    pub(crate) fn send_ask(
+        &self,
+        message: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<crate::api::oneshot::Receiver<ApiAnswer>, crate::api::SendError<Vec<u8>>> {
+        let deadline = timeout.min(self.ask_timeout);
+        let (tx, rx) = crate::api::oneshot::channel();
         self.to_core
             .send(ToCore::Ask {
-                type_name: self.type_name.as_str().to_string(),
+                type_name: self.type_name.clone(),
                 entity: self.id.clone(),
-                payload: message.to_vec(),
+                payload: message,
                 timeout: Some(deadline),
-                reply: Some(tx),
+                reply: Some(msg::ApiReply {
+                    tx,
+                    wait: self.wait_of(timeout),
+                }),
             })
-            .map_err(|e| match e {
-                crate::runtime::RingSendError::Full(_) => AskError::Failed(Status::BufferFull),
-                _ => AskError::Stopped,
+            .map_err(|e| {
+                let (reason, m) = match e {
+                    crate::runtime::RingSendError::Full(m) => (crate::api::NotSent::InboxFull, m),
+                    crate::runtime::RingSendError::Closed(m) => (crate::api::NotSent::Stopped, m),
+                };
+                let message = match m {
+                    ToCore::Ask { payload, .. } => payload,
+                    _ => Vec::new(),
+                };
+                crate::api::SendError { message, reason }
             })?;
-        match rx.recv_timeout(wait) {
-            Ok((Status::Ok, payload)) => Ok(payload),
-            Ok((status, _)) => Err(AskError::Failed(status)),
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Err(AskError::TimedOut),
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(AskError::Stopped),
-        }
+        Ok(rx)
+    }
+
+    /// Sends a message without waiting for a reply, handing it back when
+    /// it could not be sent (see [`Self::tell`] for the deadline).
+    ///
+    /// # Errors
+    /// [`crate::api::SendError`] with the message (inbox full, node stopped).
+    pub fn try_tell(&self, message: Vec<u8>) -> Result<(), crate::api::SendError<Vec<u8>>> {
+        self.to_core
+            .send(ToCore::Ask {
+                type_name: self.type_name.clone(),
+                entity: self.id.clone(),
+                payload: message,
+                timeout: None,
+                reply: None,
+            })
+            .map_err(|e| {
+                let (reason, m) = match e {
+                    crate::runtime::RingSendError::Full(m) => (crate::api::NotSent::InboxFull, m),
+                    crate::runtime::RingSendError::Closed(m) => (crate::api::NotSent::Stopped, m),
+                };
+                let message = match m {
+                    ToCore::Ask { payload, .. } => payload,
+                    _ => Vec::new(),
+                };
+                crate::api::SendError { message, reason }
+            })
     }
 }

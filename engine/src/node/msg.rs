@@ -23,10 +23,25 @@ pub(crate) enum ReplyTo {
     Core { core: u16, token: u64 },
     /// An embedding-API ask waiting on this core.
     Api { id: u64 },
+    /// An ask of an entity of this core ([`crate::entity::EntityContext::ask`]):
+    /// the answer goes back to it through this core's inbox.
+    EntityAsk { id: u64 },
     /// Nobody: the envelope is a lifecycle system message for the runtime
     /// of the entity's home (see `node::watch`); a failure to deliver it
     /// is handled by the watch book.
     System(Box<super::watch::SystemMsg>),
+}
+
+/// What an embedding-API ask is answered on: `Some((status, payload))`,
+/// or `None` when the core gave up waiting (`wait` after the ask arrived).
+pub(crate) type ApiAnswer = Option<(Status, Vec<u8>)>;
+
+/// Where an embedding-API ask is answered.
+pub(crate) struct ApiReply {
+    /// Completed once, from the data core's thread.
+    pub tx: crate::api::oneshot::Sender<ApiAnswer>,
+    /// How long the core keeps the ask before it answers `None`.
+    pub wait: Duration,
 }
 
 /// A user message: payload bytes and who to answer.
@@ -85,11 +100,19 @@ pub(crate) enum ToCore {
     /// An embedding-API message. Its ask deadline is `timeout` from its
     /// arrival, at most `requests.ask_timeout_ms` (that when `None`).
     Ask {
-        type_name: String,
+        type_name: std::sync::Arc<str>,
         entity: EntityId,
         payload: Vec<u8>,
         timeout: Option<Duration>,
-        reply: Option<crossbeam_channel::Sender<(Status, Vec<u8>)>>,
+        reply: Option<ApiReply>,
+    },
+    /// The answer to an ask of an entity of this core
+    /// ([`ReplyTo::EntityAsk`]), delivered from the inbox so that the
+    /// asker's handler never runs inside another's.
+    AskReply {
+        id: u64,
+        status: Status,
+        payload: Vec<u8>,
     },
     /// A user message forwarded by another core of this node.
     Forwarded {

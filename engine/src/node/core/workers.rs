@@ -326,13 +326,42 @@ impl Core {
     /// a handler never runs inside another's). A forward takes `sender`.
     pub(super) fn send_outgoing(&mut self, out: Vec<Outgoing>, sender: &mut Option<ReplyTo>) {
         for o in out {
-            let to = if o.forward {
+            let mut deadline = None;
+            let to = if let Some(a) = &o.ask {
+                // An ask between entities: its answer comes back to the
+                // asking incarnation (`Core::answer_entity_ask`).
+                let inc = self
+                    .types
+                    .get(&a.from_type)
+                    .and_then(|h| h.entities.get(&a.from_id))
+                    .map(|l| l.incarnation);
+                let Some(incarnation) = inc else {
+                    tracing::warn!(
+                        entity = %a.from_id,
+                        "ask dropped: only sharded entities can ask"
+                    );
+                    continue;
+                };
+                let now = self.now();
+                self.entity_asks.insert(
+                    a.id.0,
+                    super::EntityAskWait {
+                        type_name: a.from_type.clone(),
+                        entity: a.from_id.clone(),
+                        incarnation,
+                    },
+                );
+                self.entity_ask_expiry
+                    .push(std::cmp::Reverse((now.saturating_add(a.timeout), a.id.0)));
+                deadline = Some(now + a.timeout.min(self.config.requests.ask_timeout()));
+                ReplyTo::EntityAsk { id: a.id.0 }
+            } else if o.forward {
                 sender.take().unwrap_or(ReplyTo::Nobody)
             } else {
                 ReplyTo::Nobody
             };
             let envelope = Envelope {
-                deadline: None,
+                deadline,
                 shard: shard_id_of(o.entity_id.as_str(), self.config.number_of_shards),
                 entity: o.entity_id,
                 sender: to,

@@ -1,0 +1,155 @@
+//! The asynchronous embedding API under the typed one ([`crate::typed`]):
+//! [`AskFuture`], the answer of [`crate::EntityRef::ask_async`], and
+//! [`block_on`] for plain threads.
+//!
+//! The future is completed from the data core's thread through a small
+//! one-value channel (a mutex-guarded cell and the waiting task's `Waker`),
+//! so it needs no particular runtime: it works under tokio, async-std,
+//! smol, or [`block_on`]. The data core, not a timer of the caller's
+//! executor, ends the wait: an ask with no answer by its wait (see
+//! [`crate::EntityRef::ask`]) is answered [`crate::AskError::TimedOut`]
+//! by the core's 5 ms tick.
+//!
+//! # Cancel safety
+//! The message is sent when `ask_async` is called, not when the future is
+//! first polled. Dropping the [`AskFuture`] (a `select!` that took another
+//! branch, a `tokio::time::timeout`, an HTTP client gone) does not recall
+//! the message: it is delivered and handled as if the future were still
+//! there (at most once), and its reply is discarded by the data core when
+//! it arrives. So a dropped ask may still have had its effect; retry only
+//! commands that are safe to repeat.
+
+pub(crate) mod oneshot;
+
+pub use oneshot::block_on;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use thiserror::Error;
+
+use crate::envelope::Status;
+use crate::node::AskError;
+
+/// Why a message was not sent ([`SendError`]); nothing reached the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum NotSent {
+    /// The data core's inbox is full (64 Ki messages): back off and retry.
+    #[error("the data core's inbox is full")]
+    InboxFull,
+    /// The node has stopped.
+    #[error("node stopped")]
+    Stopped,
+}
+
+/// A message that could not be sent, handed back with the reason.
+#[derive(Debug, Error)]
+#[error("not sent: {reason}")]
+pub struct SendError<M> {
+    /// The message, unchanged.
+    pub message: M,
+    /// Why it was not sent.
+    pub reason: NotSent,
+}
+
+/// The answer to an [`crate::EntityRef::ask_async`]: resolves to the
+/// entity's reply payload.
+///
+/// Resolves, from the data core's thread, to `Ok(payload)`,
+/// [`AskError::Failed`] with the status of a failed request,
+/// [`AskError::TimedOut`] when no answer came by the ask's wait, or
+/// [`AskError::Stopped`] when the node stopped. See the module docs for
+/// cancel safety.
+#[must_use = "the reply is only read by awaiting the future (the message is sent already)"]
+pub struct AskFuture {
+    rx: oneshot::Receiver<crate::node::ApiAnswer>,
+}
+
+impl AskFuture {
+    pub(crate) fn new(rx: oneshot::Receiver<crate::node::ApiAnswer>) -> Self {
+        AskFuture { rx }
+    }
+
+    /// Blocks the calling thread until the answer, or `wait` passed
+    /// ([`AskError::TimedOut`]).
+    ///
+    /// # Errors
+    /// As the future.
+    pub fn wait(self, wait: std::time::Duration) -> Result<Vec<u8>, AskError> {
+        match self.rx.recv_timeout(wait) {
+            Ok(a) => answer(a),
+            Err(Some(oneshot::Closed)) => Err(AskError::Stopped),
+            Err(None) => Err(AskError::TimedOut),
+        }
+    }
+}
+
+fn answer(a: crate::node::ApiAnswer) -> Result<Vec<u8>, AskError> {
+    match a {
+        Some((Status::Ok, payload)) => Ok(payload),
+        Some((status, _)) => Err(AskError::Failed(status)),
+        None => Err(AskError::TimedOut),
+    }
+}
+
+/// An answer with the payload of a failed request (the typed API keeps
+/// it).
+pub(crate) enum RawAnswer {
+    Reply(Vec<u8>),
+    Failed(Status, Vec<u8>),
+    TimedOut,
+    Stopped,
+}
+
+/// The future of a raw answer (status and payload), for the typed API.
+pub(crate) struct RawAskFuture {
+    rx: oneshot::Receiver<crate::node::ApiAnswer>,
+}
+
+impl RawAskFuture {
+    pub(crate) fn new(rx: oneshot::Receiver<crate::node::ApiAnswer>) -> Self {
+        RawAskFuture { rx }
+    }
+
+    pub(crate) fn wait(self, wait: std::time::Duration) -> RawAnswer {
+        match self.rx.recv_timeout(wait) {
+            Ok(a) => raw(a),
+            Err(Some(oneshot::Closed)) => RawAnswer::Stopped,
+            Err(None) => RawAnswer::TimedOut,
+        }
+    }
+}
+
+fn raw(a: crate::node::ApiAnswer) -> RawAnswer {
+    match a {
+        Some((Status::Ok, payload)) => RawAnswer::Reply(payload),
+        Some((status, payload)) => RawAnswer::Failed(status, payload),
+        None => RawAnswer::TimedOut,
+    }
+}
+
+impl Future for RawAskFuture {
+    type Output = RawAnswer;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<RawAnswer> {
+        match Pin::new(&mut self.rx).poll(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Ok(a)) => Poll::Ready(raw(a)),
+            Poll::Ready(Err(oneshot::Closed)) => Poll::Ready(RawAnswer::Stopped),
+        }
+    }
+}
+
+impl Future for AskFuture {
+    type Output = Result<Vec<u8>, AskError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match Pin::new(&mut self.rx).poll(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Ok(a)) => Poll::Ready(answer(a)),
+            Poll::Ready(Err(oneshot::Closed)) => Poll::Ready(Err(AskError::Stopped)),
+        }
+    }
+}
