@@ -714,8 +714,8 @@ impl EventLog for PgLog {
     }
 
     fn recover(&mut self, pid: &PersistenceId, epoch: WriterEpoch) -> Result<Recovered, String> {
-        // Blocking read (remember entities at a shard's start): waits for
-        // a reader thread, bounded.
+        // Blocking read for callers off the data cores (tests, tools): the
+        // cores use `recover_start`. Waits for a reader thread, bounded.
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.forget_rejections(pid.as_str());
         let req = ReadRequest {
