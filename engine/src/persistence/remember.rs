@@ -240,6 +240,11 @@ mod tests {
         let ids = read("t", &r, ShardId(3));
         assert_eq!(ids.len(), 3);
         drop(super::super::uninstall());
+        // Without a journal the read fails: the shard must not start empty.
+        match recover_start("t", &r, ShardId(3)) {
+            RememberRead::Ready(Err(e)) => assert!(e.message.contains("no journal"), "{e}"),
+            other => panic!("expected a failed read, got {other:?}"),
+        }
         assert_eq!(pace(0), RememberEntitiesPace::AllAtOnce);
         assert_eq!(
             pace(25),
