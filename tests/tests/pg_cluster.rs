@@ -14,7 +14,10 @@
 //! - kill -9 of the coordinator's node under load, then whole-cluster
 //!   restarts (SIGTERM onto the same data dirs, kill -9 onto empty new
 //!   ones): the coordinator recovers from the database each time, the
-//!   cluster keeps its id, and every counter keeps its value.
+//!   cluster keeps its id, and every counter keeps its value;
+//! - remembered entities read while the database refuses (row locks): the
+//!   cores keep answering, no shard starts empty, the retries start them;
+//! - a hand-off of counters with adds in flight: answered and kept.
 
 #[path = "node_cases/support.rs"]
 mod support;
@@ -687,4 +690,211 @@ fn coordinator_kill_9_and_whole_cluster_restarts_recover_from_the_database() {
     for mut n in nodes {
         let _ = n.wait_exit(Duration::from_secs(20));
     }
+}
+
+/// Waits (bounded) until another session runs `pg_sleep` (the lock
+/// holder of a test has taken its row locks and sleeps).
+fn wait_for_lock_holder(pg: &TempPg) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pg.psql(
+        "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' \
+         AND query LIKE '%pg_sleep(%' AND pid <> pg_backend_pid()",
+    ) != "1"
+    {
+        assert!(Instant::now() < deadline, "the lock holder never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+}
+
+/// Live `counter` entities at `addr` and the regions' journal errors.
+fn live_and_errors(addr: SocketAddr) -> Option<(Vec<String>, Vec<String>)> {
+    let s = status(addr)?;
+    let live = s
+        .regions
+        .iter()
+        .filter(|r| r.type_name == "counter")
+        .flat_map(|r| r.shards.values().flatten().cloned())
+        .collect();
+    let errors = s
+        .regions
+        .iter()
+        .filter_map(|r| r.journal_error.clone())
+        .collect();
+    Some((live, errors))
+}
+
+/// A shard's remembered entities are read off the data core: while the
+/// database refuses the reads (their rows locked by another session, the
+/// node's `lock_timeout` 300 ms) the node's cores keep answering a
+/// non-durable `echo`, no remembered shard starts empty, the regions'
+/// `journal_error` names the failed read, and once the rows are free the
+/// retried reads start every remembered counter without a message.
+#[test]
+fn remembered_entities_read_while_the_database_refuses_do_not_block_the_core_nor_start_empty() {
+    let _one = support::serial();
+    let pg = TempPg::start();
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = 26_500;
+    let keys = "remember_entities = true";
+    let mut a = start_node_with(dir.path(), base, 0, 1, &pg.url(), keys);
+    let addr = client_addr(base, 0);
+    wait_up(&[addr], 1);
+    let ids: Vec<String> = (0..30).map(|i| format!("r-{i}")).collect();
+    let mut c = Client::connect(addr).expect("connect");
+    for id in &ids {
+        let r = c
+            .ask("counter", id, b"add 5", Duration::from_secs(20))
+            .expect("add");
+        assert_eq!(
+            (r.status, r.payload.as_slice()),
+            (Status::Ok, &b"5"[..]),
+            "{id}"
+        );
+    }
+    drop(c);
+    a.signal(libc::SIGTERM);
+    let st = a.wait_exit(Duration::from_secs(30)).expect("node exits");
+    assert!(st.success(), "{st}");
+    let shards: u32 = pg
+        .psql(
+            "SELECT count(*) FROM shardline_writers WHERE persistence_id LIKE '__shard|counter|%'",
+        )
+        .parse()
+        .expect("count");
+    assert!(shards > 1, "remember-entities records of several shards");
+    // New connections (the restarted node's) give up on a lock after 300 ms.
+    pg.psql("ALTER ROLE postgres SET lock_timeout = '300ms'");
+    let mut a = std::thread::scope(|s| {
+        let holder = s.spawn(|| {
+            pg.psql(
+                "BEGIN; SELECT persistence_id FROM shardline_writers \
+                 WHERE persistence_id LIKE '__shard|%' FOR UPDATE; \
+                 SELECT pg_sleep(6); COMMIT;",
+            )
+        });
+        wait_for_lock_holder(&pg);
+        let locked_until = Instant::now() + Duration::from_secs(6);
+        let a = start_node_with(dir.path(), base, 0, 1, &pg.url(), keys);
+        let mut c = Client::connect(addr).expect("connect");
+        let (mut answered, mut named) = (0usize, false);
+        while Instant::now() + Duration::from_millis(1500) < locked_until {
+            for k in 0..8 {
+                let id = format!("e-{answered}-{k}");
+                let r = c
+                    .ask("echo", &id, b"ping", Duration::from_secs(2))
+                    .expect("echo answers while remembered entities cannot be read");
+                assert_eq!((r.status, r.payload.as_slice()), (Status::Ok, &b"ping"[..]));
+            }
+            answered += 1;
+            if let Some((live, errors)) = live_and_errors(addr) {
+                assert!(
+                    live.is_empty(),
+                    "no remembered shard starts before its read succeeded: {live:?}"
+                );
+                named |= errors
+                    .iter()
+                    .any(|e| e.contains("remembered entities") && e.contains("lock timeout"));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        assert!(answered >= 3, "echo rounds while locked: {answered}");
+        assert!(
+            named,
+            "the status names the failed read of remembered entities"
+        );
+        holder.join().expect("lock holder");
+        a
+    });
+    // The rows are free: the retried reads start every remembered counter.
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        let (live, errors) = live_and_errors(addr).unwrap_or_default();
+        if ids.iter().all(|id| live.contains(id)) && errors.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "remembered counters not all started after the lock: {} of {} live, errors {errors:?}",
+            ids.iter().filter(|id| live.contains(*id)).count(),
+            ids.len()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(get_all(addr, &ids), vec![5; 30]);
+    pg.psql("ALTER ROLE postgres RESET lock_timeout");
+    a.signal(libc::SIGTERM);
+    let _ = a.wait_exit(Duration::from_secs(20));
+}
+
+/// A graceful leave hands off shards whose counters have adds in flight
+/// (their commits held back by row locks on their writer rows for 2 s):
+/// the leaving node's entities stop only after those commits (the core is
+/// woken by the journal, nothing waits on it), every add is answered `Ok`
+/// (none "entity stopped" or fenced), and the new home reads every
+/// acknowledged add.
+#[test]
+fn a_hand_off_with_events_in_flight_answers_them_and_loses_nothing() {
+    let _one = support::serial();
+    let pg = TempPg::start();
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = 26_600;
+    let mut a = start_node(dir.path(), base, 0, 2, &pg.url());
+    let mut b = start_node(dir.path(), base, 1, 2, &pg.url());
+    let addrs = [client_addr(base, 0), client_addr(base, 1)];
+    wait_up(&addrs, 2);
+    let ids: Vec<String> = (0..40).map(|i| format!("h-{i}")).collect();
+    let mut c = Client::connect(addrs[0]).expect("connect");
+    for id in &ids {
+        let r = c
+            .ask("counter", id, b"add 1", Duration::from_secs(20))
+            .expect("add");
+        assert_eq!(r.status, Status::Ok, "{id}");
+    }
+    let on_b = support::live_entities(addrs[1], "counter").expect("status");
+    assert!(!on_b.is_empty(), "node 1 hosts some counters");
+    let stop = Arc::new(AtomicBool::new(false));
+    let chunks: Vec<Vec<String>> = ids.chunks(5).map(<[String]>::to_vec).collect();
+    let loads: Vec<_> = chunks
+        .iter()
+        .map(|ch| load(addrs[0], ch.clone(), stop.clone()))
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    std::thread::scope(|s| {
+        let holder = s.spawn(|| {
+            pg.psql(
+                "BEGIN; SELECT persistence_id FROM shardline_writers \
+                 WHERE persistence_id LIKE 'counter|h-%' FOR UPDATE; \
+                 SELECT pg_sleep(2); COMMIT;",
+            )
+        });
+        wait_for_lock_holder(&pg);
+        // The loads' next adds are appended and wait for their commit.
+        std::thread::sleep(Duration::from_millis(300));
+        b.signal(libc::SIGTERM);
+        holder.join().expect("lock holder");
+    });
+    let st = b.wait_exit(Duration::from_secs(60)).expect("node 1 exits");
+    assert!(st.success(), "graceful leave exits 0: {st}");
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    let mut t = Tally::default();
+    for (ch, l) in chunks.iter().zip(loads) {
+        let lt = l.join().expect("load");
+        assert_eq!(lt.acked.len(), ch.len());
+        t.acked.extend(lt.acked.iter().map(|n| n + 1));
+        t.unknown.extend(lt.unknown);
+        t.errors.extend(lt.errors);
+    }
+    let values = get_all(addrs[0], &ids);
+    verify(&values, &t, &ids);
+    assert_eq!(
+        t.unknown.iter().sum::<i64>(),
+        0,
+        "every add through the surviving node is answered Ok: {:?}",
+        t.errors
+    );
+    assert!(t.acked.iter().sum::<i64>() > 80, "adds: {:?}", t.acked);
+    a.signal(libc::SIGTERM);
+    let _ = a.wait_exit(Duration::from_secs(20));
 }

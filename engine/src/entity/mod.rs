@@ -441,6 +441,18 @@ pub trait Entity: 'static {
         Ok(())
     }
 
+    /// The runtime is about to stop this incarnation (passivation,
+    /// hand-off, node stop). Returning `true` keeps it until the journal
+    /// appends it has in flight have an outcome: meanwhile it gets no
+    /// message (the region buffers them), [`Self::on_durable`] is called as
+    /// the core's durable LSN moves, and this is asked again after each
+    /// call; [`Self::on_stop`] follows once it returns `false`. A hand-off
+    /// reports its shard stopped only after that. Nothing waits on the core
+    /// meanwhile. Default: `false` (stop at once).
+    fn on_stopping(&mut self) -> bool {
+        false
+    }
+
     /// Called once when the incarnation stops (passivation, hand-off, leave).
     fn on_stop(&mut self) {}
 

@@ -144,7 +144,7 @@ pub struct Persistent {
     needs_recovery: bool,
     /// Recovery failed for good: every command fails with this.
     failed: Option<String>,
-    /// `on_stop` is running: no new recovery.
+    /// Being stopped (`on_stopping`, `on_stop`): no new recovery.
     stopping: bool,
 }
 
@@ -532,39 +532,31 @@ impl Entity for Persistent {
         }
     }
 
+    fn on_stopping(&mut self) -> bool {
+        // Events in flight are in the journal: the runtime keeps this
+        // incarnation until they have an outcome (`on_durable` runs their
+        // handlers and answers their commands; stashed commands run then
+        // too), so their commands are answered truthfully and a hand-off
+        // completes only after they are durable. A recovery in flight is
+        // dropped by `on_stop` (no state to answer from).
+        self.stopping = true;
+        self.recovering.is_none() && !self.in_flight.is_empty()
+    }
+
     fn on_stop(&mut self) {
         self.stopping = true;
         if let Some(t) = self.recovering.take() {
             let _ = persistence::with_log(|l| l.recover_forget(t));
         }
-        // Events in flight are in the journal; wait for them (at most one
-        // flush) so their commands are answered truthfully.
-        if let Some(last) = self.in_flight.back().map(|f| f.lsn) {
-            let ok = persistence::with_log(|l| l.wait_durable(last)).and_then(|r| r);
-            let id = EntityId::new("stopping").ok();
-            if let (Ok(()), Some(id)) = (ok, id) {
-                let mut ctx = EntityContext::new(&id);
-                if self.advance(&mut ctx, last).is_ok() {
-                    // Stashed commands that appended more are answered
-                    // after one more wait.
-                    if let Some(l2) = self.in_flight.back().map(|f| f.lsn) {
-                        if persistence::with_log(|l| l.wait_durable(l2)).is_ok() {
-                            let _ = self.advance(&mut ctx, l2);
-                        }
-                    }
-                }
-            }
-        }
         self.fail_pending("entity stopped");
     }
 }
-
-use shardline_core::ids::EntityId;
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::persistence::{EventLog, Recovered};
+    use shardline_core::ids::EntityId;
     use std::collections::HashMap;
 
     /// An in-memory log whose durable LSN the test moves by hand.
@@ -780,5 +772,33 @@ mod tests {
         h.make_durable(3);
         assert_eq!(h.trace(), vec!["evt x2"]);
         assert_eq!(h.replies().len(), 3);
+    }
+
+    #[test]
+    fn a_stopping_entity_is_kept_until_its_events_are_durable_and_answers_them() {
+        let mut h = Harness::new();
+        let a = h.send("s:e1");
+        let b = h.send("s:e2");
+        assert!(h.replies().is_empty());
+        // Stop requested with e1 in flight and B stashed: kept, nothing
+        // answered yet, nothing failed.
+        assert!(h.host.on_stopping());
+        assert!(h.replies().is_empty());
+        // e1 durable: A answered, the stashed B runs (e2 appended): still
+        // kept.
+        h.make_durable(1);
+        assert_eq!(h.replies(), vec![(a, "done e1".to_string())]);
+        assert!(h.host.on_stopping());
+        h.make_durable(2);
+        assert_eq!(h.replies(), vec![(b, "done e2".to_string())]);
+        // Nothing in flight: it may stop; `on_stop` answers nothing more.
+        assert!(!h.host.on_stopping());
+        h.host.on_stop();
+        assert!(h.replies().is_empty());
+        // `on_stop` without `on_stopping` (a failed incarnation) waits for
+        // nothing: its command in flight fails.
+        let c = h.send("s:e3");
+        h.host.on_stop();
+        assert_eq!(h.replies(), vec![(c, "entity stopped".to_string())]);
     }
 }

@@ -312,6 +312,13 @@ impl Entity for Supervisor {
         Ok(())
     }
 
+    fn on_stopping(&mut self) -> bool {
+        let Some(c) = self.child.as_mut() else {
+            return false;
+        };
+        catch_unwind(AssertUnwindSafe(|| c.on_stopping())).unwrap_or(false)
+    }
+
     fn on_stop(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = catch_unwind(AssertUnwindSafe(|| c.on_stop()));

@@ -134,6 +134,38 @@ struct Link {
     outbox: Rc<Outbox>,
 }
 
+/// An incarnation being stopped whose journal appends have no outcome yet
+/// ([`Entity::on_stopping`]): it gets no message, only
+/// [`Entity::on_durable`], until they do; then it stops.
+struct Stopping {
+    type_name: String,
+    id: EntityId,
+    live: Live,
+    reason: TerminatedReason,
+    /// Tell the region when it stopped (false when the whole node stops).
+    tell_region: bool,
+}
+
+/// A read of a shard's remembered entities in flight, or waiting to be
+/// retried after a failure (the shard waits in `Recovering`, its messages
+/// buffered in the region).
+struct RememberPending {
+    type_name: String,
+    shard: ShardId,
+    /// The shard's allocation generation when the read started.
+    generation: u64,
+    /// The read in flight (`None`: retry at `retry_at`).
+    ticket: Option<u64>,
+    retry_at: Duration,
+    /// Failed reads in a row (count).
+    failures: u32,
+}
+
+/// First and largest delay before a failed read of remembered entities is
+/// retried.
+const REMEMBER_RETRY_MIN: Duration = Duration::from_millis(100);
+const REMEMBER_RETRY_MAX: Duration = Duration::from_secs(2);
+
 struct Pending {
     reply_to: ReplyTo,
     link: RegionId,
@@ -196,6 +228,13 @@ pub(crate) struct Core {
     /// Why this core's journal could not be opened (durable entities then
     /// fail and `/health/ready` answers 503).
     journal_error: Option<String>,
+    /// Incarnations stopping after their appends in flight, by incarnation.
+    stopping: FastMap<u64, Stopping>,
+    /// Reads of remembered entities in flight or waiting for a retry.
+    remember_reads: Vec<RememberPending>,
+    /// Why the last read of remembered entities failed, while a shard
+    /// waits for its retry.
+    remember_error: Option<String>,
     /// The node's data scope (cluster id for the data lanes' hellos).
     scope: Arc<crate::persistence::DataScope>,
     /// What this node's hellos carry.
@@ -263,6 +302,9 @@ pub(crate) async fn run(init: CoreInit) {
         watches: WatchBook::default(),
         flushing_system: false,
         journal_error: None,
+        stopping: FastMap::default(),
+        remember_reads: Vec::new(),
+        remember_error: None,
     }));
     drop(init.shared);
     {
@@ -975,23 +1017,29 @@ impl Core {
                         self.deliver(t, env);
                     }
                     tracing::debug!(entity = %entity, ?reason, "stopping entity");
-                    if let Some(h) = self.types.get_mut(t) {
-                        if let Some(mut l) = h.entities.remove(&entity) {
-                            l.entity.on_stop();
-                            let inc = l.incarnation;
-                            self.fail_deferred(inc);
+                    let live = self
+                        .types
+                        .get_mut(t)
+                        .and_then(|h| h.entities.remove(&entity));
+                    match live {
+                        Some(l) => {
                             let why = match reason {
                                 shardline_core::sharding::StopReason::HandOff => {
                                     TerminatedReason::HandOff
                                 }
                                 _ => TerminatedReason::Stopped,
                             };
-                            self.entity_gone(t, &entity, why);
+                            // The region learns that it stopped (and a
+                            // hand-off's `ShardStopped` can go) only once
+                            // its appends in flight have an outcome.
+                            self.begin_stop(t, entity, l, why, true);
                         }
-                    }
-                    let now = self.now();
-                    if let Some(h) = self.types.get_mut(t) {
-                        h.region.handle_entity_stopped(now, shard, &entity);
+                        None => {
+                            let now = self.now();
+                            if let Some(h) = self.types.get_mut(t) {
+                                h.region.handle_entity_stopped(now, shard, &entity);
+                            }
+                        }
                     }
                 }
                 RegionEffect::Persist(ev) => {
@@ -1000,11 +1048,7 @@ impl Core {
                     }
                 }
                 RegionEffect::RecoverRememberedEntities { shard } => {
-                    let now = self.now();
-                    if let Some(h) = self.types.get_mut(t) {
-                        let ids = crate::persistence::remember::recover(t, &h.region, shard);
-                        h.region.handle_remembered_entities(now, shard, ids);
-                    }
+                    self.start_remember_read(t, shard, 0);
                 }
                 RegionEffect::Fail { envelope, reason } => {
                     let status = match reason {
@@ -1236,7 +1280,12 @@ impl Core {
         let Ok(durable) = crate::persistence::with_log(|l| l.durable_lsn().0) else {
             return;
         };
+        self.poll_remember_reads();
         for (t, id, inc) in self.durable.take_waiting() {
+            if self.stopping.contains_key(&inc) {
+                self.stopping_durable(inc, durable);
+                continue;
+            }
             let Some(h) = self.types.get_mut(&t) else {
                 continue;
             };
@@ -1285,6 +1334,215 @@ impl Core {
                 }
                 self.run_effects(&t);
             }
+        }
+    }
+
+    // ----- stopping entities with appends in flight -----
+
+    /// Stops incarnation `l` of `id`: at once, or (when it has journal
+    /// appends without an outcome, [`Entity::on_stopping`]) once they have
+    /// one: it is kept aside, gets [`Entity::on_durable`] as the journal's
+    /// durable LSN moves (the journal's own notification wakes the core; no
+    /// waiting on this thread), and stops then. Only then are its watchers
+    /// told and, with `tell_region`, the region (so a hand-off's
+    /// `ShardStopped` leaves after every stopped entity's events are
+    /// durable).
+    fn begin_stop(
+        &mut self,
+        t: &str,
+        id: EntityId,
+        mut l: Live,
+        reason: TerminatedReason,
+        tell_region: bool,
+    ) {
+        let keep = l.entity.on_stopping();
+        self.drain_completions();
+        let st = Stopping {
+            type_name: t.to_string(),
+            id,
+            live: l,
+            reason,
+            tell_region,
+        };
+        if keep {
+            let inc = st.live.incarnation;
+            self.durable.wait(t, &st.id, inc);
+            self.stopping.insert(inc, st);
+        } else {
+            self.end_stop(st);
+        }
+    }
+
+    /// The last step of a stop: `on_stop`, the incarnation's deferred
+    /// replies, its watchers, and (with `tell_region`) the region, whose
+    /// effects the caller runs.
+    fn end_stop(&mut self, mut st: Stopping) {
+        st.live.entity.on_stop();
+        let inc = st.live.incarnation;
+        self.fail_deferred(inc);
+        self.entity_gone(&st.type_name, &st.id, st.reason);
+        if st.tell_region {
+            let now = self.now();
+            if let Some(h) = self.types.get_mut(&st.type_name) {
+                h.region.handle_entity_stopped(now, st.live.shard, &st.id);
+            }
+        }
+    }
+
+    /// The durable LSN moved while incarnation `inc` is stopping: its
+    /// handlers run and answer; it stops once nothing is in flight.
+    fn stopping_durable(&mut self, inc: u64, durable: u64) {
+        let Some(st) = self.stopping.get_mut(&inc) else {
+            return;
+        };
+        let mut ctx = EntityContext::new(&st.id).with_type(&st.type_name, st.live.epoch);
+        let res = st.live.entity.on_durable(&mut ctx, durable);
+        drop(ctx);
+        let keep = res.is_ok() && st.live.entity.on_stopping();
+        let (t, id) = (st.type_name.clone(), st.id.clone());
+        self.drain_completions();
+        if keep {
+            self.durable.wait(&t, &id, inc);
+            return;
+        }
+        let Some(mut st) = self.stopping.remove(&inc) else {
+            return;
+        };
+        if let Err(e) = res {
+            tracing::warn!(entity = %st.id, error = %e, "entity failed on a durable event while stopping");
+            st.reason = TerminatedReason::Failed;
+        }
+        let tell = st.tell_region;
+        self.end_stop(st);
+        if tell {
+            self.run_effects(&t);
+        }
+    }
+
+    // ----- remembered entities -----
+
+    /// Starts reading the remembered entities of `shard` (waiting in
+    /// `Recovering`): the local journal answers at once, the database on a
+    /// reader thread (the durability wake then polls it). A failed read
+    /// starts nothing: the shard keeps waiting, its messages buffered in
+    /// the region (bounded by `buffer_size` and their deadlines), and the
+    /// read is retried after a backoff; the reason is in the regions'
+    /// `journal_error` meanwhile.
+    fn start_remember_read(&mut self, t: &str, shard: ShardId, failures: u32) {
+        use crate::persistence::remember::{self, RememberRead};
+        let now = self.now();
+        let Some(h) = self.types.get_mut(t) else {
+            return;
+        };
+        let Some(generation) = h.region.recovering_generation(shard) else {
+            return;
+        };
+        match remember::recover_start(t, &h.region, shard) {
+            RememberRead::Ready(Ok(ids)) => {
+                h.region.handle_remembered_entities(now, shard, ids);
+                self.remember_read_ok();
+            }
+            RememberRead::Ready(Err(e)) => {
+                self.remember_failed(t, shard, generation.0, failures, &e);
+            }
+            RememberRead::Pending(ticket) => self.remember_reads.push(RememberPending {
+                type_name: t.to_string(),
+                shard,
+                generation: generation.0,
+                ticket: Some(ticket),
+                retry_at: now,
+                failures,
+            }),
+        }
+    }
+
+    fn remember_read_ok(&mut self) {
+        if !self.remember_reads.iter().any(|r| r.failures > 0) {
+            self.remember_error = None;
+        }
+    }
+
+    fn remember_failed(
+        &mut self,
+        t: &str,
+        shard: ShardId,
+        generation: u64,
+        failures: u32,
+        e: &crate::persistence::LogError,
+    ) {
+        let delay = REMEMBER_RETRY_MIN
+            .saturating_mul(1 << failures.min(5))
+            .min(REMEMBER_RETRY_MAX);
+        let why = format!(
+            "journal read of remembered entities failed: shard {} of {t}: {e}; the shard \
+             waits and the read is retried",
+            shard.0
+        );
+        if failures == 0 {
+            tracing::warn!(core = self.index, type_name = t, shard = shard.0, error = %e,
+                "remembered entities not read; the shard does not start until they are (retrying)");
+        } else {
+            tracing::debug!(core = self.index, type_name = t, shard = shard.0, error = %e, "remembered entities not read again");
+        }
+        self.remember_error = Some(why);
+        let now = self.now();
+        self.remember_reads.push(RememberPending {
+            type_name: t.to_string(),
+            shard,
+            generation,
+            ticket: None,
+            retry_at: now + delay,
+            failures: failures.saturating_add(1),
+        });
+    }
+
+    /// Takes the finished reads of remembered entities (their shards start)
+    /// and starts the retries that are due; drops reads of shards that are
+    /// no longer waiting for them with that generation.
+    fn poll_remember_reads(&mut self) {
+        use crate::persistence::remember;
+        if self.remember_reads.is_empty() {
+            return;
+        }
+        let now = self.now();
+        let mut touched: Vec<String> = Vec::new();
+        for r in std::mem::take(&mut self.remember_reads) {
+            let current = self
+                .types
+                .get(&r.type_name)
+                .and_then(|h| h.region.recovering_generation(r.shard))
+                .is_some_and(|g| g.0 == r.generation);
+            match r.ticket {
+                Some(ticket) if !current => remember::recover_forget(ticket),
+                Some(ticket) => match remember::recover_poll(&r.type_name, r.shard, ticket) {
+                    None => self.remember_reads.push(r),
+                    Some(Ok(ids)) => {
+                        if let Some(h) = self.types.get_mut(&r.type_name) {
+                            h.region.handle_remembered_entities(now, r.shard, ids);
+                        }
+                        if r.failures > 0 {
+                            tracing::info!(core = self.index, type_name = %r.type_name, shard = r.shard.0,
+                                "remembered entities read after a retry; the shard starts");
+                        }
+                        touched.push(r.type_name);
+                    }
+                    Some(Err(e)) => {
+                        self.remember_failed(&r.type_name, r.shard, r.generation, r.failures, &e);
+                    }
+                },
+                None if !current => {}
+                None if r.retry_at <= now => {
+                    self.start_remember_read(&r.type_name, r.shard, r.failures);
+                    touched.push(r.type_name);
+                }
+                None => self.remember_reads.push(r),
+            }
+        }
+        self.remember_read_ok();
+        touched.sort();
+        touched.dedup();
+        for t in touched {
+            self.run_effects(&t);
         }
     }
 
@@ -1589,6 +1847,10 @@ impl Core {
             };
             self.answer_entity_ask(id, Err(crate::entity::EntityAskError::TimedOut));
         }
+        // Retries of failed reads of remembered entities.
+        if self.remember_reads.iter().any(|r| r.ticket.is_none()) {
+            self.poll_remember_reads();
+        }
         // Forwarded messages without a reply.
         if !self.pending.is_empty() {
             let late: Vec<u64> = self
@@ -1805,15 +2067,20 @@ impl Core {
             self.run_effects(t);
         }
         for t in types {
-            let mut gone = Vec::new();
-            if let Some(h) = self.types.get_mut(&t) {
-                for (id, mut l) in h.entities.drain() {
-                    l.entity.on_stop();
-                    gone.push(id);
-                }
+            let live: Vec<(EntityId, Live)> = match self.types.get_mut(&t) {
+                Some(h) => h.entities.drain().collect(),
+                None => Vec::new(),
+            };
+            // Entities with appends in flight stop when those have an
+            // outcome (within the stop drain; `finish_drain` stops the
+            // rest).
+            for (id, l) in live {
+                self.begin_stop(&t, id, l, TerminatedReason::NodeStopped, false);
             }
-            for id in gone {
-                self.entity_gone(&t, &id, TerminatedReason::NodeStopped);
+        }
+        for r in std::mem::take(&mut self.remember_reads) {
+            if let Some(ticket) = r.ticket {
+                crate::persistence::remember::recover_forget(ticket);
             }
         }
         self.workers_stop();
@@ -1838,6 +2105,12 @@ impl Core {
             return;
         }
         self.drained = true;
+        let stopping: Vec<u64> = self.stopping.keys().copied().collect();
+        for inc in stopping {
+            if let Some(st) = self.stopping.remove(&inc) {
+                self.end_stop(st);
+            }
+        }
         let pending: Vec<Pending> = self.pending.drain().map(|(_, p)| p).collect();
         let local: Vec<ReplyTo> = self.local_pending.drain().map(|(_, r)| r).collect();
         let unanswered = pending.len() + local.len();
@@ -1875,7 +2148,8 @@ impl Core {
         let journal_error = self
             .journal_error
             .clone()
-            .or_else(|| crate::persistence::with_log(|l| l.health()).ok().flatten());
+            .or_else(|| crate::persistence::with_log(|l| l.health()).ok().flatten())
+            .or_else(|| self.remember_error.clone());
         let mut v: Vec<RegionStatusView> = self
             .types
             .iter()

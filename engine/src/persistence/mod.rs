@@ -88,8 +88,10 @@ pub trait EventLog {
     /// The last sequence number of `pid` in this journal (0: none).
     fn highest_sequence_nr(&self, pid: &PersistenceId) -> u64;
 
-    /// Blocks until `lsn` is durable (used only when an entity with
-    /// events in flight is stopped, at most one flush).
+    /// Blocks until `lsn` is durable. Not called on a data core (a
+    /// stopping entity with events in flight is kept until the journal's
+    /// notice, [`crate::entity::Entity::on_stopping`]); for callers on other
+    /// threads (tests, tools).
     ///
     /// # Errors
     /// A description when it will never be durable (poisoned, closed).

@@ -6,9 +6,12 @@
 //! id `__shard|{type_name}|{shard}` with the shard's allocation generation
 //! as writer epoch. Payload: one byte (1 started, 2 stopped) then the
 //! entity id's UTF-8 bytes. When a shard starts on a core (after a move or
-//! a restart), its events are read from every journal of the data root
-//! (see [`super::EventLog::recover`]) and folded into the set of entities
-//! to start, which the region starts at the configured pace. The appends
+//! a restart), its events are read ([`recover_start`]: from every journal
+//! of the data root at once, or from the database on a reader thread,
+//! [`recover_poll`]) and folded into the set of entities to start, which
+//! the region starts at the configured pace; the shard's messages wait in
+//! the region meanwhile. A read that fails starts nothing (the core
+//! retries it). The appends
 //! are not waited for: a remembered start lost in a crash only means the
 //! entity starts on its next message.
 
@@ -20,7 +23,7 @@ use shardline_core::ids::{EntityId, ShardId};
 use shardline_core::sharding::{RememberEntitiesPace, ShardEvent, ShardRegion};
 use shardline_journal::{PersistenceId, SequenceNr, WriterEpoch};
 
-use super::with_log;
+use super::{with_log, LogError, RecoverStart, Recovered};
 
 const STARTED: u8 = 1;
 const STOPPED: u8 = 2;
@@ -78,19 +81,70 @@ pub fn record<M, S>(type_name: &str, region: &ShardRegion<M, S>, ev: &ShardEvent
     }
 }
 
-/// The remembered entities of `shard`, read from the data root's journals.
-pub fn recover<M, S>(type_name: &str, region: &ShardRegion<M, S>, shard: ShardId) -> Vec<EntityId> {
+/// How [`recover_start`] answered.
+#[derive(Debug)]
+pub enum RememberRead {
+    /// Read at once (the local journal: a scan of memory-mapped segments):
+    /// the live entity ids, or why they could not be read.
+    Ready(Result<Vec<EntityId>, LogError>),
+    /// Read on a reader thread of the PostgreSQL backend: poll
+    /// [`recover_poll`] with this ticket after the core's durability wake
+    /// fired.
+    Pending(u64),
+}
+
+/// Starts reading the remembered entities of `shard` (type `type_name`),
+/// with the shard's allocation generation as writer epoch. The local
+/// journal reads at once (its segments are memory-mapped; this is the
+/// path it always had), the PostgreSQL backend on a reader thread, so the
+/// core never waits for the database.
+///
+/// # Errors
+/// In [`RememberRead::Ready`]: [`LogError`] when the records cannot be
+/// read (no journal on this core, database unavailable, unreadable
+/// journal). The shard must not start then (it would start empty).
+pub fn recover_start<M, S>(
+    type_name: &str,
+    region: &ShardRegion<M, S>,
+    shard: ShardId,
+) -> RememberRead {
     let Some(pid) = pid(type_name, shard) else {
-        return Vec::new();
+        return RememberRead::Ready(Ok(Vec::new()));
     };
     let epoch = WriterEpoch(generation(region, shard));
-    let rec = match with_log(|l| l.recover(&pid, epoch)).and_then(|r| r) {
-        Ok(r) => r,
-        Err(e) => {
-            tracing::warn!(pid = pid.as_str(), error = %e, "remembered entities not read");
-            return Vec::new();
-        }
-    };
+    match with_log(|l| l.recover_start(&pid, epoch, 0)) {
+        Err(e) => RememberRead::Ready(Err(LogError::failed(e))),
+        Ok(RecoverStart::Ready(r)) => RememberRead::Ready(r.map(|r| fold(&pid, &r))),
+        Ok(RecoverStart::Pending(ticket)) => RememberRead::Pending(ticket),
+    }
+}
+
+/// The result of the read `ticket` of `shard`'s remembered entities
+/// (taking it), `None` while it is in flight.
+///
+/// # Errors
+/// `Some(Err(_))` as [`recover_start`]'s.
+pub fn recover_poll(
+    type_name: &str,
+    shard: ShardId,
+    ticket: u64,
+) -> Option<Result<Vec<EntityId>, LogError>> {
+    let pid = pid(type_name, shard)?;
+    match with_log(|l| l.recover_poll(&pid, ticket)) {
+        Err(e) => Some(Err(LogError::failed(e))),
+        Ok(None) => None,
+        Ok(Some(r)) => Some(r.map(|r| fold(&pid, &r))),
+    }
+}
+
+/// Drops the read `ticket` (its shard stopped or moved meanwhile).
+pub fn recover_forget(ticket: u64) {
+    let _ = with_log(|l| l.recover_forget(ticket));
+}
+
+/// Folds a shard's remember-entities records into its live set and
+/// continues the shard's sequence numbers on this core after them.
+fn fold(pid: &PersistenceId, rec: &Recovered) -> Vec<EntityId> {
     let mut live = BTreeSet::new();
     let mut last = rec.snapshot.as_ref().map_or(0, |s| s.0);
     for (seq, p) in &rec.events {
@@ -112,7 +166,7 @@ pub fn recover<M, S>(type_name: &str, region: &ShardRegion<M, S>, shard: ShardId
         }
     }
     // Continue the sequence in this core's journal after the recovered one.
-    let own_last = with_log(|l| l.highest_sequence_nr(&pid)).unwrap_or(0);
+    let own_last = with_log(|l| l.highest_sequence_nr(pid)).unwrap_or(0);
     SEQ.with(|s| {
         s.borrow_mut()
             .insert(pid.as_str().to_string(), last.max(own_last))
@@ -137,6 +191,14 @@ mod tests {
         ShardRegion::new_proxy(id, RegionSettings::default(), Duration::ZERO)
     }
 
+    /// The local journal reads at once.
+    fn read(t: &str, r: &ShardRegion<Vec<u8>, ()>, shard: ShardId) -> Vec<EntityId> {
+        match recover_start(t, r, shard) {
+            RememberRead::Ready(res) => res.expect("read"),
+            RememberRead::Pending(_) => panic!("the local journal reads at once"),
+        }
+    }
+
     fn started(shard: u32, id: &str) -> ShardEvent {
         ShardEvent::EntityStarted {
             shard: ShardId(shard),
@@ -151,7 +213,7 @@ mod tests {
         let node = dir.path().join("node-a");
         super::super::open_for_core(&node, 0, &none, None).expect("open");
         let r = region();
-        assert!(recover("t", &r, ShardId(3)).is_empty());
+        assert!(read("t", &r, ShardId(3)).is_empty());
         record("t", &r, &started(3, "a"));
         record("t", &r, &started(3, "b"));
         record("t", &r, &started(4, "z"));
@@ -168,16 +230,21 @@ mod tests {
         SEQ.with(|s| s.borrow_mut().clear());
         // Core 1 of the same node: core 0's journal is read-only to it.
         super::super::open_for_core(&node, 1, &none, None).expect("open");
-        let ids: Vec<String> = recover("t", &r, ShardId(3))
+        let ids: Vec<String> = read("t", &r, ShardId(3))
             .into_iter()
             .map(|i| i.as_str().to_string())
             .collect();
         assert_eq!(ids, vec!["b", "c"]);
         // Appends continue the sequence after the other journal's events.
         record("t", &r, &started(3, "d"));
-        let ids = recover("t", &r, ShardId(3));
+        let ids = read("t", &r, ShardId(3));
         assert_eq!(ids.len(), 3);
         drop(super::super::uninstall());
+        // Without a journal the read fails: the shard must not start empty.
+        match recover_start("t", &r, ShardId(3)) {
+            RememberRead::Ready(Err(e)) => assert!(e.message.contains("no journal"), "{e}"),
+            other => panic!("expected a failed read, got {other:?}"),
+        }
         assert_eq!(pace(0), RememberEntitiesPace::AllAtOnce);
         assert_eq!(
             pace(25),

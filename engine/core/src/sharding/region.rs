@@ -465,6 +465,17 @@ impl<M, S> ShardRegion<M, S> {
             .map(|(s, sh)| (*s, sh.generation, matches!(sh.state, ShardState::Stopping)))
     }
 
+    /// The allocation generation of `shard` while it is hosted here and
+    /// waits for its remembered entities (after
+    /// [`RegionEffect::RecoverRememberedEntities`], until
+    /// [`Self::handle_remembered_entities`]); `None` otherwise.
+    pub fn recovering_generation(&self, shard: ShardId) -> Option<Generation> {
+        self.shards
+            .get(&shard)
+            .filter(|sh| matches!(sh.state, ShardState::Recovering { .. }))
+            .map(|sh| sh.generation)
+    }
+
     /// `GetShardRegionState`: the shards and entity ids hosted here.
     pub fn shard_region_state(&self) -> ShardRegionState {
         ShardRegionState {
