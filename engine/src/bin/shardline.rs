@@ -36,8 +36,13 @@ fn main() -> anyhow::Result<()> {
         // A closed stdout (`shardline status | head`) ends the output quietly.
         Err(e)
             if e.chain().any(|c| {
-                c.downcast_ref::<std::io::Error>()
-                    .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+                let io = c.downcast_ref::<std::io::Error>().or_else(|| {
+                    match c.downcast_ref::<shardline::cli::CliError>() {
+                        Some(shardline::cli::CliError::Io(io)) => Some(io),
+                        _ => None,
+                    }
+                });
+                io.is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
             }) =>
         {
             Ok(())
@@ -61,12 +66,16 @@ fn run() -> anyhow::Result<()> {
                 )
                 .with_writer(std::io::stderr)
                 .init();
-            shardline::cli::node::run(&args)
+            Ok(shardline::cli::node::run(&args)?)
         }
-        Command::Status(args) => shardline::cli::status::run(&args, &mut std::io::stdout().lock()),
-        Command::Rebalance(args) => {
-            shardline::cli::rebalance::run(&args, &mut std::io::stdout().lock())
-        }
+        Command::Status(args) => Ok(shardline::cli::status::run(
+            &args,
+            &mut std::io::stdout().lock(),
+        )?),
+        Command::Rebalance(args) => Ok(shardline::cli::rebalance::run(
+            &args,
+            &mut std::io::stdout().lock(),
+        )?),
         Command::Journal(args) => {
             if !shardline::cli::journal::run(&args, &mut std::io::stdout().lock())? {
                 std::process::exit(1);

@@ -43,15 +43,15 @@ fn install_signal_handlers() {
 /// the node refusing to join (another cluster, or members whose journals it
 /// cannot share: the reason names `journal.backend`), or the node being
 /// downed by the cluster.
-pub fn run(args: &NodeArgs) -> anyhow::Result<()> {
+pub fn run(args: &NodeArgs) -> Result<(), super::CliError> {
     let cfg = NodeConfig::from_file(&args.config)?;
     install_signal_handlers();
     std::fs::create_dir_all(&cfg.data_dir).map_err(|e| {
-        anyhow::anyhow!(
+        super::CliError::Stopped(format!(
             "{}: key `data_dir`: cannot create {}: {e}",
             args.config.display(),
             cfg.data_dir.display()
-        )
+        ))
     })?;
     let client_address = cfg.client_address;
     let cluster_address = cfg.cluster_address;
@@ -70,10 +70,14 @@ pub fn run(args: &NodeArgs) -> anyhow::Result<()> {
             let refusal = node.refusal();
             drop(node);
             if let Some(reason) = refusal {
-                anyhow::bail!("refused to join the cluster: {reason}");
+                return Err(super::CliError::Stopped(format!(
+                    "refused to join the cluster: {reason}"
+                )));
             }
             if downed {
-                anyhow::bail!("this node was downed by the cluster");
+                return Err(super::CliError::Stopped(
+                    "this node was downed by the cluster".into(),
+                ));
             }
             return Ok(());
         }

@@ -27,13 +27,18 @@ pub struct RebalanceArgs {
 /// # Errors
 /// Connection errors, and the node's reason when it refused (no
 /// coordinator yet, an unknown type).
-pub fn run(args: &RebalanceArgs, out: &mut impl std::io::Write) -> anyhow::Result<()> {
-    use anyhow::Context as _;
-    let mut c =
-        Client::connect(args.node).with_context(|| format!("cannot connect to {}", args.node))?;
+pub fn run(args: &RebalanceArgs, out: &mut impl std::io::Write) -> Result<(), super::CliError> {
+    use super::CliError;
+    let mut c = Client::connect(args.node).map_err(CliError::request(format!(
+        "cannot connect to {}",
+        args.node
+    )))?;
     let a = c
         .rebalance(args.type_name.as_deref(), Duration::from_secs(10))
-        .with_context(|| format!("{} did not run the rebalance round", args.node))?;
+        .map_err(CliError::request(format!(
+            "{} did not run the rebalance round",
+            args.node
+        )))?;
     if args.json {
         writeln!(out, "{}", serde_json::to_string_pretty(&a)?)?;
         return Ok(());

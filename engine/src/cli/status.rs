@@ -88,14 +88,19 @@ pub fn write_allocation(
 /// # Errors
 /// Connection or protocol errors, naming the address and the likely cause
 /// (an address that is not a node's `client_address`).
-pub fn run(args: &StatusArgs, out: &mut impl std::io::Write) -> anyhow::Result<()> {
-    use anyhow::Context as _;
-    let mut c =
-        Client::connect(args.node).with_context(|| format!("cannot connect to {}", args.node))?;
+pub fn run(args: &StatusArgs, out: &mut impl std::io::Write) -> Result<(), super::CliError> {
+    use super::CliError;
+    let mut c = Client::connect(args.node).map_err(CliError::request(format!(
+        "cannot connect to {}",
+        args.node
+    )))?;
     if args.allocation {
         let t = c
             .allocation(Duration::from_secs(10))
-            .with_context(|| format!("{} did not answer the allocation table", args.node))?;
+            .map_err(CliError::request(format!(
+                "{} did not answer the allocation table",
+                args.node
+            )))?;
         if args.json {
             writeln!(out, "{}", serde_json::to_string_pretty(&t)?)?;
         } else {
@@ -103,13 +108,13 @@ pub fn run(args: &StatusArgs, out: &mut impl std::io::Write) -> anyhow::Result<(
         }
         return Ok(());
     }
-    let st = c.node_status(Duration::from_secs(5)).with_context(|| {
-        format!(
+    let st = c
+        .node_status(Duration::from_secs(5))
+        .map_err(CliError::request(format!(
             "{} did not answer as a Shardline node's native client port \
              (give the node's `client_address`, not its http or cluster address)",
             args.node
-        )
-    })?;
+        )))?;
     if args.json {
         writeln!(out, "{}", serde_json::to_string_pretty(&st)?)?;
         return Ok(());
