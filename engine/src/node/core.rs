@@ -248,6 +248,10 @@ struct EntityAskWait {
     type_name: String,
     entity: EntityId,
     incarnation: u64,
+    /// When the ask times out (core clock): an answer that comes later
+    /// (e.g. handled on this core while the timeout's tick could not run)
+    /// is turned into `TimedOut`, as the asker was promised.
+    due: Duration,
 }
 
 /// Runs a data executor until [`ToCore::Shutdown`].
@@ -1158,6 +1162,11 @@ impl Core {
     ) {
         let Some(w) = self.entity_asks.remove(&id) else {
             return;
+        };
+        let reply = if reply.is_ok() && self.now() > w.due {
+            Err(crate::entity::EntityAskError::TimedOut)
+        } else {
+            reply
         };
         let t = w.type_name;
         let Some(h) = self.types.get_mut(&t) else {

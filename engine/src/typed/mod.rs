@@ -167,8 +167,9 @@ pub enum AskError<C> {
         /// The codec's error.
         error: CodecError,
     },
-    /// The request failed with `status`; `payload` is what came with it:
-    /// for [`Status::EntityFailed`] the entity's error message (its
+    /// The request failed with `status` (never [`Status::TimedOut`], which
+    /// is [`AskError::TimedOut`]); `payload` is what came with it: for
+    /// [`Status::EntityFailed`] the entity's error message (its
     /// [`EntityError`]), for a message not delivered the reason.
     #[error("request failed: {status:?}: {}", String::from_utf8_lossy(payload))]
     Failed {
@@ -181,7 +182,9 @@ pub enum AskError<C> {
     /// another version of the protocol).
     #[error("reply: {0}")]
     Decode(CodecError),
-    /// No answer within the wait (the command may have been handled).
+    /// No answer within the wait (the command may have been handled),
+    /// whether this node or the node the request was forwarded to gave up
+    /// waiting.
     #[error("timed out")]
     TimedOut,
     /// The node stopped after the command was sent.
@@ -257,7 +260,9 @@ impl<P: Protocol> EntityRef<P> {
     /// deadline (`timeout`, at most `requests.ask_timeout_ms`) is answered
     /// [`AskError::Failed`] with [`Status::Unavailable`]; with no answer by
     /// the wait (`timeout`, at least 1 s past the deadline) the future
-    /// resolves to [`AskError::TimedOut`].
+    /// resolves to [`AskError::TimedOut`]; so does a request forwarded to
+    /// another node whose reply that node gave up on (its forwarded-reply
+    /// wait, the deadline plus 500 ms), which can come sooner.
     ///
     /// Cancel safety: dropping the future does not recall the command (it
     /// is handled at most once) and discards the reply.
@@ -327,6 +332,9 @@ impl<P: Protocol> Unpin for AskFuture<P> {}
 fn typed_answer<P: Protocol>(a: RawAnswer) -> Result<P::Reply, AskError<P::Command>> {
     match a {
         RawAnswer::Reply(bytes) => P::Codec::decode(&bytes).map_err(AskError::Decode),
+        // A timeout is one variant wherever it was decided (here, or by
+        // the node the request was forwarded to).
+        RawAnswer::Failed(Status::TimedOut, _) => Err(AskError::TimedOut),
         RawAnswer::Failed(status, payload) => Err(AskError::Failed { status, payload }),
         RawAnswer::TimedOut => Err(AskError::TimedOut),
         RawAnswer::Stopped => Err(AskError::Stopped),
@@ -457,6 +465,10 @@ impl<'a, P: Protocol> Context<'_, 'a, P> {
         let adapter: Adapter<P::Command> = Box::new(move |r| {
             adapt(match r {
                 Ok(bytes) => Q::Codec::decode(&bytes).map_err(EntityAskFailure::Decode),
+                Err(EntityAskError::Failed {
+                    status: Status::TimedOut,
+                    ..
+                }) => Err(EntityAskFailure::TimedOut),
                 Err(EntityAskError::Failed { status, payload }) => {
                     Err(EntityAskFailure::Failed { status, payload })
                 }
@@ -587,6 +599,13 @@ impl Sharding<'_> {
     /// Starts the regions of the typed entity type of `key` on this node
     /// (as [`Sharding::start`]); `factory` makes an entity for an id.
     ///
+    /// Every entity runs under a supervisor with the default
+    /// [`crate::entity::supervision::SupervisorSettings`]: a handler that
+    /// panics or returns an error fails its message (`EntityFailed`) and the
+    /// entity is restarted from `factory` after a backoff (100 ms doubling
+    /// to 10 s); more than 10 failures in 60 s stop it. The data core and
+    /// the other entities keep serving.
+    ///
     /// # Errors
     /// As [`Sharding::start`].
     pub fn start_typed<E: Entity>(
@@ -598,12 +617,15 @@ impl Sharding<'_> {
         let factory = Arc::new(factory);
         self.start(
             key.name(),
-            Arc::new(move |id| {
-                Box::new(Host {
-                    entity: factory(id),
-                    asks: HashMap::new(),
-                })
-            }),
+            crate::entity::supervision::supervised(
+                Arc::new(move |id| {
+                    Box::new(Host {
+                        entity: factory(id),
+                        asks: HashMap::new(),
+                    })
+                }),
+                crate::entity::supervision::SupervisorSettings::default(),
+            ),
             settings,
         )
     }

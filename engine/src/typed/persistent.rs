@@ -64,7 +64,11 @@ pub struct Effect<E: PersistentEntity + ?Sized> {
 
 impl<E: PersistentEntity + ?Sized> Effect<E> {
     /// Persist `events` atomically in order (new commands wait until they
-    /// are applied); reply with [`Self::then_reply`].
+    /// are applied); reply with [`Self::then_reply`]. Without
+    /// `then_reply` the command's answer is `Ok` with an empty payload once
+    /// the events are durable, which a typed asker sees as
+    /// [`super::AskError::Decode`] unless the protocol's reply decodes from
+    /// no bytes (e.g. `()` with postcard): use it for `tell`s.
     pub fn persist(events: impl IntoIterator<Item = E::Event>) -> Self {
         Effect {
             events: events.into_iter().collect(),
@@ -173,7 +177,10 @@ impl Sharding<'_> {
     /// A message that does not decode as a command, an event that does
     /// not encode, or a reply that does not encode fails the command
     /// ([`super::AskError::Failed`] with `EntityFailed`) and restarts the
-    /// incarnation from the journal.
+    /// incarnation from the journal. The entity runs under a supervisor
+    /// with the default settings, as [`Sharding::start_typed`]'s: a
+    /// handler that panics fails its command and the entity is restarted
+    /// from the journal after the backoff.
     ///
     /// # Errors
     /// As [`Sharding::start`].
@@ -187,15 +194,18 @@ impl Sharding<'_> {
         let factory = Arc::new(factory);
         self.start(
             key.name(),
-            Arc::new(move |id| {
-                Box::new(Persistent::new(
-                    Box::new(Host {
-                        entity: factory(id),
-                        state: E::State::default(),
-                    }),
-                    snapshot_every,
-                ))
-            }),
+            crate::entity::supervision::supervised(
+                Arc::new(move |id| {
+                    Box::new(Persistent::new(
+                        Box::new(Host {
+                            entity: factory(id),
+                            state: E::State::default(),
+                        }),
+                        snapshot_every,
+                    ))
+                }),
+                crate::entity::supervision::SupervisorSettings::default(),
+            ),
             settings,
         )
     }

@@ -349,6 +349,7 @@ impl Core {
                         type_name: a.from_type.clone(),
                         entity: a.from_id.clone(),
                         incarnation,
+                        due: now.saturating_add(a.timeout),
                     },
                 );
                 self.entity_ask_expiry
