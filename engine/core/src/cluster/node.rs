@@ -62,12 +62,16 @@ pub struct ClusterConfig {
     /// How long a Down member stays before the leader removes it, so that it
     /// has stopped before its shards move (Akka `down-removal-margin`).
     /// Default `None`: with the split-brain resolver, the sum of
-    /// `stable_after`, `down_all_when_unstable` (or `stable_after`),
-    /// `acceptable_heartbeat_pause` and two `heartbeat_interval`s, the latest
-    /// the other side of a partition decides (it must first detect, then
-    /// wait until stable, or unstable for too long); 40 s with the defaults.
-    /// Zero without a resolver. A Down member whose address already runs a
-    /// newer incarnation is removed at once.
+    /// `down_all_when_unstable` (or `stable_after`),
+    /// `acceptable_heartbeat_pause` and two `heartbeat_interval`s: this
+    /// side decided at least `stable_after` after the partition began, and
+    /// the other side, which may have detected it up to the detection time
+    /// later, decides within `stable_after`, or downs everything once
+    /// unstable for `stable_after + down_all_when_unstable`; 20 s with the
+    /// defaults. Zero without a resolver. A Down member whose address
+    /// already runs a newer incarnation, or whose process this leader saw
+    /// gone ([`Self::refusals_to_down`]), is removed at convergence without
+    /// it.
     pub down_removal_margin: Option<Duration>,
     /// A gap longer than this between two inputs means this node was paused
     /// (process stopped, VM frozen): it stops serving (fenced) until a member
@@ -76,6 +80,23 @@ pub struct ClusterConfig {
     pub pause_fence_after: Duration,
     /// Interval of `HandOverToMe` retries. Default 1 s.
     pub hand_over_retry_interval: Duration,
+    /// Consecutive refused connections (the shell's
+    /// [`ClusterNode::handle_connection_refused`]: ECONNREFUSED or a reset
+    /// while connecting, never a timeout) to a member, with no message from
+    /// that incarnation in between, after which this node treats the member's
+    /// process as gone: the downing provider may down it at once
+    /// ([`DowningProvider::decide_refused`], without `stable_after`) and the
+    /// leader removes it at convergence, without `down_removal_margin`.
+    /// Refusals count at most once per half `refusal_probe_interval`, so the
+    /// evidence spans at least `(refusals_to_down - 1) / 2` probe intervals.
+    /// Default 3 (count); 0 disables it (only the resolver downs).
+    pub refusals_to_down: u32,
+    /// After a member's connection was lost or refused, this node sends it a
+    /// probe heartbeat at this interval (so the shell connects again and
+    /// reports what the socket said) until it answers, is removed, or
+    /// nothing was heard about it for two heartbeat intervals. Default
+    /// 200 ms.
+    pub refusal_probe_interval: Duration,
     /// The coordinator singleton runs on the oldest Up member with this
     /// role. Default none (any member).
     pub coordinator_role: Option<String>,
@@ -104,6 +125,8 @@ impl ClusterConfig {
             down_removal_margin: None,
             pause_fence_after: Duration::from_secs(3),
             hand_over_retry_interval: Duration::from_secs(1),
+            refusals_to_down: 3,
+            refusal_probe_interval: Duration::from_millis(200),
             coordinator_role: None,
             random_seed: 0,
         }
@@ -157,6 +180,19 @@ enum JoinState {
 struct Monitored {
     fd: PhiAccrualFailureDetector,
     start_at: Duration,
+}
+
+/// What this node's connections to one member (incarnation) said.
+#[derive(Debug, Clone)]
+struct Refusals {
+    /// Refused connects counted (at most one per half probe interval).
+    count: u32,
+    /// When the last one was counted.
+    last_counted: Option<Duration>,
+    /// The last report about this member (lost or refused).
+    last_report: Duration,
+    /// The next probe heartbeat.
+    next_probe: Duration,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -214,6 +250,7 @@ pub struct ClusterNode {
     fence_seq: Option<u64>,
     published: CurrentClusterState,
     downed_replied: BTreeMap<UniqueAddress, Duration>,
+    refusals: BTreeMap<UniqueAddress, Refusals>,
 }
 
 impl ClusterNode {
@@ -224,16 +261,19 @@ impl ClusterNode {
         let (downing, margin): (Box<dyn DowningProvider>, Duration) = match &cfg.downing {
             DowningConfig::None => (Box::new(NoDowning), Duration::ZERO),
             DowningConfig::SplitBrainResolver(c) => {
-                // The other side may only start to count once its failure
-                // detectors noticed (acceptable pause plus two heartbeat
-                // intervals), then decides within stable_after, or downs
-                // everything at stable_after + down_all_when_unstable.
+                // This side decided at least stable_after after the
+                // partition began. The other side noticed it at most
+                // `detection` (acceptable pause plus two heartbeat
+                // intervals) after it began, then decides within
+                // stable_after, or downs everything at stable_after +
+                // down_all_when_unstable: at most `detection + unstable`
+                // after this side's decision.
                 let detection =
                     cfg.failure_detector.acceptable_heartbeat_pause + cfg.heartbeat_interval * 2;
                 let unstable = c.down_all_when_unstable.unwrap_or(c.stable_after);
                 (
                     Box::new(SplitBrainResolver::new(c.clone())),
-                    c.stable_after + unstable + detection,
+                    unstable + detection,
                 )
             }
         };
@@ -290,6 +330,7 @@ impl ClusterNode {
             fence_seq: None,
             published: CurrentClusterState::default(),
             downed_replied: BTreeMap::new(),
+            refusals: BTreeMap::new(),
             cfg,
         }
     }
@@ -423,6 +464,11 @@ impl ClusterNode {
         if self.singleton.waiting_for.is_some() {
             t = t.min(self.singleton.next_retry);
         }
+        if self.join == JoinState::Member {
+            if let Some(p) = self.refusals.values().map(|r| r.next_probe).min() {
+                t = t.min(p);
+            }
+        }
         if let Some(d) = self.downing.next_deadline() {
             // a deadline already handled (e.g. passed while not the leader)
             // is re-checked after every input anyway
@@ -455,6 +501,70 @@ impl ClusterNode {
         self.seed_refused = true;
         self.join_refused = Some(format!("{seed}: {reason}"));
         self.after_input(now);
+    }
+
+    /// The shell's connection to `address` was refused while connecting
+    /// (ECONNREFUSED, or reset before the handshake): no process listens
+    /// on that cluster port now. Never call it for a timeout or an
+    /// unreachable host: those say nothing about the process.
+    ///
+    /// Counted against every incarnation known at `address` (at most once
+    /// per half [`ClusterConfig::refusal_probe_interval`]); once a member has
+    /// [`ClusterConfig::refusals_to_down`] of them with no message from it in
+    /// between, the downing provider may down it at once and the leader
+    /// removes it at convergence (see `docs/node.md`, membership). This node
+    /// then probes it every `refusal_probe_interval`.
+    pub fn handle_connection_refused(&mut self, now: Duration, address: &Address) {
+        if !self.begin(now) {
+            return;
+        }
+        let probe = self.cfg.refusal_probe_interval;
+        for ua in self.members_at(address) {
+            let r = self.refusals.entry(ua).or_insert(Refusals {
+                count: 0,
+                last_counted: None,
+                last_report: now,
+                next_probe: now + probe,
+            });
+            r.last_report = now;
+            if r.last_counted.is_none_or(|t| now >= t + probe / 2) {
+                r.count = r.count.saturating_add(1);
+                r.last_counted = Some(now);
+            }
+            r.next_probe = now + probe;
+        }
+        self.after_input(now);
+    }
+
+    /// The shell's established connection to `address` was closed or reset
+    /// by the peer (or failed to connect for another reason than a refusal):
+    /// this node probes the members at that address every
+    /// [`ClusterConfig::refusal_probe_interval`] for a while, so that a
+    /// process that died is seen refusing within a few probes. It is no
+    /// evidence by itself: nothing is downed for a lost connection.
+    pub fn handle_connection_lost(&mut self, now: Duration, address: &Address) {
+        if !self.begin(now) {
+            return;
+        }
+        if self.cfg.refusals_to_down > 0 {
+            let probe = self.cfg.refusal_probe_interval;
+            for ua in self.members_at(address) {
+                let r = self.refusals.entry(ua).or_insert(Refusals {
+                    count: 0,
+                    last_counted: None,
+                    last_report: now,
+                    next_probe: now + probe,
+                });
+                r.last_report = now;
+            }
+        }
+        self.after_input(now);
+    }
+
+    /// How many refused connections to `member` this node counted since it
+    /// last heard from it (count; 0 when none).
+    pub fn refused_count(&self, member: &UniqueAddress) -> u32 {
+        self.refusals.get(member).map_or(0, |r| r.count)
     }
 
     /// Why a seed refused this node (`seed: reason`), while it is not a
@@ -547,6 +657,7 @@ impl ClusterNode {
             self.singleton.next_retry = now + self.cfg.hand_over_retry_interval;
             self.send_hand_over_requests();
         }
+        self.probe_refused(now);
         self.after_input(now);
     }
 
@@ -560,6 +671,8 @@ impl ClusterNode {
             self.after_input(now);
             return;
         }
+        // A message from this incarnation: it runs, whatever its port said.
+        self.refusals.remove(&from);
         let sender_downed = self.gossip.tombstones.contains(&from)
             || self
                 .gossip
@@ -731,6 +844,124 @@ impl ClusterNode {
             self.send(to.address, msg);
         }
         self.next_heartbeat = now + self.cfg.heartbeat_interval;
+    }
+
+    /// The incarnations at `address` in the local state (not this node).
+    fn members_at(&self, address: &Address) -> Vec<UniqueAddress> {
+        self.gossip
+            .members
+            .keys()
+            .filter(|u| u.address == *address && **u != self.self_ua)
+            .cloned()
+            .collect()
+    }
+
+    /// Whether this node counted enough refusals from `ua` to treat its
+    /// process as gone.
+    fn refusal_confirmed(&self, ua: &UniqueAddress) -> bool {
+        self.cfg.refusals_to_down > 0
+            && self
+                .refusals
+                .get(ua)
+                .is_some_and(|r| r.count >= self.cfg.refusals_to_down)
+    }
+
+    /// Probe heartbeats to the members whose connection was lost or refused
+    /// (and, on the leader, to Down members awaiting removal, so that it
+    /// has its own evidence to remove them without the margin). Entries
+    /// without a report for two heartbeat intervals are dropped.
+    fn probe_refused(&mut self, now: Duration) {
+        if self.join != JoinState::Member || self.cfg.refusals_to_down == 0 {
+            return;
+        }
+        let window = self.cfg.heartbeat_interval * 2;
+        let g = &self.gossip;
+        self.refusals
+            .retain(|u, r| g.members.contains_key(u) && now < r.last_report + window);
+        if self.leader().as_ref() == Some(&self.self_ua) {
+            let down: Vec<UniqueAddress> = self
+                .gossip
+                .members
+                .values()
+                .filter(|m| m.status == MemberStatus::Down && m.unique_address != self.self_ua)
+                .map(|m| m.unique_address.clone())
+                .collect();
+            for u in down {
+                self.refusals.entry(u).or_insert(Refusals {
+                    count: 0,
+                    last_counted: None,
+                    last_report: now,
+                    next_probe: now,
+                });
+            }
+        }
+        let probe = self.cfg.refusal_probe_interval;
+        let due: Vec<UniqueAddress> = self
+            .refusals
+            .iter_mut()
+            .filter(|(_, r)| now >= r.next_probe)
+            .map(|(u, r)| {
+                r.next_probe = now + probe;
+                u.clone()
+            })
+            .collect();
+        for to in due {
+            let msg = ClusterMessage::Heartbeat {
+                from: self.self_ua.clone(),
+                to: to.clone(),
+                sequence_nr: self.heartbeat_seq,
+            };
+            self.send(to.address, msg);
+        }
+    }
+
+    /// Downing on refused connections: when this node has confirmed
+    /// refusals from some members, the downing provider may down them (or
+    /// this node) at once; see [`DowningProvider::decide_refused`].
+    fn run_refused_downing(&mut self, now: Duration) {
+        if self.cfg.refusals_to_down == 0
+            || self.join != JoinState::Member
+            || self.fence_seq.is_some()
+            || self
+                .self_member()
+                .is_none_or(|m| m.status >= MemberStatus::Down)
+        {
+            return;
+        }
+        let confirmed: BTreeSet<UniqueAddress> = self
+            .refusals
+            .keys()
+            .filter(|u| {
+                self.refusal_confirmed(u)
+                    && self
+                        .gossip
+                        .member(u)
+                        .is_some_and(|m| m.status < MemberStatus::Down)
+            })
+            .cloned()
+            .collect();
+        if confirmed.is_empty() {
+            return;
+        }
+        let is_leader = self.leader().as_ref() == Some(&self.self_ua);
+        let view = DowningView {
+            gossip: &self.gossip,
+            self_address: &self.self_ua,
+            is_leader,
+        };
+        if let Some(decision) = self.downing.decide_refused(now, view, &confirmed) {
+            self.apply_downing(&decision.down, true);
+        }
+    }
+
+    /// Whether a Down member may be removed without the margin because this
+    /// node confirmed that its process is gone (the leader then acts on
+    /// every input, not only on its gossip tick).
+    fn removal_by_refusal_pending(&self) -> bool {
+        self.gossip
+            .members
+            .values()
+            .any(|m| m.status == MemberStatus::Down && self.refusal_confirmed(&m.unique_address))
     }
 
     fn send(&mut self, to: Address, message: ClusterMessage) {
@@ -1109,6 +1340,7 @@ impl ClusterNode {
                     .is_some_and(|m| m.status == MemberStatus::Down);
                 let seen = self.gossip.seen.contains(&ua);
                 let down_since = self.down_since.get(&ua).copied();
+                let refused = self.refusal_confirmed(&ua);
                 let Some(m) = self.gossip.members.get_mut(&ua) else {
                     continue;
                 };
@@ -1126,6 +1358,7 @@ impl ClusterNode {
                     MemberStatus::Exiting if seen || unreachable.contains(&ua) => remove.push(ua),
                     MemberStatus::Down
                         if newer_incarnation
+                            || refused
                             || down_since.is_some_and(|d| now >= d + self.down_removal_margin) =>
                     {
                         remove.push(ua)
@@ -1133,10 +1366,29 @@ impl ClusterNode {
                     _ => {}
                 }
             }
+            let mut tell_all = false;
             for ua in remove {
                 if ua != me {
+                    tell_all |= self.refusal_confirmed(&ua);
+                    self.refusals.remove(&ua);
                     self.gossip.remove_member(&ua);
                     changed = true;
+                }
+            }
+            if tell_all {
+                // The shards of a process known to be gone move now: every
+                // member (and the coordinator's host) learns it at once.
+                self.gossip.bump(&me);
+                changed = false;
+                let others: Vec<UniqueAddress> = self
+                    .gossip
+                    .members
+                    .keys()
+                    .filter(|u| **u != me)
+                    .cloned()
+                    .collect();
+                for o in others {
+                    self.send_gossip(&o);
                 }
             }
         } else if let Some(after) = self.cfg.allow_weakly_up_members {
@@ -1172,8 +1424,14 @@ impl ClusterNode {
         let Some(decision) = self.downing.update(now, view) else {
             return;
         };
+        self.apply_downing(&decision.down, false);
+    }
+
+    /// Marks `down` Down; tells every other member at once when this node
+    /// is among them, or when `tell_all`.
+    fn apply_downing(&mut self, down: &BTreeSet<UniqueAddress>, tell_all: bool) {
         let mut changed = false;
-        for ua in &decision.down {
+        for ua in down {
             if let Some(m) = self.gossip.members.get_mut(ua) {
                 if m.status.can_transition_to(MemberStatus::Down) {
                     m.status = MemberStatus::Down;
@@ -1183,7 +1441,7 @@ impl ClusterNode {
         }
         if changed {
             self.gossip.bump(&self.self_ua);
-            if decision.down.contains(&self.self_ua) {
+            if tell_all || down.contains(&self.self_ua) {
                 // Tell the rest of this side before stopping.
                 let targets: Vec<UniqueAddress> = self
                     .gossip
@@ -1300,6 +1558,10 @@ impl ClusterNode {
     /// Common epilogue: downing, self status, singleton, events.
     fn after_input(&mut self, now: Duration) {
         if self.stop.is_none() {
+            self.run_refused_downing(now);
+            if self.join == JoinState::Member && self.removal_by_refusal_pending() {
+                self.leader_actions(now);
+            }
             self.run_downing(now);
         }
         if self.stop.is_none() && self.join == JoinState::Member {
