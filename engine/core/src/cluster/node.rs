@@ -878,23 +878,7 @@ impl ClusterNode {
         let g = &self.gossip;
         self.refusals
             .retain(|u, r| g.members.contains_key(u) && now < r.last_report + window);
-        if self.leader().as_ref() == Some(&self.self_ua) {
-            let down: Vec<UniqueAddress> = self
-                .gossip
-                .members
-                .values()
-                .filter(|m| m.status == MemberStatus::Down && m.unique_address != self.self_ua)
-                .map(|m| m.unique_address.clone())
-                .collect();
-            for u in down {
-                self.refusals.entry(u).or_insert(Refusals {
-                    count: 0,
-                    last_counted: None,
-                    last_report: now,
-                    next_probe: now,
-                });
-            }
-        }
+        self.probe_down_members(now);
         let probe = self.cfg.refusal_probe_interval;
         let due: Vec<UniqueAddress> = self
             .refusals
@@ -912,6 +896,34 @@ impl ClusterNode {
                 sequence_nr: self.heartbeat_seq,
             };
             self.send(to.address, msg);
+        }
+    }
+
+    /// On the leader: probe the Down members awaiting removal (from the
+    /// next poll on).
+    fn probe_down_members(&mut self, now: Duration) {
+        if self.join != JoinState::Member
+            || self.cfg.refusals_to_down == 0
+            || self.leader().as_ref() != Some(&self.self_ua)
+        {
+            return;
+        }
+        {
+            let down: Vec<UniqueAddress> = self
+                .gossip
+                .members
+                .values()
+                .filter(|m| m.status == MemberStatus::Down && m.unique_address != self.self_ua)
+                .map(|m| m.unique_address.clone())
+                .collect();
+            for u in down {
+                self.refusals.entry(u).or_insert(Refusals {
+                    count: 0,
+                    last_counted: None,
+                    last_report: now,
+                    next_probe: now,
+                });
+            }
         }
     }
 
@@ -961,7 +973,30 @@ impl ClusterNode {
         self.gossip
             .members
             .values()
-            .any(|m| m.status == MemberStatus::Down && self.refusal_confirmed(&m.unique_address))
+            .any(|m| m.status == MemberStatus::Down && self.gone_for_sure(&m.unique_address))
+    }
+
+    /// Whether the process of `ua` is known to be gone: this node confirmed
+    /// refusals from it, or a newer incarnation runs at its address.
+    fn gone_for_sure(&self, ua: &UniqueAddress) -> bool {
+        self.refusal_confirmed(ua)
+            || self.gossip.members.keys().any(|o| {
+                o.address == ua.address && o.uid != ua.uid && !self.gossip.tombstones.contains(o)
+            })
+    }
+
+    /// Every other member gets this node's gossip now.
+    fn gossip_to_all(&mut self) {
+        let others: Vec<UniqueAddress> = self
+            .gossip
+            .members
+            .keys()
+            .filter(|u| **u != self.self_ua)
+            .cloned()
+            .collect();
+        for o in others {
+            self.send_gossip(&o);
+        }
     }
 
     fn send(&mut self, to: Address, message: ClusterMessage) {
@@ -1081,6 +1116,7 @@ impl ClusterNode {
                 })
                 .map(|m| m.unique_address.clone())
                 .collect();
+            let replaced = !old.is_empty();
             for o in old {
                 if let Some(m) = self.gossip.members.get_mut(&o) {
                     m.status = MemberStatus::Down;
@@ -1091,6 +1127,12 @@ impl ClusterNode {
                 .insert(from.clone(), Member::joining(from.clone(), roles));
             self.joining_since.insert(from.clone(), now);
             self.gossip.bump(&self.self_ua);
+            if replaced {
+                // The old incarnation is gone for sure (Akka downs it when
+                // the new one joins): every member learns it now, so that
+                // the leader removes it at the next convergence.
+                self.gossip_to_all();
+            }
         }
         let msg = ClusterMessage::Welcome {
             from: self.self_ua.clone(),
@@ -1113,6 +1155,13 @@ impl ClusterNode {
         let mut merged = self.gossip.merge(&remote);
         merged.seen.insert(self.self_ua.clone());
         self.gossip = merged;
+        if self.removal_by_refusal_pending() {
+            // A member whose process is gone awaits removal: the leader
+            // learns at once that this member has seen the version.
+            if let Some(l) = self.leader().filter(|l| *l != self.self_ua && *l != from) {
+                self.send_status(&l);
+            }
+        }
         if matches!(ord, ClockOrdering::After | ClockOrdering::Concurrent) {
             self.send_gossip(&from);
         } else if talkback {
@@ -1369,7 +1418,7 @@ impl ClusterNode {
             let mut tell_all = false;
             for ua in remove {
                 if ua != me {
-                    tell_all |= self.refusal_confirmed(&ua);
+                    tell_all |= self.gone_for_sure(&ua);
                     self.refusals.remove(&ua);
                     self.gossip.remove_member(&ua);
                     changed = true;
@@ -1380,16 +1429,7 @@ impl ClusterNode {
                 // member (and the coordinator's host) learns it at once.
                 self.gossip.bump(&me);
                 changed = false;
-                let others: Vec<UniqueAddress> = self
-                    .gossip
-                    .members
-                    .keys()
-                    .filter(|u| **u != me)
-                    .cloned()
-                    .collect();
-                for o in others {
-                    self.send_gossip(&o);
-                }
+                self.gossip_to_all();
             }
         } else if let Some(after) = self.cfg.allow_weakly_up_members {
             if self.gossip.has_unreachable_blocking() {
@@ -1558,6 +1598,7 @@ impl ClusterNode {
     /// Common epilogue: downing, self status, singleton, events.
     fn after_input(&mut self, now: Duration) {
         if self.stop.is_none() {
+            self.probe_down_members(now);
             self.run_refused_downing(now);
             if self.join == JoinState::Member && self.removal_by_refusal_pending() {
                 self.leader_actions(now);
