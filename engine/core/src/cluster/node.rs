@@ -62,13 +62,11 @@ pub struct ClusterConfig {
     /// How long a Down member stays before the leader removes it, so that it
     /// has stopped before its shards move (Akka `down-removal-margin`).
     /// Default `None`: with the split-brain resolver, the sum of
-    /// `down_all_when_unstable` (or `stable_after`),
-    /// `acceptable_heartbeat_pause` and two `heartbeat_interval`s: this
-    /// side decided at least `stable_after` after the partition began, and
-    /// the other side, which may have detected it up to the detection time
-    /// later, decides within `stable_after`, or downs everything once
-    /// unstable for `stable_after + down_all_when_unstable`; 20 s with the
-    /// defaults. Zero without a resolver. A Down member whose address
+    /// `stable_after`, `down_all_when_unstable` (or `stable_after`),
+    /// `acceptable_heartbeat_pause` and two `heartbeat_interval`s, the latest
+    /// the other side of a partition decides (it must first detect, then
+    /// wait until stable, or unstable for too long); 40 s with the defaults.
+    /// Zero without a resolver. A Down member whose address
     /// already runs a newer incarnation, or whose process this leader saw
     /// gone ([`Self::refusals_to_down`]), is removed at convergence without
     /// it.
@@ -251,6 +249,9 @@ pub struct ClusterNode {
     published: CurrentClusterState,
     downed_replied: BTreeMap<UniqueAddress, Duration>,
     refusals: BTreeMap<UniqueAddress, Refusals>,
+    /// The other seeds that answered `InitJoinNack` (they are not members
+    /// of any cluster) while this first seed asks the seeds.
+    seed_nacks: BTreeSet<Address>,
 }
 
 impl ClusterNode {
@@ -261,19 +262,20 @@ impl ClusterNode {
         let (downing, margin): (Box<dyn DowningProvider>, Duration) = match &cfg.downing {
             DowningConfig::None => (Box::new(NoDowning), Duration::ZERO),
             DowningConfig::SplitBrainResolver(c) => {
-                // This side decided at least stable_after after the
-                // partition began. The other side noticed it at most
-                // `detection` (acceptable pause plus two heartbeat
-                // intervals) after it began, then decides within
-                // stable_after, or downs everything at stable_after +
-                // down_all_when_unstable: at most `detection + unstable`
-                // after this side's decision.
+                // The other side may only start to count once its failure
+                // detectors noticed (acceptable pause plus two heartbeat
+                // intervals), then decides within stable_after, or downs
+                // everything at stable_after + down_all_when_unstable.
+                // This side's decision may rest on an unreachability older
+                // than the partition (a lossy link), so none of it can be
+                // taken off (the simulation's `membership-unstable` finds
+                // the zombie when stable_after is left out).
                 let detection =
                     cfg.failure_detector.acceptable_heartbeat_pause + cfg.heartbeat_interval * 2;
                 let unstable = c.down_all_when_unstable.unwrap_or(c.stable_after);
                 (
                     Box::new(SplitBrainResolver::new(c.clone())),
-                    unstable + detection,
+                    c.stable_after + unstable + detection,
                 )
             }
         };
@@ -331,6 +333,7 @@ impl ClusterNode {
             published: CurrentClusterState::default(),
             downed_replied: BTreeMap::new(),
             refusals: BTreeMap::new(),
+            seed_nacks: BTreeSet::new(),
             cfg,
         }
     }
@@ -691,19 +694,22 @@ impl ClusterNode {
                         .self_member()
                         .is_some_and(|m| m.status <= MemberStatus::Leaving);
                 let me = self.self_ua.clone();
-                let reply = if ok {
-                    ClusterMessage::InitJoinAck { from: me }
-                } else {
-                    ClusterMessage::InitJoinNack { from: me }
-                };
-                self.send(from.address, reply);
+                if ok {
+                    self.send(from.address, ClusterMessage::InitJoinAck { from: me });
+                } else if self.join != JoinState::Member {
+                    // `InitJoinNack` means "not a member of any cluster": the
+                    // first seed forms a new cluster once every other seed
+                    // said so. A member that cannot take the join now
+                    // (fenced, exiting) stays silent instead.
+                    self.send(from.address, ClusterMessage::InitJoinNack { from: me });
+                }
             }
             ClusterMessage::InitJoinAck { from } => {
                 if matches!(self.join, JoinState::Seeds { .. }) {
                     self.send_join(now, from.address);
                 }
             }
-            ClusterMessage::InitJoinNack { .. } => {}
+            ClusterMessage::InitJoinNack { from } => self.receive_init_join_nack(now, from),
             ClusterMessage::Join { from, roles } => self.receive_join(now, from, roles),
             ClusterMessage::Welcome { from, to, gossip } => {
                 if to == self.self_ua
@@ -944,11 +950,12 @@ impl ClusterNode {
             .refusals
             .keys()
             .filter(|u| {
+                // An Exiting member is removed by the leader anyway.
                 self.refusal_confirmed(u)
                     && self
                         .gossip
                         .member(u)
-                        .is_some_and(|m| m.status < MemberStatus::Down)
+                        .is_some_and(|m| m.status < MemberStatus::Exiting)
             })
             .cloned()
             .collect();
@@ -1076,6 +1083,43 @@ impl ClusterNode {
         }
     }
 
+    /// On the first seed (Akka's `FirstSeedNodeProcess`): once every other
+    /// seed answered that it is not a member of any cluster, no cluster
+    /// exists to join, and waiting for `seed_node_timeout` would only delay
+    /// the start; the first seed forms the cluster at once and tells those
+    /// seeds (`InitJoinAck`) so that they join without waiting for their
+    /// next round.
+    fn receive_init_join_nack(&mut self, now: Duration, from: UniqueAddress) {
+        let JoinState::Seeds {
+            form_at: Some(_), ..
+        } = self.join
+        else {
+            return;
+        };
+        if self.seed_refused || !self.cfg.seed_nodes.contains(&from.address) {
+            return;
+        }
+        self.seed_nacks.insert(from.address);
+        let all = self
+            .cfg
+            .seed_nodes
+            .iter()
+            .filter(|a| **a != self.cfg.address)
+            .all(|a| self.seed_nacks.contains(a));
+        if !all {
+            return;
+        }
+        self.form_cluster();
+        self.next_gossip = now;
+        let nacked: Vec<Address> = std::mem::take(&mut self.seed_nacks).into_iter().collect();
+        for a in nacked {
+            let msg = ClusterMessage::InitJoinAck {
+                from: self.self_ua.clone(),
+            };
+            self.send(a, msg);
+        }
+    }
+
     fn send_join(&mut self, now: Duration, to: Address) {
         self.join = JoinState::Joining {
             to: to.clone(),
@@ -1127,6 +1171,10 @@ impl ClusterNode {
                 .insert(from.clone(), Member::joining(from.clone(), roles));
             self.joining_since.insert(from.clone(), now);
             self.gossip.bump(&self.self_ua);
+            // Leader actions (and a gossip round) at the next poll instead
+            // of the next tick: a joiner is made Up as soon as convergence
+            // allows.
+            self.next_gossip = self.next_gossip.min(now);
             if replaced {
                 // The old incarnation is gone for sure (Akka downs it when
                 // the new one joins): every member learns it now, so that
@@ -1376,6 +1424,7 @@ impl ClusterNode {
                 .max()
                 .unwrap_or(0);
             let mut remove = Vec::new();
+            let mut moved_up: Vec<UniqueAddress> = Vec::new();
             let addresses: Vec<UniqueAddress> = self.gossip.members.keys().cloned().collect();
             for ua in addresses {
                 let newer_incarnation = self.gossip.members.keys().any(|o| {
@@ -1399,6 +1448,7 @@ impl ClusterNode {
                         m.status = MemberStatus::Up;
                         m.up_number = next_up;
                         changed = true;
+                        moved_up.push(ua.clone());
                     }
                     MemberStatus::Leaving => {
                         m.status = MemberStatus::Exiting;
@@ -1430,6 +1480,14 @@ impl ClusterNode {
                 self.gossip.bump(&me);
                 changed = false;
                 self.gossip_to_all();
+            } else if !moved_up.is_empty() {
+                // A member made Up learns it now, not when a gossip round
+                // happens to pick it.
+                self.gossip.bump(&me);
+                changed = false;
+                for u in moved_up.iter().filter(|u| **u != me) {
+                    self.send_gossip(u);
+                }
             }
         } else if let Some(after) = self.cfg.allow_weakly_up_members {
             if self.gossip.has_unreachable_blocking() {

@@ -1038,3 +1038,27 @@ fn a_paused_member_is_not_downed_by_refusals_it_never_gave() {
     assert!(all_up(&net, &[0, 1, 2]), "{:?}", net.statuses(0));
     assert!(net.stops.is_empty(), "{:?}", net.stops);
 }
+
+#[test]
+fn seeds_started_at_once_form_without_waiting_for_the_seed_timeout() {
+    // Every other seed answers InitJoinNack (not a member of any cluster):
+    // the first seed forms at once and tells them, they join, the leader
+    // makes them Up at the next convergence and tells each (Akka's
+    // FirstSeedNodeProcess); nothing waits for seed_node_timeout (5 s) or
+    // for a 1 s tick.
+    let mut net = Net::new(3, Duration::from_secs(5));
+    let at = step_until_cond(&mut net, Duration::from_secs(10), |n| {
+        all_up(n, &[0, 1, 2]) && n.singleton == BTreeSet::from([0])
+    });
+    assert!(at < ms(500), "all Up with a coordinator after {at:?}");
+    // A first seed restarted while the other seeds are members gets their
+    // InitJoinAck and joins them: it never forms an island.
+    let mut net = Net::new(3, Duration::from_secs(5));
+    net.step_until(Duration::from_secs(3));
+    let fresh = net.make(0, 3, Duration::from_secs(5));
+    net.nodes[0] = Some(fresh);
+    net.singleton.remove(&0); // it crashed with the old incarnation
+    net.step_until(Duration::from_secs(20));
+    assert!(all_up(&net, &[0, 1, 2]), "{:?}", net.statuses(1));
+    assert_eq!(net.node(1).gossip().members.len(), 3);
+}
