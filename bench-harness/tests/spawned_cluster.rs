@@ -101,6 +101,13 @@ fn failover_kill_is_served_by_the_survivors_within_the_bound_and_verifies() {
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
     println!("{stdout}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for line in stderr
+        .lines()
+        .filter(|l| l.contains("ready") || l.contains("SIG"))
+    {
+        println!("{line}");
+    }
     assert!(
         out.status.success(),
         "{stdout}\n{}",
