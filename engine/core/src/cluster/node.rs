@@ -1160,7 +1160,13 @@ impl ClusterNode {
                 })
                 .map(|m| m.unique_address.clone())
                 .collect();
-            let replaced = !old.is_empty();
+            // Any earlier incarnation at this address (already Down
+            // included) is gone for sure now.
+            let replaced = self
+                .gossip
+                .members
+                .keys()
+                .any(|u| u.address == from.address && u.uid != from.uid);
             for o in old {
                 if let Some(m) = self.gossip.members.get_mut(&o) {
                     m.status = MemberStatus::Down;
