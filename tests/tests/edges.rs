@@ -104,14 +104,16 @@ fn requests_buffered_past_their_deadline_are_answered_503_and_never_applied() {
     let _one = serial();
     let dir = tempfile::tempdir().expect("tempdir");
     let ports = Ports { base: 28_000 };
-    // ask_timeout_ms 1500: far below the failover (detection 1.5 s +
-    // stable_after 2 s + removal), so every request waits past it.
+    // ask_timeout_ms 1500: far below the failover when the crash is seen
+    // through timeouts only (as of a whole host: `refusals_to_down = 0`;
+    // detection 1.5 s + stable_after 2 s + removal), so every request
+    // waits past it.
     let mut nodes = start_nodes_with(
         dir.path(),
         ports,
         3,
         1,
-        "\n[requests]\nask_timeout_ms = 1500",
+        "\n[requests]\nask_timeout_ms = 1500\n[cluster]\nrefusals_to_down = 0",
     );
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -256,7 +258,15 @@ fn sigterm_answers_every_buffered_request_503_before_exiting() {
     // Five nodes: after node 0 is killed and node 1 left (it stays a
     // member, unreachable, until its removal converges, which node 0's
     // unreachability blocks), nodes 2..=4 are the majority and take over.
-    let mut nodes = start_leavable(dir.path(), ports, 5, "", 4_000);
+    // The crash is seen through timeouts only (as of a whole host), so the
+    // coordinator stays unknown long enough to buffer the adds.
+    let mut nodes = start_leavable(
+        dir.path(),
+        ports,
+        5,
+        "\n[cluster]\nrefusals_to_down = 0",
+        4_000,
+    );
     wait_cluster(ports.client(1), 5, Some(ports.cluster(0).to_string()));
     drop(nodes[0].take());
     const N: usize = 50;

@@ -663,6 +663,7 @@ impl NodeConfig {
         self.journal.validate(bad)?;
         self.requests.validate(self.http.max_body_size_bytes, bad)?;
         self.coordinator.validate(bad)?;
+        self.cluster.validate(bad)?;
         let mut seen = std::collections::HashSet::new();
         for (i, t) in self.entity_types.iter().enumerate() {
             if let Err(e) = shardline_core::ids::TypeName::new(t.name.clone()) {
@@ -946,8 +947,24 @@ active_entity_limit = 0
             let c = NodeConfig::from_toml(&with(t), Path::new("x.toml")).unwrap();
             assert_eq!(c.cluster.on_join_refused, want, "{t}");
         }
+        assert_eq!(c.cluster.refusals_to_down, 3);
+        assert_eq!(c.cluster.refusal_probe_interval_ms, 200);
+        let c = NodeConfig::from_toml(
+            &with("refusals_to_down = 0\nrefusal_probe_interval_ms = 50"),
+            Path::new("x.toml"),
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                c.cluster.refusals_to_down,
+                c.cluster.refusal_probe_interval_ms
+            ),
+            (0, 50)
+        );
         for (t, key) in [
             ("on_join_refused = \"stop\"", "on_join_refused"),
+            ("refusals_to_down = 101", "refusals_to_down"),
+            ("refusal_probe_interval_ms = 5", "refusal_probe_interval_ms"),
             ("bogus = 1", "bogus"),
         ] {
             let e = NodeConfig::from_toml(&with(t), Path::new("x.toml")).unwrap_err();

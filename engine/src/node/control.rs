@@ -153,6 +153,9 @@ pub(crate) async fn run(init: ControlInit) {
     cc.downing = DowningConfig::SplitBrainResolver(SbrConfig::with_stable_after(
         Duration::from_millis(init.config.downing_stable_after_ms),
     ));
+    cc.refusals_to_down = init.config.cluster.refusals_to_down;
+    cc.refusal_probe_interval =
+        Duration::from_millis(init.config.cluster.refusal_probe_interval_ms);
     cc.random_seed = init.uid.0;
     let now = init.epoch.elapsed();
     let mut cluster = ClusterNode::new(cc, init.uid, now);
@@ -986,17 +989,49 @@ impl Control {
         o.flush();
     }
 
-    fn peer_failed(&mut self, addr: &str, outbox: &Rc<Outbox>) {
+    /// A control lane ended (`refused`: its connect was refused). The next
+    /// connect waits a backoff that doubles up to `BACKOFF_MAX`, except
+    /// after a refusal: a refused connect costs nothing, and the membership
+    /// state machine's probes must reach the socket to learn whether the
+    /// port still refuses.
+    fn peer_failed(&mut self, addr: &str, outbox: &Rc<Outbox>, refused: bool) {
         if self.peers.get(addr).is_some_and(|o| Rc::ptr_eq(o, outbox)) {
             self.peers.remove(addr);
         }
         let now = self.now();
-        let step = self
-            .backoff
-            .get(addr)
-            .map(|(_, s)| (*s * 2).min(BACKOFF_MAX))
-            .unwrap_or(BACKOFF_MIN);
+        let step = if refused {
+            BACKOFF_MIN
+        } else {
+            self.backoff
+                .get(addr)
+                .map(|(_, s)| (*s * 2).min(BACKOFF_MAX))
+                .unwrap_or(BACKOFF_MIN)
+        };
         self.backoff.insert(addr.to_string(), (now + step, step));
+    }
+
+    /// The connect to `addr` was refused (ECONNREFUSED or a reset): the
+    /// membership state machine decides what that means.
+    fn peer_connection_refused(&mut self, addr: &str) {
+        if self.stopped {
+            return;
+        }
+        let now = self.now();
+        tracing::debug!(peer = addr, "cluster port refused the connection");
+        self.cluster
+            .handle_connection_refused(now, &Address(addr.to_string()));
+        self.drive();
+    }
+
+    /// An established control lane to `addr` was closed by the peer.
+    fn peer_connection_lost(&mut self, addr: &str) {
+        if self.stopped {
+            return;
+        }
+        let now = self.now();
+        self.cluster
+            .handle_connection_lost(now, &Address(addr.to_string()));
+        self.drive();
     }
 
     /// A peer refused this node at the handshake: when it is a seed and
@@ -1573,11 +1608,25 @@ async fn run_peer(ctl: ControlRef, addr: String, outbox: Rc<Outbox>) {
             c.scope.cluster_id(),
         )
     };
+    // Whether the lane was established (its loss is then reported), and
+    // whether the connect itself was refused (no listener on that port).
+    let mut established = false;
+    let mut refused = false;
     let res: Result<(), TransportError> = async {
         let sa: std::net::SocketAddr = addr
             .parse()
             .map_err(|e| TransportError::Refused(format!("bad address {addr}: {e}")))?;
-        let mut s = transport::connect(sa, Duration::from_secs(2)).await?;
+        let mut s = match transport::connect(sa, Duration::from_secs(2)).await {
+            Ok(s) => s,
+            Err(e) => {
+                refused = matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::ConnectionReset
+                );
+                return Err(e.into());
+            }
+        };
+        established = true;
         let mut reader = FrameReader::new(MAX_FRAME_SIZE_BYTES);
         let ack = transport::client_handshake(&mut s, &mut reader, &hello).await?;
         {
@@ -1617,7 +1666,13 @@ async fn run_peer(ctl: ControlRef, addr: String, outbox: Rc<Outbox>) {
         Ok(()) => {}
     }
     outbox.close();
-    ctl.borrow_mut().peer_failed(&addr, &outbox);
+    let mut c = ctl.borrow_mut();
+    c.peer_failed(&addr, &outbox, refused);
+    if refused {
+        c.peer_connection_refused(&addr);
+    } else if established {
+        c.peer_connection_lost(&addr);
+    }
 }
 
 /// An accepted node-to-node connection: handshake, then a control lane is

@@ -25,6 +25,12 @@
 //!   member is Up and live, and exactly one of them runs the coordinator;
 //! - **no split brain** (end): no two live nodes each see the other Down or
 //!   removed — after the decision, one side only remains;
+//! - **re-homed within the bound** (crash scenarios): a process that died on
+//!   a host that is up (its port refuses connections) is removed by every
+//!   live member, and the coordinator runs on a live member, within
+//!   [`REHOME_BOUND`] of the crash (its shards are re-allocated on
+//!   removal); a crash seen through timeouts only (a whole host, a
+//!   partition, a pause) is never removed before `stable_after`;
 //! - the scenario's **expected survivors** (end): e.g. keep-majority keeps
 //!   the majority of a 3|2 partition; a 2|2 tie keeps the side with the
 //!   lowest address; a 2|2|1 split downs everyone; no member is downed on a
@@ -52,6 +58,12 @@ fn s(n: u64) -> Duration {
 
 /// `stable_after` of the split-brain resolver in the simulation.
 pub const STABLE_AFTER: Duration = Duration::from_secs(5);
+
+/// The bound within which a dead process whose port refuses connections
+/// is removed by every live member and the coordinator runs again (the
+/// simulation's settings: heartbeat and gossip every 1 s, probes every
+/// 200 ms, 3 refusals, latency up to 10 ms).
+pub const REHOME_BOUND: Duration = Duration::from_millis(2_500);
 
 /// Network behaviour.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -83,8 +95,13 @@ impl NetParams {
 pub enum Action {
     /// Start (or restart with a new uid) the node at this slot.
     Start(usize),
-    /// Crash the node at this slot.
+    /// Crash the node at this slot with its host (every packet to it is
+    /// lost: only timeouts tell).
     Crash(usize),
+    /// Crash the process at this slot, its host staying up: its cluster
+    /// port refuses connections (every packet to it is refused back to the
+    /// sender), and the members' links to it report a lost connection.
+    CrashProcess(usize),
     /// Crash this slot within one heartbeat interval after it becomes a
     /// member.
     CrashSoonAfterJoin(usize),
@@ -140,6 +157,8 @@ pub struct Plan {
     pub expect: Expect,
     /// The slot that is paused for more than 2 x stable_after, if any.
     pub long_pause: Option<usize>,
+    /// Nobody may be downed in this run (a short pause).
+    pub no_downing: bool,
     /// The split-brain resolver's strategy.
     pub strategy: SbrStrategy,
 }
@@ -187,6 +206,9 @@ pub struct MembershipOutcome {
     pub coordinator_starts: u64,
     /// Application requests served (count).
     pub served: u64,
+    /// The longest time from a process crash (refusing port) to its removal
+    /// everywhere and a live coordinator, in ms (0 without such a crash).
+    pub max_rehome_ms: u64,
 }
 
 struct Node {
@@ -205,6 +227,19 @@ struct Packet {
     seq: u64,
     to: usize,
     bytes: Vec<u8>,
+    /// Not a message: the connection `to` opened to this address was
+    /// refused (or, with `lost`, the established one was closed).
+    report: Option<(Address, bool)>,
+}
+
+/// A crash whose re-homing is being watched.
+#[derive(Debug, Clone)]
+struct Crashed {
+    at: Duration,
+    uid: UniqueAddress,
+    /// Whether the port refuses (process crash) or not (host crash).
+    refusing: bool,
+    done: bool,
 }
 
 const MAX_STEPS: u64 = 2_000_000;
@@ -232,6 +267,9 @@ pub struct MembershipWorld {
     violation: Option<MembershipViolation>,
     ever_unreachable: bool,
     stats: MembershipOutcome,
+    /// Slots whose process is dead on a live host (their port refuses).
+    refusing: BTreeSet<usize>,
+    crashes: Vec<Crashed>,
 }
 
 impl MembershipWorld {
@@ -281,8 +319,11 @@ impl MembershipWorld {
                 downed: 0,
                 coordinator_starts: 0,
                 served: 0,
+                max_rehome_ms: 0,
             },
             plan,
+            refusing: BTreeSet::new(),
+            crashes: Vec::new(),
         };
         for i in w.plan.initial.clone() {
             w.start(i);
@@ -327,6 +368,7 @@ impl MembershipWorld {
                 self.log(|| format!("node {slot} replaced while running (crash-restart)"));
             }
         }
+        self.refusing.remove(&slot);
         let cfg = self.config(slot);
         let uid = MemberUid(self.rng.gen());
         let mut cn = ClusterNode::new(cfg, uid, self.now);
@@ -344,10 +386,52 @@ impl MembershipWorld {
         self.drain(slot);
     }
 
-    fn crash(&mut self, slot: usize) {
-        if self.nodes[slot].take().is_some() {
-            self.log(|| format!("crash node {slot}"));
+    fn crash(&mut self, slot: usize, refusing: bool) {
+        let Some(n) = self.nodes[slot].take() else {
+            return;
+        };
+        self.log(|| format!("crash node {slot} (port refuses: {refusing})"));
+        if n.stopped.is_none() && n.cn.self_member().is_some() {
+            self.crashes.push(Crashed {
+                at: self.now,
+                uid: n.cn.self_address().clone(),
+                refusing,
+                done: false,
+            });
         }
+        if refusing {
+            self.refusing.insert(slot);
+            // the members' established links see the close
+            for other in 0..self.nodes.len() {
+                if other != slot
+                    && self.nodes[other].is_some()
+                    && !self.cut.contains(&(slot, other))
+                {
+                    let lat = self.latency();
+                    self.seq += 1;
+                    self.packets.push(Reverse(Packet {
+                        at: self.now + lat,
+                        seq: self.seq,
+                        to: other,
+                        bytes: Vec::new(),
+                        report: Some((self.addrs[slot].clone(), true)),
+                    }));
+                }
+            }
+        }
+    }
+
+    fn latency(&mut self) -> Duration {
+        let (lo, hi) = self.net.latency;
+        let mut lat = ms(self
+            .rng
+            .gen_range(lo.as_millis() as u64..=hi.as_millis() as u64));
+        if self.net.spike > 0.0 && self.rng.gen_bool(self.net.spike) {
+            lat += ms(self
+                .rng
+                .gen_range(0..=self.net.spike_max.as_millis() as u64));
+        }
+        lat
     }
 
     fn live(&self, slot: usize) -> Option<&Node> {
@@ -444,25 +528,46 @@ impl MembershipWorld {
         if self.cut.contains(&(from, to)) || self.rng.gen_bool(self.net.loss) {
             return;
         }
-        let (lo, hi) = self.net.latency;
-        let mut lat = ms(self
-            .rng
-            .gen_range(lo.as_millis() as u64..=hi.as_millis() as u64));
-        if self.net.spike > 0.0 && self.rng.gen_bool(self.net.spike) {
-            lat += ms(self
-                .rng
-                .gen_range(0..=self.net.spike_max.as_millis() as u64));
-        }
+        let lat = self.latency();
         self.seq += 1;
+        if self.refusing.contains(&to) && self.nodes[to].is_none() {
+            // the host answers the connect with a reset: a round trip
+            let back = self.latency();
+            self.packets.push(Reverse(Packet {
+                at: self.now + lat + back,
+                seq: self.seq,
+                to: from,
+                bytes: Vec::new(),
+                report: Some((self.addrs[to].clone(), false)),
+            }));
+            return;
+        }
         self.packets.push(Reverse(Packet {
             at: self.now + lat,
             seq: self.seq,
             to,
             bytes: encode(msg),
+            report: None,
         }));
     }
 
     fn deliver(&mut self, p: Packet) {
+        if let Some((addr, lost)) = &p.report {
+            let now = self.now;
+            let Some(node) = self.nodes[p.to].as_mut() else {
+                return;
+            };
+            if node.stopped.is_some() || node.paused {
+                return;
+            }
+            if *lost {
+                node.cn.handle_connection_lost(now, addr);
+            } else {
+                node.cn.handle_connection_refused(now, addr);
+            }
+            self.drain(p.to);
+            return;
+        }
         let msg = match decode(&p.bytes) {
             Ok(m) => m,
             Err(e) => {
@@ -494,7 +599,8 @@ impl MembershipWorld {
         self.log(|| format!("script: {a:?}"));
         match a {
             Action::Start(i) => self.start(i),
-            Action::Crash(i) => self.crash(i),
+            Action::Crash(i) => self.crash(i, false),
+            Action::CrashProcess(i) => self.crash(i, true),
             Action::CrashSoonAfterJoin(i) => {
                 self.start(i);
                 if let Some(n) = self.nodes[i].as_mut() {
@@ -598,7 +704,60 @@ impl MembershipWorld {
         }
     }
 
+    /// Re-homed within the bound: see the module's invariants.
+    fn check_rehome(&mut self) {
+        let now = self.now;
+        let live: Vec<usize> = (0..self.nodes.len())
+            .filter(|&i| self.live(i).is_some_and(|n| !n.paused))
+            .collect();
+        let coordinator_live = live
+            .iter()
+            .any(|&i| self.live(i).is_some_and(|n| n.singleton));
+        let mut broken = None;
+        let mut longest = self.stats.max_rehome_ms;
+        for c in self.crashes.iter_mut().filter(|c| !c.done) {
+            let removed_everywhere = live.iter().all(|&i| {
+                self.nodes[i]
+                    .as_ref()
+                    .is_some_and(|n| !n.cn.gossip().members.contains_key(&c.uid))
+            });
+            if removed_everywhere && !c.refusing && now < c.at + STABLE_AFTER {
+                broken = Some((
+                    "timeouts keep the resolver's rules",
+                    format!(
+                        "{} crashed with its host at {:?} and was removed {:?} later, before stable_after",
+                        c.uid,
+                        c.at,
+                        now - c.at
+                    ),
+                ));
+            }
+            if removed_everywhere && (coordinator_live || live.is_empty()) {
+                c.done = true;
+                if c.refusing {
+                    longest = longest.max((now - c.at).as_millis() as u64);
+                }
+            } else if c.refusing && now > c.at + REHOME_BOUND {
+                broken = Some((
+                    "re-homed within the bound",
+                    format!(
+                        "{} crashed (port refusing) at {:?}; after {:?} removed everywhere: {removed_everywhere}, coordinator live: {coordinator_live}",
+                        c.uid,
+                        c.at,
+                        now - c.at
+                    ),
+                ));
+                c.done = true;
+            }
+        }
+        self.stats.max_rehome_ms = longest;
+        if let Some((inv, d)) = broken {
+            self.violate(inv, d);
+        }
+    }
+
     fn check_step(&mut self) {
+        self.check_rehome();
         let acting: Vec<usize> = (0..self.nodes.len())
             .filter(|&i| {
                 self.nodes[i]
@@ -762,6 +921,13 @@ impl MembershipWorld {
             );
             return;
         }
+        if self.plan.no_downing && self.stats.downed > 0 {
+            self.violate(
+                "no false downing",
+                format!("{} nodes downed after a short pause", self.stats.downed),
+            );
+            return;
+        }
         if let Some(p) = self.plan.long_pause {
             if self.live(p).is_some() {
                 self.violate(
@@ -831,6 +997,7 @@ fn formed(nodes: usize) -> Plan {
         settle_from: s(60),
         expect: Expect::Survivors((0..nodes).collect()),
         long_pause: None,
+        no_downing: false,
         strategy: SbrStrategy::KeepMajority,
     }
 }
@@ -1024,6 +1191,50 @@ fn static_quorum(rng: &mut ChaCha8Rng) -> Plan {
     p
 }
 
+fn crash_process(rng: &mut ChaCha8Rng) -> Plan {
+    let mut p = formed(5);
+    // slot 0 formed the cluster: the oldest, which runs the coordinator,
+    // is the victim in about one run of five
+    let victim = rng.gen_range(0..5);
+    let at = FORMED_BY + ms(rng.gen_range(0..3000));
+    p.script.push((at, Action::CrashProcess(victim)));
+    p.expect = Expect::Survivors((0..5).filter(|&i| i != victim).collect());
+    p
+}
+
+fn crash_host(rng: &mut ChaCha8Rng) -> Plan {
+    let mut p = formed(5);
+    let victim = rng.gen_range(0..5);
+    let at = FORMED_BY + ms(rng.gen_range(0..3000));
+    p.script.push((at, Action::Crash(victim)));
+    p.expect = Expect::Survivors((0..5).filter(|&i| i != victim).collect());
+    p
+}
+
+fn short_pause(rng: &mut ChaCha8Rng) -> Plan {
+    let mut p = formed(5);
+    let victim = rng.gen_range(0..5);
+    let at = FORMED_BY + ms(rng.gen_range(0..3000));
+    // shorter than detection (acceptable heartbeat pause 3 s)
+    let pause = ms(rng.gen_range(200..2_500));
+    p.script.push((at, Action::Pause(victim)));
+    p.script.push((at + pause, Action::Resume(victim)));
+    p.no_downing = true;
+    p
+}
+
+fn restart_same_address(rng: &mut ChaCha8Rng) -> Plan {
+    let mut p = formed(5);
+    let victim = rng.gen_range(0..5);
+    let at = FORMED_BY + ms(rng.gen_range(0..3000));
+    // the new incarnation starts before, around or after the old one is
+    // downed
+    let restart = at + ms(rng.gen_range(0..4_000));
+    p.script.push((at, Action::CrashProcess(victim)));
+    p.script.push((restart, Action::Start(victim)));
+    p
+}
+
 /// Every membership scenario.
 pub static MEMBERSHIP_SCENARIOS: &[MembershipScenario] = &[
     MembershipScenario {
@@ -1086,6 +1297,26 @@ pub static MEMBERSHIP_SCENARIOS: &[MembershipScenario] = &[
         about: "every member leaves gracefully and restarts with a new uid, one at a time, under load",
         build: rolling_restart,
     },
+    MembershipScenario {
+        name: "membership-crash-process",
+        about: "a process dies, its host stays up (port refuses): removed and re-homed within the bound",
+        build: crash_process,
+    },
+    MembershipScenario {
+        name: "membership-crash-host",
+        about: "a whole host dies (timeouts only): the resolver's rules and stable_after apply",
+        build: crash_host,
+    },
+    MembershipScenario {
+        name: "membership-short-pause",
+        about: "a process paused for less than the detection time (no refusal) comes back: nobody is downed",
+        build: short_pause,
+    },
+    MembershipScenario {
+        name: "membership-restart-same-address",
+        about: "a process dies and a new incarnation starts at its address: the old one is gone within the bound",
+        build: restart_same_address,
+    },
 ];
 
 /// Whether `name` is a membership scenario.
@@ -1137,6 +1368,7 @@ pub fn run_membership_cli(only: Option<&str>, seeds: &[u64], threads: usize) -> 
         results.sort_by_key(|(s, _)| *s);
         let (mut steps, mut packets, mut downed, mut starts, mut served, mut v) =
             (0, 0, 0, 0, 0, 0);
+        let mut rehome = 0;
         for (seed, o) in &results {
             runs += 1;
             steps += o.steps;
@@ -1144,13 +1376,19 @@ pub fn run_membership_cli(only: Option<&str>, seeds: &[u64], threads: usize) -> 
             downed += o.downed;
             starts += o.coordinator_starts;
             served += o.served;
+            rehome = rehome.max(o.max_rehome_ms);
             if o.violation.is_some() {
                 v += 1;
                 failures.push((sc, *seed));
             }
         }
+        let rehome = if rehome > 0 {
+            format!(", longest re-homing after a process crash {rehome} ms")
+        } else {
+            String::new()
+        };
         println!(
-            "{:<26} {} seeds, {v} violations  (packets {packets}, members downed {downed}, coordinator starts {starts}, requests served {served}; steps {steps}) {:.1}s, {:.0} seeds/s",
+            "{:<26} {} seeds, {v} violations  (packets {packets}, members downed {downed}, coordinator starts {starts}, requests served {served}{rehome}; steps {steps}) {:.1}s, {:.0} seeds/s",
             sc.name,
             results.len(),
             t0.elapsed().as_secs_f64(),

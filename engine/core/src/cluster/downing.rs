@@ -55,6 +55,9 @@ pub enum DecisionReason {
     /// The unreachable set kept changing for longer than `stable_after +
     /// down_all_when_unstable`: every member is downed.
     DownAllWhenUnstable,
+    /// Members whose cluster ports refused connections (their processes are
+    /// gone) are downed at once, the strategy keeping this side.
+    DownRefused,
 }
 
 /// A pluggable downing provider (Akka's `DowningProvider`).
@@ -67,6 +70,20 @@ pub trait DowningProvider: fmt::Debug + Send {
     fn update(&mut self, now: Duration, view: DowningView<'_>) -> Option<DowningDecision>;
     /// The next time the provider wants to be called even without input.
     fn next_deadline(&self) -> Option<Duration>;
+    /// Observes that this node confirmed refused connections from every
+    /// member of `refused` (no process listens at their cluster ports; see
+    /// `ClusterConfig::refusals_to_down`) and maybe decides at once,
+    /// without waiting for stability. Called on every member, leader or
+    /// not. The default never decides (the provider's own rules apply).
+    fn decide_refused(
+        &mut self,
+        now: Duration,
+        view: DowningView<'_>,
+        refused: &BTreeSet<UniqueAddress>,
+    ) -> Option<DowningDecision> {
+        let _ = (now, view, refused);
+        None
+    }
 }
 
 /// A provider that never downs anything (downing left to an operator).
@@ -389,6 +406,61 @@ impl DowningProvider for SplitBrainResolver {
                 down: BTreeSet::from([view.self_address.clone()]),
                 reason: decision.reason,
             })
+    }
+
+    /// Downs the refused members at once when the strategy, deciding
+    /// between them and every other live member, keeps this side; downs
+    /// this node alone when it keeps the other side (stopping is always
+    /// safe); otherwise (another unreachable member, an indirectly
+    /// connected one, or `down-all`) it leaves the decision to
+    /// [`Self::update`]'s rules and `stable_after`.
+    fn decide_refused(
+        &mut self,
+        _now: Duration,
+        view: DowningView<'_>,
+        refused: &BTreeSet<UniqueAddress>,
+    ) -> Option<DowningDecision> {
+        let g = view.gossip;
+        let me = view.self_address;
+        let live: BTreeSet<UniqueAddress> = g
+            .members
+            .values()
+            .filter(|m| m.status != MemberStatus::Down)
+            .map(|m| m.unique_address.clone())
+            .collect();
+        let refused: BTreeSet<UniqueAddress> = refused
+            .iter()
+            .filter(|u| live.contains(*u) && *u != me)
+            .cloned()
+            .collect();
+        if refused.is_empty() || !live.contains(me) {
+            return None;
+        }
+        // Any unreachability without that evidence (a partition, a paused
+        // process, a lossy link): today's rules, unchanged.
+        let unreachable = g.unreachable_members();
+        if unreachable
+            .iter()
+            .any(|u| live.contains(u) && u != me && !refused.contains(u))
+        {
+            return None;
+        }
+        if !indirectly_connected(g, &live).is_empty() {
+            return None;
+        }
+        let reachable: BTreeSet<UniqueAddress> = live.difference(&refused).cloned().collect();
+        let (down, reason) = self.strategy(g, &reachable, &refused);
+        match reason {
+            DecisionReason::DownUnreachable if down.is_subset(&refused) => Some(DowningDecision {
+                down,
+                reason: DecisionReason::DownRefused,
+            }),
+            DecisionReason::DownReachable if down.contains(me) => Some(DowningDecision {
+                down: BTreeSet::from([me.clone()]),
+                reason,
+            }),
+            _ => None,
+        }
     }
 
     fn next_deadline(&self) -> Option<Duration> {

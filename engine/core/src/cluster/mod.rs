@@ -40,13 +40,23 @@
 //!
 //! Rules this module enforces (Akka's):
 //! * Only the first seed may form a new cluster, and only after no other seed
-//!   answered for `seed_node_timeout` (5 s), so a restart never forms an
-//!   island.
+//!   answered for `seed_node_timeout` (5 s), or every other seed answered
+//!   that it is not a member, so a restart never forms an island.
 //! * The leader is the first reachable Up/Leaving member by address; it
 //!   moves members only at convergence (every reachable Up/Leaving member has
 //!   seen the version, nobody unreachable except Down/Exiting ones).
 //! * Each member is monitored by up to `monitored_by_nr_of_members` (5)
 //!   members, the next ones on the ring of members sorted by address.
+//! * A member whose cluster port refused `refusals_to_down` connections in a
+//!   row (reported by the shell: `ClusterNode::handle_connection_refused`)
+//!   is taken as a process that is gone: the downing provider may down it at
+//!   once (`DowningProvider::decide_refused`; the resolver does when its
+//!   strategy keeps this side and nothing else is unreachable), and the
+//!   leader removes it at convergence without `down_removal_margin`; so is
+//!   an incarnation replaced by a newer one at its address. Unreachability
+//!   by timeouts keeps the resolver's rules and `stable_after`.
+//! * The first seed forms a new cluster at once when every other seed
+//!   answered `InitJoinNack` (none is a member of any cluster).
 //! * A member that learns it is Down (from gossip, a `Downed` reply, or its
 //!   own resolver's decision) stops at once ([`StopReason::Downed`]). A node
 //!   that notices a gap of more than `pause_fence_after` between two inputs

@@ -66,8 +66,10 @@ pub struct ClusterConfig {
     /// `acceptable_heartbeat_pause` and two `heartbeat_interval`s, the latest
     /// the other side of a partition decides (it must first detect, then
     /// wait until stable, or unstable for too long); 40 s with the defaults.
-    /// Zero without a resolver. A Down member whose address already runs a
-    /// newer incarnation is removed at once.
+    /// Zero without a resolver. A Down member whose address
+    /// already runs a newer incarnation, or whose process this leader saw
+    /// gone ([`Self::refusals_to_down`]), is removed at convergence without
+    /// it.
     pub down_removal_margin: Option<Duration>,
     /// A gap longer than this between two inputs means this node was paused
     /// (process stopped, VM frozen): it stops serving (fenced) until a member
@@ -76,6 +78,23 @@ pub struct ClusterConfig {
     pub pause_fence_after: Duration,
     /// Interval of `HandOverToMe` retries. Default 1 s.
     pub hand_over_retry_interval: Duration,
+    /// Consecutive refused connections (the shell's
+    /// [`ClusterNode::handle_connection_refused`]: ECONNREFUSED or a reset
+    /// while connecting, never a timeout) to a member, with no message from
+    /// that incarnation in between, after which this node treats the member's
+    /// process as gone: the downing provider may down it at once
+    /// ([`DowningProvider::decide_refused`], without `stable_after`) and the
+    /// leader removes it at convergence, without `down_removal_margin`.
+    /// Refusals count at most once per half `refusal_probe_interval`, so the
+    /// evidence spans at least `(refusals_to_down - 1) / 2` probe intervals.
+    /// Default 3 (count); 0 disables it (only the resolver downs).
+    pub refusals_to_down: u32,
+    /// After a member's connection was lost or refused, this node sends it a
+    /// probe heartbeat at this interval (so the shell connects again and
+    /// reports what the socket said) until it answers, is removed, or
+    /// nothing was heard about it for two heartbeat intervals. Default
+    /// 200 ms.
+    pub refusal_probe_interval: Duration,
     /// The coordinator singleton runs on the oldest Up member with this
     /// role. Default none (any member).
     pub coordinator_role: Option<String>,
@@ -104,6 +123,8 @@ impl ClusterConfig {
             down_removal_margin: None,
             pause_fence_after: Duration::from_secs(3),
             hand_over_retry_interval: Duration::from_secs(1),
+            refusals_to_down: 3,
+            refusal_probe_interval: Duration::from_millis(200),
             coordinator_role: None,
             random_seed: 0,
         }
@@ -157,6 +178,19 @@ enum JoinState {
 struct Monitored {
     fd: PhiAccrualFailureDetector,
     start_at: Duration,
+}
+
+/// What this node's connections to one member (incarnation) said.
+#[derive(Debug, Clone)]
+struct Refusals {
+    /// Refused connects counted (at most one per half probe interval).
+    count: u32,
+    /// When the last one was counted.
+    last_counted: Option<Duration>,
+    /// The last report about this member (lost or refused).
+    last_report: Duration,
+    /// The next probe heartbeat.
+    next_probe: Duration,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -214,6 +248,10 @@ pub struct ClusterNode {
     fence_seq: Option<u64>,
     published: CurrentClusterState,
     downed_replied: BTreeMap<UniqueAddress, Duration>,
+    refusals: BTreeMap<UniqueAddress, Refusals>,
+    /// The other seeds that answered `InitJoinNack` (they are not members
+    /// of any cluster) while this first seed asks the seeds.
+    seed_nacks: BTreeSet<Address>,
 }
 
 impl ClusterNode {
@@ -228,6 +266,10 @@ impl ClusterNode {
                 // detectors noticed (acceptable pause plus two heartbeat
                 // intervals), then decides within stable_after, or downs
                 // everything at stable_after + down_all_when_unstable.
+                // This side's decision may rest on an unreachability older
+                // than the partition (a lossy link), so none of it can be
+                // taken off (the simulation's `membership-unstable` finds
+                // the zombie when stable_after is left out).
                 let detection =
                     cfg.failure_detector.acceptable_heartbeat_pause + cfg.heartbeat_interval * 2;
                 let unstable = c.down_all_when_unstable.unwrap_or(c.stable_after);
@@ -290,6 +332,8 @@ impl ClusterNode {
             fence_seq: None,
             published: CurrentClusterState::default(),
             downed_replied: BTreeMap::new(),
+            refusals: BTreeMap::new(),
+            seed_nacks: BTreeSet::new(),
             cfg,
         }
     }
@@ -423,6 +467,11 @@ impl ClusterNode {
         if self.singleton.waiting_for.is_some() {
             t = t.min(self.singleton.next_retry);
         }
+        if self.join == JoinState::Member {
+            if let Some(p) = self.refusals.values().map(|r| r.next_probe).min() {
+                t = t.min(p);
+            }
+        }
         if let Some(d) = self.downing.next_deadline() {
             // a deadline already handled (e.g. passed while not the leader)
             // is re-checked after every input anyway
@@ -455,6 +504,70 @@ impl ClusterNode {
         self.seed_refused = true;
         self.join_refused = Some(format!("{seed}: {reason}"));
         self.after_input(now);
+    }
+
+    /// The shell's connection to `address` was refused while connecting
+    /// (ECONNREFUSED, or reset before the handshake): no process listens
+    /// on that cluster port now. Never call it for a timeout or an
+    /// unreachable host: those say nothing about the process.
+    ///
+    /// Counted against every incarnation known at `address` (at most once
+    /// per half [`ClusterConfig::refusal_probe_interval`]); once a member has
+    /// [`ClusterConfig::refusals_to_down`] of them with no message from it in
+    /// between, the downing provider may down it at once and the leader
+    /// removes it at convergence (see `docs/node.md`, membership). This node
+    /// then probes it every `refusal_probe_interval`.
+    pub fn handle_connection_refused(&mut self, now: Duration, address: &Address) {
+        if !self.begin(now) {
+            return;
+        }
+        let probe = self.cfg.refusal_probe_interval;
+        for ua in self.members_at(address) {
+            let r = self.refusals.entry(ua).or_insert(Refusals {
+                count: 0,
+                last_counted: None,
+                last_report: now,
+                next_probe: now + probe,
+            });
+            r.last_report = now;
+            if r.last_counted.is_none_or(|t| now >= t + probe / 2) {
+                r.count = r.count.saturating_add(1);
+                r.last_counted = Some(now);
+            }
+            r.next_probe = now + probe;
+        }
+        self.after_input(now);
+    }
+
+    /// The shell's established connection to `address` was closed or reset
+    /// by the peer (or failed to connect for another reason than a refusal):
+    /// this node probes the members at that address every
+    /// [`ClusterConfig::refusal_probe_interval`] for a while, so that a
+    /// process that died is seen refusing within a few probes. It is no
+    /// evidence by itself: nothing is downed for a lost connection.
+    pub fn handle_connection_lost(&mut self, now: Duration, address: &Address) {
+        if !self.begin(now) {
+            return;
+        }
+        if self.cfg.refusals_to_down > 0 {
+            let probe = self.cfg.refusal_probe_interval;
+            for ua in self.members_at(address) {
+                let r = self.refusals.entry(ua).or_insert(Refusals {
+                    count: 0,
+                    last_counted: None,
+                    last_report: now,
+                    next_probe: now + probe,
+                });
+                r.last_report = now;
+            }
+        }
+        self.after_input(now);
+    }
+
+    /// How many refused connections to `member` this node counted since it
+    /// last heard from it (count; 0 when none).
+    pub fn refused_count(&self, member: &UniqueAddress) -> u32 {
+        self.refusals.get(member).map_or(0, |r| r.count)
     }
 
     /// Why a seed refused this node (`seed: reason`), while it is not a
@@ -547,6 +660,7 @@ impl ClusterNode {
             self.singleton.next_retry = now + self.cfg.hand_over_retry_interval;
             self.send_hand_over_requests();
         }
+        self.probe_refused(now);
         self.after_input(now);
     }
 
@@ -560,6 +674,8 @@ impl ClusterNode {
             self.after_input(now);
             return;
         }
+        // A message from this incarnation: it runs, whatever its port said.
+        self.refusals.remove(&from);
         let sender_downed = self.gossip.tombstones.contains(&from)
             || self
                 .gossip
@@ -578,19 +694,22 @@ impl ClusterNode {
                         .self_member()
                         .is_some_and(|m| m.status <= MemberStatus::Leaving);
                 let me = self.self_ua.clone();
-                let reply = if ok {
-                    ClusterMessage::InitJoinAck { from: me }
-                } else {
-                    ClusterMessage::InitJoinNack { from: me }
-                };
-                self.send(from.address, reply);
+                if ok {
+                    self.send(from.address, ClusterMessage::InitJoinAck { from: me });
+                } else if self.join != JoinState::Member {
+                    // `InitJoinNack` means "not a member of any cluster": the
+                    // first seed forms a new cluster once every other seed
+                    // said so. A member that cannot take the join now
+                    // (fenced, exiting) stays silent instead.
+                    self.send(from.address, ClusterMessage::InitJoinNack { from: me });
+                }
             }
             ClusterMessage::InitJoinAck { from } => {
                 if matches!(self.join, JoinState::Seeds { .. }) {
                     self.send_join(now, from.address);
                 }
             }
-            ClusterMessage::InitJoinNack { .. } => {}
+            ClusterMessage::InitJoinNack { from } => self.receive_init_join_nack(now, from),
             ClusterMessage::Join { from, roles } => self.receive_join(now, from, roles),
             ClusterMessage::Welcome { from, to, gossip } => {
                 if to == self.self_ua
@@ -733,6 +852,160 @@ impl ClusterNode {
         self.next_heartbeat = now + self.cfg.heartbeat_interval;
     }
 
+    /// The incarnations at `address` in the local state (not this node).
+    fn members_at(&self, address: &Address) -> Vec<UniqueAddress> {
+        self.gossip
+            .members
+            .keys()
+            .filter(|u| u.address == *address && **u != self.self_ua)
+            .cloned()
+            .collect()
+    }
+
+    /// Whether this node counted enough refusals from `ua` to treat its
+    /// process as gone.
+    fn refusal_confirmed(&self, ua: &UniqueAddress) -> bool {
+        self.cfg.refusals_to_down > 0
+            && self
+                .refusals
+                .get(ua)
+                .is_some_and(|r| r.count >= self.cfg.refusals_to_down)
+    }
+
+    /// Probe heartbeats to the members whose connection was lost or refused
+    /// (and, on the leader, to Down members awaiting removal, so that it
+    /// has its own evidence to remove them without the margin). Entries
+    /// without a report for two heartbeat intervals are dropped.
+    fn probe_refused(&mut self, now: Duration) {
+        if self.join != JoinState::Member || self.cfg.refusals_to_down == 0 {
+            return;
+        }
+        let window = self.cfg.heartbeat_interval * 2;
+        let g = &self.gossip;
+        self.refusals
+            .retain(|u, r| g.members.contains_key(u) && now < r.last_report + window);
+        self.probe_down_members(now);
+        let probe = self.cfg.refusal_probe_interval;
+        let due: Vec<UniqueAddress> = self
+            .refusals
+            .iter_mut()
+            .filter(|(_, r)| now >= r.next_probe)
+            .map(|(u, r)| {
+                r.next_probe = now + probe;
+                u.clone()
+            })
+            .collect();
+        for to in due {
+            let msg = ClusterMessage::Heartbeat {
+                from: self.self_ua.clone(),
+                to: to.clone(),
+                sequence_nr: self.heartbeat_seq,
+            };
+            self.send(to.address, msg);
+        }
+    }
+
+    /// On the leader: probe the Down members awaiting removal (from the
+    /// next poll on).
+    fn probe_down_members(&mut self, now: Duration) {
+        if self.join != JoinState::Member
+            || self.cfg.refusals_to_down == 0
+            || self.leader().as_ref() != Some(&self.self_ua)
+        {
+            return;
+        }
+        {
+            let down: Vec<UniqueAddress> = self
+                .gossip
+                .members
+                .values()
+                .filter(|m| m.status == MemberStatus::Down && m.unique_address != self.self_ua)
+                .map(|m| m.unique_address.clone())
+                .collect();
+            for u in down {
+                self.refusals.entry(u).or_insert(Refusals {
+                    count: 0,
+                    last_counted: None,
+                    last_report: now,
+                    next_probe: now,
+                });
+            }
+        }
+    }
+
+    /// Downing on refused connections: when this node has confirmed
+    /// refusals from some members, the downing provider may down them (or
+    /// this node) at once; see [`DowningProvider::decide_refused`].
+    fn run_refused_downing(&mut self, now: Duration) {
+        if self.cfg.refusals_to_down == 0
+            || self.join != JoinState::Member
+            || self.fence_seq.is_some()
+            || self
+                .self_member()
+                .is_none_or(|m| m.status >= MemberStatus::Down)
+        {
+            return;
+        }
+        let confirmed: BTreeSet<UniqueAddress> = self
+            .refusals
+            .keys()
+            .filter(|u| {
+                // An Exiting member is removed by the leader anyway.
+                self.refusal_confirmed(u)
+                    && self
+                        .gossip
+                        .member(u)
+                        .is_some_and(|m| m.status < MemberStatus::Exiting)
+            })
+            .cloned()
+            .collect();
+        if confirmed.is_empty() {
+            return;
+        }
+        let is_leader = self.leader().as_ref() == Some(&self.self_ua);
+        let view = DowningView {
+            gossip: &self.gossip,
+            self_address: &self.self_ua,
+            is_leader,
+        };
+        if let Some(decision) = self.downing.decide_refused(now, view, &confirmed) {
+            self.apply_downing(&decision.down, true);
+        }
+    }
+
+    /// Whether a Down member may be removed without the margin because this
+    /// node confirmed that its process is gone (the leader then acts on
+    /// every input, not only on its gossip tick).
+    fn removal_by_refusal_pending(&self) -> bool {
+        self.gossip
+            .members
+            .values()
+            .any(|m| m.status == MemberStatus::Down && self.gone_for_sure(&m.unique_address))
+    }
+
+    /// Whether the process of `ua` is known to be gone: this node confirmed
+    /// refusals from it, or a newer incarnation runs at its address.
+    fn gone_for_sure(&self, ua: &UniqueAddress) -> bool {
+        self.refusal_confirmed(ua)
+            || self.gossip.members.keys().any(|o| {
+                o.address == ua.address && o.uid != ua.uid && !self.gossip.tombstones.contains(o)
+            })
+    }
+
+    /// Every other member gets this node's gossip now.
+    fn gossip_to_all(&mut self) {
+        let others: Vec<UniqueAddress> = self
+            .gossip
+            .members
+            .keys()
+            .filter(|u| **u != self.self_ua)
+            .cloned()
+            .collect();
+        for o in others {
+            self.send_gossip(&o);
+        }
+    }
+
     fn send(&mut self, to: Address, message: ClusterMessage) {
         self.transmits.push_back(Transmit { to, message });
     }
@@ -810,6 +1083,43 @@ impl ClusterNode {
         }
     }
 
+    /// On the first seed (Akka's `FirstSeedNodeProcess`): once every other
+    /// seed answered that it is not a member of any cluster, no cluster
+    /// exists to join, and waiting for `seed_node_timeout` would only delay
+    /// the start; the first seed forms the cluster at once and tells those
+    /// seeds (`InitJoinAck`) so that they join without waiting for their
+    /// next round.
+    fn receive_init_join_nack(&mut self, now: Duration, from: UniqueAddress) {
+        let JoinState::Seeds {
+            form_at: Some(_), ..
+        } = self.join
+        else {
+            return;
+        };
+        if self.seed_refused || !self.cfg.seed_nodes.contains(&from.address) {
+            return;
+        }
+        self.seed_nacks.insert(from.address);
+        let all = self
+            .cfg
+            .seed_nodes
+            .iter()
+            .filter(|a| **a != self.cfg.address)
+            .all(|a| self.seed_nacks.contains(a));
+        if !all {
+            return;
+        }
+        self.form_cluster();
+        self.next_gossip = now;
+        let nacked: Vec<Address> = std::mem::take(&mut self.seed_nacks).into_iter().collect();
+        for a in nacked {
+            let msg = ClusterMessage::InitJoinAck {
+                from: self.self_ua.clone(),
+            };
+            self.send(a, msg);
+        }
+    }
+
     fn send_join(&mut self, now: Duration, to: Address) {
         self.join = JoinState::Joining {
             to: to.clone(),
@@ -850,6 +1160,13 @@ impl ClusterNode {
                 })
                 .map(|m| m.unique_address.clone())
                 .collect();
+            // Any earlier incarnation at this address (already Down
+            // included) is gone for sure now.
+            let replaced = self
+                .gossip
+                .members
+                .keys()
+                .any(|u| u.address == from.address && u.uid != from.uid);
             for o in old {
                 if let Some(m) = self.gossip.members.get_mut(&o) {
                     m.status = MemberStatus::Down;
@@ -860,6 +1177,16 @@ impl ClusterNode {
                 .insert(from.clone(), Member::joining(from.clone(), roles));
             self.joining_since.insert(from.clone(), now);
             self.gossip.bump(&self.self_ua);
+            // Leader actions (and a gossip round) at the next poll instead
+            // of the next tick: a joiner is made Up as soon as convergence
+            // allows.
+            self.next_gossip = self.next_gossip.min(now);
+            if replaced {
+                // The old incarnation is gone for sure (Akka downs it when
+                // the new one joins): every member learns it now, so that
+                // the leader removes it at the next convergence.
+                self.gossip_to_all();
+            }
         }
         let msg = ClusterMessage::Welcome {
             from: self.self_ua.clone(),
@@ -882,6 +1209,13 @@ impl ClusterNode {
         let mut merged = self.gossip.merge(&remote);
         merged.seen.insert(self.self_ua.clone());
         self.gossip = merged;
+        if self.removal_by_refusal_pending() {
+            // A member whose process is gone awaits removal: the leader
+            // learns at once that this member has seen the version.
+            if let Some(l) = self.leader().filter(|l| *l != self.self_ua && *l != from) {
+                self.send_status(&l);
+            }
+        }
         if matches!(ord, ClockOrdering::After | ClockOrdering::Concurrent) {
             self.send_gossip(&from);
         } else if talkback {
@@ -1096,6 +1430,7 @@ impl ClusterNode {
                 .max()
                 .unwrap_or(0);
             let mut remove = Vec::new();
+            let mut moved_up: Vec<UniqueAddress> = Vec::new();
             let addresses: Vec<UniqueAddress> = self.gossip.members.keys().cloned().collect();
             for ua in addresses {
                 let newer_incarnation = self.gossip.members.keys().any(|o| {
@@ -1109,6 +1444,7 @@ impl ClusterNode {
                     .is_some_and(|m| m.status == MemberStatus::Down);
                 let seen = self.gossip.seen.contains(&ua);
                 let down_since = self.down_since.get(&ua).copied();
+                let refused = self.refusal_confirmed(&ua);
                 let Some(m) = self.gossip.members.get_mut(&ua) else {
                     continue;
                 };
@@ -1118,6 +1454,7 @@ impl ClusterNode {
                         m.status = MemberStatus::Up;
                         m.up_number = next_up;
                         changed = true;
+                        moved_up.push(ua.clone());
                     }
                     MemberStatus::Leaving => {
                         m.status = MemberStatus::Exiting;
@@ -1126,6 +1463,7 @@ impl ClusterNode {
                     MemberStatus::Exiting if seen || unreachable.contains(&ua) => remove.push(ua),
                     MemberStatus::Down
                         if newer_incarnation
+                            || refused
                             || down_since.is_some_and(|d| now >= d + self.down_removal_margin) =>
                     {
                         remove.push(ua)
@@ -1133,10 +1471,28 @@ impl ClusterNode {
                     _ => {}
                 }
             }
+            let mut tell_all = false;
             for ua in remove {
                 if ua != me {
+                    tell_all |= self.gone_for_sure(&ua);
+                    self.refusals.remove(&ua);
                     self.gossip.remove_member(&ua);
                     changed = true;
+                }
+            }
+            if tell_all {
+                // The shards of a process known to be gone move now: every
+                // member (and the coordinator's host) learns it at once.
+                self.gossip.bump(&me);
+                changed = false;
+                self.gossip_to_all();
+            } else if !moved_up.is_empty() {
+                // A member made Up learns it now, not when a gossip round
+                // happens to pick it.
+                self.gossip.bump(&me);
+                changed = false;
+                for u in moved_up.iter().filter(|u| **u != me) {
+                    self.send_gossip(u);
                 }
             }
         } else if let Some(after) = self.cfg.allow_weakly_up_members {
@@ -1172,8 +1528,14 @@ impl ClusterNode {
         let Some(decision) = self.downing.update(now, view) else {
             return;
         };
+        self.apply_downing(&decision.down, false);
+    }
+
+    /// Marks `down` Down; tells every other member at once when this node
+    /// is among them, or when `tell_all`.
+    fn apply_downing(&mut self, down: &BTreeSet<UniqueAddress>, tell_all: bool) {
         let mut changed = false;
-        for ua in &decision.down {
+        for ua in down {
             if let Some(m) = self.gossip.members.get_mut(ua) {
                 if m.status.can_transition_to(MemberStatus::Down) {
                     m.status = MemberStatus::Down;
@@ -1183,7 +1545,7 @@ impl ClusterNode {
         }
         if changed {
             self.gossip.bump(&self.self_ua);
-            if decision.down.contains(&self.self_ua) {
+            if tell_all || down.contains(&self.self_ua) {
                 // Tell the rest of this side before stopping.
                 let targets: Vec<UniqueAddress> = self
                     .gossip
@@ -1300,6 +1662,11 @@ impl ClusterNode {
     /// Common epilogue: downing, self status, singleton, events.
     fn after_input(&mut self, now: Duration) {
         if self.stop.is_none() {
+            self.probe_down_members(now);
+            self.run_refused_downing(now);
+            if self.join == JoinState::Member && self.removal_by_refusal_pending() {
+                self.leader_actions(now);
+            }
             self.run_downing(now);
         }
         if self.stop.is_none() && self.join == JoinState::Member {

@@ -27,6 +27,12 @@ struct Net {
     stops: BTreeMap<usize, StopReason>,
     singleton: BTreeSet<usize>,
     uid_seq: u64,
+    /// Slots whose port refuses connections (the process is gone but the
+    /// host answers): a message to them is refused back to its sender.
+    refusing: BTreeSet<usize>,
+    /// Directed links that refuse (a firewall answering with a reset).
+    refusing_links: BTreeSet<(usize, usize)>,
+    refusals: Vec<(Duration, usize, Address)>,
 }
 
 impl Net {
@@ -40,6 +46,9 @@ impl Net {
             stops: BTreeMap::new(),
             singleton: BTreeSet::new(),
             uid_seq: 0,
+            refusing: BTreeSet::new(),
+            refusing_links: BTreeSet::new(),
+            refusals: Vec::new(),
         };
         for i in 0..n {
             let node = net.make(i, n, stable_after);
@@ -92,7 +101,11 @@ impl Net {
         assert!(node.poll_singleton().is_none());
         for t in out {
             if let Some(j) = self.index_of(&t.to) {
-                if !self.cut.contains(&(i, j)) {
+                let refused = (self.nodes[j].is_none() && self.refusing.contains(&j))
+                    || self.refusing_links.contains(&(i, j));
+                if refused {
+                    self.refusals.push((now + ms(1), i, t.to.clone()));
+                } else if !self.cut.contains(&(i, j)) {
                     // the bytes go through the codec, as on the wire
                     let bytes = encode(&t.message);
                     let msg = decode(&bytes).expect("round trip");
@@ -105,7 +118,12 @@ impl Net {
 
     fn step_until(&mut self, until: Duration) {
         while self.now < until {
-            let next_msg = self.in_flight.iter().map(|m| m.0).min();
+            let next_msg = self
+                .in_flight
+                .iter()
+                .map(|m| m.0)
+                .chain(self.refusals.iter().map(|r| r.0))
+                .min();
             let next_timer = self
                 .nodes
                 .iter()
@@ -121,6 +139,15 @@ impl Net {
             let now = self.now;
             let (due, rest): (Vec<_>, Vec<_>) = self.in_flight.drain(..).partition(|m| m.0 <= now);
             self.in_flight = rest;
+            let (refused, rest): (Vec<_>, Vec<_>) =
+                self.refusals.drain(..).partition(|r| r.0 <= now);
+            self.refusals = rest;
+            for (_, i, a) in refused {
+                if let Some(n) = self.nodes[i].as_mut() {
+                    n.handle_connection_refused(now, &a);
+                }
+                self.drain(i);
+            }
             for (_, j, msg) in due {
                 if let Some(n) = self.nodes[j].as_mut() {
                     n.handle_message(now, msg);
@@ -841,4 +868,197 @@ fn a_first_seed_refused_by_another_seed_never_forms_its_own_cluster() {
         asked += usize::from(matches!(t.message, ClusterMessage::InitJoin { .. }));
     }
     assert!(asked > 0, "keeps sending InitJoin");
+}
+
+fn removed_at(net: &Net, observer: usize, slot: usize) -> bool {
+    net.node(observer)
+        .gossip()
+        .tombstones
+        .iter()
+        .any(|t| t.address == addr(slot))
+}
+
+/// Steps until `cond` holds (or `limit`); returns the time it held.
+fn step_until_cond(net: &mut Net, limit: Duration, cond: impl Fn(&Net) -> bool) -> Duration {
+    while net.now < limit && !cond(net) {
+        let t = net.now + ms(10);
+        net.step_until(t);
+    }
+    net.now
+}
+
+#[test]
+fn a_crashed_process_whose_port_refuses_is_removed_without_stable_after() {
+    let stable_after = Duration::from_secs(5);
+    let mut net = Net::new(3, stable_after);
+    net.step_until(Duration::from_secs(20));
+    assert!(all_up(&net, &[0, 1, 2]));
+    let crashed_at = net.now;
+    net.nodes[2] = None;
+    net.refusing.insert(2);
+    let at = step_until_cond(&mut net, crashed_at + Duration::from_secs(20), |n| {
+        removed_at(n, 0, 2) && removed_at(n, 1, 2)
+    });
+    // one heartbeat interval to the first refusal, two probes, one round
+    // of gossip: far below stable_after (let alone the removal margin)
+    assert!(
+        at - crashed_at < Duration::from_millis(2_500),
+        "removed {:?} after the crash",
+        at - crashed_at
+    );
+    assert!(net.events[0].iter().any(
+        |e| matches!(e, ClusterEvent::MemberDowned(m) if m.unique_address.address == addr(2))
+    ));
+    net.step_until(at + Duration::from_secs(10));
+    assert!(all_up(&net, &[0, 1]), "{:?}", net.statuses(0));
+    assert!(net.stops.is_empty(), "{:?}", net.stops);
+}
+
+#[test]
+fn the_oldest_crashing_with_a_refusing_port_moves_the_singleton_fast() {
+    let mut net = Net::new(3, Duration::from_secs(5));
+    net.step_until(Duration::from_secs(20));
+    assert_eq!(net.singleton, BTreeSet::from([0]));
+    let crashed_at = net.now;
+    net.nodes[0] = None;
+    net.refusing.insert(0);
+    net.singleton.clear();
+    let at = step_until_cond(&mut net, crashed_at + Duration::from_secs(20), |n| {
+        n.singleton == BTreeSet::from([1])
+    });
+    assert!(
+        at - crashed_at < Duration::from_millis(3_000),
+        "singleton moved {:?} after the crash",
+        at - crashed_at
+    );
+}
+
+#[test]
+fn refusals_interrupted_by_a_message_down_nothing() {
+    let mut net = Net::new(3, Duration::from_secs(5));
+    net.step_until(Duration::from_secs(20));
+    let victim = net.node(2).self_address().clone();
+    let now = net.now;
+    for k in 0..2 {
+        let t = now + ms(150 * k);
+        net.nodes[0]
+            .as_mut()
+            .unwrap()
+            .handle_connection_refused(t, &addr(2));
+    }
+    assert_eq!(net.node(0).refused_count(&victim), 2);
+    // a burst at one instant counts once
+    for _ in 0..5 {
+        net.nodes[0]
+            .as_mut()
+            .unwrap()
+            .handle_connection_refused(now + ms(150), &addr(2));
+    }
+    assert_eq!(net.node(0).refused_count(&victim), 2);
+    net.drain(0);
+    // the member answers the probes: the count starts again
+    net.step_until(now + Duration::from_secs(3));
+    assert_eq!(net.node(0).refused_count(&victim), 0);
+    net.step_until(now + Duration::from_secs(30));
+    assert!(all_up(&net, &[0, 1, 2]), "{:?}", net.statuses(0));
+    assert!(net.stops.is_empty());
+}
+
+#[test]
+fn refusals_while_another_member_is_unreachable_by_timeouts_wait_for_the_resolver() {
+    let stable_after = Duration::from_secs(5);
+    let mut net = Net::new(5, stable_after);
+    net.step_until(Duration::from_secs(25));
+    assert!(all_up(&net, &[0, 1, 2, 3, 4]), "{:?}", net.statuses(0));
+    // node 4 crashes with a refusing port; node 3 is cut off (timeouts only)
+    let t0 = net.now;
+    net.nodes[4] = None;
+    net.refusing.insert(4);
+    net.partition(&[0, 1, 2], &[3]);
+    // before node 3 is seen unreachable the refused node 4 may be downed at
+    // once; once node 3 is unreachable nothing is decided before
+    // stable_after
+    let unreachable3 = step_until_cond(&mut net, t0 + Duration::from_secs(20), |n| {
+        n.node(0)
+            .gossip()
+            .unreachable_members()
+            .iter()
+            .any(|u| u.address == addr(3))
+    });
+    let downed3 = step_until_cond(&mut net, t0 + Duration::from_secs(60), |n| {
+        n.node(0)
+            .gossip()
+            .members
+            .values()
+            .any(|m| m.unique_address.address == addr(3) && m.status == MemberStatus::Down)
+            || removed_at(n, 0, 3)
+    });
+    assert!(
+        downed3 >= unreachable3 + stable_after,
+        "node 3 downed {:?} after it became unreachable",
+        downed3 - unreachable3
+    );
+    net.step_until(downed3 + Duration::from_secs(40));
+    assert!(all_up(&net, &[0, 1, 2]), "{:?}", net.statuses(0));
+    assert_eq!(net.stops.get(&3), Some(&StopReason::Downed));
+}
+
+#[test]
+fn a_partition_that_refuses_both_ways_keeps_the_majority_only() {
+    // A firewall answering with resets looks like dead processes to both
+    // sides: the strategy still decides, the minority downs itself.
+    let mut net = Net::new(5, Duration::from_secs(5));
+    net.step_until(Duration::from_secs(25));
+    assert!(all_up(&net, &[0, 1, 2, 3, 4]));
+    for a in [0, 1, 2] {
+        for b in [3, 4] {
+            net.refusing_links.insert((a, b));
+            net.refusing_links.insert((b, a));
+        }
+    }
+    let t0 = net.now;
+    net.step_until(t0 + Duration::from_secs(40));
+    assert_eq!(net.stops.get(&3), Some(&StopReason::Downed));
+    assert_eq!(net.stops.get(&4), Some(&StopReason::Downed));
+    assert!(!net.stops.contains_key(&0), "{:?}", net.stops);
+    assert!(all_up(&net, &[0, 1, 2]), "{:?}", net.statuses(0));
+}
+
+#[test]
+fn a_paused_member_is_not_downed_by_refusals_it_never_gave() {
+    // A paused process keeps its port open: connections queue, nothing is
+    // refused; the resolver's rules apply, and a short pause downs nothing.
+    let mut net = Net::new(3, Duration::from_secs(5));
+    net.step_until(Duration::from_secs(20));
+    let paused = net.nodes[2].take();
+    let t0 = net.now;
+    net.step_until(t0 + Duration::from_millis(2_500));
+    net.nodes[2] = paused;
+    net.step_until(t0 + Duration::from_secs(30));
+    assert!(all_up(&net, &[0, 1, 2]), "{:?}", net.statuses(0));
+    assert!(net.stops.is_empty(), "{:?}", net.stops);
+}
+
+#[test]
+fn seeds_started_at_once_form_without_waiting_for_the_seed_timeout() {
+    // Every other seed answers InitJoinNack (not a member of any cluster):
+    // the first seed forms at once and tells them, they join, the leader
+    // makes them Up at the next convergence and tells each (Akka's
+    // FirstSeedNodeProcess); nothing waits for seed_node_timeout (5 s) or
+    // for a 1 s tick.
+    let mut net = Net::new(3, Duration::from_secs(5));
+    let at = step_until_cond(&mut net, Duration::from_secs(10), |n| {
+        all_up(n, &[0, 1, 2]) && n.singleton == BTreeSet::from([0])
+    });
+    assert!(at < ms(500), "all Up with a coordinator after {at:?}");
+    // A first seed restarted while the other seeds are members gets their
+    // InitJoinAck and joins them: it never forms an island.
+    let mut net = Net::new(3, Duration::from_secs(5));
+    net.step_until(Duration::from_secs(3));
+    let fresh = net.make(0, 3, Duration::from_secs(5));
+    net.nodes[0] = Some(fresh);
+    net.singleton.remove(&0); // it crashed with the old incarnation
+    net.step_until(Duration::from_secs(20));
+    assert!(all_up(&net, &[0, 1, 2]), "{:?}", net.statuses(1));
+    assert_eq!(net.node(1).gossip().members.len(), 3);
 }
