@@ -34,6 +34,7 @@ enum CounterCmd {
     Add(i64),
     Get,
     Fail,
+    Panic,
 }
 
 struct CounterProtocol;
@@ -59,6 +60,7 @@ impl typed::Entity for TypedCounter {
             CounterCmd::Add(n) => self.value += n,
             CounterCmd::Get => {}
             CounterCmd::Fail => return Err(EntityError::Failed("asked to fail".into())),
+            CounterCmd::Panic => panic!("asked to panic"),
         }
         Ok(self.value)
     }
@@ -134,6 +136,30 @@ fn typed_ask_and_tell_from_block_on_and_tokio() {
             );
         }
         other => panic!("expected Failed, got {other:?}"),
+    }
+    // A handler that panics fails its message; the entity is restarted by
+    // its supervisor (its in-memory state starts again) and the data core
+    // keeps serving every other entity.
+    match a.ask_blocking(CounterCmd::Panic, Duration::from_secs(5)) {
+        Err(AskError::Failed { status, .. }) => assert_eq!(status, Status::EntityFailed),
+        other => panic!("expected Failed for a panicking handler, got {other:?}"),
+    }
+    assert_eq!(
+        refs[0]
+            .ask_blocking(CounterCmd::Get, Duration::from_secs(5))
+            .expect("another entity after the panic"),
+        10
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match a.ask_blocking(CounterCmd::Get, Duration::from_secs(2)) {
+            Ok(v) => {
+                assert_eq!(v, 0, "the restarted entity starts from its factory");
+                break;
+            }
+            Err(e) => assert!(Instant::now() < deadline, "not restarted: {e:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
     let b = node.typed_ref(&key, "b").expect("ref");
     b.tell(CounterCmd::Add(7)).expect("tell");
