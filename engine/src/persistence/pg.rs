@@ -881,7 +881,7 @@ impl PgLog {
 }
 
 /// The longest a writer holds a statement back to gather the appends its
-/// previous commit's replies bring (see [`writer_loop`]).
+/// previous commit's replies bring (see the writer thread's loop, `writer_loop`).
 pub const GATHER_MAX: Duration = Duration::from_millis(2);
 
 /// The gathering ends when all but `1 / GATHER_SLACK_DIV` of the previous

@@ -14,7 +14,7 @@
 //! reads and the appends of this node's coordinators. The control
 //! executor hands it appends (each gets an LSN of this journal's own
 //! counter); the thread merges every append queued meanwhile into one
-//! statement ([`super::pg::APPEND_SQL`]: one round trip, one transaction),
+//! statement (`pg::APPEND_SQL`: one round trip, one transaction),
 //! moves [`PgControlJournal::durable_lsn`] past them once it committed and
 //! wakes the control executor through its [`DurableWake`]. A coordinator's
 //! region messages wait for that LSN, as with the local control journal.

@@ -178,7 +178,7 @@ impl FrameReader {
         }
     }
 
-    /// The bytes of a range returned by [`Self::next`].
+    /// The bytes of a range returned by [`Self::next_frame`].
     pub fn body(&self, r: Range<usize>) -> &[u8] {
         &self.buf[r]
     }

@@ -9,7 +9,7 @@
 //! ```
 //!
 //! Everything in this module but the connection task is sans-IO and tested
-//! without sockets: the decoder ([`codec`]), the router ([`route`]), the
+//! without sockets: the decoder ([`codec`]), the router ([`route`](mod@route)), the
 //! response encoder and the native-status mapping ([`response`]), and the
 //! Prometheus writer ([`metrics`]).
 //!
