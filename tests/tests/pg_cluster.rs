@@ -828,7 +828,7 @@ fn remembered_entities_read_while_the_database_refuses_do_not_block_the_core_nor
 }
 
 /// A graceful leave hands off shards whose counters have adds in flight
-/// (their commits held back by row locks on their writer rows for 2 s):
+/// (their commits held back by a lock on the writers' table for 2 s):
 /// the leaving node's entities stop only after those commits (the core is
 /// woken by the journal, nothing waits on it), every add is answered `Ok`
 /// (none "entity stopped" or fenced), and the new home reads every
@@ -862,9 +862,11 @@ fn a_hand_off_with_events_in_flight_answers_them_and_loses_nothing() {
     std::thread::sleep(Duration::from_millis(500));
     std::thread::scope(|s| {
         let holder = s.spawn(|| {
+            // One table lock (it waits for the appends in flight, then holds
+            // back every new one): a multi-row `FOR UPDATE` taken while the
+            // writers' multi-row upserts run can deadlock with them.
             pg.psql(
-                "BEGIN; SELECT persistence_id FROM shardline_writers \
-                 WHERE persistence_id LIKE 'counter|h-%' FOR UPDATE; \
+                "BEGIN; LOCK TABLE shardline_writers IN SHARE ROW EXCLUSIVE MODE; \
                  SELECT pg_sleep(2); COMMIT;",
             )
         });
