@@ -381,7 +381,11 @@ impl<'a> EntityContext<'a> {
     /// target's reply goes to that sender, and this handler's own reply is
     /// not sent. Outside a message (timers, start) it is a [`Self::tell`].
     /// The last forward of a handler carries the sender; earlier ones are
-    /// tells.
+    /// tells. A forward also carries the ask deadline of the message being
+    /// handled: if it is still buffered (its shard's home unknown, its
+    /// entity recovering) when the original sender stops waiting, it is
+    /// answered `Unavailable` (not delivered, safe to retry) and never
+    /// delivered later.
     pub fn forward(&mut self, type_name: &str, entity_id: &EntityId, payload: impl Into<Vec<u8>>) {
         for o in &mut self.outgoing {
             o.forward = false;

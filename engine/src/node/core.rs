@@ -1141,7 +1141,7 @@ impl Core {
                 }
                 self.drain_completions();
                 self.apply_watches(t, &me.id, watches, failed);
-                self.send_outgoing(out, &mut None);
+                self.send_outgoing(out, &mut None, None);
                 if passivate {
                     let now = self.now();
                     if let Some(h) = self.types.get_mut(t) {
@@ -1212,7 +1212,7 @@ impl Core {
             self.durable.wait(&t, &w.entity, inc);
         }
         self.drain_completions();
-        self.send_outgoing(out, &mut None);
+        self.send_outgoing(out, &mut None, None);
         if passivate {
             let now = self.now();
             if let Some(h) = self.types.get_mut(&t) {
@@ -1709,7 +1709,7 @@ impl Core {
         self.apply_watches(t, &env.entity, watches, failed);
         let mut sender = Some(env.sender);
         if !out.is_empty() {
-            self.send_outgoing(out, &mut sender);
+            self.send_outgoing(out, &mut sender, env.deadline);
         }
         let sender = sender.unwrap_or(ReplyTo::Nobody);
         match res {
@@ -1819,7 +1819,7 @@ impl Core {
             drop(ctx);
             self.apply_watches(&e.type_name, &id, watches, failed);
             self.apply_timers(&e.type_name, &id, e.incarnation, timers);
-            self.send_outgoing(out, &mut None);
+            self.send_outgoing(out, &mut None, None);
             if wants_durable {
                 self.durable.wait(&e.type_name, &id, e.incarnation);
             }

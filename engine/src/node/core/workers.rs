@@ -167,7 +167,7 @@ impl Core {
             let deferred = ctx.reply_deferred();
             drop(ctx);
             let mut sender = Some(env.sender);
-            self.send_outgoing(out, &mut sender);
+            self.send_outgoing(out, &mut sender, env.deadline);
             match res {
                 Ok(()) if deferred => {
                     if let Some(s) = sender {
@@ -277,7 +277,7 @@ impl Core {
                 out.append(&mut a.pending_out);
                 a.entity.on_stop();
             }
-            self.send_outgoing(out, &mut None);
+            self.send_outgoing(out, &mut None, None);
         }
         // Deferred replies completed by timers.
         self.drain_completions();
@@ -300,7 +300,7 @@ impl Core {
                 }
             }
         }
-        self.send_outgoing(out, &mut None);
+        self.send_outgoing(out, &mut None, None);
         self.drain_completions();
     }
 
@@ -323,8 +323,16 @@ impl Core {
     }
 
     /// Routes the messages a handler sent, through this core's own inbox (so
-    /// a handler never runs inside another's). A forward takes `sender`.
-    pub(super) fn send_outgoing(&mut self, out: Vec<Outgoing>, sender: &mut Option<ReplyTo>) {
+    /// a handler never runs inside another's). A forward takes `sender` and
+    /// `deadline`, the ask deadline of the message being handled: the
+    /// original sender stops waiting then, so a forward still buffered at
+    /// that time is answered `Unavailable` and never delivered later.
+    pub(super) fn send_outgoing(
+        &mut self,
+        out: Vec<Outgoing>,
+        sender: &mut Option<ReplyTo>,
+        handled_deadline: Option<Duration>,
+    ) {
         for o in out {
             let mut deadline = None;
             let to = if let Some(a) = &o.ask {
@@ -357,6 +365,7 @@ impl Core {
                 deadline = Some(now + a.timeout.min(self.config.requests.ask_timeout()));
                 ReplyTo::EntityAsk { id: a.id.0 }
             } else if o.forward {
+                deadline = handled_deadline;
                 sender.take().unwrap_or(ReplyTo::Nobody)
             } else {
                 ReplyTo::Nobody
