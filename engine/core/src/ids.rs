@@ -6,6 +6,7 @@
 
 use std::fmt;
 
+use compact_str::CompactString;
 use thiserror::Error;
 
 /// Errors from building an identity from untrusted input.
@@ -50,11 +51,14 @@ fn check(kind: &'static str, s: &str) -> Result<(), IdError> {
     Ok(())
 }
 
+// Ids are stored as `CompactString`s: up to 24 bytes inline (no heap
+// allocation, 24 bytes like a `String`), longer ones on the heap. An entity
+// id is kept by its region and its core, and built for every request.
 macro_rules! string_id {
     ($(#[$doc:meta])* $name:ident, $kind:literal) => {
         $(#[$doc])*
         #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-        pub struct $name(String);
+        pub struct $name(CompactString);
 
         impl $name {
             /// Builds the id from a string.
@@ -62,10 +66,10 @@ macro_rules! string_id {
             /// # Errors
             /// [`IdError::Empty`] for an empty string, [`IdError::TooLong`]
             /// above 255 bytes.
-            pub fn new(s: impl Into<String>) -> Result<Self, IdError> {
-                let s = s.into();
-                check($kind, &s)?;
-                Ok(Self(s))
+            pub fn new(s: impl AsRef<str>) -> Result<Self, IdError> {
+                let s = s.as_ref();
+                check($kind, s)?;
+                Ok(Self(CompactString::new(s)))
             }
 
             /// Builds the id from untrusted bytes.
@@ -78,7 +82,8 @@ macro_rules! string_id {
                     return Err(IdError::TooLong { kind: $kind, len_bytes: b.len() });
                 }
                 let s = std::str::from_utf8(b).map_err(|_| IdError::NotUtf8 { kind: $kind })?;
-                Self::new(s)
+                check($kind, s)?;
+                Ok(Self(CompactString::new(s)))
             }
 
             /// The id as a string slice.

@@ -253,11 +253,16 @@ enum Entity<M, S> {
     Active {
         last_message_at: Duration,
     },
-    /// Stop requested; new messages wait here until it has stopped.
+    /// Stop requested; new messages wait here until it has stopped
+    /// (boxed: an active entity, the common case, stays 24 bytes).
+    #[allow(clippy::box_collection)]
     Passivating {
-        buffer: VecDeque<Envelope<M, S>>,
+        buffer: Box<VecDeque<Envelope<M, S>>>,
     },
 }
+
+// What a region keeps per active entity (beside its id): 24 bytes.
+const _: () = assert!(std::mem::size_of::<Entity<Vec<u8>, u64>>() <= 24);
 
 #[derive(Debug)]
 enum ShardState<M, S> {
@@ -764,6 +769,14 @@ impl<M, S> ShardRegion<M, S> {
         );
     }
 
+    /// Whether the replacement policy tracks the active entities: only
+    /// with an active-entity limit (its victims are chosen then only), so
+    /// a region without one keeps no per-entity policy state (about 130
+    /// bytes an entity) and does no policy work per message.
+    fn uses_policy(&self) -> bool {
+        self.settings.passivation.active_entity_limit.is_some()
+    }
+
     /// Makes room under the active-entity limit for one more entity.
     fn make_room(&mut self) {
         let Some(limit) = self.settings.passivation.active_entity_limit else {
@@ -793,7 +806,9 @@ impl<M, S> ShardRegion<M, S> {
             },
         );
         self.active_count += 1;
-        self.policy.on_activate(&(s, entity.clone()));
+        if self.uses_policy() {
+            self.policy.on_activate(&(s, entity.clone()));
+        }
         if self.settings.remember_entities {
             self.effects
                 .push_back(RegionEffect::Persist(ShardEvent::EntityStarted {
@@ -811,7 +826,9 @@ impl<M, S> ShardRegion<M, S> {
             Some(Entity::Active { last_message_at }) => {
                 if !passive {
                     *last_message_at = now;
-                    self.policy.on_access(&(s, envelope.entity.clone()));
+                    if self.uses_policy() {
+                        self.policy.on_access(&(s, envelope.entity.clone()));
+                    }
                 }
                 self.effects.push_back(RegionEffect::Deliver {
                     envelope,
@@ -859,10 +876,12 @@ impl<M, S> ShardRegion<M, S> {
             return false;
         }
         *e = Entity::Passivating {
-            buffer: VecDeque::new(),
+            buffer: Box::default(),
         };
         self.active_count -= 1;
-        self.policy.on_remove(&(*s, entity.clone()));
+        if self.uses_policy() {
+            self.policy.on_remove(&(*s, entity.clone()));
+        }
         if self.settings.remember_entities && reason != StopReason::HandOff {
             self.effects
                 .push_back(RegionEffect::Persist(ShardEvent::EntityStopped {
@@ -955,15 +974,17 @@ impl<M, S> ShardRegion<M, S> {
         match e {
             Entity::Active { .. } => {
                 self.active_count -= 1;
-                self.policy.on_remove(&(shard, entity.clone()));
+                if self.uses_policy() {
+                    self.policy.on_remove(&(shard, entity.clone()));
+                }
             }
             Entity::Passivating { buffer } => {
                 if stopping {
                     self.buffered_total -= buffer.len();
-                    self.drain_before_hand_off(now, shard, entity, buffer);
+                    self.drain_before_hand_off(now, shard, entity, *buffer);
                 } else {
                     self.buffered_total -= buffer.len();
-                    for env in buffer {
+                    for env in *buffer {
                         self.route(now, env);
                     }
                 }
