@@ -1,5 +1,8 @@
 //! The admin view of a node (`shardline status`, `Client::node_status`):
 //! plain structs, serialized as JSON in the native protocol's status answer.
+//! Also the admin types that the fronts (`crate::gateway`) and the node
+//! both use (`CoordinatorCommand`, `AdminAnswer`): this module sits
+//! below both and imports neither.
 
 use serde::{Deserialize, Serialize};
 

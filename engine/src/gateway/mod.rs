@@ -3,9 +3,10 @@
 //! on their shared addresses (SO_REUSEPORT: the kernel spreads connections
 //! over the executors).
 //!
-//! The fronts reach the data plane through the [`port::DataPort`] the node
-//! gives them; the data plane answers through [`Fronts::reply`], the reply
-//! sink, which routes each answer to the connection's front. [`Fronts`] is
+//! The fronts reach the data plane through the port the node gives them
+//! (`gateway::port::DataPort`: connection ids, entity requests, admin
+//! gathers); the data plane answers through `Fronts::reply`, the reply
+//! sink, which routes each answer to the connection's front. `Fronts` is
 //! also the fronts' per-executor state (their connections and counters),
 //! owned by the executor and passed as a handle: no thread-local.
 //! Module dependencies run one way: `node` → `gateway` → `port`,
@@ -167,5 +168,97 @@ impl Fronts {
             s.http.clone_from(&h.http.metrics);
             s.native.clone_from(&h.native.counters);
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::{access, next_frame, ServerFrame, FRAME_HEADER_BYTES};
+    use crate::transport::Outbox;
+
+    /// The frames in `buf`: (request id, status byte, payload).
+    fn frames(buf: &[u8]) -> Vec<(u64, u8, Vec<u8>)> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        while let Some(len) = next_frame(&buf[at..], 1 << 20).expect("a frame") {
+            let body = &buf[at + FRAME_HEADER_BYTES..at + FRAME_HEADER_BYTES + len];
+            let f = access::<ServerFrame>(body).expect("a server frame");
+            out.push((
+                f.request_id.to_native(),
+                f.status,
+                f.payload.as_slice().to_vec(),
+            ));
+            at += FRAME_HEADER_BYTES + len;
+        }
+        out
+    }
+
+    #[test]
+    fn the_reply_sink_writes_native_answers_to_their_connection_and_counts_them() {
+        let board = Arc::new(MetricsBoard::default());
+        let fronts = Fronts::new(3, board.clone(), Duration::from_secs(13));
+        let (a, b) = (Rc::new(Outbox::default()), Rc::new(Outbox::default()));
+        {
+            let mut h = fronts.state();
+            h.native.opened(7, a.clone());
+            h.native.opened(8, b.clone());
+            h.native.begun(7, 1, b"echo");
+            h.native.begun(7, 2, b"nosuchtype");
+        }
+        assert!(fronts.reply(7, 1, Status::Ok, b"hi".to_vec()));
+        assert!(fronts.reply(7, 2, Status::UnknownEntityType, b"no".to_vec()));
+        // Not a front connection of this executor (e.g. a data lane's), or
+        // closed: dropped, and said so.
+        assert!(!fronts.reply(9, 1, Status::Ok, b"lost".to_vec()));
+        assert_eq!(
+            frames(&a.buf.borrow()),
+            vec![
+                (1, Status::Ok as u8, b"hi".to_vec()),
+                (2, Status::UnknownEntityType as u8, b"no".to_vec())
+            ]
+        );
+        assert!(
+            b.buf.borrow().is_empty(),
+            "nothing for the other connection"
+        );
+        fronts.state().native.closed(8);
+        assert!(!fronts.reply(8, 5, Status::Ok, Vec::new()));
+
+        // Published to the node's board, by executor; unknown types are
+        // one label.
+        assert!(board.snapshot()[0].1.native.requests.is_empty());
+        fronts.publish();
+        let snap = board.snapshot();
+        assert_eq!(snap.len(), 1);
+        let (core, p) = &snap[0];
+        assert_eq!(*core, 3);
+        assert_eq!(p.native.requests["echo"][&200], 1);
+        assert_eq!(
+            p.native.requests[UNKNOWN_TYPE_LABEL].values().sum::<u64>(),
+            1
+        );
+        assert!(!p.native.requests.contains_key("nosuchtype"));
+        assert_eq!((p.native.accepted, p.native.open), (2, 1));
+        assert_eq!(p.native.latency["echo"].len(), 1);
+    }
+
+    #[test]
+    fn each_node_has_its_own_board() {
+        let (one, two) = (
+            Arc::new(MetricsBoard::default()),
+            Arc::new(MetricsBoard::default()),
+        );
+        let f1 = Fronts::new(0, one.clone(), Duration::from_secs(1));
+        let _f2 = Fronts::new(0, two.clone(), Duration::from_secs(1));
+        let o = Rc::new(Outbox::default());
+        {
+            let mut h = f1.state();
+            h.native.opened(1, o);
+            h.dirty = true;
+        }
+        f1.publish();
+        assert_eq!(one.snapshot()[0].1.native.accepted, 1);
+        assert_eq!(two.snapshot()[0].1.native.accepted, 0);
     }
 }

@@ -66,20 +66,20 @@ pub(in crate::gateway) struct NativeState {
 }
 
 impl NativeState {
-    fn opened(&mut self, conn: ConnId, outbox: Rc<Outbox>) {
+    pub(super) fn opened(&mut self, conn: ConnId, outbox: Rc<Outbox>) {
         self.conns.insert(conn, outbox);
         self.counters.accepted += 1;
         self.counters.open += 1;
     }
 
-    fn closed(&mut self, conn: ConnId) {
+    pub(super) fn closed(&mut self, conn: ConnId) {
         self.conns.remove(&conn);
         self.in_flight.retain(|(c, _), _| *c != conn);
         self.counters.open = self.counters.open.saturating_sub(1);
     }
 
     /// A request was read: its answer is counted by [`deliver`].
-    fn begun(&mut self, conn: ConnId, request_id: u64, type_name: &[u8]) {
+    pub(super) fn begun(&mut self, conn: ConnId, request_id: u64, type_name: &[u8]) {
         let type_index = match self.types.iter().position(|t| t.as_bytes() == type_name) {
             Some(i) => i,
             None if self.types.len() < MAX_NATIVE_TYPE_NAMES => {
