@@ -377,6 +377,6 @@ pub(crate) enum CoordinatorCommand {
 }
 
 /// A coordinator admin command's answer: the JSON body, or why not (a
-/// status whose HTTP code [`crate::gateway::http::status_code_of`] gives,
+/// status whose HTTP code the HTTP front's `status_code_of` gives,
 /// and the reason).
 pub(crate) type AdminAnswer = Result<Vec<u8>, (Status, String)>;
