@@ -1,7 +1,12 @@
 //! The admin view of a node (`shardline status`, `Client::node_status`):
 //! plain structs, serialized as JSON in the native protocol's status answer.
+//! Also the admin types that the fronts (`crate::gateway`) and the node
+//! both use (`CoordinatorCommand`, `AdminAnswer`): this module sits
+//! below both and imports neither.
 
 use serde::{Deserialize, Serialize};
+
+use crate::envelope::Status;
 
 /// One member in a [`NodeStatus`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -359,3 +364,19 @@ pub struct RebalanceAnswer {
     /// Per entity type asked for, by name.
     pub types: Vec<TypeRebalance>,
 }
+
+/// A coordinator admin command, sent by a front (the HTTP admin routes, the
+/// native `CoordinatorAdmin` frame) and answered by the member that runs
+/// the coordinators (`node::admin`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum CoordinatorCommand {
+    /// The allocation table of every entity type.
+    Allocation,
+    /// One rebalance round now, for `type_name` or every type (`None`).
+    Rebalance { type_name: Option<String> },
+}
+
+/// A coordinator admin command's answer: the JSON body, or why not (a
+/// status whose HTTP code the HTTP front's `status_code_of` gives,
+/// and the reason).
+pub(crate) type AdminAnswer = Result<Vec<u8>, (Status, String)>;

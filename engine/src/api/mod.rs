@@ -30,7 +30,29 @@ use std::task::{Context, Poll};
 use thiserror::Error;
 
 use crate::envelope::Status;
-use crate::node::AskError;
+
+/// Errors from an [`crate::EntityRef::ask`] (also `shardline::node::AskError`).
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum AskError {
+    /// The entity id is invalid.
+    #[error(transparent)]
+    Id(#[from] shardline_core::ids::IdError),
+    /// The request failed with this status.
+    #[error("request failed: {0:?}")]
+    Failed(Status),
+    /// No answer within the timeout (the outcome is unknown).
+    #[error("timed out")]
+    TimedOut,
+    /// The node is stopped.
+    #[error("node stopped")]
+    Stopped,
+}
+
+/// What an embedding-API ask is answered on: `Some((status, payload))`,
+/// or `None` when the data core gave up waiting (its `wait` after the ask
+/// arrived).
+pub(crate) type ApiAnswer = Option<(Status, Vec<u8>)>;
 
 /// Why a message was not sent ([`SendError`]); nothing reached the engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
@@ -64,11 +86,11 @@ pub struct SendError<M> {
 /// cancel safety.
 #[must_use = "the reply is only read by awaiting the future (the message is sent already)"]
 pub struct AskFuture {
-    rx: oneshot::Receiver<crate::node::ApiAnswer>,
+    rx: oneshot::Receiver<ApiAnswer>,
 }
 
 impl AskFuture {
-    pub(crate) fn new(rx: oneshot::Receiver<crate::node::ApiAnswer>) -> Self {
+    pub(crate) fn new(rx: oneshot::Receiver<ApiAnswer>) -> Self {
         AskFuture { rx }
     }
 
@@ -86,7 +108,7 @@ impl AskFuture {
     }
 }
 
-fn answer(a: crate::node::ApiAnswer) -> Result<Vec<u8>, AskError> {
+fn answer(a: ApiAnswer) -> Result<Vec<u8>, AskError> {
     match a {
         Some((Status::Ok, payload)) => Ok(payload),
         Some((status, _)) => Err(AskError::Failed(status)),
@@ -105,11 +127,11 @@ pub(crate) enum RawAnswer {
 
 /// The future of a raw answer (status and payload), for the typed API.
 pub(crate) struct RawAskFuture {
-    rx: oneshot::Receiver<crate::node::ApiAnswer>,
+    rx: oneshot::Receiver<ApiAnswer>,
 }
 
 impl RawAskFuture {
-    pub(crate) fn new(rx: oneshot::Receiver<crate::node::ApiAnswer>) -> Self {
+    pub(crate) fn new(rx: oneshot::Receiver<ApiAnswer>) -> Self {
         RawAskFuture { rx }
     }
 
@@ -122,7 +144,7 @@ impl RawAskFuture {
     }
 }
 
-fn raw(a: crate::node::ApiAnswer) -> RawAnswer {
+fn raw(a: ApiAnswer) -> RawAnswer {
     match a {
         Some((Status::Ok, payload)) => RawAnswer::Reply(payload),
         Some((status, payload)) => RawAnswer::Failed(status, payload),

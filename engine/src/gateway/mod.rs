@@ -1,351 +1,264 @@
-//! The native client protocol front, served by every data executor on the
-//! shared `client_address` (SO_REUSEPORT: the kernel spreads connections over
-//! the executors).
+//! The client-facing fronts of a data executor: the native binary protocol
+//! ([`native`]) and HTTP/1.1 ([`http`]), both served by every data executor
+//! on their shared addresses (SO_REUSEPORT: the kernel spreads connections
+//! over the executors).
 //!
-//! A connection is read in batches; every complete frame in a batch is
-//! handled at once (pipelining), the responses are queued in the
-//! connection's [`Outbox`] and written together. A request whose payload
-//! exceeds `requests.max_message_size_bytes` is answered `TooLarge` (the
-//! same limit as the HTTP front's and the node-to-node wire's, so a
-//! request's fate never depends on where its entity lives). A frame longer
-//! than that limit plus the envelope overhead is answered with a
-//! `TooLarge` frame with request id 0 (its request id was not read), and
-//! the connection is closed after the frame is written and its input
-//! drained for at most [`LINGER`]. Any other protocol error (a body that
-//! fails validation) closes that connection only, with a logged reason; a
-//! bad entity type or id gets an error response.
+//! The fronts reach the data plane through the port the node gives them
+//! (`gateway::port::DataPort`: connection ids, entity requests, admin
+//! gathers); the data plane answers through `Fronts::reply`, the reply
+//! sink, which routes each answer to the connection's front. `Fronts` is
+//! also the fronts' per-executor state (their connections and counters),
+//! owned by the executor and passed as a handle: no thread-local.
+//! Module dependencies run one way: `node` → `gateway` → `port`,
+//! [`crate::status`], [`crate::transport`].
 
 pub mod http;
+pub mod native;
+pub(crate) mod port;
 
-use std::cell::RefCell;
+pub use native::LINGER;
+
+use std::cell::{RefCell, RefMut};
+use std::collections::HashMap;
 use std::rc::Rc;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use monoio::io::Splitable;
-use monoio::net::TcpStream;
+use hdrhistogram::Histogram;
 
-use crate::envelope::{encode_frame, ServerFrame, Status, MAX_FRAME_SIZE_BYTES};
-use crate::node::core::Core;
-use crate::node::{NodeStatus, ToControl, ToCore};
-use crate::transport::{self, FrameReader, Outbox};
+use crate::envelope::Status;
 
-/// How long a status request waits for the other executors.
-const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long the input of a connection closed for an oversized frame is
-/// read and discarded, so that the client reads the `TooLarge` frame
-/// instead of a reset.
-pub const LINGER: Duration = Duration::from_secs(2);
-/// Most bytes discarded during that linger.
-const LINGER_MAX_BYTES: usize = 64 << 20;
+/// The `type` label of requests for entity types the cluster does not host.
+const UNKNOWN_TYPE_LABEL: &str = "_unknown";
 
-/// Serves one client connection until it closes or breaks the protocol.
-pub(crate) async fn serve_client(core: Rc<RefCell<Core>>, stream: TcpStream) {
-    let peer = stream.peer_addr().ok();
-    let outbox = Rc::new(Outbox::default());
-    let conn = core.borrow_mut().add_conn(outbox.clone());
-    http::serve::native_connection(true);
-    let (mut r, mut w) = stream.into_split();
-    let wb = outbox.clone();
-    monoio::spawn(async move {
-        let _ = transport::write_loop(&mut w, wb).await;
-    });
-    let max_frame = core.borrow().max_request_frame_bytes();
-    let mut reader = FrameReader::new(max_frame.min(MAX_FRAME_SIZE_BYTES));
-    let mut linger = false;
-    loop {
-        // Back-pressure: a client that does not read its responses is not read.
-        while core.borrow().high_water(conn) {
-            if outbox.closed.get() {
-                break;
-            }
-            monoio::time::sleep(Duration::from_millis(1)).await;
-        }
-        match reader.fill(&mut r).await {
-            Ok(0) => break,
-            Ok(_) => {}
-            Err(e) => {
-                tracing::debug!(?peer, error = %e, "client read failed");
-                break;
-            }
-        }
-        let mut bad = None;
-        loop {
-            match reader.next_frame() {
-                Ok(Some(range)) => {
-                    if let Err(e) = Core::on_client_frame(&core, conn, reader.body(range)) {
-                        bad = Some(e);
-                        break;
-                    }
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    bad = Some(e);
-                    break;
-                }
-            }
-        }
-        if let Some(e) = bad {
-            if let crate::envelope::FrameError::TooLarge { .. } = e {
-                tracing::info!(?peer, error = %e, "request frame too large; answered TooLarge, closing the connection");
-                let f = ServerFrame {
-                    request_id: 0,
-                    status: Status::TooLarge as u8,
-                    payload: format!("{e} (requests.max_message_size_bytes)").into_bytes(),
-                };
-                let _ = encode_frame(&f, &mut outbox.buf.borrow_mut());
-                outbox.close();
-                linger = true;
-            } else {
-                tracing::warn!(?peer, error = %e, "protocol error from client; closing the connection");
-            }
-            break;
-        }
-        if outbox.closed.get() {
-            break;
-        }
-    }
-    if linger {
-        // The writer sends the TooLarge frame; the input (the rest of the
-        // oversized frame) is discarded meanwhile, bounded in time and
-        // bytes, so that closing does not reset the connection first.
-        let until = Instant::now() + LINGER;
-        let mut drained = 0usize;
-        let mut buf = vec![0u8; 64 * 1024];
-        while drained < LINGER_MAX_BYTES && Instant::now() < until {
-            let left = until.saturating_duration_since(Instant::now());
-            match monoio::time::timeout(left, monoio::io::AsyncReadRent::read(&mut r, buf)).await {
-                Ok((Ok(n), b)) if n > 0 => {
-                    drained += n;
-                    buf = b;
-                }
-                _ => break,
-            }
-        }
-    }
-    core.borrow_mut().remove_conn(conn);
-    http::serve::native_connection_closed(conn);
+/// One front's counters on one executor, published to the node's
+/// [`MetricsBoard`] for `/metrics`.
+#[derive(Clone, Default)]
+struct FrontCounters {
+    /// Requests by entity type, then HTTP status code (count).
+    requests: HashMap<String, HashMap<u16, u64>>,
+    /// Request latency by entity type, in µs.
+    latency: HashMap<String, Histogram<u64>>,
+    /// Open connections (count).
+    open: u64,
+    /// Accepted connections since start (count).
+    accepted: u64,
 }
 
-/// Answers a `NodeStatus` request: collects the cluster view from the control
-/// executor and the region views from every data executor.
-pub(crate) async fn answer_status(core: Rc<RefCell<Core>>, conn: u64, request_id: u64) {
-    let (code, payload) = match collect_status(&core).await {
-        Some(status) => match serde_json::to_vec(&status) {
-            Ok(p) => (Status::Ok, p),
-            Err(e) => (Status::EntityFailed, e.to_string().into_bytes()),
-        },
-        None => (
-            Status::TimedOut,
-            b"control executor did not answer".to_vec(),
-        ),
-    };
-    let c = core.borrow();
-    if let Some(o) = c.conn_outbox(conn) {
-        let f = ServerFrame {
-            request_id,
-            status: code as u8,
-            payload,
+impl FrontCounters {
+    fn record(&mut self, type_name: &str, code: u16, micros: Option<u64>) {
+        // Look up before inserting: no allocation on the common path.
+        match self.requests.get_mut(type_name) {
+            Some(by_code) => *by_code.entry(code).or_insert(0) += 1,
+            None => {
+                self.requests
+                    .insert(type_name.to_string(), [(code, 1)].into_iter().collect());
+            }
+        }
+        if let Some(us) = micros {
+            match self.latency.get_mut(type_name) {
+                Some(h) => h.saturating_record(us.max(1)),
+                None => {
+                    let mut h = http::metrics::new_latency_histogram();
+                    h.saturating_record(us.max(1));
+                    self.latency.insert(type_name.to_string(), h);
+                }
+            }
+        }
+    }
+}
+
+/// What one executor publishes for `/metrics`: the counters of both fronts.
+#[derive(Clone, Default)]
+struct Published {
+    http: FrontCounters,
+    native: FrontCounters,
+}
+
+/// The fronts' published counters of every data executor of one node, by
+/// executor index. Created by the node and shared by its executors; each
+/// writes its own slot at most every sweep period (250 ms), `/metrics` reads
+/// them all: never touched on the request path.
+#[derive(Default)]
+pub(crate) struct MetricsBoard {
+    cores: Mutex<Vec<(u16, Arc<Mutex<Published>>)>>,
+}
+
+impl MetricsBoard {
+    /// A copy of every executor's published counters, by executor index.
+    fn snapshot(&self) -> Vec<(u16, Published)> {
+        let slots: Vec<(u16, Arc<Mutex<Published>>)> =
+            self.cores.lock().map(|v| v.clone()).unwrap_or_default();
+        slots
+            .into_iter()
+            .filter_map(|(c, slot)| slot.lock().ok().map(|s| (c, s.clone())))
+            .collect()
+    }
+}
+
+/// The fronts' state on one data executor.
+struct FrontState {
+    http: http::serve::HttpState,
+    native: native::NativeState,
+    /// Counters changed since the last publish.
+    dirty: bool,
+    /// This executor's slot on the node's [`MetricsBoard`].
+    slot: Arc<Mutex<Published>>,
+    board: Arc<MetricsBoard>,
+}
+
+/// The fronts of one data executor: their shared state, and the reply sink
+/// through which the data plane answers their requests. A cheap handle
+/// (one `Rc`); single-threaded.
+#[derive(Clone)]
+pub(crate) struct Fronts(Rc<RefCell<FrontState>>);
+
+impl Fronts {
+    /// The fronts' state of data executor `core`, publishing to `board`.
+    /// `answer_timeout` is how long an HTTP entity request waits for any
+    /// answer before it is answered `504` (the ask timeout plus the answer
+    /// grace).
+    pub(crate) fn new(core: u16, board: Arc<MetricsBoard>, answer_timeout: Duration) -> Fronts {
+        let slot = Arc::new(Mutex::new(Published::default()));
+        if let Ok(mut v) = board.cores.lock() {
+            v.retain(|(c, _)| *c != core);
+            v.push((core, slot.clone()));
+            v.sort_by_key(|(c, _)| *c);
+        }
+        Fronts(Rc::new(RefCell::new(FrontState {
+            http: http::serve::HttpState::new(answer_timeout),
+            native: native::NativeState::default(),
+            dirty: false,
+            slot,
+            board,
+        })))
+    }
+
+    fn state(&self) -> RefMut<'_, FrontState> {
+        self.0.borrow_mut()
+    }
+
+    /// The reply sink: hands an answer of the data plane to the front
+    /// connection `conn` of this executor (an HTTP response in request
+    /// order, or a native response frame), and counts it. Returns `false`,
+    /// and drops the answer, when `conn` is no open front connection (it
+    /// closed, or it is a data lane's).
+    pub(crate) fn reply(
+        &self,
+        conn: port::ConnId,
+        request_id: u64,
+        status: Status,
+        payload: Vec<u8>,
+    ) -> bool {
+        if let Some(payload) = http::serve::deliver(self, conn, request_id, status, payload) {
+            return native::deliver(self, conn, request_id, status, payload);
+        }
+        true
+    }
+
+    /// Copies this executor's counters to its board slot when they changed.
+    fn publish(&self) {
+        let mut h = self.state();
+        if !h.dirty {
+            return;
+        }
+        h.dirty = false;
+        h.http.metrics.open = h.http.conns.len() as u64;
+        if let Ok(mut s) = h.slot.lock() {
+            s.http.clone_from(&h.http.metrics);
+            s.native.clone_from(&h.native.counters);
         };
-        let _ = encode_frame(&f, &mut o.buf.borrow_mut());
-        o.flush();
     }
 }
 
-/// Answers a native `CoordinatorAdmin` request (see
-/// [`coordinator_admin`]): `Ok` with the JSON, or the error status with the
-/// reason as text.
-pub(crate) async fn answer_coordinator_admin(
-    core: Rc<RefCell<Core>>,
-    conn: u64,
-    request_id: u64,
-    cmd: crate::node::admin::CoordinatorCommand,
-) {
-    let (code, payload) = match coordinator_admin(&core, cmd).await {
-        Ok(json) => (Status::Ok, json),
-        Err((st, why)) => (st, why.into_bytes()),
-    };
-    let c = core.borrow();
-    if let Some(o) = c.conn_outbox(conn) {
-        let f = ServerFrame {
-            request_id,
-            status: code as u8,
-            payload,
-        };
-        let _ = encode_frame(&f, &mut o.buf.borrow_mut());
-        o.flush();
-    }
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::{access, next_frame, ServerFrame, FRAME_HEADER_BYTES};
+    use crate::transport::Outbox;
 
-/// Runs a coordinator admin command through the control executor, which
-/// answers it from the coordinators on this member or forwards it to the
-/// member that runs them. `Unavailable` when the control executor does not
-/// answer in time.
-pub(crate) async fn coordinator_admin(
-    core: &Rc<RefCell<Core>>,
-    cmd: crate::node::admin::CoordinatorCommand,
-) -> crate::node::admin::AdminAnswer {
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    let sent = core
-        .borrow()
-        .to_control()
-        .send(ToControl::CoordinatorAdmin { cmd, reply: tx })
-        .is_ok();
-    let wait = crate::node::admin::FORWARD_TIMEOUT + Duration::from_secs(1);
-    let deadline = Instant::now() + wait;
-    while sent && Instant::now() < deadline {
-        if let Ok(a) = rx.try_recv() {
-            return a;
+    /// The frames in `buf`: (request id, status byte, payload).
+    fn frames(buf: &[u8]) -> Vec<(u64, u8, Vec<u8>)> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        while let Some(len) = next_frame(&buf[at..], 1 << 20).expect("a frame") {
+            let body = &buf[at + FRAME_HEADER_BYTES..at + FRAME_HEADER_BYTES + len];
+            let f = access::<ServerFrame>(body).expect("a server frame");
+            out.push((
+                f.request_id.to_native(),
+                f.status,
+                f.payload.as_slice().to_vec(),
+            ));
+            at += FRAME_HEADER_BYTES + len;
         }
-        monoio::time::sleep(Duration::from_millis(1)).await;
+        out
     }
-    Err((
-        Status::Unavailable,
-        "the node's control executor did not answer".into(),
-    ))
-}
 
-/// Collects this node's status: the cluster view from the control executor
-/// and the region views from every data executor (waiting at most
-/// `STATUS_TIMEOUT`). `None` when the control executor did not answer.
-pub(crate) async fn collect_status(core: &Rc<RefCell<Core>>) -> Option<NodeStatus> {
-    let (ctx, crx) = crossbeam_channel::bounded(1);
-    let (rtx, rrx) = crossbeam_channel::bounded(64);
-    let (mut status, others) = {
-        let c = core.borrow();
-        let _ = c.to_control().send(ToControl::Status { reply: ctx });
-        let mut others = 0;
-        for (i, tx) in c.to_cores().iter().enumerate() {
-            if i != usize::from(c.index()) && tx.send(ToCore::Status { reply: rtx.clone() }).is_ok()
-            {
-                others += 1;
-            }
+    #[test]
+    fn the_reply_sink_writes_native_answers_to_their_connection_and_counts_them() {
+        let board = Arc::new(MetricsBoard::default());
+        let fronts = Fronts::new(3, board.clone(), Duration::from_secs(13));
+        let (a, b) = (Rc::new(Outbox::default()), Rc::new(Outbox::default()));
+        {
+            let mut h = fronts.state();
+            h.native.opened(7, a.clone());
+            h.native.opened(8, b.clone());
+            h.native.begun(7, 1, b"echo");
+            h.native.begun(7, 2, b"nosuchtype");
         }
-        let st = NodeStatus {
-            address: c.me().address.0.clone(),
-            uid: c.me().uid.0,
-            client_address: c.client_address(),
-            members: Vec::new(),
-            leader: None,
-            coordinator: None,
-            coordinator_here: false,
-            regions: c.status(),
-            coordinators: Vec::new(),
-            cluster_name: String::new(),
-            cluster_id: None,
-            journal_identity: String::new(),
-        };
-        (st, others)
-    };
-    let deadline = Instant::now() + STATUS_TIMEOUT;
-    let mut got_cluster = false;
-    let mut got_cores = 0;
-    while Instant::now() < deadline && (!got_cluster || got_cores < others) {
-        if let Ok(v) = crx.try_recv() {
-            status.members = v.members;
-            status.leader = v.leader;
-            status.coordinator = v.coordinator;
-            status.coordinator_here = v.coordinator_here;
-            status.coordinators = v.coordinators;
-            status.cluster_name = v.cluster_name;
-            status.cluster_id = v.cluster_id;
-            status.journal_identity = v.journal_identity;
-            got_cluster = true;
-        }
-        while let Ok(mut r) = rrx.try_recv() {
-            status.regions.append(&mut r);
-            got_cores += 1;
-        }
-        monoio::time::sleep(Duration::from_millis(1)).await;
+        assert!(fronts.reply(7, 1, Status::Ok, b"hi".to_vec()));
+        assert!(fronts.reply(7, 2, Status::UnknownEntityType, b"no".to_vec()));
+        // Not a front connection of this executor (e.g. a data lane's), or
+        // closed: dropped, and said so.
+        assert!(!fronts.reply(9, 1, Status::Ok, b"lost".to_vec()));
+        assert_eq!(
+            frames(&a.buf.borrow()),
+            vec![
+                (1, Status::Ok as u8, b"hi".to_vec()),
+                (2, Status::UnknownEntityType as u8, b"no".to_vec())
+            ]
+        );
+        assert!(
+            b.buf.borrow().is_empty(),
+            "nothing for the other connection"
+        );
+        fronts.state().native.closed(8);
+        assert!(!fronts.reply(8, 5, Status::Ok, Vec::new()));
+
+        // Published to the node's board, by executor; unknown types are
+        // one label.
+        assert!(board.snapshot()[0].1.native.requests.is_empty());
+        fronts.publish();
+        let snap = board.snapshot();
+        assert_eq!(snap.len(), 1);
+        let (core, p) = &snap[0];
+        assert_eq!(*core, 3);
+        assert_eq!(p.native.requests["echo"][&200], 1);
+        assert_eq!(
+            p.native.requests[UNKNOWN_TYPE_LABEL].values().sum::<u64>(),
+            1
+        );
+        assert!(!p.native.requests.contains_key("nosuchtype"));
+        assert_eq!((p.native.accepted, p.native.open), (2, 1));
+        assert_eq!(p.native.latency["echo"].len(), 1);
     }
-    status
-        .regions
-        .sort_by(|a, b| (a.type_name.as_str(), a.core).cmp(&(b.type_name.as_str(), b.core)));
-    got_cluster.then_some(status)
-}
 
-/// How long a cluster-wide stats request waits for the other members.
-pub(crate) const CLUSTER_STATS_TIMEOUT: Duration = Duration::from_secs(3);
-
-/// Gathers the cluster-wide sharding stats of `type_name` (Akka's
-/// `GetClusterShardingStats`): this node's regions from `local`, and every
-/// other Up member's over the control lanes, waiting at most `wait`.
-/// Members that are unreachable, or that do not answer in time, are listed
-/// in `failed` with the reason. `None` when the control executor did not
-/// answer at all.
-pub(crate) async fn collect_cluster_stats(
-    core: &Rc<RefCell<Core>>,
-    type_name: &str,
-    local: &NodeStatus,
-    wait: Duration,
-) -> Option<crate::status::ClusterShardingStats> {
-    use crate::node::StatsEvent;
-    use crate::status::{ClusterShardingStats, FailedMember, MemberShardStats, RegionShardStats};
-    let (tx, rx) = crossbeam_channel::unbounded();
-    core.borrow()
-        .to_control()
-        .send(ToControl::ShardingStats {
-            type_name: type_name.to_string(),
-            wait,
-            reply: tx,
-        })
-        .ok()?;
-    let mut stats = ClusterShardingStats::default();
-    stats.members.push(MemberShardStats {
-        address: local.address.clone(),
-        uid: local.uid,
-        regions: local
-            .regions
-            .iter()
-            .filter(|r| r.type_name == type_name)
-            .map(RegionShardStats::of)
-            .collect(),
-    });
-    let deadline = Instant::now() + wait;
-    let mut asked: Option<Vec<(String, u64)>> = None;
-    loop {
-        while let Ok(ev) = rx.try_recv() {
-            match ev {
-                StatsEvent::Asked {
-                    asked: a,
-                    unreachable,
-                } => {
-                    stats
-                        .failed
-                        .extend(unreachable.into_iter().map(|(address, uid)| FailedMember {
-                            address,
-                            uid,
-                            reason: "unreachable".into(),
-                        }));
-                    asked = Some(a);
-                }
-                StatsEvent::Answer(m) => {
-                    if let Some(a) = &mut asked {
-                        if let Some(i) = a
-                            .iter()
-                            .position(|(addr, uid)| *addr == m.address && *uid == m.uid)
-                        {
-                            a.swap_remove(i);
-                            stats.members.push(m);
-                        }
-                    }
-                }
-            }
+    #[test]
+    fn each_node_has_its_own_board() {
+        let (one, two) = (
+            Arc::new(MetricsBoard::default()),
+            Arc::new(MetricsBoard::default()),
+        );
+        let f1 = Fronts::new(0, one.clone(), Duration::from_secs(1));
+        let _f2 = Fronts::new(0, two.clone(), Duration::from_secs(1));
+        let o = Rc::new(Outbox::default());
+        {
+            let mut h = f1.state();
+            h.native.opened(1, o);
+            h.dirty = true;
         }
-        let done = asked.as_ref().is_some_and(|a| a.is_empty());
-        if done || Instant::now() >= deadline {
-            break;
-        }
-        monoio::time::sleep(Duration::from_millis(1)).await;
+        f1.publish();
+        assert_eq!(one.snapshot()[0].1.native.accepted, 1);
+        assert_eq!(two.snapshot()[0].1.native.accepted, 0);
     }
-    let missing = asked?;
-    stats
-        .failed
-        .extend(missing.into_iter().map(|(address, uid)| FailedMember {
-            address,
-            uid,
-            reason: format!("no answer within {} ms", wait.as_millis()),
-        }));
-    stats.members.sort_by(|a, b| a.address.cmp(&b.address));
-    stats.failed.sort_by(|a, b| a.address.cmp(&b.address));
-    Some(stats)
 }

@@ -4,29 +4,21 @@
 //! the control lane (see `control.rs`).
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use shardline_core::ids::{RegionId, UniqueAddress};
 use shardline_core::sharding::{HandOffPhase, ShardCoordinator};
 
+use super::core::CoreRef;
+use super::{NodeStatus, StatsEvent, ToControl, ToCore};
 use crate::envelope::Status;
 use crate::status::{
     AllocationTable, HandOffStatus, RebalanceAnswer, RebalanceMove, RegionLoad, RegionRef,
     ShardAllocationStatus, TypeAllocation, TypeRebalance,
 };
+use crate::status::{ClusterShardingStats, FailedMember, MemberShardStats, RegionShardStats};
 
-/// A coordinator admin command.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum CoordinatorCommand {
-    /// The allocation table of every entity type.
-    Allocation,
-    /// One rebalance round now, for `type_name` or every type (`None`).
-    Rebalance { type_name: Option<String> },
-}
-
-/// A command's answer: the JSON body, or why not (a status whose HTTP code
-/// [`crate::gateway::http::status_code_of`] gives, and the reason).
-pub(crate) type AdminAnswer = Result<Vec<u8>, (Status, String)>;
+pub(crate) use crate::status::{AdminAnswer, CoordinatorCommand};
 
 /// How long a member waits for the coordinator's member to answer a
 /// forwarded command.
@@ -189,4 +181,175 @@ pub(crate) fn answer(
         }
     };
     body.map_err(|e| (Status::EntityFailed, format!("cannot encode JSON: {e}")))
+}
+
+// ----- scatter/gather for the fronts (through `gateway::port::DataPort`) -----
+
+/// How long a status request waits for the other executors.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Runs a coordinator admin command through the control executor, which
+/// answers it from the coordinators on this member or forwards it to the
+/// member that runs them. `Unavailable` when the control executor does not
+/// answer in time (the forward timeout plus 1 s).
+pub(crate) async fn coordinator_admin(core: &CoreRef, cmd: CoordinatorCommand) -> AdminAnswer {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let sent = core
+        .borrow()
+        .to_control()
+        .send(ToControl::CoordinatorAdmin { cmd, reply: tx })
+        .is_ok();
+    let wait = FORWARD_TIMEOUT + Duration::from_secs(1);
+    let deadline = Instant::now() + wait;
+    while sent && Instant::now() < deadline {
+        if let Ok(a) = rx.try_recv() {
+            return a;
+        }
+        monoio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Err((
+        Status::Unavailable,
+        "the node's control executor did not answer".into(),
+    ))
+}
+
+/// Collects this node's status: the cluster view from the control executor
+/// and the region views from every data executor (waiting at most
+/// `STATUS_TIMEOUT`). `None` when the control executor did not answer.
+pub(crate) async fn collect_status(core: &CoreRef) -> Option<NodeStatus> {
+    let (ctx, crx) = crossbeam_channel::bounded(1);
+    let (rtx, rrx) = crossbeam_channel::bounded(64);
+    let (mut status, others) = {
+        let c = core.borrow();
+        let _ = c.to_control().send(ToControl::Status { reply: ctx });
+        let mut others = 0;
+        for (i, tx) in c.to_cores().iter().enumerate() {
+            if i != usize::from(c.index()) && tx.send(ToCore::Status { reply: rtx.clone() }).is_ok()
+            {
+                others += 1;
+            }
+        }
+        let st = NodeStatus {
+            address: c.me().address.0.clone(),
+            uid: c.me().uid.0,
+            client_address: c.client_address(),
+            members: Vec::new(),
+            leader: None,
+            coordinator: None,
+            coordinator_here: false,
+            regions: c.status(),
+            coordinators: Vec::new(),
+            cluster_name: String::new(),
+            cluster_id: None,
+            journal_identity: String::new(),
+        };
+        (st, others)
+    };
+    let deadline = Instant::now() + STATUS_TIMEOUT;
+    let mut got_cluster = false;
+    let mut got_cores = 0;
+    while Instant::now() < deadline && (!got_cluster || got_cores < others) {
+        if let Ok(v) = crx.try_recv() {
+            status.members = v.members;
+            status.leader = v.leader;
+            status.coordinator = v.coordinator;
+            status.coordinator_here = v.coordinator_here;
+            status.coordinators = v.coordinators;
+            status.cluster_name = v.cluster_name;
+            status.cluster_id = v.cluster_id;
+            status.journal_identity = v.journal_identity;
+            got_cluster = true;
+        }
+        while let Ok(mut r) = rrx.try_recv() {
+            status.regions.append(&mut r);
+            got_cores += 1;
+        }
+        monoio::time::sleep(Duration::from_millis(1)).await;
+    }
+    status
+        .regions
+        .sort_by(|a, b| (a.type_name.as_str(), a.core).cmp(&(b.type_name.as_str(), b.core)));
+    got_cluster.then_some(status)
+}
+
+/// Gathers the cluster-wide sharding stats of `type_name` (Akka's
+/// `GetClusterShardingStats`): this node's regions from `local`, and every
+/// other Up member's over the control lanes, waiting at most `wait`.
+/// Members that are unreachable, or that do not answer in time, are listed
+/// in `failed` with the reason. `None` when the control executor did not
+/// answer at all.
+pub(crate) async fn collect_cluster_stats(
+    core: &CoreRef,
+    type_name: &str,
+    local: &NodeStatus,
+    wait: Duration,
+) -> Option<ClusterShardingStats> {
+    let (tx, rx) = crossbeam_channel::unbounded();
+    core.borrow()
+        .to_control()
+        .send(ToControl::ShardingStats {
+            type_name: type_name.to_string(),
+            wait,
+            reply: tx,
+        })
+        .ok()?;
+    let mut stats = ClusterShardingStats::default();
+    stats.members.push(MemberShardStats {
+        address: local.address.clone(),
+        uid: local.uid,
+        regions: local
+            .regions
+            .iter()
+            .filter(|r| r.type_name == type_name)
+            .map(RegionShardStats::of)
+            .collect(),
+    });
+    let deadline = Instant::now() + wait;
+    let mut asked: Option<Vec<(String, u64)>> = None;
+    loop {
+        while let Ok(ev) = rx.try_recv() {
+            match ev {
+                StatsEvent::Asked {
+                    asked: a,
+                    unreachable,
+                } => {
+                    stats
+                        .failed
+                        .extend(unreachable.into_iter().map(|(address, uid)| FailedMember {
+                            address,
+                            uid,
+                            reason: "unreachable".into(),
+                        }));
+                    asked = Some(a);
+                }
+                StatsEvent::Answer(m) => {
+                    if let Some(a) = &mut asked {
+                        if let Some(i) = a
+                            .iter()
+                            .position(|(addr, uid)| *addr == m.address && *uid == m.uid)
+                        {
+                            a.swap_remove(i);
+                            stats.members.push(m);
+                        }
+                    }
+                }
+            }
+        }
+        let done = asked.as_ref().is_some_and(|a| a.is_empty());
+        if done || Instant::now() >= deadline {
+            break;
+        }
+        monoio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let missing = asked?;
+    stats
+        .failed
+        .extend(missing.into_iter().map(|(address, uid)| FailedMember {
+            address,
+            uid,
+            reason: format!("no answer within {} ms", wait.as_millis()),
+        }));
+    stats.members.sort_by(|a, b| a.address.cmp(&b.address));
+    stats.failed.sort_by(|a, b| a.address.cmp(&b.address));
+    Some(stats)
 }

@@ -1,5 +1,7 @@
-//! A data executor: the gateway's connections, one `ShardRegion` per entity
-//! type, the entities, and the data lanes to other nodes.
+//! A data executor: one `ShardRegion` per entity type, the entities, the
+//! data lanes to other nodes, and the fronts (`crate::gateway`) it starts and
+//! serves through [`DataPort`] (implemented here for [`CoreRef`]), answering
+//! them through their reply sink ([`Fronts::reply`]).
 //!
 //! Everything here runs on one thread; the state is one `Rc<RefCell<Core>>`
 //! borrowed for the length of one input (a frame, a ring message, a tick),
@@ -24,13 +26,12 @@ use super::watch::{EntityKey, SystemMsg, WatchBook};
 use super::{EntitySettings, RegionStatusView, Shared};
 use crate::config::NodeConfig;
 use crate::entity::{Entity, EntityContext, EntityFactory, TerminatedReason};
-use crate::envelope::{
-    access, encode_frame, ArchivedClientFrame, ClientFrame, FrameError, ServerFrame, Status,
-    MAX_FRAME_SIZE_BYTES,
-};
+use crate::envelope::{access, encode_frame, FrameError, Status, MAX_FRAME_SIZE_BYTES};
 use crate::envelope::{ArchivedDataFrame, DataFrame, Lane};
+use crate::gateway::port::{ConnId, DataPort};
+use crate::gateway::{Fronts, MetricsBoard};
 use crate::runtime::{RingReceiver, RingSender};
-use crate::transport::{self, FrameReader, Outbox};
+use crate::transport::{self, FrameReader, Outbox, OUTBOX_HIGH_WATER_BYTES};
 
 mod workers;
 
@@ -45,6 +46,8 @@ pub(crate) struct CoreInit {
     pub to_cores: Vec<RingSender<ToCore>>,
     pub shared: Arc<Shared>,
     pub scope: Arc<crate::persistence::DataScope>,
+    /// The node's board of the fronts' counters (`/metrics`).
+    pub metrics_board: Arc<MetricsBoard>,
 }
 
 /// How long a forwarded message without an ask deadline may wait for its
@@ -54,9 +57,6 @@ const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
 /// node's answer (which is `Unavailable` when it was still buffered there)
 /// before the sender is answered `TimedOut`.
 const FORWARD_GRACE: Duration = Duration::from_millis(500);
-/// A connection whose queued output exceeds this stops being read until the
-/// peer catches up, in bytes.
-pub(crate) const OUTBOX_HIGH_WATER_BYTES: usize = 32 << 20;
 /// Tick period of the executor's timers.
 const TICK: Duration = Duration::from_millis(5);
 /// After the node stops (it left, or was downed), how long its connections
@@ -187,7 +187,13 @@ pub(crate) struct Core {
     epoch: Instant,
     config: NodeConfig,
     types: TypeTable,
+    /// Every connection of this executor (the fronts' and inbound data
+    /// lanes'), closed when the stop drain ends.
     conns: FastMap<u64, Rc<Outbox>>,
+    /// The fronts of this executor: the reply sink of client requests.
+    fronts: Fronts,
+    /// This executor's own handle, for the tasks it spawns (data lanes).
+    self_ref: std::rc::Weak<RefCell<Core>>,
     next_conn: u64,
     links: HashMap<RegionId, Link>,
     backoff: HashMap<RegionId, (Duration, Duration)>,
@@ -241,7 +247,7 @@ pub(crate) struct Core {
     fp: crate::transport::Fingerprint,
 }
 
-type CoreRef = Rc<RefCell<Core>>;
+pub(crate) type CoreRef = Rc<RefCell<Core>>;
 
 /// An ask of an entity of this core waiting for its answer.
 struct EntityAskWait {
@@ -267,49 +273,56 @@ pub(crate) async fn run(init: CoreInit) {
             return;
         }
     };
-    let http_front = crate::gateway::http::serve::bind(&init.config, init.index);
+    let answer_timeout =
+        init.config.requests.ask_timeout() + Duration::from_millis(crate::config::ANSWER_GRACE_MS);
+    let fronts = Fronts::new(init.index, init.metrics_board, answer_timeout);
+    let http_front = crate::gateway::http::serve::bind(&init.config, init.index, &fronts);
     let fp = super::fingerprint(&init.config, &init.scope);
-    let core = Rc::new(RefCell::new(Core {
-        scope: init.scope,
-        fp,
-        index: init.index,
-        me,
-        epoch: init.epoch,
-        config: init.config,
-        types: TypeTable::default(),
-        conns: FastMap::default(),
-        next_conn: 1,
-        links: HashMap::new(),
-        backoff: HashMap::new(),
-        removed: std::collections::HashSet::new(),
-        pending: FastMap::default(),
-        local_pending: FastMap::default(),
-        next_tag: 1,
-        api_waiters: FastMap::default(),
-        api_expiry: BinaryHeap::new(),
-        entity_asks: FastMap::default(),
-        entity_ask_expiry: BinaryHeap::new(),
-        to_control: init.to_control,
-        to_cores: init.to_cores,
-        timers: BinaryHeap::new(),
-        next_incarnation: 1,
-        available: false,
-        stopped: false,
-        shutting_down: false,
-        reported_registered: false,
-        reported_shutdown: false,
-        shutdown: false,
-        exit_requested: false,
-        drain_until: None,
-        drained: false,
-        durable: crate::persistence::Hooks::default(),
-        watches: WatchBook::default(),
-        flushing_system: false,
-        journal_error: None,
-        stopping: FastMap::default(),
-        remember_reads: Vec::new(),
-        remember_error: None,
-    }));
+    let core = Rc::new_cyclic(|self_ref| {
+        RefCell::new(Core {
+            self_ref: self_ref.clone(),
+            fronts: fronts.clone(),
+            scope: init.scope,
+            fp,
+            index: init.index,
+            me,
+            epoch: init.epoch,
+            config: init.config,
+            types: TypeTable::default(),
+            conns: FastMap::default(),
+            next_conn: 1,
+            links: HashMap::new(),
+            backoff: HashMap::new(),
+            removed: std::collections::HashSet::new(),
+            pending: FastMap::default(),
+            local_pending: FastMap::default(),
+            next_tag: 1,
+            api_waiters: FastMap::default(),
+            api_expiry: BinaryHeap::new(),
+            entity_asks: FastMap::default(),
+            entity_ask_expiry: BinaryHeap::new(),
+            to_control: init.to_control,
+            to_cores: init.to_cores,
+            timers: BinaryHeap::new(),
+            next_incarnation: 1,
+            available: false,
+            stopped: false,
+            shutting_down: false,
+            reported_registered: false,
+            reported_shutdown: false,
+            shutdown: false,
+            exit_requested: false,
+            drain_until: None,
+            drained: false,
+            durable: crate::persistence::Hooks::default(),
+            watches: WatchBook::default(),
+            flushing_system: false,
+            journal_error: None,
+            stopping: FastMap::default(),
+            remember_reads: Vec::new(),
+            remember_error: None,
+        })
+    });
     drop(init.shared);
     {
         let mut c = core.borrow_mut();
@@ -349,7 +362,6 @@ pub(crate) async fn run(init: CoreInit) {
             durable_core.borrow_mut().on_durable_advance();
         }
     });
-    Core::set_self(&core);
     let accept_core = core.clone();
     let stop_accept = crate::runtime::LocalNotify::default();
     let stop = stop_accept.clone();
@@ -358,7 +370,11 @@ pub(crate) async fn run(init: CoreInit) {
             match r {
                 Ok((stream, _)) => {
                     transport::tune(&stream);
-                    monoio::spawn(crate::gateway::serve_client(accept_core.clone(), stream));
+                    monoio::spawn(crate::gateway::native::serve_client(
+                        accept_core.clone(),
+                        fronts.clone(),
+                        stream,
+                    ));
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed");
@@ -460,37 +476,10 @@ impl Core {
         }
     }
 
-    pub(crate) fn conn_outbox(&self, id: u64) -> Option<&Rc<Outbox>> {
-        self.conns.get(&id)
-    }
-
-    pub(crate) fn outbox_len(&self, id: u64) -> usize {
-        self.conns
-            .get(&id)
-            .map(|o| o.buf.borrow().len())
-            .unwrap_or(0)
-    }
-
-    pub(crate) fn high_water(&self, id: u64) -> bool {
-        self.outbox_len(id) > OUTBOX_HIGH_WATER_BYTES
-    }
-
-    fn send_client(&mut self, conn: u64, request_id: u64, status: Status, mut payload: Vec<u8>) {
-        if crate::gateway::http::serve::deliver(conn, request_id, status, &mut payload) {
-            return;
-        }
-        crate::gateway::http::serve::native_request_answered(conn, request_id, status);
-        if let Some(o) = self.conns.get(&conn) {
-            let f = ServerFrame {
-                request_id,
-                status: status as u8,
-                payload,
-            };
-            if let Err(e) = encode_frame(&f, &mut o.buf.borrow_mut()) {
-                tracing::warn!(error = %e, "cannot encode response");
-            }
-            o.flush();
-        }
+    /// Answers a front's request through the fronts' reply sink (dropped
+    /// when its connection is gone).
+    fn send_client(&mut self, conn: ConnId, request_id: u64, status: Status, payload: Vec<u8>) {
+        self.fronts.reply(conn, request_id, status, payload);
     }
 
     fn reply(&mut self, to: ReplyTo, status: Status, payload: Vec<u8>) {
@@ -559,73 +548,10 @@ impl Core {
         }
     }
 
-    // ----- client frames -----
+    // ----- client requests -----
 
-    /// Handles one frame from a client. `Err` is a protocol error: the
-    /// connection is closed.
-    pub(crate) fn on_client_frame(
-        core: &CoreRef,
-        conn: u64,
-        body: &[u8],
-    ) -> Result<(), FrameError> {
-        let frame = access::<ClientFrame>(body)?;
-        match frame {
-            ArchivedClientFrame::Request {
-                request_id,
-                type_name,
-                entity_id,
-                payload,
-            } => {
-                let request_id = request_id.to_native();
-                crate::gateway::http::serve::native_request_begun(
-                    conn,
-                    request_id,
-                    type_name.as_slice(),
-                );
-                let mut c = core.borrow_mut();
-                c.client_request(
-                    conn,
-                    request_id,
-                    type_name.as_slice(),
-                    entity_id.as_slice(),
-                    payload.as_slice().to_vec(),
-                );
-                Ok(())
-            }
-            ArchivedClientFrame::NodeStatus { request_id } => {
-                let request_id = request_id.to_native();
-                monoio::spawn(crate::gateway::answer_status(
-                    core.clone(),
-                    conn,
-                    request_id,
-                ));
-                Ok(())
-            }
-            ArchivedClientFrame::CoordinatorAdmin {
-                request_id,
-                rebalance,
-                type_name,
-            } => {
-                let request_id = request_id.to_native();
-                let cmd = if *rebalance {
-                    let t = String::from_utf8_lossy(type_name.as_slice()).into_owned();
-                    crate::node::admin::CoordinatorCommand::Rebalance {
-                        type_name: (!t.is_empty()).then_some(t),
-                    }
-                } else {
-                    crate::node::admin::CoordinatorCommand::Allocation
-                };
-                monoio::spawn(crate::gateway::answer_coordinator_admin(
-                    core.clone(),
-                    conn,
-                    request_id,
-                    cmd,
-                ));
-                Ok(())
-            }
-        }
-    }
-
+    /// Routes one entity request of a front (see
+    /// [`DataPort::client_request`]).
     pub(crate) fn client_request(
         &mut self,
         conn: u64,
@@ -844,13 +770,7 @@ impl Core {
         }
     }
 
-    fn forward_remote(
-        core_rc: Option<&CoreRef>,
-        c: &mut Core,
-        t: &str,
-        to: RegionId,
-        env: UserEnvelope,
-    ) {
+    fn forward_remote(c: &mut Core, t: &str, to: RegionId, env: UserEnvelope) {
         let now = c.now();
         if c.removed.contains(&to.member) {
             return c.reply(
@@ -869,7 +789,7 @@ impl Core {
                     );
                 }
             }
-            let Some(core_rc) = core_rc else {
+            let Some(core_rc) = c.self_ref.upgrade() else {
                 return c.reply(env.sender, Status::Unavailable, b"no link".to_vec());
             };
             let outbox = Rc::new(Outbox::default());
@@ -879,7 +799,7 @@ impl Core {
                     outbox: outbox.clone(),
                 },
             );
-            monoio::spawn(run_link(core_rc.clone(), to.clone(), outbox));
+            monoio::spawn(run_link(core_rc, to.clone(), outbox));
         }
         let Some(link) = c.links.get(&to) else { return };
         if link.outbox.buf.borrow().len() > OUTBOX_HIGH_WATER_BYTES {
@@ -952,13 +872,6 @@ impl Core {
     // ----- effects -----
 
     fn run_effects(&mut self, t: &str) {
-        CORE_SELF.with(|cs| {
-            let rc = cs.borrow().clone();
-            self.run_effects_with(rc.as_ref(), t);
-        });
-    }
-
-    fn run_effects_with(&mut self, rc: Option<&CoreRef>, t: &str) {
         // Bounded: each effect is carried out once; effects it causes are
         // appended and handled in the same loop.
         loop {
@@ -993,7 +906,7 @@ impl Core {
                     if to.member == self.me {
                         self.forward_local(t, to.core, envelope);
                     } else {
-                        Core::forward_remote(rc, self, t, to, envelope);
+                        Core::forward_remote(self, t, to, envelope);
                     }
                 }
                 RegionEffect::Deliver {
@@ -2243,16 +2156,6 @@ impl Core {
     pub(crate) fn client_address(&self) -> String {
         self.config.client_address.to_string()
     }
-
-    pub(crate) fn set_self(core: &CoreRef) {
-        CORE_SELF.with(|cs| *cs.borrow_mut() = Some(core.clone()));
-    }
-}
-
-thread_local! {
-    /// This executor's core (set once at start), so that effects can spawn
-    /// link tasks that hold a reference to it.
-    static CORE_SELF: RefCell<Option<CoreRef>> = const { RefCell::new(None) };
 }
 
 fn region_settings(s: &EntitySettings) -> RegionSettings {
@@ -2360,4 +2263,55 @@ async fn serve_data_lane(core: CoreRef, stream: monoio::net::TcpStream, peer: Un
     };
     tracing::debug!(peer = %peer, why, "data lane closed");
     core.borrow_mut().remove_conn(conn);
+}
+
+/// The data plane's side of the port to the fronts of this executor.
+impl DataPort for CoreRef {
+    fn open_conn(&self, signal: Rc<Outbox>) -> ConnId {
+        self.borrow_mut().add_conn(signal)
+    }
+
+    fn close_conn(&self, conn: ConnId) {
+        self.borrow_mut().remove_conn(conn);
+    }
+
+    fn max_request_frame_bytes(&self) -> usize {
+        self.borrow().max_request_frame_bytes()
+    }
+
+    fn client_request(
+        &self,
+        conn: ConnId,
+        request_id: u64,
+        type_name: &[u8],
+        entity_id: &[u8],
+        payload: Vec<u8>,
+    ) {
+        self.borrow_mut()
+            .client_request(conn, request_id, type_name, entity_id, payload);
+    }
+
+    fn cached_homes(&self, shard: ShardId) -> Vec<crate::gateway::http::CachedHome> {
+        self.borrow().cached_homes(shard)
+    }
+
+    fn node_status(&self) -> impl std::future::Future<Output = Option<super::NodeStatus>> {
+        super::admin::collect_status(self)
+    }
+
+    fn coordinator_admin(
+        &self,
+        cmd: crate::status::CoordinatorCommand,
+    ) -> impl std::future::Future<Output = crate::status::AdminAnswer> {
+        super::admin::coordinator_admin(self, cmd)
+    }
+
+    fn cluster_stats(
+        &self,
+        type_name: &str,
+        local: &super::NodeStatus,
+        wait: Duration,
+    ) -> impl std::future::Future<Output = Option<crate::status::ClusterShardingStats>> {
+        super::admin::collect_cluster_stats(self, type_name, local, wait)
+    }
 }

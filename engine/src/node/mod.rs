@@ -27,12 +27,14 @@ use shardline_core::cluster::ClusterEvent;
 use shardline_core::ids::{EntityId, IdError, MemberUid, TypeName};
 use thiserror::Error;
 
+pub(crate) use crate::api::ApiAnswer;
+pub use crate::api::AskError;
 use crate::config::NodeConfig;
 use crate::entity::EntityFactory;
 use crate::envelope::Status;
 use crate::runtime::{ring, RingSender};
 pub use crate::status::{CoordinatorStatusView, MemberStatusView, NodeStatus, RegionStatusView};
-pub(crate) use msg::{ApiAnswer, StatsEvent, ToControl, ToCore};
+pub(crate) use msg::{StatsEvent, ToControl, ToCore};
 
 /// Errors from starting a node.
 #[derive(Debug, Error)]
@@ -73,24 +75,6 @@ pub enum NodeError {
     /// not be reached at start to read its identity, or refused.
     #[error("journal.backend = \"postgres\": {0}")]
     Journal(crate::persistence::pg::PgError),
-}
-
-/// Errors from an [`EntityRef::ask`].
-#[derive(Debug, Error)]
-#[non_exhaustive]
-pub enum AskError {
-    /// The entity id is invalid.
-    #[error(transparent)]
-    Id(#[from] IdError),
-    /// The request failed with this status.
-    #[error("request failed: {0:?}")]
-    Failed(Status),
-    /// No answer within the timeout (the outcome is unknown).
-    #[error("timed out")]
-    TimedOut,
-    /// The node is stopped.
-    #[error("node stopped")]
-    Stopped,
 }
 
 /// Settings of one entity type's regions.
@@ -220,6 +204,7 @@ impl Node {
         let ncpu = core_affinity::get_core_ids().map(|v| v.len()).unwrap_or(1);
         let mut threads = Vec::new();
         let epoch = Instant::now();
+        let metrics_board = Arc::new(crate::gateway::MetricsBoard::default());
         for (i, rx) in core_rxs.into_iter().enumerate() {
             let ctx = core::CoreInit {
                 index: i as u16,
@@ -231,6 +216,7 @@ impl Node {
                 to_cores: to_cores.clone(),
                 shared: shared.clone(),
                 scope: scope.clone(),
+                metrics_board: metrics_board.clone(),
             };
             let pin = (config.pin_cores && ncpu > 1).then_some(i % ncpu);
             threads.push(

@@ -32,9 +32,7 @@ pub(crate) enum ReplyTo {
     System(Box<super::watch::SystemMsg>),
 }
 
-/// What an embedding-API ask is answered on: `Some((status, payload))`,
-/// or `None` when the core gave up waiting (`wait` after the ask arrived).
-pub(crate) type ApiAnswer = Option<(Status, Vec<u8>)>;
+pub(crate) use crate::api::ApiAnswer;
 
 /// Where an embedding-API ask is answered.
 pub(crate) struct ApiReply {

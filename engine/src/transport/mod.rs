@@ -202,6 +202,10 @@ impl FrameReader {
     }
 }
 
+/// A connection whose queued output exceeds this stops being read until the
+/// peer catches up, in bytes (the fronts' and the data lanes' back-pressure).
+pub(crate) const OUTBOX_HIGH_WATER_BYTES: usize = 32 << 20;
+
 /// A connection's queue of encoded frames waiting to be written, shared by
 /// the tasks of one executor.
 #[derive(Default)]

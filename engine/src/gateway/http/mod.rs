@@ -31,7 +31,7 @@ use serde::Serialize;
 use shardline_core::ids::{EntityId, TypeName};
 use shardline_core::sharding::shard_id_of;
 
-use crate::node::NodeStatus;
+use crate::status::NodeStatus;
 use crate::status::{ClusterShardingStats, FailedMember, MemberShardStats, RegionShardStats};
 pub use codec::{CodecLimits, HttpError, Method, Pending, Request, RequestDecoder};
 pub use metrics::{write_prometheus, MetricsSnapshot};
@@ -461,7 +461,7 @@ fn unknown_type(t: &TypeName) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::node::{MemberStatusView, RegionStatusView};
+    use crate::status::{MemberStatusView, RegionStatusView};
 
     fn status(up: bool, registered: bool) -> NodeStatus {
         NodeStatus {

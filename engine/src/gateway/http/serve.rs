@@ -3,10 +3,11 @@
 //! Every data core binds `http_address` with SO_REUSEPORT ([`bind`]) and
 //! accepts its own connections ([`start`]). A connection is read in batches;
 //! each complete request is dispatched at once (pipelining): entity
-//! requests go through `Core::client_request`, the same routing path as the
-//! native protocol, with the request's sequence number as its request id;
-//! the region answers through `Core::send_client`, which hands replies for
-//! HTTP connections to [`deliver`]. Responses are put back in request order
+//! requests go through [`DataPort::client_request`], the same routing path
+//! as the native protocol, with the request's sequence number as its
+//! request id; the region answers through the reply sink,
+//! [`Fronts::reply`], which hands replies for HTTP connections to
+//! [`deliver`]. Responses are put back in request order
 //! by the connection's [`ResponseQueue`] and written in one batch.
 //!
 //! Bounds (per connection unless noted; the configurable ones come from
@@ -54,9 +55,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::rc::Rc;
-use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
@@ -73,17 +72,16 @@ use super::route::Route;
 use super::{admin_response, dispatch, error_response, Action};
 use crate::config::NodeConfig;
 use crate::envelope::Status;
-use crate::node::core::Core;
-use crate::node::NodeStatus;
-use crate::transport::{self, Outbox};
+use crate::gateway::port::{ConnId, DataPort};
+use crate::gateway::{FrontCounters, Fronts, Published, UNKNOWN_TYPE_LABEL};
+use crate::status::{CoordinatorCommand, NodeStatus};
+use crate::transport::{self, Outbox, OUTBOX_HIGH_WATER_BYTES};
 
 /// Most pipelined requests of one connection without a response (count).
 pub const MAX_IN_FLIGHT: u64 = 256;
 /// How long input is drained after the last response of a closing
 /// connection.
 pub const LINGER: Duration = Duration::from_secs(2);
-/// The `type` label of requests for entity types the cluster does not host.
-const UNKNOWN_TYPE_LABEL: &str = "_unknown";
 /// Bytes read from the socket at a time.
 const READ_BYTES: usize = 16 * 1024;
 /// How long a read still has to complete once the node's stop drain
@@ -100,6 +98,8 @@ const LINGER_MAX_BYTES: usize = 1 << 20;
 /// How often a core sweeps for expired reads and asks and publishes its
 /// metrics (shorter when a configured timeout is under 1 s).
 const SWEEP_PERIOD: Duration = Duration::from_millis(250);
+/// How long a cluster-wide stats request waits for the other members.
+const CLUSTER_STATS_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// What a pending entity request needs for its response.
 struct InFlight {
@@ -111,7 +111,7 @@ struct InFlight {
 
 /// One HTTP connection's shared state (the connection task and
 /// [`deliver`]).
-struct HttpConn {
+pub(in crate::gateway) struct HttpConn {
     outbox: Rc<Outbox>,
     queue: RefCell<ResponseQueue>,
     asks: RefCell<HashMap<u64, InFlight>>,
@@ -170,177 +170,44 @@ impl HttpConn {
     }
 }
 
-/// Per-core HTTP counters, published to [`registry`] for `/metrics`.
-#[derive(Clone, Default)]
-struct CoreMetrics {
-    /// Requests by entity type, then status code.
-    requests: HashMap<String, HashMap<u16, u64>>,
-    latency: HashMap<String, Histogram<u64>>,
-    open: u64,
-    accepted: u64,
-}
-
-impl CoreMetrics {
-    fn record(&mut self, type_name: &str, code: u16, micros: Option<u64>) {
-        // Look up before inserting: no allocation on the common path.
-        match self.requests.get_mut(type_name) {
-            Some(by_code) => *by_code.entry(code).or_insert(0) += 1,
-            None => {
-                self.requests
-                    .insert(type_name.to_string(), [(code, 1)].into_iter().collect());
-            }
-        }
-        if let Some(us) = micros {
-            match self.latency.get_mut(type_name) {
-                Some(h) => h.saturating_record(us.max(1)),
-                None => {
-                    let mut h = new_latency_histogram();
-                    h.saturating_record(us.max(1));
-                    self.latency.insert(type_name.to_string(), h);
-                }
-            }
-        }
-    }
-}
-
-/// What one core publishes for `/metrics`: the counters of both fronts.
-#[derive(Clone, Default)]
-struct Published {
-    http: CoreMetrics,
-    native: CoreMetrics,
-}
-
-/// Most distinct type names the native front remembers for its latency
-/// labels (a client can send any name; unknown ones are labelled
-/// [`UNKNOWN_TYPE_LABEL`] when answered).
-const MAX_NATIVE_TYPE_NAMES: usize = 256;
-
-/// The per-executor state of the HTTP front, and the native front's
-/// request counters.
-struct CoreHttp {
-    conns: HashMap<u64, Rc<HttpConn>>,
-    metrics: CoreMetrics,
-    /// Native-protocol requests, latencies and connections on this core.
-    native: CoreMetrics,
-    /// Native requests without an answer: (conn, request id) → (start,
-    /// index in `native_types`, or `usize::MAX` when not remembered).
-    native_in_flight: HashMap<(u64, u64), (Instant, usize)>,
-    native_types: Vec<String>,
-    dirty: bool,
-    slot: Option<Arc<Mutex<Published>>>,
+/// The HTTP front's state on one data executor (part of [`Fronts`]).
+pub(in crate::gateway) struct HttpState {
+    /// Open HTTP connections.
+    pub(in crate::gateway) conns: HashMap<ConnId, Rc<HttpConn>>,
+    /// Requests, latencies and connections.
+    pub(in crate::gateway) metrics: FrontCounters,
     /// An entity request without any answer after this long is answered
     /// `504`: the ask timeout plus the answer grace.
     answer_timeout: Duration,
 }
 
-thread_local! {
-    static HTTP: RefCell<CoreHttp> = RefCell::new(CoreHttp {
-        conns: HashMap::new(),
-        metrics: CoreMetrics::default(),
-        native: CoreMetrics::default(),
-        native_in_flight: HashMap::new(),
-        native_types: Vec::new(),
-        dirty: false,
-        slot: None,
-        answer_timeout: Duration::from_millis(
-            crate::config::DEFAULT_ASK_TIMEOUT_MS + crate::config::ANSWER_GRACE_MS,
-        ),
-    });
-}
-
-/// Published metrics of every core, by node (cluster address), then core.
-/// Written by each core at most every [`SWEEP_PERIOD`], read by `/metrics`:
-/// never touched on the request path.
-type Registry = Mutex<HashMap<SocketAddr, Vec<(u16, Arc<Mutex<Published>>)>>>;
-
-/// A native-protocol request was read on this core (`Core::on_client_frame`);
-/// its answer is counted by [`native_request_answered`].
-pub(crate) fn native_request_begun(conn: u64, request_id: u64, type_name: &[u8]) {
-    HTTP.with(|h| {
-        let mut h = h.borrow_mut();
-        let idx = match h
-            .native_types
-            .iter()
-            .position(|t| t.as_bytes() == type_name)
-        {
-            Some(i) => i,
-            None if h.native_types.len() < MAX_NATIVE_TYPE_NAMES => {
-                match std::str::from_utf8(type_name) {
-                    Ok(t) => {
-                        h.native_types.push(t.to_string());
-                        h.native_types.len() - 1
-                    }
-                    Err(_) => usize::MAX,
-                }
-            }
-            None => usize::MAX,
-        };
-        h.native_in_flight
-            .insert((conn, request_id), (Instant::now(), idx));
-    });
-}
-
-/// A native-protocol request is answered (`Core::send_client`): counts it
-/// by type and mapped status code, with its latency.
-pub(crate) fn native_request_answered(conn: u64, request_id: u64, status: Status) {
-    HTTP.with(|h| {
-        let mut h = h.borrow_mut();
-        let Some((started, idx)) = h.native_in_flight.remove(&(conn, request_id)) else {
-            return;
-        };
-        let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
-        let code = super::response::status_code_of(status);
-        let h = &mut *h;
-        let label = match h.native_types.get(idx) {
-            Some(t) if status != Status::UnknownEntityType => t.as_str(),
-            _ => UNKNOWN_TYPE_LABEL,
-        };
-        h.native.record(label, code, Some(micros));
-        h.dirty = true;
-    });
-}
-
-/// A native-protocol connection opened (`true`) or closed (`false`) on
-/// this core.
-pub(crate) fn native_connection(opened: bool) {
-    HTTP.with(|h| {
-        let mut h = h.borrow_mut();
-        if opened {
-            h.native.accepted += 1;
-            h.native.open += 1;
-        } else {
-            h.native.open = h.native.open.saturating_sub(1);
+impl HttpState {
+    pub(in crate::gateway) fn new(answer_timeout: Duration) -> HttpState {
+        HttpState {
+            conns: HashMap::new(),
+            metrics: FrontCounters::default(),
+            answer_timeout,
         }
-        h.dirty = true;
-    });
-}
-
-/// Forgets the native requests of a closed connection.
-pub(crate) fn native_connection_closed(conn: u64) {
-    HTTP.with(|h| {
-        h.borrow_mut()
-            .native_in_flight
-            .retain(|(c, _), _| *c != conn);
-    });
-    native_connection(false);
-}
-
-fn registry() -> &'static Registry {
-    static R: OnceLock<Registry> = OnceLock::new();
-    R.get_or_init(Default::default)
+    }
 }
 
 /// Hands an entity's answer to an HTTP connection of this executor.
-/// Returns `false` (and does nothing) when `conn` is not an HTTP
-/// connection; called by `Core::send_client` for every client reply.
-pub(crate) fn deliver(conn: u64, request_id: u64, status: Status, payload: &mut Vec<u8>) -> bool {
-    let Some(c) = HTTP.with(|h| h.borrow().conns.get(&conn).cloned()) else {
-        return false;
+/// Returns the payload back (and does nothing) when `conn` is not an HTTP
+/// connection; called by [`Fronts::reply`] for every client reply.
+pub(in crate::gateway) fn deliver(
+    fronts: &Fronts,
+    conn: ConnId,
+    request_id: u64,
+    status: Status,
+    payload: Vec<u8>,
+) -> Option<Vec<u8>> {
+    let Some(c) = fronts.state().http.conns.get(&conn).cloned() else {
+        return Some(payload);
     };
     let Some(f) = c.asks.borrow_mut().remove(&request_id) else {
-        return true; // answered already (timed out)
+        return None; // answered already (timed out)
     };
-    let r = Response::from_status(status, std::mem::take(payload));
+    let r = Response::from_status(status, payload);
     let micros = f.started.elapsed().as_micros().min(u128::from(u64::MAX)) as u64;
     // Unknown type names are not labels: a client could create any number.
     let label = if status == Status::UnknownEntityType {
@@ -348,22 +215,22 @@ pub(crate) fn deliver(conn: u64, request_id: u64, status: Status, payload: &mut 
     } else {
         f.type_name.as_str()
     };
-    HTTP.with(|h| {
-        let mut h = h.borrow_mut();
-        h.metrics.record(label, r.code, Some(micros));
+    {
+        let mut h = fronts.state();
+        h.http.metrics.record(label, r.code, Some(micros));
         h.dirty = true;
-    });
+    }
     c.respond(request_id, &r, f.head_only, f.keep_alive);
-    true
+    None
 }
 
 /// The HTTP front of one data core, bound before the core starts.
 pub(crate) struct HttpFront {
     /// Taken by the accept loop ([`start`]).
     listener: Option<TcpListener>,
+    /// The executor's fronts (state and counters).
+    fronts: Fronts,
     number_of_shards: u32,
-    node: SocketAddr,
-    core: u16,
     limits: CodecLimits,
     /// Time allowed for a request's line and headers, from its first byte.
     header_timeout: Duration,
@@ -377,21 +244,18 @@ pub(crate) struct HttpFront {
     data_dir: std::path::PathBuf,
     /// Data cores of the node (count).
     data_cores: u16,
-    /// `requests.ask_timeout_ms` plus [`crate::config::ANSWER_GRACE_MS`].
-    answer_timeout: Duration,
 }
 
 /// Binds `http_address` (SO_REUSEPORT) for data core `core`, when the config
 /// names one. A bind error is logged and the core runs without HTTP (the
 /// node checked the address before starting its executors).
-pub(crate) fn bind(config: &NodeConfig, core: u16) -> Option<HttpFront> {
+pub(crate) fn bind(config: &NodeConfig, core: u16, fronts: &Fronts) -> Option<HttpFront> {
     let addr = config.http_address?;
     match transport::listener(addr, true) {
         Ok(listener) => Some(HttpFront {
             listener: Some(listener),
+            fronts: fronts.clone(),
             number_of_shards: config.number_of_shards,
-            node: config.cluster_address,
-            core,
             limits: CodecLimits {
                 // Validated to at most 64 MiB, so it fits usize.
                 max_body_bytes: usize::try_from(config.http.max_body_size_bytes)
@@ -404,8 +268,6 @@ pub(crate) fn bind(config: &NodeConfig, core: u16) -> Option<HttpFront> {
             max_conns: config.http.max_connections_per_core as usize,
             data_dir: config.data_dir.clone(),
             data_cores: config.data_cores,
-            answer_timeout: config.requests.ask_timeout()
-                + Duration::from_millis(crate::config::ANSWER_GRACE_MS),
         }),
         Err(e) => {
             tracing::error!(core, %addr, error = %e, "cannot bind http_address");
@@ -417,24 +279,12 @@ pub(crate) fn bind(config: &NodeConfig, core: u16) -> Option<HttpFront> {
 /// Starts accepting HTTP connections on this executor (no-op for `None`);
 /// returns the accept loop's stop notify and task, for
 /// [`crate::runtime::stop_accepting`].
-pub(crate) fn start(
-    core: &Rc<RefCell<Core>>,
+pub(crate) fn start<P: DataPort>(
+    port: &P,
     front: Option<HttpFront>,
 ) -> Option<(crate::runtime::LocalNotify, monoio::task::JoinHandle<()>)> {
     let mut front = front?;
     let listener = front.listener.take()?;
-    let slot = Arc::new(Mutex::new(Published::default()));
-    if let Ok(mut r) = registry().lock() {
-        let v = r.entry(front.node).or_default();
-        v.retain(|(c, _)| *c != front.core);
-        v.push((front.core, slot.clone()));
-        v.sort_by_key(|(c, _)| *c);
-    }
-    HTTP.with(|h| {
-        let mut h = h.borrow_mut();
-        h.slot = Some(slot);
-        h.answer_timeout = front.answer_timeout;
-    });
     // Read deadlines are enforced by the sweep: at most a quarter of the
     // shortest timeout late.
     let sweep_period = SWEEP_PERIOD
@@ -442,14 +292,14 @@ pub(crate) fn start(
         .min(front.idle_timeout / 4)
         .max(Duration::from_millis(5));
     let front = Rc::new(front);
-    let core_sweep = core.clone();
+    let fronts = front.fronts.clone();
     monoio::spawn(async move {
         loop {
             monoio::time::sleep(sweep_period).await;
-            sweep(&core_sweep);
+            sweep(&fronts);
         }
     });
-    let core = core.clone();
+    let port = port.clone();
     let stop = crate::runtime::LocalNotify::default();
     let stop_accept = stop.clone();
     let task = monoio::spawn(async move {
@@ -457,16 +307,16 @@ pub(crate) fn start(
             match r {
                 Ok((stream, _)) => {
                     transport::tune(&stream);
-                    let full = HTTP.with(|h| {
-                        let mut h = h.borrow_mut();
-                        h.metrics.accepted += 1;
+                    let full = {
+                        let mut h = front.fronts.state();
+                        h.http.metrics.accepted += 1;
                         h.dirty = true;
-                        h.conns.len() >= front.max_conns
-                    });
+                        h.http.conns.len() >= front.max_conns
+                    };
                     if full {
                         monoio::spawn(refuse(stream));
                     } else {
-                        monoio::spawn(serve_http(core.clone(), front.clone(), stream));
+                        monoio::spawn(serve_http(port.clone(), front.clone(), stream));
                     }
                 }
                 Err(e) => {
@@ -490,11 +340,14 @@ async fn refuse(mut stream: TcpStream) {
 }
 
 /// Answers expired asks with `504` and publishes this core's metrics.
-fn sweep(_core: &Rc<RefCell<Core>>) {
-    let (conns, answer_timeout): (Vec<Rc<HttpConn>>, Duration) = HTTP.with(|h| {
-        let h = h.borrow();
-        (h.conns.values().cloned().collect(), h.answer_timeout)
-    });
+fn sweep(fronts: &Fronts) {
+    let (conns, answer_timeout): (Vec<Rc<HttpConn>>, Duration) = {
+        let h = fronts.state();
+        (
+            h.http.conns.values().cloned().collect(),
+            h.http.answer_timeout,
+        )
+    };
     let now = Instant::now();
     for c in conns {
         if now >= c.deadline.get() {
@@ -520,33 +373,15 @@ fn sweep(_core: &Rc<RefCell<Core>>) {
                 )
                 .into_bytes(),
             );
-            HTTP.with(|h| {
-                let mut h = h.borrow_mut();
-                h.metrics.record(&f.type_name, r.code, None);
+            {
+                let mut h = fronts.state();
+                h.http.metrics.record(&f.type_name, r.code, None);
                 h.dirty = true;
-            });
+            }
             c.respond(seq, &r, f.head_only, f.keep_alive);
         }
     }
-    publish();
-}
-
-/// Copies this core's counters to its registry slot when they changed.
-fn publish() {
-    HTTP.with(|h| {
-        let mut h = h.borrow_mut();
-        if !h.dirty {
-            return;
-        }
-        h.dirty = false;
-        h.metrics.open = h.conns.len() as u64;
-        if let Some(slot) = &h.slot {
-            if let Ok(mut s) = slot.lock() {
-                s.http.clone_from(&h.metrics);
-                s.native.clone_from(&h.native);
-            }
-        }
-    });
+    fronts.publish();
 }
 
 /// How a read of the connection task ended.
@@ -622,8 +457,8 @@ enum Taken {
 /// Dispatches the complete requests buffered in `decoder`, in order, up to
 /// the in-flight limit. Requests already received are always served
 /// before the socket is read again.
-fn take_requests(
-    core: &Rc<RefCell<Core>>,
+fn take_requests<P: DataPort>(
+    port: &P,
     front: &Rc<HttpFront>,
     conn: &Rc<HttpConn>,
     conn_id: u64,
@@ -641,7 +476,7 @@ fn take_requests(
         match decoder.next_request() {
             Ok(Some(req)) => {
                 let keep_alive = req.keep_alive;
-                handle(core, front, conn, conn_id, req, now, false);
+                handle(port, front, conn, conn_id, req, now, false);
                 if !keep_alive {
                     return Taken::Stop;
                 }
@@ -668,10 +503,10 @@ fn take_requests(
 /// entity request through the stopped core (`503 ShuttingDown`, not
 /// delivered), anything else `503` directly — in order after the answers
 /// still owed.
-async fn answer_after_stop<R: AsyncReadRent>(
+async fn answer_after_stop<R: AsyncReadRent, P: DataPort>(
     r: &mut R,
     buf: &mut Vec<u8>,
-    core: &Rc<RefCell<Core>>,
+    port: &P,
     front: &Rc<HttpFront>,
     conn: &Rc<HttpConn>,
     conn_id: u64,
@@ -688,7 +523,7 @@ async fn answer_after_stop<R: AsyncReadRent>(
                 // The core is stopped: an entity request is answered at
                 // once (503, or 400/404 for a bad id or type), an admin
                 // route 503.
-                handle(core, front, conn, conn_id, req, Instant::now(), true);
+                handle(port, front, conn, conn_id, req, Instant::now(), true);
                 if !keep_alive {
                     break;
                 }
@@ -735,14 +570,14 @@ async fn answer_after_stop<R: AsyncReadRent>(
 
 /// Serves one HTTP connection until it closes, breaks the protocol or
 /// times out.
-async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpStream) {
+async fn serve_http<P: DataPort>(port: P, front: Rc<HttpFront>, stream: TcpStream) {
     let outbox = Rc::new(Outbox::default());
     // What the core knows of this connection: closed by the core when its
     // stop drain ends (the connection then answers what it has read and
     // closes itself), `finished` once this task is done. Answers go through
     // [`deliver`] and the connection's own `outbox`.
     let signal = Rc::new(Outbox::default());
-    let conn_id = core.borrow_mut().add_conn(signal.clone());
+    let conn_id = port.open_conn(signal.clone());
     let conn = Rc::new(HttpConn {
         outbox: outbox.clone(),
         queue: RefCell::new(ResponseQueue::default()),
@@ -752,11 +587,11 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
         deadline: Cell::new(far_future(Instant::now())),
         expired: Default::default(),
     });
-    HTTP.with(|h| {
-        let mut h = h.borrow_mut();
-        h.conns.insert(conn_id, conn.clone());
+    {
+        let mut h = front.fronts.state();
+        h.http.conns.insert(conn_id, conn.clone());
         h.dirty = true;
-    });
+    }
     let (mut r, mut w) = stream.into_split();
     let wb = outbox.clone();
     let writer_done = Rc::new(crate::runtime::LocalNotify::default());
@@ -798,7 +633,7 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
         // Back-pressure: no reading while the client does not take its
         // responses or too many requests are outstanding.
         while conn.queue.borrow().in_flight() >= MAX_IN_FLIGHT
-            || outbox.buf.borrow().len() > crate::node::core::OUTBOX_HIGH_WATER_BYTES
+            || outbox.buf.borrow().len() > OUTBOX_HIGH_WATER_BYTES
         {
             if conn.closing.get() || outbox.finished.get() {
                 break 'conn;
@@ -810,7 +645,7 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
             let _ = monoio::time::timeout(Duration::from_millis(5), conn.drained.wait()).await;
         }
         // Requests already received are served before the socket is read.
-        match take_requests(&core, &front, &conn, conn_id, &mut decoder) {
+        match take_requests(&port, &front, &conn, conn_id, &mut decoder) {
             Taken::NeedBytes => {}
             Taken::Full => continue,
             Taken::Stop => {
@@ -883,7 +718,7 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
         answer_after_stop(
             &mut r,
             &mut buf,
-            &core,
+            &port,
             &front,
             &conn,
             conn_id,
@@ -893,11 +728,11 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
     }
     // Lingering close: the writer flushes and shuts down the write side; the
     // input is drained so the client reads its last response, not a reset.
-    HTTP.with(|h| {
-        let mut h = h.borrow_mut();
-        h.conns.remove(&conn_id);
+    {
+        let mut h = front.fronts.state();
+        h.http.conns.remove(&conn_id);
         h.dirty = true;
-    });
+    }
     outbox.close();
     if !eof && (conn.closing.get() || stopped) {
         // A stopping node exits soon after its drain: linger less.
@@ -926,7 +761,7 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
         // Stopping: the answers go out before the core exits.
         let _ = monoio::time::timeout(STOP_LINGER, writer_done.wait()).await;
     }
-    core.borrow_mut().remove_conn(conn_id);
+    port.close_conn(conn_id);
     signal.finished.set(true);
 }
 
@@ -934,8 +769,8 @@ async fn serve_http(core: Rc<RefCell<Core>>, front: Rc<HttpFront>, stream: TcpSt
 /// admin task. After the node's stop drain (`stopped`) an admin route is
 /// answered `503 ShuttingDown` instead (the entity request still goes to the
 /// stopped core, which answers it at once).
-fn handle(
-    core: &Rc<RefCell<Core>>,
+fn handle<P: DataPort>(
+    port: &P,
     front: &Rc<HttpFront>,
     conn: &Rc<HttpConn>,
     conn_id: u64,
@@ -948,7 +783,7 @@ fn handle(
     let seq = conn.queue.borrow_mut().begin();
     match dispatch(req) {
         Action::Respond(r) => {
-            record(None, r.code);
+            record(&front.fronts, None, r.code);
             conn.respond(seq, &r, head_only, keep_alive);
         }
         Action::Ask {
@@ -965,7 +800,7 @@ fn handle(
                     started: now,
                 },
             );
-            core.borrow_mut().client_request(
+            port.client_request(
                 conn_id,
                 seq,
                 type_name.as_str().as_bytes(),
@@ -976,41 +811,37 @@ fn handle(
         Action::Admin(_) if stopped => {
             let resp =
                 Response::from_status(Status::ShuttingDown, b"the node is shutting down".to_vec());
-            record(None, resp.code);
+            record(&front.fronts, None, resp.code);
             conn.respond(seq, &resp, head_only, keep_alive);
         }
         Action::Admin(Route::Live) => {
-            record(None, 200);
+            record(&front.fronts, None, 200);
             conn.respond(seq, &Response::text(200, "live"), head_only, keep_alive);
         }
         Action::Admin(route) => {
-            let core = core.clone();
+            let port = port.clone();
             let front = front.clone();
             let conn = conn.clone();
             monoio::spawn(async move {
                 if route == Route::Metrics {
-                    publish();
+                    front.fronts.publish();
                 }
                 let cmd = match &route {
-                    Route::Allocation => Some(crate::node::admin::CoordinatorCommand::Allocation),
-                    Route::Rebalance { type_name } => {
-                        Some(crate::node::admin::CoordinatorCommand::Rebalance {
-                            type_name: type_name.as_ref().map(|t| t.as_str().to_string()),
-                        })
-                    }
+                    Route::Allocation => Some(CoordinatorCommand::Allocation),
+                    Route::Rebalance { type_name } => Some(CoordinatorCommand::Rebalance {
+                        type_name: type_name.as_ref().map(|t| t.as_str().to_string()),
+                    }),
                     _ => None,
                 };
                 if let Some(cmd) = cmd {
-                    let r = super::coordinator_admin_response(
-                        crate::gateway::coordinator_admin(&core, cmd).await,
-                    );
-                    record(None, r.code);
+                    let r = super::coordinator_admin_response(port.coordinator_admin(cmd).await);
+                    record(&front.fronts, None, r.code);
                     conn.respond(seq, &r, head_only, keep_alive);
                     return;
                 }
-                let r = match crate::gateway::collect_status(&core).await {
+                let r = match port.node_status().await {
                     Some(status) if matches!(route, Route::ShardingStats { .. }) => {
-                        sharding_stats(&core, &route, &status, front.number_of_shards).await
+                        sharding_stats(&port, &route, &status, front.number_of_shards).await
                     }
                     Some(status) => {
                         if let Route::ShardOf { entity_id, shards } = &route {
@@ -1018,7 +849,7 @@ fn handle(
                                 entity_id.as_str(),
                                 front.number_of_shards.max(1),
                             );
-                            let cached = core.borrow().cached_homes(shard);
+                            let cached = port.cached_homes(shard);
                             super::shard_of_response(
                                 entity_id,
                                 *shards,
@@ -1034,7 +865,7 @@ fn handle(
                     }
                     None => Response::text(503, "the node's control executor did not answer"),
                 };
-                record(None, r.code);
+                record(&front.fronts, None, r.code);
                 conn.respond(seq, &r, head_only, keep_alive);
             });
         }
@@ -1044,8 +875,8 @@ fn handle(
 /// `GET /v1/sharding/{type}/stats`: this node's regions and every other Up
 /// member's, gathered over the control lanes (404 when this node has no
 /// region of the type; 503 when the control executor does not answer).
-async fn sharding_stats(
-    core: &Rc<RefCell<Core>>,
+async fn sharding_stats<P: DataPort>(
+    port: &P,
     route: &Route,
     status: &NodeStatus,
     number_of_shards: u32,
@@ -1060,25 +891,20 @@ async fn sharding_stats(
     {
         return admin_response(route, status, number_of_shards, Default::default);
     }
-    match crate::gateway::collect_cluster_stats(
-        core,
-        type_name.as_str(),
-        status,
-        crate::gateway::CLUSTER_STATS_TIMEOUT,
-    )
-    .await
+    match port
+        .cluster_stats(type_name.as_str(), status, CLUSTER_STATS_TIMEOUT)
+        .await
     {
         Some(stats) => super::sharding_stats_response(type_name, &stats),
         None => Response::text(503, "the node's control executor did not answer"),
     }
 }
 
-fn record(type_name: Option<&str>, code: u16) {
-    HTTP.with(|h| {
-        let mut h = h.borrow_mut();
-        h.metrics.record(type_name.unwrap_or(""), code, None);
-        h.dirty = true;
-    });
+/// Counts a response of the HTTP front that no entity gave (no latency).
+fn record(fronts: &Fronts, type_name: Option<&str>, code: u16) {
+    let mut h = fronts.state();
+    h.http.metrics.record(type_name.unwrap_or(""), code, None);
+    h.dirty = true;
 }
 
 /// Builds the metrics snapshot of this node: both fronts' counters every
@@ -1086,14 +912,8 @@ fn record(type_name: Option<&str>, code: u16) {
 /// the `fdatasync` latency of every data core's journal.
 fn node_metrics(front: &HttpFront, status: &NodeStatus) -> MetricsSnapshot {
     let mut m = MetricsSnapshot::default();
-    let cores: Vec<(u16, Published)> = registry()
-        .lock()
-        .ok()
-        .and_then(|r| r.get(&front.node).cloned())
-        .unwrap_or_default()
-        .into_iter()
-        .filter_map(|(c, slot)| slot.lock().ok().map(|s| (c, s.clone())))
-        .collect();
+    let board = front.fronts.state().board.clone();
+    let cores: Vec<(u16, Published)> = board.snapshot();
     type Requests = std::collections::BTreeMap<(&'static str, String, u16), u64>;
     type Latency = std::collections::BTreeMap<(&'static str, String), Histogram<u64>>;
     let mut requests: Requests = Default::default();

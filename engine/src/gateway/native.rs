@@ -1,0 +1,327 @@
+//! The native client protocol front (length-prefixed rkyv frames with a
+//! request id, pipelined): the connection task, the decoding of client
+//! frames, and the front's bookkeeping (open connections, requests without
+//! an answer, counters by entity type for `/metrics`).
+//!
+//! A connection is read in batches; every complete frame in a batch is
+//! handled at once (pipelining), the responses are queued in the
+//! connection's [`Outbox`] and written together. A request whose payload
+//! exceeds `requests.max_message_size_bytes` is answered `TooLarge` (the
+//! same limit as the HTTP front's and the node-to-node wire's, so a
+//! request's fate never depends on where its entity lives). A frame longer
+//! than that limit plus the envelope overhead is answered with a
+//! `TooLarge` frame with request id 0 (its request id was not read), and
+//! the connection is closed after the frame is written and its input
+//! drained for at most [`LINGER`]. Any other protocol error (a body that
+//! fails validation) closes that connection only, with a logged reason; a
+//! bad entity type or id gets an error response.
+
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use monoio::io::Splitable;
+use monoio::net::TcpStream;
+
+use super::port::{ConnId, DataPort};
+use super::{FrontCounters, Fronts, UNKNOWN_TYPE_LABEL};
+use crate::envelope::{
+    access, encode_frame, ArchivedClientFrame, ClientFrame, FrameError, ServerFrame, Status,
+    MAX_FRAME_SIZE_BYTES,
+};
+use crate::status::CoordinatorCommand;
+use crate::transport::{self, FrameReader, Outbox, OUTBOX_HIGH_WATER_BYTES};
+
+/// How long the input of a connection closed for an oversized frame is
+/// read and discarded, so that the client reads the `TooLarge` frame
+/// instead of a reset.
+pub const LINGER: Duration = Duration::from_secs(2);
+/// Most bytes discarded during that linger.
+const LINGER_MAX_BYTES: usize = 64 << 20;
+/// Most distinct type names the native front remembers for its latency
+/// labels (a client can send any name; unknown ones are labelled
+/// `_unknown` when answered).
+const MAX_NATIVE_TYPE_NAMES: usize = 256;
+
+/// A native request without an answer yet.
+struct InFlight {
+    started: Instant,
+    /// Index in [`NativeState::types`], or `usize::MAX` when not
+    /// remembered.
+    type_index: usize,
+}
+
+/// The native front's state on one data executor (part of [`Fronts`]).
+#[derive(Default)]
+pub(in crate::gateway) struct NativeState {
+    /// Open native connections and their output queues.
+    conns: HashMap<ConnId, Rc<Outbox>>,
+    /// Requests, latencies and connections.
+    pub(in crate::gateway) counters: FrontCounters,
+    /// Requests without an answer, by (connection, request id).
+    in_flight: HashMap<(ConnId, u64), InFlight>,
+    /// The type names seen, for the latency labels (at most
+    /// [`MAX_NATIVE_TYPE_NAMES`]).
+    types: Vec<String>,
+}
+
+impl NativeState {
+    pub(super) fn opened(&mut self, conn: ConnId, outbox: Rc<Outbox>) {
+        self.conns.insert(conn, outbox);
+        self.counters.accepted += 1;
+        self.counters.open += 1;
+    }
+
+    pub(super) fn closed(&mut self, conn: ConnId) {
+        self.conns.remove(&conn);
+        self.in_flight.retain(|(c, _), _| *c != conn);
+        self.counters.open = self.counters.open.saturating_sub(1);
+    }
+
+    /// A request was read: its answer is counted by [`deliver`].
+    pub(super) fn begun(&mut self, conn: ConnId, request_id: u64, type_name: &[u8]) {
+        let type_index = match self.types.iter().position(|t| t.as_bytes() == type_name) {
+            Some(i) => i,
+            None if self.types.len() < MAX_NATIVE_TYPE_NAMES => {
+                match std::str::from_utf8(type_name) {
+                    Ok(t) => {
+                        self.types.push(t.to_string());
+                        self.types.len() - 1
+                    }
+                    Err(_) => usize::MAX,
+                }
+            }
+            None => usize::MAX,
+        };
+        self.in_flight.insert(
+            (conn, request_id),
+            InFlight {
+                started: Instant::now(),
+                type_index,
+            },
+        );
+    }
+}
+
+/// Writes the answer of a native request to its connection, counting it by
+/// type and mapped status code, with its latency. `false` when `conn` is no
+/// open native connection (the answer is dropped).
+pub(super) fn deliver(
+    fronts: &Fronts,
+    conn: ConnId,
+    request_id: u64,
+    status: Status,
+    payload: Vec<u8>,
+) -> bool {
+    let outbox = {
+        let mut guard = fronts.state();
+        let h = &mut *guard;
+        let n = &mut h.native;
+        let Some(outbox) = n.conns.get(&conn).cloned() else {
+            return false;
+        };
+        if let Some(f) = n.in_flight.remove(&(conn, request_id)) {
+            let micros = u64::try_from(f.started.elapsed().as_micros()).unwrap_or(u64::MAX);
+            let code = super::http::status_code_of(status);
+            // Unknown type names are not labels: a client could create any
+            // number.
+            let label = match n.types.get(f.type_index) {
+                Some(t) if status != Status::UnknownEntityType => t.as_str(),
+                _ => UNKNOWN_TYPE_LABEL,
+            };
+            n.counters.record(label, code, Some(micros));
+            h.dirty = true;
+        }
+        outbox
+    };
+    write_frame(&outbox, request_id, status, payload);
+    true
+}
+
+/// Encodes one response frame into `outbox` and flushes it.
+fn write_frame(outbox: &Outbox, request_id: u64, status: Status, payload: Vec<u8>) {
+    let f = ServerFrame {
+        request_id,
+        status: status as u8,
+        payload,
+    };
+    if let Err(e) = encode_frame(&f, &mut outbox.buf.borrow_mut()) {
+        tracing::warn!(error = %e, "cannot encode response");
+    }
+    outbox.flush();
+}
+
+/// Serves one native client connection until it closes or breaks the
+/// protocol.
+pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: TcpStream) {
+    let peer = stream.peer_addr().ok();
+    let outbox = Rc::new(Outbox::default());
+    let conn = port.open_conn(outbox.clone());
+    {
+        let mut h = fronts.state();
+        h.native.opened(conn, outbox.clone());
+        h.dirty = true;
+    }
+    let (mut r, mut w) = stream.into_split();
+    let wb = outbox.clone();
+    monoio::spawn(async move {
+        let _ = transport::write_loop(&mut w, wb).await;
+    });
+    let max_frame = port.max_request_frame_bytes();
+    let mut reader = FrameReader::new(max_frame.min(MAX_FRAME_SIZE_BYTES));
+    let mut linger = false;
+    loop {
+        // Back-pressure: a client that does not read its responses is not read.
+        while outbox.buf.borrow().len() > OUTBOX_HIGH_WATER_BYTES {
+            if outbox.closed.get() {
+                break;
+            }
+            monoio::time::sleep(Duration::from_millis(1)).await;
+        }
+        match reader.fill(&mut r).await {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!(?peer, error = %e, "client read failed");
+                break;
+            }
+        }
+        let mut bad = None;
+        loop {
+            match reader.next_frame() {
+                Ok(Some(range)) => {
+                    if let Err(e) = on_frame(&port, &fronts, &outbox, conn, reader.body(range)) {
+                        bad = Some(e);
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    bad = Some(e);
+                    break;
+                }
+            }
+        }
+        if let Some(e) = bad {
+            if let FrameError::TooLarge { .. } = e {
+                tracing::info!(?peer, error = %e, "request frame too large; answered TooLarge, closing the connection");
+                let f = ServerFrame {
+                    request_id: 0,
+                    status: Status::TooLarge as u8,
+                    payload: format!("{e} (requests.max_message_size_bytes)").into_bytes(),
+                };
+                let _ = encode_frame(&f, &mut outbox.buf.borrow_mut());
+                outbox.close();
+                linger = true;
+            } else {
+                tracing::warn!(?peer, error = %e, "protocol error from client; closing the connection");
+            }
+            break;
+        }
+        if outbox.closed.get() {
+            break;
+        }
+    }
+    if linger {
+        // The writer sends the TooLarge frame; the input (the rest of the
+        // oversized frame) is discarded meanwhile, bounded in time and
+        // bytes, so that closing does not reset the connection first.
+        let until = Instant::now() + LINGER;
+        let mut drained = 0usize;
+        let mut buf = vec![0u8; 64 * 1024];
+        while drained < LINGER_MAX_BYTES && Instant::now() < until {
+            let left = until.saturating_duration_since(Instant::now());
+            match monoio::time::timeout(left, monoio::io::AsyncReadRent::read(&mut r, buf)).await {
+                Ok((Ok(n), b)) if n > 0 => {
+                    drained += n;
+                    buf = b;
+                }
+                _ => break,
+            }
+        }
+    }
+    port.close_conn(conn);
+    let mut h = fronts.state();
+    h.native.closed(conn);
+    h.dirty = true;
+}
+
+/// Handles one frame from a client. `Err` is a protocol error: the
+/// connection is closed.
+fn on_frame<P: DataPort>(
+    port: &P,
+    fronts: &Fronts,
+    outbox: &Rc<Outbox>,
+    conn: ConnId,
+    body: &[u8],
+) -> Result<(), FrameError> {
+    match access::<ClientFrame>(body)? {
+        ArchivedClientFrame::Request {
+            request_id,
+            type_name,
+            entity_id,
+            payload,
+        } => {
+            let request_id = request_id.to_native();
+            // Before the request is routed: its answer may come at once.
+            fronts
+                .state()
+                .native
+                .begun(conn, request_id, type_name.as_slice());
+            port.client_request(
+                conn,
+                request_id,
+                type_name.as_slice(),
+                entity_id.as_slice(),
+                payload.as_slice().to_vec(),
+            );
+        }
+        ArchivedClientFrame::NodeStatus { request_id } => {
+            let request_id = request_id.to_native();
+            let (port, outbox) = (port.clone(), outbox.clone());
+            monoio::spawn(async move {
+                let (code, payload) = match port.node_status().await {
+                    Some(status) => match serde_json::to_vec(&status) {
+                        Ok(p) => (Status::Ok, p),
+                        Err(e) => (Status::EntityFailed, e.to_string().into_bytes()),
+                    },
+                    None => (
+                        Status::TimedOut,
+                        b"control executor did not answer".to_vec(),
+                    ),
+                };
+                // Not when the connection's writer is gone.
+                if !outbox.finished.get() {
+                    write_frame(&outbox, request_id, code, payload);
+                }
+            });
+        }
+        ArchivedClientFrame::CoordinatorAdmin {
+            request_id,
+            rebalance,
+            type_name,
+        } => {
+            let request_id = request_id.to_native();
+            let cmd = if *rebalance {
+                let t = String::from_utf8_lossy(type_name.as_slice()).into_owned();
+                CoordinatorCommand::Rebalance {
+                    type_name: (!t.is_empty()).then_some(t),
+                }
+            } else {
+                CoordinatorCommand::Allocation
+            };
+            let (port, outbox) = (port.clone(), outbox.clone());
+            monoio::spawn(async move {
+                let (code, payload) = match port.coordinator_admin(cmd).await {
+                    Ok(json) => (Status::Ok, json),
+                    Err((st, why)) => (st, why.into_bytes()),
+                };
+                // Not when the connection's writer is gone.
+                if !outbox.finished.get() {
+                    write_frame(&outbox, request_id, code, payload);
+                }
+            });
+        }
+    }
+    Ok(())
+}
