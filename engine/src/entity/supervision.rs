@@ -84,11 +84,12 @@ impl SupervisorSettings {
 
 /// Wraps every entity `inner` makes in a [`Supervisor`].
 pub fn supervised(inner: EntityFactory, settings: SupervisorSettings) -> EntityFactory {
+    // Shared by every entity of the type (one pointer each, not a copy).
+    let shared = std::sync::Arc::new((inner, settings));
     std::sync::Arc::new(move |id| {
         Box::new(Supervisor {
-            factory: inner.clone(),
-            settings: settings.clone(),
-            child: Some(inner(id)),
+            child: Some((shared.0)(id)),
+            shared: shared.clone(),
             failures: VecDeque::new(),
             restart_at: None,
             stopped: false,
@@ -109,8 +110,8 @@ fn seed() -> u64 {
 /// One supervised entity: the child incarnation, its failure history and
 /// the pending restart.
 pub struct Supervisor {
-    factory: EntityFactory,
-    settings: SupervisorSettings,
+    /// The child's factory and the settings, shared by the type.
+    shared: std::sync::Arc<(EntityFactory, SupervisorSettings)>,
     child: Option<Box<dyn Entity>>,
     failures: VecDeque<Instant>,
     restart_at: Option<Instant>,
@@ -159,16 +160,16 @@ impl Supervisor {
         while self
             .failures
             .front()
-            .is_some_and(|t| now.duration_since(*t) > self.settings.window)
+            .is_some_and(|t| now.duration_since(*t) > self.shared.1.window)
         {
             self.failures.pop_front();
         }
         let n = self.failures.len() as u32;
-        if n > self.settings.max_restarts {
+        if n > self.shared.1.max_restarts {
             tracing::error!(
                 entity = %ctx.self_id(),
                 failures = n,
-                window_ms = self.settings.window.as_millis() as u64,
+                window_ms = self.shared.1.window.as_millis() as u64,
                 reason = why,
                 "entity failed more than max_restarts times within the window; stopping it"
             );
@@ -178,7 +179,7 @@ impl Supervisor {
         }
         let delay = {
             let r = self.random();
-            self.settings.backoff(n.saturating_sub(1), r)
+            self.shared.1.backoff(n.saturating_sub(1), r)
         };
         tracing::warn!(entity = %ctx.self_id(), reason = why, delay_ms = delay.as_millis() as u64, "entity failed; restarting after backoff");
         self.restart_at = Some(now + delay);
@@ -189,7 +190,7 @@ impl Supervisor {
         self.restart_at = None;
         self.restarts += 1;
         let id = ctx.self_id().clone();
-        let factory = self.factory.clone();
+        let factory = self.shared.0.clone();
         match catch_unwind(AssertUnwindSafe(|| {
             let mut c = factory(&id);
             c.on_start(ctx);
