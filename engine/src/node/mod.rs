@@ -15,6 +15,7 @@
 
 pub(crate) mod admin;
 mod control;
+pub(crate) mod plane;
 pub(crate) mod core;
 mod msg;
 mod watch;
