@@ -344,8 +344,12 @@ impl Control {
         match op {
             JournalOp::Recover { type_name } => {
                 let Some(j) = self.journal.as_mut() else {
-                    self.plane
-                        .handle_recovered(now, wall_clock_ms(), &type_name, Recovery::NoJournal);
+                    self.plane.handle_recovered(
+                        now,
+                        wall_clock_ms(),
+                        &type_name,
+                        Recovery::NoJournal,
+                    );
                     return;
                 };
                 match j.recover_start(&type_name, &self.journal_config) {
@@ -410,7 +414,10 @@ impl Control {
                 if lsn > self.armed_lsn {
                     self.armed_lsn = lsn;
                     if let Some(j) = &self.journal {
-                        j.notify_when_durable(shardline_journal::Lsn(lsn), self.durable_wake.clone());
+                        j.notify_when_durable(
+                            shardline_journal::Lsn(lsn),
+                            self.durable_wake.clone(),
+                        );
                     }
                 }
             }
@@ -632,7 +639,8 @@ impl Control {
             }
             ToControl::Subscribe => {
                 if let Ok(subs) = self.shared.subscribers.lock() {
-                    let snapshot = ClusterEvent::CurrentClusterState(self.plane.current_state().clone());
+                    let snapshot =
+                        ClusterEvent::CurrentClusterState(self.plane.current_state().clone());
                     for s in subs.iter().skip(self.subscribers_initialized) {
                         let _ = s.try_send(snapshot.clone());
                     }
@@ -702,7 +710,6 @@ impl Control {
             ctl.borrow_mut().send_control(&reply_to, &frame);
         });
     }
-
 
     fn view(&self) -> ClusterView {
         let mut v = self.plane.view();
@@ -933,4 +940,3 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
     };
     tracing::debug!(?peer, from = %from, why, "control lane closed");
 }
-

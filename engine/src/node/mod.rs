@@ -15,9 +15,9 @@
 
 pub(crate) mod admin;
 mod control;
-pub(crate) mod plane;
 pub(crate) mod core;
 mod msg;
+pub(crate) mod plane;
 mod watch;
 
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};

@@ -560,7 +560,11 @@ impl ControlPlane {
     /// # Errors
     /// [`FrameError::Invalid`] when a membership message or a region
     /// message in it does not decode.
-    pub(crate) fn handle_frame(&mut self, now: Duration, f: ControlFrame) -> Result<(), FrameError> {
+    pub(crate) fn handle_frame(
+        &mut self,
+        now: Duration,
+        f: ControlFrame,
+    ) -> Result<(), FrameError> {
         match f {
             ControlFrame::Cluster { bytes } => {
                 let m = cl::decode(&bytes).map_err(|e| FrameError::Invalid(e.to_string()))?;
@@ -921,7 +925,10 @@ impl ControlPlane {
         recovery: Recovery,
     ) {
         let Some(msgs) = self.waiting.remove(type_name) else {
-            tracing::debug!(type_name, "recovery outcome for a coordinator not starting here");
+            tracing::debug!(
+                type_name,
+                "recovery outcome for a coordinator not starting here"
+            );
             return;
         };
         self.start_coordinator(now, wall_clock_ms, type_name, recovery);
@@ -938,7 +945,12 @@ impl ControlPlane {
     /// The journal refused `type_name`'s begin or an append with `reason`
     /// (a newer incarnation fenced it, or the journal failed): its
     /// coordinator stops and its held messages are dropped.
-    pub(crate) fn handle_journal_refused(&mut self, now: Duration, type_name: &str, reason: String) {
+    pub(crate) fn handle_journal_refused(
+        &mut self,
+        now: Duration,
+        type_name: &str,
+        reason: String,
+    ) {
         self.fail_coordinator(type_name, reason);
         self.drive(now);
     }
@@ -1644,5 +1656,553 @@ fn short_event(e: &ClusterEvent) -> String {
             format!("LeaderChanged({:?})", l.as_ref().map(|l| l.to_string()))
         }
         other => format!("{other:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::WireCoordinatorEvent;
+    use crate::persistence::coordinator::RecoveredCoordinator;
+    use shardline_core::ids::ShardId;
+
+    const TYPE: &str = "counter";
+
+    fn me() -> UniqueAddress {
+        UniqueAddress {
+            address: Address("127.0.0.1:27001".to_string()),
+            uid: MemberUid(7),
+        }
+    }
+
+    fn region(core: u16) -> RegionId {
+        RegionId { member: me(), core }
+    }
+
+    /// A member that is its only seed, with `cores` data cores.
+    fn single(cores: usize) -> ControlPlane {
+        let me = me();
+        let cfg = ControlPlaneConfig {
+            cluster: ClusterConfig::new(me.address.clone(), Vec::new()),
+            me,
+            alone: true,
+            data_cores: cores,
+            journal: CoordinatorConfig {
+                number_of_shards: 16,
+                hash_name: SHARD_ID_HASH_NAME.to_string(),
+            },
+            coordinator: crate::config::CoordinatorConfig::default(),
+            on_join_refused: crate::config::OnJoinRefused::default(),
+        };
+        ControlPlane::new(cfg, Duration::ZERO)
+    }
+
+    /// Everything the plane handed out since the last call.
+    #[derive(Default)]
+    struct Out {
+        transmits: Vec<Transmit>,
+        cores: Vec<ToCores>,
+        journal: Vec<JournalOp>,
+        events: Vec<ControlEvent>,
+    }
+
+    impl Out {
+        fn region_msgs(&self) -> Vec<(u16, RegionMsg)> {
+            self.cores
+                .iter()
+                .filter_map(|c| match c {
+                    ToCores::Region { core, msg, .. } => Some((*core, msg.clone())),
+                    ToCores::All(_) => None,
+                })
+                .collect()
+        }
+        fn begin(&self) -> Option<(WriterEpoch, CoordinatorState, JournalSeq)> {
+            self.journal.iter().find_map(|j| match j {
+                JournalOp::Begin {
+                    epoch, state, seq, ..
+                } => Some((*epoch, state.clone(), *seq)),
+                _ => None,
+            })
+        }
+        fn appends(&self) -> Vec<(CoordinatorEvent, JournalSeq)> {
+            self.journal
+                .iter()
+                .filter_map(|j| match j {
+                    JournalOp::Append { event, seq, .. } => Some((event.clone(), *seq)),
+                    _ => None,
+                })
+                .collect()
+        }
+    }
+
+    fn drain(p: &mut ControlPlane) -> Out {
+        let mut o = Out::default();
+        while let Some(t) = p.poll_transmit() {
+            o.transmits.push(t);
+        }
+        while let Some(c) = p.poll_to_cores() {
+            o.cores.push(c);
+        }
+        while let Some(j) = p.poll_journal() {
+            o.journal.push(j);
+        }
+        while let Some(e) = p.poll_event() {
+            o.events.push(e);
+        }
+        o
+    }
+
+    /// Advances time in 10 ms steps until `done` holds for the outputs of
+    /// a step (at most `limit`); the outputs of every step, folded.
+    fn run_until(
+        p: &mut ControlPlane,
+        now: &mut Duration,
+        limit: Duration,
+        mut done: impl FnMut(&ControlPlane, &Out) -> bool,
+    ) -> Out {
+        let end = *now + limit;
+        let mut all = Out::default();
+        while *now < end {
+            *now += Duration::from_millis(10);
+            p.handle_timeout(*now);
+            let o = drain(p);
+            let stop = done(p, &o);
+            all.transmits.extend(o.transmits);
+            all.cores.extend(o.cores);
+            all.journal.extend(o.journal);
+            all.events.extend(o.events);
+            if stop {
+                return all;
+            }
+        }
+        panic!("nothing happened within {limit:?}");
+    }
+
+    /// A single member Up with `TYPE` registered, up to the recovery read
+    /// of its coordinator.
+    fn until_recover(cores: usize) -> (ControlPlane, Duration) {
+        let mut p = single(cores);
+        let mut now = Duration::ZERO;
+        p.handle_register_type(now, TYPE, false);
+        run_until(&mut p, &mut now, Duration::from_secs(20), |_, o| {
+            o.journal
+                .iter()
+                .any(|j| matches!(j, JournalOp::Recover { type_name } if type_name == TYPE))
+        });
+        assert!(p.is_up());
+        (p, now)
+    }
+
+    fn register(p: &mut ControlPlane, now: Duration, core: u16) -> Out {
+        p.handle_to_coordinator(
+            now,
+            TYPE,
+            CoordinatorMsg::Register {
+                region: region(core),
+                hosted: Vec::new(),
+            },
+        );
+        drain(p)
+    }
+
+    fn state_with(shards: &[(u32, u64)]) -> CoordinatorState {
+        let mut st = CoordinatorState::default();
+        st.apply(&CoordinatorEvent::ShardRegionRegistered { region: region(0) });
+        for (s, g) in shards {
+            st.apply(&CoordinatorEvent::ShardHomeAllocated {
+                shard: ShardId(*s),
+                region: region(0),
+                generation: Generation(*g),
+            });
+        }
+        st
+    }
+
+    fn status(p: &ControlPlane) -> CoordinatorStatusView {
+        p.view()
+            .coordinators
+            .into_iter()
+            .find(|c| c.type_name == TYPE)
+            .expect("a coordinator status")
+    }
+
+    #[test]
+    fn coordinator_messages_are_held_until_the_journal_acknowledges_their_events() {
+        let (mut p, now) = until_recover(1);
+        p.handle_recovered(
+            now,
+            1_000,
+            TYPE,
+            Recovery::Read(RecoveredCoordinator::default()),
+        );
+        let o = drain(&mut p);
+        let (_, _, begin) = o.begin().expect("a new incarnation begins");
+        assert!(p.coordinator(TYPE).is_some());
+        // The region registers: the coordinator persists its registration
+        // and answers; the answer waits for both the begin and the event.
+        let o = register(&mut p, now, 0);
+        let appends = o.appends();
+        assert!(
+            matches!(appends.as_slice(), [(CoordinatorEvent::ShardRegionRegistered { .. }, s)] if *s > begin),
+            "{appends:?}"
+        );
+        let registered = appends[0].1;
+        assert!(o.region_msgs().is_empty(), "sent before durable");
+        assert!(o
+            .journal
+            .iter()
+            .any(|j| matches!(j, JournalOp::NotifyDurable { seq } if *seq == registered)));
+        // A later message of the same coordinator queues behind it.
+        p.handle_to_coordinator(
+            now,
+            TYPE,
+            CoordinatorMsg::GetShardHome {
+                region: region(0),
+                shard: ShardId(3),
+            },
+        );
+        let o = drain(&mut p);
+        let allocated = o
+            .appends()
+            .into_iter()
+            .find(|(e, _)| matches!(e, CoordinatorEvent::ShardHomeAllocated { .. }))
+            .expect("the shard is allocated")
+            .1;
+        assert!(o.region_msgs().is_empty(), "sent before durable");
+        // Durable up to the begin only: still held.
+        p.handle_journal_durable(now, begin);
+        assert!(drain(&mut p).region_msgs().is_empty());
+        // Durable up to the registration: the ack goes, the home waits.
+        p.handle_journal_durable(now, registered);
+        let sent = drain(&mut p).region_msgs();
+        assert_eq!(sent, vec![(0, RegionMsg::RegisterAck)]);
+        p.handle_journal_durable(now, allocated);
+        let sent = drain(&mut p).region_msgs();
+        // To the home and to the asker (here the same region).
+        assert!(
+            !sent.is_empty()
+                && sent.iter().all(|m| matches!(
+                    m,
+                    (
+                        0,
+                        RegionMsg::ShardHome {
+                            shard: ShardId(3),
+                            ..
+                        }
+                    )
+                )),
+            "{sent:?}"
+        );
+    }
+
+    #[test]
+    fn a_refused_append_stops_the_coordinator_and_drops_what_it_held() {
+        let (mut p, now) = until_recover(1);
+        p.handle_recovered(
+            now,
+            1_000,
+            TYPE,
+            Recovery::Read(RecoveredCoordinator::default()),
+        );
+        drain(&mut p);
+        let o = register(&mut p, now, 0);
+        let seq = o.appends()[0].1;
+        p.handle_journal_refused(now, TYPE, "fenced by epoch 9".to_string());
+        let o = drain(&mut p);
+        assert!(o
+            .journal
+            .iter()
+            .any(|j| matches!(j, JournalOp::End { type_name } if type_name == TYPE)));
+        assert!(p.coordinator(TYPE).is_none());
+        assert_eq!(status(&p).refused.as_deref(), Some("fenced by epoch 9"));
+        p.handle_journal_durable(now, seq);
+        assert!(drain(&mut p).region_msgs().is_empty());
+    }
+
+    #[test]
+    fn recovery_prefers_the_journal_then_the_replicated_copy_then_empty() {
+        let replicated = state_with(&[(1, 40)]);
+        let journaled = state_with(&[(1, 50), (2, 51)]);
+        let replicate = |p: &mut ControlPlane, now| {
+            p.handle_frame(
+                now,
+                ControlFrame::CoordinatorEvents {
+                    type_name: TYPE.to_string(),
+                    reset: true,
+                    events: snapshot_events(&replicated)
+                        .iter()
+                        .map(Into::into)
+                        .collect(),
+                },
+            )
+            .expect("a valid frame");
+        };
+
+        // A journal holds the type: its state wins over the replicated copy.
+        let (mut p, now) = until_recover(1);
+        replicate(&mut p, now);
+        let rec = RecoveredCoordinator {
+            state: journaled.clone(),
+            source: Some(std::path::PathBuf::from("/data/n1/control")),
+            records: 3,
+            ..RecoveredCoordinator::default()
+        };
+        p.handle_recovered(now, 1_000, TYPE, Recovery::Read(rec));
+        let (_, state, _) = drain(&mut p).begin().expect("begins");
+        assert_eq!(state, journaled);
+        let st = status(&p);
+        assert_eq!(
+            (st.recovered_from.as_str(), st.recovered_shards),
+            ("journal", 2)
+        );
+        assert_eq!(st.journal_dir.as_deref(), Some("/data/n1/control"));
+        assert_eq!(p.coordinator(TYPE).map(|c| c.state().shards.len()), Some(2));
+
+        // No journal holds it: the replicated copy, begun in the journal.
+        let (mut p, now) = until_recover(1);
+        replicate(&mut p, now);
+        p.handle_recovered(
+            now,
+            1_000,
+            TYPE,
+            Recovery::Read(RecoveredCoordinator::default()),
+        );
+        let (_, state, _) = drain(&mut p).begin().expect("begins");
+        assert_eq!(state, replicated);
+        assert_eq!(status(&p).recovered_from, "replicated");
+
+        // Nothing anywhere: empty.
+        let (mut p, now) = until_recover(1);
+        p.handle_recovered(
+            now,
+            1_000,
+            TYPE,
+            Recovery::Read(RecoveredCoordinator::default()),
+        );
+        assert_eq!(
+            drain(&mut p).begin().map(|b| b.1),
+            Some(CoordinatorState::default())
+        );
+        assert_eq!(status(&p).recovered_from, "empty");
+
+        // No journal on this node: the replicated copy, nothing begun, and
+        // nothing waits for durability.
+        let (mut p, now) = until_recover(1);
+        replicate(&mut p, now);
+        p.handle_recovered(now, 1_000, TYPE, Recovery::NoJournal);
+        assert!(drain(&mut p).begin().is_none());
+        let st = status(&p);
+        assert_eq!(
+            (st.recovered_from.as_str(), st.writer_epoch),
+            ("replicated", 0)
+        );
+        let o = register(&mut p, now, 0);
+        assert!(o.appends().is_empty());
+        assert!(o.region_msgs().contains(&(0, RegionMsg::RegisterAck)));
+
+        // The journal refused: no coordinator, and the reason is shown.
+        let (mut p, now) = until_recover(1);
+        p.handle_recovered(
+            now,
+            1_000,
+            TYPE,
+            Recovery::Failed("config mismatch".to_string()),
+        );
+        assert!(drain(&mut p).begin().is_none());
+        assert!(p.coordinator(TYPE).is_none());
+        assert_eq!(status(&p).refused.as_deref(), Some("config mismatch"));
+    }
+
+    #[test]
+    fn messages_for_a_recovering_coordinator_wait_for_it() {
+        let (mut p, now) = until_recover(1);
+        let o = register(&mut p, now, 0);
+        assert!(o.appends().is_empty() && o.region_msgs().is_empty());
+        p.handle_recovered(now, 1_000, TYPE, Recovery::NoJournal);
+        assert!(drain(&mut p)
+            .region_msgs()
+            .contains(&(0, RegionMsg::RegisterAck)));
+    }
+
+    #[test]
+    fn the_writer_epoch_comes_from_the_given_wall_clock_and_the_recorded_epochs() {
+        let wall: u64 = 1_700_000_000_000;
+        let begin_with = |rec: RecoveredCoordinator| {
+            let (mut p, now) = until_recover(1);
+            p.handle_recovered(now, wall, TYPE, Recovery::Read(rec));
+            let o = drain(&mut p);
+            let epoch = o.begin().expect("begins").0;
+            (p, now, epoch)
+        };
+        // Recorded epochs below the wall clock: the wall clock.
+        let (mut p, now, epoch) = begin_with(RecoveredCoordinator {
+            highest_epoch: WriterEpoch(5),
+            ..RecoveredCoordinator::default()
+        });
+        assert_eq!(epoch, WriterEpoch(wall));
+        assert_eq!(status(&p).writer_epoch, wall);
+        // Generations are floored at the same wall clock.
+        register(&mut p, now, 0);
+        p.handle_to_coordinator(
+            now,
+            TYPE,
+            CoordinatorMsg::GetShardHome {
+                region: region(0),
+                shard: ShardId(3),
+            },
+        );
+        let generation = drain(&mut p)
+            .appends()
+            .into_iter()
+            .find_map(|(e, _)| match e {
+                CoordinatorEvent::ShardHomeAllocated { generation, .. } => Some(generation),
+                _ => None,
+            })
+            .expect("allocated");
+        assert!(generation >= Generation(wall), "{generation:?}");
+        // A recorded epoch above the wall clock (a clock set back): above it.
+        let (_, _, epoch) = begin_with(RecoveredCoordinator {
+            highest_epoch: WriterEpoch(wall + 500),
+            ..RecoveredCoordinator::default()
+        });
+        assert_eq!(epoch, WriterEpoch(wall + 501));
+        // The database claimed one: that one.
+        let (_, _, epoch) = begin_with(RecoveredCoordinator {
+            highest_epoch: WriterEpoch(wall + 500),
+            claimed_epoch: Some(WriterEpoch(wall + 900)),
+            ..RecoveredCoordinator::default()
+        });
+        assert_eq!(epoch, WriterEpoch(wall + 900));
+    }
+
+    fn self_status(p: &ControlPlane) -> String {
+        p.view()
+            .members
+            .iter()
+            .find(|m| m.uid == me().uid.0)
+            .map(|m| m.status.clone())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn a_leave_whose_hand_offs_time_out_leaves_after_half_its_timeout() {
+        let (mut p, mut now) = until_recover(2);
+        p.handle_recovered(now, 1_000, TYPE, Recovery::NoJournal);
+        drain(&mut p);
+        let start = now;
+        p.handle_leave(now, Duration::from_secs(10));
+        let o = drain(&mut p);
+        assert!(o
+            .cores
+            .iter()
+            .any(|c| matches!(c, ToCores::All(CoreCommand::GracefulShutdown))));
+        // One of the two cores hands off; the other never does.
+        p.handle_shutdown_complete(now, 0);
+        drain(&mut p);
+        let o = run_until(&mut p, &mut now, Duration::from_secs(6), |p, _| {
+            self_status(p) != "Up"
+        });
+        assert!(!o
+            .events
+            .iter()
+            .any(|e| matches!(e, ControlEvent::LeaveDone)));
+        assert!(
+            now >= start + Duration::from_secs(5),
+            "left at {:?}, before half the timeout",
+            now - start
+        );
+        // It leaves the cluster: stopped (left) within the timeout.
+        let mut stopped = false;
+        run_until(&mut p, &mut now, Duration::from_secs(5), |_, o| {
+            stopped |= o
+                .events
+                .iter()
+                .any(|e| matches!(e, ControlEvent::Stopped { code: 1, .. }));
+            o.events
+                .iter()
+                .any(|e| matches!(e, ControlEvent::LeaveDone))
+        });
+        assert!(stopped, "the member did not leave");
+        assert!(now < start + Duration::from_secs(10));
+        assert!(p.is_stopped());
+    }
+
+    #[test]
+    fn a_leave_whose_cores_all_hand_off_leaves_at_once() {
+        let (mut p, now) = until_recover(2);
+        p.handle_leave(now, Duration::from_secs(10));
+        drain(&mut p);
+        p.handle_shutdown_complete(now, 0);
+        assert_eq!(self_status(&p), "Up");
+        p.handle_shutdown_complete(now, 1);
+        assert_ne!(self_status(&p), "Up");
+    }
+
+    #[test]
+    fn a_leave_that_never_completes_is_given_up_at_its_deadline() {
+        // A member that is not Up (its seed never answers) cannot leave.
+        let me = me();
+        let cfg = ControlPlaneConfig {
+            cluster: ClusterConfig::new(
+                me.address.clone(),
+                vec![Address("127.0.0.1:27002".to_string())],
+            ),
+            me,
+            alone: false,
+            data_cores: 1,
+            journal: CoordinatorConfig {
+                number_of_shards: 16,
+                hash_name: SHARD_ID_HASH_NAME.to_string(),
+            },
+            coordinator: crate::config::CoordinatorConfig::default(),
+            on_join_refused: crate::config::OnJoinRefused::default(),
+        };
+        let mut p = ControlPlane::new(cfg, Duration::ZERO);
+        let mut now = Duration::ZERO;
+        p.handle_leave(now, Duration::from_secs(2));
+        run_until(&mut p, &mut now, Duration::from_secs(3), |_, o| {
+            o.events
+                .iter()
+                .any(|e| matches!(e, ControlEvent::LeaveDone))
+        });
+        assert!(now >= Duration::from_secs(2));
+    }
+
+    #[test]
+    fn replicated_state_events_fold_back_to_the_state_through_the_wire() {
+        let region = RegionId {
+            member: UniqueAddress {
+                address: Address("127.0.0.1:26001".to_string()),
+                uid: MemberUid(7),
+            },
+            core: 1,
+        };
+        let mut st = CoordinatorState::default();
+        for e in [
+            CoordinatorEvent::ShardRegionRegistered {
+                region: region.clone(),
+            },
+            CoordinatorEvent::ShardHomeAllocated {
+                shard: ShardId(1),
+                region: region.clone(),
+                generation: Generation(40),
+            },
+            CoordinatorEvent::ShardHomeAllocated {
+                shard: ShardId(2),
+                region,
+                generation: Generation(41),
+            },
+            CoordinatorEvent::ShardHomeDeallocated {
+                shard: ShardId(2),
+                generation: Generation(41),
+            },
+            CoordinatorEvent::ShardUnallocated { shard: ShardId(2) },
+        ] {
+            st.apply(&e);
+        }
+        assert!(st.unallocated.contains(&ShardId(2)));
+        let wire: Vec<WireCoordinatorEvent> = snapshot_events(&st).iter().map(Into::into).collect();
+        let back: Vec<CoordinatorEvent> = wire.into_iter().map(CoordinatorEvent::from).collect();
+        assert_eq!(CoordinatorState::from_events(back.iter()), st);
     }
 }
