@@ -989,7 +989,7 @@ impl ControlPlane {
             self.cluster.handle_timeout(now);
         }
         for (t, c) in self.coordinators.iter_mut() {
-            if !c.poll_timeout().is_some_and(|d| d <= now) {
+            if c.poll_timeout().is_none_or(|d| d > now) {
                 continue;
             }
             c.handle_timeout(now);
@@ -1067,7 +1067,7 @@ impl ControlPlane {
         });
     }
 
-    fn to_all_cores(&mut self, c: CoreCommand) {
+    fn tell_all_cores(&mut self, c: CoreCommand) {
         self.to_cores.push_back(ToCores::All(c));
     }
 
@@ -1112,12 +1112,12 @@ impl ControlPlane {
         if oldest != self.last_oldest {
             tracing::info!(oldest = ?oldest.as_ref().map(|o| o.to_string()), "coordinator location changed");
             self.last_oldest = oldest;
-            self.to_all_cores(CoreCommand::CoordinatorMoved);
+            self.tell_all_cores(CoreCommand::CoordinatorMoved);
         }
         let avail = self.cluster.is_available();
         if avail != self.available {
             self.available = avail;
-            self.to_all_cores(CoreCommand::Available(avail));
+            self.tell_all_cores(CoreCommand::Available(avail));
         }
         let ready = self.is_up() && self.registered.iter().all(|r| *r) && !self.stopped;
         if ready != self.ready {
@@ -1148,7 +1148,7 @@ impl ControlPlane {
         tracing::error!(reason, "refusing to join the cluster; stopping");
         self.stopped = true;
         self.stop_coordinators();
-        self.to_all_cores(CoreCommand::Stop);
+        self.tell_all_cores(CoreCommand::Stop);
         self.events.push_back(ControlEvent::Stopped {
             code: 4,
             refusal: Some(reason),
@@ -1169,7 +1169,7 @@ impl ControlPlane {
             _ => tracing::error!(?reason, "this member was downed; stopping"),
         }
         self.stop_coordinators();
-        self.to_all_cores(CoreCommand::Stop);
+        self.tell_all_cores(CoreCommand::Stop);
         self.events.push_back(ControlEvent::Stopped {
             code,
             refusal: None,
@@ -1192,7 +1192,7 @@ impl ControlPlane {
             for c in self.coordinators.values_mut() {
                 c.handle_membership(now, me.clone());
             }
-            self.to_all_cores(CoreCommand::Membership(me));
+            self.tell_all_cores(CoreCommand::Membership(me));
         }
         // Subscribers get their own snapshot when they subscribe
         // (`current_state`), then every change.
@@ -1226,7 +1226,7 @@ impl ControlPlane {
             self.new_coordinator(&t);
         }
         // Regions (here and elsewhere) register again with the new coordinator.
-        self.to_all_cores(CoreCommand::CoordinatorMoved);
+        self.tell_all_cores(CoreCommand::CoordinatorMoved);
     }
 
     fn stop_coordinators(&mut self) {
