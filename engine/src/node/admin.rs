@@ -3,7 +3,7 @@
 //! from their sans-IO state machines; other members forward them there on
 //! the control lane (see `control.rs`).
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use shardline_core::ids::{RegionId, UniqueAddress};
@@ -41,7 +41,7 @@ fn ms(d: Duration) -> u64 {
 pub(crate) fn allocation(
     me: &UniqueAddress,
     now: Duration,
-    coordinators: &HashMap<String, ShardCoordinator>,
+    coordinators: &BTreeMap<String, ShardCoordinator>,
 ) -> AllocationTable {
     let mut types: Vec<TypeAllocation> = coordinators
         .iter()
@@ -103,7 +103,7 @@ pub(crate) fn allocation(
 pub(crate) fn rebalance(
     me: &UniqueAddress,
     now: Duration,
-    coordinators: &mut HashMap<String, ShardCoordinator>,
+    coordinators: &mut BTreeMap<String, ShardCoordinator>,
     type_name: Option<&str>,
 ) -> Result<RebalanceAnswer, (Status, String)> {
     let mut names: Vec<String> = match type_name {
@@ -162,7 +162,7 @@ pub(crate) fn rebalance(
 pub(crate) fn answer(
     me: &UniqueAddress,
     now: Duration,
-    coordinators: &mut HashMap<String, ShardCoordinator>,
+    coordinators: &mut BTreeMap<String, ShardCoordinator>,
     cmd: &CoordinatorCommand,
 ) -> AdminAnswer {
     if coordinators.is_empty() {

@@ -1,41 +1,38 @@
-//! The control executor: membership (`ClusterNode`), the coordinator
-//! singleton (one `ShardCoordinator` per entity type while this member is
-//! the oldest), the control lanes to other members, and the cluster
-//! listener (which hands data lanes over to the data executors).
+//! The control executor: the driver of the [`ControlPlane`] (membership,
+//! the coordinator singleton, the durability barrier, the graceful leave:
+//! `node/plane/control.rs`). It owns the control lanes to other members,
+//! the cluster listener (which hands data lanes over to the data
+//! executors), the coordinator journal, the timers and the answers to the
+//! node's requests; it feeds the plane what happened and carries out what
+//! the plane asks for, and decides nothing about sharding or membership.
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::os::fd::IntoRawFd;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use monoio::io::Splitable;
-use shardline_core::cluster::{
-    self as cl, ClusterConfig, ClusterEvent, ClusterNode, CurrentClusterState, DowningConfig,
-    SbrConfig, SingletonCommand, StopReason,
-};
-use shardline_core::ids::{Address, MemberUid, RegionId, UniqueAddress};
-use shardline_core::sharding::{
-    CoordinatorEffect, CoordinatorEvent, CoordinatorMsg, CoordinatorSettings, CoordinatorState,
-    Generation, LeastShardAllocationStrategy, MemberStatus as ShMemberStatus, MembershipEvent,
-    RegionMsg, ShardCoordinator, SHARD_ID_HASH_NAME,
-};
+use shardline_core::cluster::ClusterEvent;
+use shardline_core::ids::{Address, MemberUid, UniqueAddress};
 
-use super::admin::{AdminAnswer, CoordinatorCommand};
-use super::msg::{sharding_event, ClusterView, StatsEvent, ToControl, ToCore};
-use super::{MemberStatusView, Shared};
+use super::admin::AdminAnswer;
+use super::msg::{ClusterView, StatsEvent, ToControl, ToCore};
+use super::plane::control::{
+    ControlEvent, ControlPlane, ControlPlaneConfig, CoreCommand, JournalOp, JournalSeq, Recovery,
+    RequestId, ToCores,
+};
+use super::Shared;
 use crate::config::NodeConfig;
-use crate::envelope::{decode_frame_body, encode_frame, FrameError, MAX_FRAME_SIZE_BYTES};
+use crate::envelope::{encode_frame, MAX_FRAME_SIZE_BYTES};
 use crate::envelope::{ControlFrame, Hello, Lane, WireMember, WireRegionStats};
 use crate::persistence::coordinator::{
-    next_epoch, ControlJournal, ControlStore, CoordinatorConfig, CoordinatorJournalError,
-    RecoveredCoordinator, RecoveryStart,
+    ControlJournal, ControlStore, CoordinatorConfig, RecoveryStart,
 };
 use crate::persistence::DurableWake;
 use crate::runtime::{RingReceiver, RingSender};
-use crate::status::CoordinatorStatusView;
 use crate::transport::{self, Fingerprint, FrameReader, Outbox, TransportError};
 
 /// Everything the control executor starts with.
@@ -56,114 +53,59 @@ const BACKOFF_MAX: Duration = Duration::from_secs(2);
 /// Most bytes queued for one control lane; beyond it frames are dropped
 /// (membership and coordinator protocols retry).
 const CONTROL_OUTBOX_MAX_BYTES: usize = 16 << 20;
-/// Most messages kept per entity type for a coordinator whose recovery
-/// read is under way (count; regions register again on their own).
-const WAITING_MAX: usize = 4096;
-
-enum LeavePhase {
-    HandingOff { until: Duration },
-    Leaving,
-}
-
-struct LeaveState {
-    phase: LeavePhase,
-    deadline: Duration,
-    done: crossbeam_channel::Sender<()>,
-}
+/// Most rounds of one [`Control::drive`] (each drains every queue of the
+/// plane; the plane bounds its own rounds too).
+const DRIVE_ROUNDS_MAX: usize = 256;
 
 struct Control {
+    plane: ControlPlane,
     me: UniqueAddress,
     epoch: Instant,
     fp: Fingerprint,
-    cluster: ClusterNode,
-    types: BTreeSet<String>,
-    /// The types that remember their entities (their coordinators allocate
-    /// shards that lost their home again at once).
-    remember: BTreeSet<String>,
-    coordinators: HashMap<String, ShardCoordinator>,
-    /// Each type's coordinator state, replicated from the coordinator to
-    /// every member (its `Persist` effects), so the next one recovers it.
-    coord_state: HashMap<String, CoordinatorState>,
-    singleton: bool,
     peers: HashMap<String, Rc<Outbox>>,
     backoff: HashMap<String, (Duration, Duration)>,
     to_cores: Vec<RingSender<ToCore>>,
-    registered: Vec<bool>,
-    handed_off: Vec<bool>,
-    leave: Option<LeaveState>,
-    last_oldest: Option<UniqueAddress>,
-    available: bool,
-    stopped: bool,
     shutdown: bool,
-    state: CurrentClusterState,
     subscribers_initialized: usize,
     shared: Arc<Shared>,
-    /// Pending cluster-wide stats requests: id → (asker, expiry).
-    stats_waiters: HashMap<u64, (crossbeam_channel::Sender<StatsEvent>, Duration)>,
-    next_stats_id: u64,
-    /// Coordinator admin commands forwarded to the oldest member: id →
-    /// (asker, expiry).
-    admin_waiters: HashMap<u64, (crossbeam_channel::Sender<AdminAnswer>, Duration)>,
+    /// The askers of stats requests under way.
+    stats_replies: HashMap<RequestId, crossbeam_channel::Sender<StatsEvent>>,
+    /// The askers of coordinator admin commands under way.
+    admin_replies: HashMap<RequestId, crossbeam_channel::Sender<AdminAnswer>>,
+    /// Told when the graceful leave ends.
+    leave_done: Option<crossbeam_channel::Sender<()>>,
     /// The control core's journal (the coordinators' events), if it opened.
     journal: Option<ControlStore>,
-    /// Per type: messages for a coordinator whose recovery read is under
-    /// way (handled once it started; at most [`WAITING_MAX`] each).
-    waiting: HashMap<String, VecDeque<CoordinatorMsg>>,
     /// What the coordinator journal records and checks.
     journal_config: CoordinatorConfig,
-    /// The `[coordinator]` table: rebalance and hand-off timing.
-    coordinator_settings: crate::config::CoordinatorConfig,
-    /// `[cluster] on_join_refused`: stop, or keep asking the seeds.
-    on_join_refused: crate::config::OnJoinRefused,
-    /// Per type: the coordinator's region messages held until the events
-    /// persisted before them are durable: `(barrier LSN, to, msg)`.
-    held: HashMap<String, VecDeque<(u64, RegionId, RegionMsg)>>,
-    /// Per type: LSN of the coordinator's last appended event.
-    barrier: HashMap<String, u64>,
+    /// The plane's journal operations carried out and not durable yet, in
+    /// order: (operation, LSN; 0 for one that had its outcome at once).
+    unacked: VecDeque<(JournalSeq, u64)>,
     /// Woken by the journal's sync thread when held messages may go.
     durable_wake: Arc<DurableWake>,
     /// The highest LSN a durability callback is registered for.
     armed_lsn: u64,
-    /// How each coordinator on this node recovered (status).
-    coord_status: BTreeMap<String, CoordinatorStatusView>,
     /// The node's data scope: cluster id, journal identity.
     scope: Arc<crate::persistence::DataScope>,
+    /// This driver (for the tasks it spawns).
+    this: Weak<RefCell<Control>>,
 }
 
 type ControlRef = Rc<RefCell<Control>>;
 
+/// Milliseconds since the Unix epoch (the writer epochs' floor).
+fn wall_clock_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 /// Runs the control executor until [`ToControl::Shutdown`].
 pub(crate) async fn run(init: ControlInit) {
-    let me = UniqueAddress {
-        address: Address(init.config.cluster_address.to_string()),
-        uid: init.uid,
-    };
-    let seeds: Vec<Address> = init
-        .config
-        .seed_nodes
-        .iter()
-        .map(|s| Address(s.to_string()))
-        .collect();
-    // A node whose only seed is itself forms its cluster at once (Akka's
-    // `joinSeedNodes(self)`), instead of waiting for other seeds.
-    let alone = seeds.len() == 1 && seeds[0] == me.address;
-    let mut cc = ClusterConfig::new(me.address.clone(), if alone { Vec::new() } else { seeds });
-    cc.failure_detector.acceptable_heartbeat_pause =
-        Duration::from_millis(init.config.heartbeat_pause_ms);
-    cc.downing = DowningConfig::SplitBrainResolver(SbrConfig::with_stable_after(
-        Duration::from_millis(init.config.downing_stable_after_ms),
-    ));
-    cc.refusals_to_down = init.config.cluster.refusals_to_down;
-    cc.refusal_probe_interval =
-        Duration::from_millis(init.config.cluster.refusal_probe_interval_ms);
-    cc.random_seed = init.uid.0;
-    let now = init.epoch.elapsed();
-    let mut cluster = ClusterNode::new(cc, init.uid, now);
-    cluster.subscribe();
-    if alone {
-        cluster.join(now, me.address.clone());
-    }
-    let n = init.to_cores.len();
+    let pc = ControlPlaneConfig::from_node_config(&init.config, init.uid);
+    let me = pc.me.clone();
+    let journal_config = pc.journal.clone();
+    let plane = ControlPlane::new(pc, init.epoch.elapsed());
     let listener = match monoio::net::TcpListener::from_std(init.listener) {
         Ok(l) => l,
         Err(e) => {
@@ -189,49 +131,30 @@ pub(crate) async fn run(init: ControlInit) {
             }
         },
     };
-    let journal_config = CoordinatorConfig {
-        number_of_shards: init.config.number_of_shards,
-        hash_name: SHARD_ID_HASH_NAME.to_string(),
-    };
-    let ctl = Rc::new(RefCell::new(Control {
-        journal,
-        waiting: HashMap::new(),
-        journal_config,
-        coordinator_settings: init.config.coordinator.clone(),
-        on_join_refused: init.config.cluster.on_join_refused,
-        held: HashMap::new(),
-        barrier: HashMap::new(),
-        durable_wake,
-        armed_lsn: 0,
-        coord_status: BTreeMap::new(),
-        me,
-        epoch: init.epoch,
-        fp: super::fingerprint(&init.config, &init.scope),
-        scope: init.scope,
-        cluster,
-        types: BTreeSet::new(),
-        remember: BTreeSet::new(),
-        coordinators: HashMap::new(),
-        coord_state: HashMap::new(),
-        singleton: false,
-        peers: HashMap::new(),
-        backoff: HashMap::new(),
-        to_cores: init.to_cores,
-        registered: vec![false; n],
-        handed_off: vec![false; n],
-        leave: None,
-        last_oldest: None,
-        available: false,
-        stopped: false,
-        shutdown: false,
-        state: CurrentClusterState::default(),
-        subscribers_initialized: 0,
-        shared: init.shared,
-        stats_waiters: HashMap::new(),
-        next_stats_id: 0,
-        admin_waiters: HashMap::new(),
-    }));
-    CTL_SELF.with(|c| *c.borrow_mut() = Some(ctl.clone()));
+    let ctl = Rc::new_cyclic(|this| {
+        RefCell::new(Control {
+            plane,
+            me,
+            epoch: init.epoch,
+            fp: super::fingerprint(&init.config, &init.scope),
+            peers: HashMap::new(),
+            backoff: HashMap::new(),
+            to_cores: init.to_cores,
+            shutdown: false,
+            subscribers_initialized: 0,
+            shared: init.shared,
+            stats_replies: HashMap::new(),
+            admin_replies: HashMap::new(),
+            leave_done: None,
+            journal,
+            journal_config,
+            unacked: VecDeque::new(),
+            durable_wake,
+            armed_lsn: 0,
+            scope: init.scope,
+            this: this.clone(),
+        })
+    });
     ctl.borrow_mut().drive();
     let actl = ctl.clone();
     let stop_accept = crate::runtime::LocalNotify::default();
@@ -263,7 +186,7 @@ pub(crate) async fn run(init: ControlInit) {
                 return;
             }
             let mut c = dctl.borrow_mut();
-            c.release_held();
+            c.check_journal();
             c.drive();
         }
     });
@@ -296,10 +219,6 @@ pub(crate) async fn run(init: ControlInit) {
     crate::runtime::stop_accepting(&stop_accept, accept).await;
 }
 
-thread_local! {
-    static CTL_SELF: RefCell<Option<ControlRef>> = const { RefCell::new(None) };
-}
-
 impl Control {
     fn now(&self) -> Duration {
         self.epoch.elapsed()
@@ -313,79 +232,261 @@ impl Control {
         }
     }
 
-    // ----- effects of the state machines -----
+    // ----- carrying out the plane's outputs -----
 
-    /// Carries out every pending effect of the membership state machine and
-    /// the coordinators (bounded: stops when a round produced nothing).
+    /// Carries out every output of the plane, in the order its doc gives
+    /// (bounded: stops when a round produced nothing).
     fn drive(&mut self) {
-        for _ in 0..64 {
+        for _ in 0..DRIVE_ROUNDS_MAX {
             let mut progressed = false;
-            let now = self.now();
-            self.ensure_cluster_id();
-            if let Some(reason) = self.cluster.poll_stop() {
+            while let Some(e) = self.plane.poll_event() {
                 progressed = true;
-                self.on_stop(reason);
+                self.on_event(e);
             }
-            while let Some(cmd) = self.cluster.poll_singleton() {
+            while let Some(t) = self.plane.poll_transmit() {
                 progressed = true;
-                match cmd {
-                    SingletonCommand::Start => self.start_coordinators(),
-                    SingletonCommand::Stop => {
-                        self.stop_coordinators();
-                        self.cluster.handle_singleton_stopped(now);
-                    }
+                self.send_control(&t.to, &t.frame);
+            }
+            while let Some(c) = self.plane.poll_to_cores() {
+                progressed = true;
+                self.to_core(c);
+            }
+            let mut appended = BTreeSet::new();
+            while let Some(op) = self.plane.poll_journal() {
+                progressed = true;
+                self.journal_op(op, &mut appended);
+            }
+            for t in appended {
+                if self.journal.as_ref().is_some_and(|j| j.snapshot_due(&t)) {
+                    self.plane.handle_snapshot_due(&t);
                 }
-            }
-            while let Some(t) = self.cluster.poll_transmit() {
-                progressed = true;
-                let bytes = cl::encode(&t.message);
-                self.send_control(&t.to.0, &ControlFrame::Cluster { bytes });
-            }
-            while let Some(e) = self.cluster.poll_event() {
-                progressed = true;
-                self.on_cluster_event(e);
-            }
-            let types: Vec<String> = self.coordinators.keys().cloned().collect();
-            for t in types {
-                progressed |= self.drain_coordinator(&t);
             }
             if !progressed {
                 break;
             }
+            self.check_journal();
         }
-        let oldest = self.cluster.oldest();
-        if oldest != self.last_oldest {
-            tracing::info!(oldest = ?oldest.as_ref().map(|o| o.to_string()), "coordinator location changed");
-            self.last_oldest = oldest;
-            self.to_all_cores(|| ToCore::CoordinatorMoved);
-        }
-        let avail = self.cluster.is_available();
-        if avail != self.available {
-            self.available = avail;
-            self.to_all_cores(|| ToCore::Available(avail));
-        }
-        let up = self
-            .cluster
-            .self_member()
-            .is_some_and(|m| m.status == cl::MemberStatus::Up);
-        let ready = up && self.registered.iter().all(|r| *r) && !self.stopped;
-        self.shared.ready.store(ready, Ordering::Release);
     }
 
-    fn is_up(&self) -> bool {
-        self.cluster
-            .self_member()
-            .is_some_and(|m| m.status == cl::MemberStatus::Up)
+    fn on_event(&mut self, e: ControlEvent) {
+        match e {
+            ControlEvent::Cluster(e) => {
+                if let Ok(mut subs) = self.shared.subscribers.lock() {
+                    subs.retain(|s| s.try_send(e.clone()).is_ok() || !s.is_full());
+                }
+            }
+            ControlEvent::Ready(ready) => self.shared.ready.store(ready, Ordering::Release),
+            ControlEvent::Stopped { code, refusal } => {
+                if let Some(reason) = refusal {
+                    if let Ok(mut g) = self.shared.refusal.lock() {
+                        *g = Some(reason);
+                    }
+                }
+                self.shared.stopped.store(code, Ordering::Release);
+            }
+            ControlEvent::OldestUp => self.ensure_cluster_id(),
+            ControlEvent::ClusterIdHeard { cluster_id } => {
+                self.learn_cluster_id(&cluster_id, "a member");
+            }
+            ControlEvent::LeaveDone => {
+                if let Some(done) = self.leave_done.take() {
+                    let _ = done.try_send(());
+                }
+            }
+            ControlEvent::AdminAnswer { id, answer } => {
+                if let Some(tx) = self.admin_replies.remove(&id) {
+                    let _ = tx.send(answer);
+                }
+            }
+            ControlEvent::Stats { id, event } => {
+                if let Some(tx) = self.stats_replies.get(&id) {
+                    let _ = tx.send(event);
+                }
+            }
+            ControlEvent::StatsDone { id } => {
+                self.stats_replies.remove(&id);
+            }
+            ControlEvent::StatsRequested {
+                id,
+                type_name,
+                reply_to,
+            } => self.answer_stats(id, type_name, reply_to),
+        }
     }
+
+    fn to_core(&self, c: ToCores) {
+        match c {
+            ToCores::Region {
+                core,
+                type_name,
+                msg,
+            } => {
+                if let Some(c) = self.to_cores.get(usize::from(core)) {
+                    if c.send(ToCore::Region { type_name, msg }).is_err() {
+                        tracing::warn!("core ring full or closed; control message dropped");
+                    }
+                }
+            }
+            ToCores::All(cmd) => self.to_all_cores(|| match &cmd {
+                CoreCommand::Membership(m) => ToCore::Membership(m.clone()),
+                CoreCommand::CoordinatorMoved => ToCore::CoordinatorMoved,
+                CoreCommand::Available(a) => ToCore::Available(*a),
+                CoreCommand::GracefulShutdown => ToCore::GracefulShutdown,
+                CoreCommand::Stop => ToCore::Stop,
+            }),
+        }
+    }
+
+    /// Carries out one journal operation; `appended`: the types that
+    /// appended in this round (their snapshot may be due).
+    fn journal_op(&mut self, op: JournalOp, appended: &mut BTreeSet<String>) {
+        let now = self.now();
+        match op {
+            JournalOp::Recover { type_name } => {
+                let Some(j) = self.journal.as_mut() else {
+                    self.plane.handle_recovered(
+                        now,
+                        wall_clock_ms(),
+                        &type_name,
+                        Recovery::NoJournal,
+                    );
+                    return;
+                };
+                match j.recover_start(&type_name, &self.journal_config) {
+                    RecoveryStart::Ready(r) => {
+                        let rec = match *r {
+                            Ok(r) => Recovery::Read(r),
+                            Err(e) => Recovery::Failed(e.to_string()),
+                        };
+                        self.plane
+                            .handle_recovered(now, wall_clock_ms(), &type_name, rec);
+                    }
+                    // The database's thread reads; the outcome comes with
+                    // `take_recovered` (`check_journal`).
+                    RecoveryStart::Pending => {
+                        tracing::info!(type_name, "coordinator recovering from the database");
+                    }
+                }
+            }
+            JournalOp::Begin {
+                type_name,
+                epoch,
+                state,
+                seq,
+            } => {
+                let r = match self.journal.as_mut() {
+                    Some(j) => j.begin(&type_name, epoch, &state, &self.journal_config),
+                    None => Ok(shardline_journal::Lsn(0)),
+                };
+                self.journal_outcome(now, &type_name, seq, r);
+            }
+            JournalOp::Append {
+                type_name,
+                epoch,
+                event,
+                seq,
+            } => {
+                let r = match self.journal.as_mut() {
+                    Some(j) if j.epoch(&type_name).is_some() => j.append(&type_name, epoch, &event),
+                    _ => Ok(shardline_journal::Lsn(0)),
+                };
+                self.journal_outcome(now, &type_name, seq, r);
+                appended.insert(type_name);
+            }
+            JournalOp::SaveSnapshot { type_name, state } => {
+                if let Some(j) = self.journal.as_mut() {
+                    if let Err(e) = j.save_snapshot(&type_name, &state, &self.journal_config) {
+                        tracing::warn!(type_name, error = %e, "coordinator snapshot failed");
+                    }
+                }
+            }
+            JournalOp::End { type_name } => {
+                if let Some(j) = self.journal.as_mut() {
+                    j.end(&type_name);
+                }
+            }
+            JournalOp::NotifyDurable { seq } => {
+                let lsn = self
+                    .unacked
+                    .iter()
+                    .find(|(s, _)| *s == seq)
+                    .map_or(0, |(_, l)| *l);
+                if lsn > self.armed_lsn {
+                    self.armed_lsn = lsn;
+                    if let Some(j) = &self.journal {
+                        j.notify_when_durable(
+                            shardline_journal::Lsn(lsn),
+                            self.durable_wake.clone(),
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Records the outcome of a begin or an append numbered `seq`.
+    fn journal_outcome(
+        &mut self,
+        now: Duration,
+        type_name: &str,
+        seq: JournalSeq,
+        r: Result<shardline_journal::Lsn, crate::persistence::coordinator::CoordinatorJournalError>,
+    ) {
+        match r {
+            Ok(lsn) => self.unacked.push_back((seq, lsn.0)),
+            Err(e) => {
+                // The outcome is known: nothing waits for it.
+                self.unacked.push_back((seq, 0));
+                self.plane
+                    .handle_journal_refused(now, type_name, e.to_string());
+            }
+        }
+    }
+
+    /// Feeds the plane what the journal reported: refused appends (before
+    /// the durable LSN: the database journal records a refusal before its
+    /// durable LSN moves past it), finished recoveries, and how far the
+    /// operations carried out are durable.
+    fn check_journal(&mut self) {
+        let now = self.now();
+        let durable = self
+            .journal
+            .as_ref()
+            .map_or(u64::MAX, |j| j.durable_lsn().0);
+        if let Some(j) = self.journal.as_mut() {
+            let refused = j.take_refused();
+            let recovered = j.take_recovered();
+            for (t, why) in refused {
+                self.plane.handle_journal_refused(now, &t, why);
+            }
+            for (t, r) in recovered {
+                let rec = match r {
+                    Ok(r) => Recovery::Read(r),
+                    Err(e) => Recovery::Failed(e.to_string()),
+                };
+                self.plane.handle_recovered(now, wall_clock_ms(), &t, rec);
+            }
+        }
+        let mut upto = None;
+        while let Some(&(seq, lsn)) = self.unacked.front() {
+            if lsn > durable {
+                break;
+            }
+            upto = Some(seq);
+            self.unacked.pop_front();
+        }
+        if let Some(seq) = upto {
+            self.plane.handle_journal_durable(now, seq);
+        }
+    }
+
+    // ----- cluster identity (the data scope's files) -----
 
     /// The oldest Up member establishes the cluster's id when nobody told
     /// it one (it formed the cluster): the id its data records, else a new
     /// one; every member is told it on its control lane.
     fn ensure_cluster_id(&mut self) {
-        if self.stopped || self.scope.cluster_id().is_some() || !self.is_up() {
-            return;
-        }
-        if self.cluster.oldest().as_ref() != Some(&self.me) {
+        if self.plane.is_stopped() || self.scope.cluster_id().is_some() {
             return;
         }
         match self.scope.establish_cluster_id() {
@@ -431,530 +532,9 @@ impl Control {
         }
     }
 
-    /// Stops the node instead of joining when it is not a member yet (the
-    /// cluster it reached is not its own, or shares no journal with it);
-    /// a member that is Up only logs the reason.
     fn refuse_to_join(&mut self, reason: String) {
-        if self.stopped {
-            return;
-        }
-        if self.is_up() {
-            tracing::error!(reason, "refused by a member");
-            return;
-        }
-        tracing::error!(reason, "refusing to join the cluster; stopping");
-        if let Ok(mut g) = self.shared.refusal.lock() {
-            *g = Some(reason);
-        }
-        self.stopped = true;
-        self.stop_coordinators();
-        self.to_all_cores(|| ToCore::Stop);
-        self.shared.stopped.store(4, Ordering::Release);
-        if let Some(l) = self.leave.take() {
-            let _ = l.done.try_send(());
-        }
-    }
-
-    fn on_stop(&mut self, reason: StopReason) {
-        self.stopped = true;
-        let code = match reason {
-            StopReason::Left => 1,
-            _ => 2,
-        };
-        match reason {
-            StopReason::Left => tracing::info!("left the cluster"),
-            _ => tracing::error!(?reason, "this member was downed; stopping"),
-        }
-        self.stop_coordinators();
-        self.to_all_cores(|| ToCore::Stop);
-        self.shared.stopped.store(code, Ordering::Release);
-        if let Some(l) = self.leave.take() {
-            let _ = l.done.try_send(());
-        }
-    }
-
-    fn on_cluster_event(&mut self, e: ClusterEvent) {
-        self.state.apply(&e);
-        tracing::info!(event = ?short_event(&e), "cluster event");
-        // Subscribers get their own snapshot when they subscribe (see
-        // `ToControl::Subscribe`), then every change.
-        if !matches!(e, ClusterEvent::CurrentClusterState(_)) {
-            if let Ok(mut subs) = self.shared.subscribers.lock() {
-                subs.retain(|s| s.try_send(e.clone()).is_ok() || !s.is_full());
-            }
-        }
-        if let ClusterEvent::MemberUp(m) = &e {
-            if self.singleton && m.unique_address != self.me {
-                let addr = m.unique_address.address.0.clone();
-                self.send_coordinator_snapshot(&addr);
-            }
-        }
-        if let Some(me) = sharding_event(&e) {
-            let now = self.now();
-            for c in self.coordinators.values_mut() {
-                c.handle_membership(now, me.clone());
-            }
-            self.to_all_cores(|| ToCore::Membership(me.clone()));
-        }
-    }
-
-    fn current_members(&self) -> MembershipEvent {
-        let list = self
-            .state
-            .members
-            .values()
-            .filter_map(|m| match m.status {
-                cl::MemberStatus::Up => Some((m.unique_address.clone(), ShMemberStatus::Up)),
-                cl::MemberStatus::Leaving | cl::MemberStatus::Exiting => {
-                    Some((m.unique_address.clone(), ShMemberStatus::Leaving))
-                }
-                _ => None,
-            })
-            .collect();
-        MembershipEvent::CurrentMembers(list)
-    }
-
-    /// Starts `t`'s coordinator here: recovers its state (the newest
-    /// control journal of the data root, or the database, read on its own
-    /// thread: the coordinator starts in [`Self::poll_journal`] then; else
-    /// the copy replicated to this member; else empty), begins a new journal incarnation with a writer
-    /// epoch above every recorded one, then reconciles with the membership
-    /// (regions of members that are gone are terminated at once; the others
-    /// must register again within the re-register timeout).
-    fn new_coordinator(&mut self, t: &str) {
-        let Some(j) = self.journal.as_mut() else {
-            self.start_coordinator(t, None);
-            return;
-        };
-        match j.recover_start(t, &self.journal_config) {
-            RecoveryStart::Ready(r) => self.start_coordinator(t, Some(*r)),
-            RecoveryStart::Pending => {
-                // The database's thread reads; the coordinator starts when
-                // it finished (`poll_journal`), never before.
-                tracing::info!(type_name = t, "coordinator recovering from the database");
-                self.waiting.entry(t.to_string()).or_default();
-                self.coord_status.insert(
-                    t.to_string(),
-                    CoordinatorStatusView {
-                        type_name: t.to_string(),
-                        writer_epoch: 0,
-                        recovered_from: "recovering".to_string(),
-                        journal_dir: None,
-                        recovered_records: 0,
-                        recovered_shards: 0,
-                        shards: 0,
-                        refused: None,
-                        journal_error: None,
-                    },
-                );
-            }
-        }
-    }
-
-    /// Outcomes of the database journal: finished recoveries start their
-    /// coordinators (with the messages that waited for them); refused
-    /// appends stop theirs.
-    fn poll_journal(&mut self) {
-        let Some(j) = self.journal.as_mut() else {
-            return;
-        };
-        let recovered = j.take_recovered();
-        self.fail_refused();
-        for (t, r) in recovered {
-            self.start_coordinator(&t, Some(r));
-            let msgs = self.waiting.remove(&t).unwrap_or_default();
-            if !msgs.is_empty() && self.coordinators.contains_key(&t) {
-                let now = self.now();
-                if let Some(c) = self.coordinators.get_mut(&t) {
-                    for m in msgs {
-                        c.handle_message(now, m);
-                    }
-                }
-                self.drain_coordinator(&t);
-            }
-        }
-    }
-
-    /// Stops the coordinators whose appends the database refused; whether
-    /// there were any.
-    fn fail_refused(&mut self) -> bool {
-        let Some(j) = self.journal.as_mut() else {
-            return false;
-        };
-        let refused = j.take_refused();
-        let any = !refused.is_empty();
-        for (t, why) in refused {
-            self.fail_coordinator(&t, why);
-        }
-        any
-    }
-
-    /// Keeps `msg` for `t`'s coordinator when its recovery is under way;
-    /// false: there is none to wait for.
-    fn keep_for_recovering(&mut self, t: &str, msg: CoordinatorMsg) -> bool {
-        let Some(q) = self.waiting.get_mut(t) else {
-            return false;
-        };
-        if q.len() >= WAITING_MAX {
-            // Regions register again on their own; the oldest goes.
-            q.pop_front();
-        }
-        q.push_back(msg);
-        true
-    }
-
-    /// Starts `t`'s coordinator from its journal's recovery `rec` (`None`:
-    /// no journal).
-    fn start_coordinator(
-        &mut self,
-        t: &str,
-        rec: Option<Result<RecoveredCoordinator, CoordinatorJournalError>>,
-    ) {
         let now = self.now();
-        // Generations are the journal's writer epochs: floor them at the wall
-        // clock so a cluster whose coordinator journals are gone never reuses
-        // an epoch below the ones its durable entities already wrote with.
-        let wall_clock_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-        let mut status = CoordinatorStatusView {
-            type_name: t.to_string(),
-            writer_epoch: 0,
-            recovered_from: "empty".to_string(),
-            journal_dir: None,
-            recovered_records: 0,
-            recovered_shards: 0,
-            shards: 0,
-            refused: None,
-            journal_error: None,
-        };
-        let replicated = self.coord_state.get(t).cloned();
-        let mut state = CoordinatorState::default();
-        if let (Some(j), Some(rec)) = (self.journal.as_mut(), rec) {
-            let rec = match rec {
-                Ok(r) => r,
-                Err(e) => {
-                    tracing::error!(type_name = t, error = %e, "coordinator refused to start");
-                    status.refused = Some(e.to_string());
-                    self.coord_status.insert(t.to_string(), status);
-                    return;
-                }
-            };
-            if let Some(dir) = &rec.source {
-                status.recovered_from = if rec.from_database {
-                    "database".to_string()
-                } else {
-                    "journal".to_string()
-                };
-                status.journal_dir = Some(dir.display().to_string());
-                status.recovered_records = rec.records;
-                state = rec.state;
-            } else if let Some(r) = replicated {
-                status.recovered_from = "replicated".to_string();
-                state = r;
-            }
-            let epoch = rec
-                .claimed_epoch
-                .unwrap_or_else(|| next_epoch(rec.highest_epoch, wall_clock_ms));
-            match j.begin(t, epoch, &state, &self.journal_config) {
-                Ok(lsn) => {
-                    self.barrier.insert(t.to_string(), lsn.0);
-                }
-                Err(e) => {
-                    tracing::error!(type_name = t, error = %e, "coordinator refused to start");
-                    status.refused = Some(e.to_string());
-                    self.coord_status.insert(t.to_string(), status);
-                    return;
-                }
-            }
-            status.writer_epoch = epoch.0;
-        } else if let Some(r) = replicated {
-            status.recovered_from = "replicated".to_string();
-            state = r;
-        }
-        status.recovered_shards = state.shards.len() as u64;
-        tracing::info!(
-            type_name = t,
-            writer_epoch = status.writer_epoch,
-            from = %status.recovered_from,
-            dir = status.journal_dir.as_deref().unwrap_or("-"),
-            records = status.recovered_records,
-            shards = status.recovered_shards,
-            "coordinator recovered"
-        );
-        // Members' replicated copies follow the recovered state.
-        self.coord_state.insert(t.to_string(), state.clone());
-        let cc = &self.coordinator_settings;
-        let settings = CoordinatorSettings {
-            min_generation: Generation(wall_clock_ms),
-            remember_entities: self.remember.contains(t),
-            rebalance_interval: cc.rebalance_interval(),
-            handoff_timeout: cc.handoff_timeout(),
-            reregister_timeout: cc.reregister_timeout(),
-            ..CoordinatorSettings::default()
-        };
-        let strategy = LeastShardAllocationStrategy {
-            rebalance_absolute_limit: cc.rebalance_absolute_limit,
-            rebalance_relative_limit: cc.rebalance_relative_limit,
-        };
-        let mut c = ShardCoordinator::recover_state(settings, Box::new(strategy), state, now);
-        c.handle_membership(now, self.current_members());
-        self.coordinators.insert(t.to_string(), c);
-        self.coord_status.insert(t.to_string(), status);
-        for addr in self.other_members() {
-            self.send_coordinator_snapshot(&addr);
-        }
-    }
-
-    /// Stops `t`'s coordinator after its journal refused an append (a newer
-    /// incarnation fenced it, or the journal failed).
-    fn fail_coordinator(&mut self, t: &str, reason: String) {
-        tracing::error!(
-            type_name = t,
-            reason,
-            "coordinator stops: its journal refused an event"
-        );
-        self.coordinators.remove(t);
-        self.held.remove(t);
-        self.barrier.remove(t);
-        if let Some(j) = self.journal.as_mut() {
-            j.end(t);
-        }
-        if let Some(st) = self.coord_status.get_mut(t) {
-            st.refused = Some(reason);
-        }
-    }
-
-    /// Sends the held region messages whose events are now durable.
-    fn release_held(&mut self) {
-        // Read before the refusals are taken: the database journal records
-        // a refusal before the durable LSN moves past it.
-        let durable = self
-            .journal
-            .as_ref()
-            .map_or(u64::MAX, |j| j.durable_lsn().0);
-        self.poll_journal();
-        let types: Vec<String> = self.held.keys().cloned().collect();
-        for t in types {
-            let ready: Vec<(RegionId, RegionMsg)> = match self.held.get_mut(&t) {
-                Some(q) => {
-                    let n = q.iter().take_while(|(b, _, _)| *b <= durable).count();
-                    q.drain(..n).map(|(_, to, msg)| (to, msg)).collect()
-                }
-                None => Vec::new(),
-            };
-            for (to, msg) in ready {
-                self.send_region(&t, to, msg);
-            }
-        }
-        self.held.retain(|_, q| !q.is_empty());
-        self.arm_durable();
-    }
-
-    /// Registers a durability callback for the newest held message.
-    fn arm_durable(&mut self) {
-        let Some(j) = &self.journal else { return };
-        let want = self
-            .held
-            .values()
-            .filter_map(|q| q.back().map(|(b, _, _)| *b))
-            .max()
-            .unwrap_or(0);
-        if want == 0 || want <= self.armed_lsn {
-            return;
-        }
-        self.armed_lsn = want;
-        j.notify_when_durable(shardline_journal::Lsn(want), self.durable_wake.clone());
-    }
-
-    fn start_coordinators(&mut self) {
-        self.ensure_cluster_id();
-        tracing::info!("coordinator singleton starts here");
-        self.singleton = true;
-        let types: Vec<String> = self.types.iter().cloned().collect();
-        for t in types {
-            self.new_coordinator(&t);
-        }
-        // Regions (here and elsewhere) register again with the new coordinator.
-        self.to_all_cores(|| ToCore::CoordinatorMoved);
-    }
-
-    fn stop_coordinators(&mut self) {
-        if self.singleton {
-            tracing::info!("coordinator singleton stops here");
-        }
-        self.singleton = false;
-        if let Some(j) = self.journal.as_mut() {
-            for t in self.coordinators.keys() {
-                j.end(t);
-            }
-        }
-        if let Some(j) = self.journal.as_mut() {
-            for t in self.waiting.keys() {
-                j.end(t);
-            }
-        }
-        self.waiting.clear();
-        self.coordinators.clear();
-        self.held.clear();
-        self.barrier.clear();
-        self.coord_status.clear();
-    }
-
-    /// Carries out `t`'s coordinator effects: events are appended to the
-    /// control journal (never waiting for a flush) and replicated to the
-    /// other members; a region message waits until every event before it
-    /// is durable (the durability watcher wakes [`Self::release_held`]).
-    fn drain_coordinator(&mut self, t: &str) -> bool {
-        let mut any = false;
-        loop {
-            let Some(c) = self.coordinators.get_mut(t) else {
-                return any;
-            };
-            let Some(e) = c.poll_effect() else {
-                self.after_drain(t);
-                return any;
-            };
-            any = true;
-            match e {
-                CoordinatorEffect::Send { to, msg } => {
-                    let barrier = self.barrier.get(t).copied().unwrap_or(0);
-                    let durable = self
-                        .journal
-                        .as_ref()
-                        .map_or(u64::MAX, |j| j.durable_lsn().0);
-                    // The database journal's LSN also passes refused
-                    // appends: a refused coordinator sends nothing more.
-                    if self.fail_refused() && !self.coordinators.contains_key(t) {
-                        return true;
-                    }
-                    let q = self.held.entry(t.to_string()).or_default();
-                    if q.is_empty() && barrier <= durable {
-                        self.send_region(t, to, msg);
-                    } else {
-                        q.push_back((barrier, to, msg));
-                    }
-                }
-                CoordinatorEffect::Persist(ev) => {
-                    if let Some(j) = self.journal.as_mut() {
-                        if let Some(epoch) = j.epoch(t) {
-                            match j.append(t, epoch, &ev) {
-                                Ok(lsn) => {
-                                    self.barrier.insert(t.to_string(), lsn.0);
-                                }
-                                Err(e) => {
-                                    self.fail_coordinator(t, e.to_string());
-                                    return true;
-                                }
-                            }
-                        }
-                    }
-                    // "Durable" here means: applied to this member's copy and
-                    // queued to every other member's control lane before any
-                    // later effect (FIFO lanes keep that order per member).
-                    self.coord_state
-                        .entry(t.to_string())
-                        .or_default()
-                        .apply(&ev);
-                    let f = ControlFrame::CoordinatorEvents {
-                        type_name: t.to_string(),
-                        reset: false,
-                        events: vec![(&ev).into()],
-                    };
-                    for addr in self.other_members() {
-                        self.send_control(&addr, &f);
-                    }
-                }
-            }
-        }
-    }
-
-    /// After a drained turn of `t`'s coordinator: a snapshot when due, and
-    /// a durability callback for held messages.
-    fn after_drain(&mut self, t: &str) {
-        let due = self.journal.as_ref().is_some_and(|j| j.snapshot_due(t));
-        if due {
-            if let (Some(j), Some(c)) = (self.journal.as_mut(), self.coordinators.get(t)) {
-                if let Err(e) = j.save_snapshot(t, c.state(), &self.journal_config) {
-                    tracing::warn!(type_name = t, error = %e, "coordinator snapshot failed");
-                }
-            }
-        }
-        if self.held.get(t).is_some_and(|q| !q.is_empty()) {
-            self.arm_durable();
-        }
-    }
-
-    /// Cluster addresses of the other members that are alive.
-    fn other_members(&self) -> Vec<String> {
-        self.state
-            .members
-            .values()
-            .filter(|m| {
-                m.unique_address != self.me
-                    && !matches!(m.status, cl::MemberStatus::Down | cl::MemberStatus::Removed)
-            })
-            .map(|m| m.unique_address.address.0.clone())
-            .collect()
-    }
-
-    /// Sends this member's copy of every coordinator state to `addr`.
-    fn send_coordinator_snapshot(&mut self, addr: &str) {
-        let frames: Vec<ControlFrame> = self
-            .coord_state
-            .iter()
-            .map(|(t, st)| ControlFrame::CoordinatorEvents {
-                type_name: t.clone(),
-                reset: true,
-                events: snapshot_events(st).iter().map(Into::into).collect(),
-            })
-            .collect();
-        for f in frames {
-            self.send_control(addr, &f);
-        }
-    }
-
-    fn send_region(&mut self, t: &str, to: RegionId, msg: RegionMsg) {
-        if to.member == self.me {
-            if let Some(c) = self.to_cores.get(usize::from(to.core)) {
-                let _ = c.send(ToCore::Region {
-                    type_name: t.to_string(),
-                    msg,
-                });
-            }
-        } else {
-            let addr = to.member.address.0.clone();
-            let f = ControlFrame::ToRegion {
-                type_name: t.to_string(),
-                to: (&to).into(),
-                msg: (&msg).into(),
-            };
-            self.send_control(&addr, &f);
-        }
-    }
-
-    fn route_to_coordinator(&mut self, t: &str, msg: CoordinatorMsg) {
-        if self.singleton {
-            let now = self.now();
-            if let Some(c) = self.coordinators.get_mut(t) {
-                c.handle_message(now, msg);
-                self.drain_coordinator(t);
-            } else {
-                self.keep_for_recovering(t, msg);
-            }
-            return;
-        }
-        match self.cluster.oldest() {
-            Some(o) if o != self.me => {
-                let f = ControlFrame::ToCoordinator {
-                    type_name: t.to_string(),
-                    msg: (&msg).into(),
-                };
-                self.send_control(&o.address.0.clone(), &f);
-            }
-            // No coordinator yet (or it is starting here): the region retries.
-            _ => {}
-        }
+        self.plane.handle_refuse_to_join(now, reason);
     }
 
     // ----- control lanes -----
@@ -972,7 +552,7 @@ impl Control {
             }
             let outbox = Rc::new(Outbox::default());
             self.peers.insert(addr.to_string(), outbox.clone());
-            if let Some(me) = CTL_SELF.with(|c| c.borrow().clone()) {
+            if let Some(me) = self.this.upgrade() {
                 monoio::spawn(run_peer(me, addr.to_string(), outbox));
             }
         }
@@ -1010,262 +590,38 @@ impl Control {
         self.backoff.insert(addr.to_string(), (now + step, step));
     }
 
-    /// The connect to `addr` was refused (ECONNREFUSED or a reset): the
-    /// membership state machine decides what that means.
-    fn peer_connection_refused(&mut self, addr: &str) {
-        if self.stopped {
-            return;
-        }
-        let now = self.now();
-        tracing::debug!(peer = addr, "cluster port refused the connection");
-        self.cluster
-            .handle_connection_refused(now, &Address(addr.to_string()));
-        self.drive();
-    }
-
-    /// An established control lane to `addr` was closed by the peer.
-    fn peer_connection_lost(&mut self, addr: &str) {
-        if self.stopped {
-            return;
-        }
-        let now = self.now();
-        self.cluster
-            .handle_connection_lost(now, &Address(addr.to_string()));
-        self.drive();
-    }
-
-    /// A peer refused this node at the handshake: when it is a seed and
-    /// this node is not a member yet, this node will not form a cluster of
-    /// its own (see `ClusterNode::handle_seed_refused`).
-    fn peer_refused(&mut self, addr: &str, reason: &str) {
-        let now = self.now();
-        let seed = Address(addr.to_string());
-        let before = self.cluster.join_refused().map(str::to_string);
-        self.cluster.handle_seed_refused(now, &seed, reason);
-        let after = self.cluster.join_refused().map(str::to_string);
-        if after.is_some() && after != before {
-            if self.stopped {
-                // Already stopping (an earlier seed's refusal).
-            } else if self.on_join_refused == crate::config::OnJoinRefused::Exit {
-                tracing::error!(
-                    seed = addr,
-                    reason,
-                    "refused by a seed node; stopping (cluster.on_join_refused = \"exit\")"
-                );
-                self.refuse_to_join(format!("refused by seed node {addr}: {reason}"));
-            } else {
-                tracing::error!(
-                    seed = addr,
-                    reason,
-                    "refused by a seed node; this node will not form a cluster of its own and keeps asking the seeds"
-                );
-            }
-        }
-    }
-
     fn peer_connected(&mut self, addr: &str) {
         self.backoff.remove(addr);
-    }
-
-    fn on_control_frame(&mut self, body: &[u8]) -> Result<(), FrameError> {
-        let f: ControlFrame = decode_frame_body(body)?;
-        let now = self.now();
-        match f {
-            ControlFrame::Cluster { bytes } => {
-                let m = cl::decode(&bytes).map_err(|e| FrameError::Invalid(e.to_string()))?;
-                self.cluster.handle_message(now, m);
-            }
-            ControlFrame::ToCoordinator { type_name, msg } => {
-                if self.singleton {
-                    if let Some(c) = self.coordinators.get_mut(&type_name) {
-                        c.handle_message(now, msg.into());
-                    } else {
-                        self.keep_for_recovering(&type_name, msg.into());
-                    }
-                }
-            }
-            ControlFrame::CoordinatorEvents {
-                type_name,
-                reset,
-                events,
-            } => {
-                let st = self.coord_state.entry(type_name).or_default();
-                if reset {
-                    *st = CoordinatorState::default();
-                }
-                for e in events {
-                    st.apply(&CoordinatorEvent::from(e));
-                }
-            }
-            ControlFrame::ToRegion { type_name, to, msg } => {
-                let to: RegionId = to.into();
-                if to.member == self.me {
-                    let msg: RegionMsg = msg.try_into()?;
-                    if let Some(c) = self.to_cores.get(usize::from(to.core)) {
-                        let _ = c.send(ToCore::Region { type_name, msg });
-                    }
-                }
-            }
-            ControlFrame::StatsRequest {
-                id,
-                type_name,
-                reply_to,
-            } => self.answer_stats(id, type_name, reply_to),
-            ControlFrame::Identity { cluster_id } => self.learn_cluster_id(&cluster_id, "a member"),
-            ControlFrame::StatsReply {
-                id,
-                member,
-                regions,
-            } => {
-                if let Some((tx, _)) = self.stats_waiters.get(&id) {
-                    let _ = tx.send(StatsEvent::Answer(member_stats(member, regions)));
-                }
-            }
-            ControlFrame::CoordinatorAdminRequest {
-                id,
-                rebalance,
-                type_name,
-                reply_to,
-            } => {
-                let cmd = if rebalance {
-                    CoordinatorCommand::Rebalance { type_name }
-                } else {
-                    CoordinatorCommand::Allocation
-                };
-                let (status, body) = match self.admin_here(&cmd) {
-                    Ok(json) => (crate::envelope::Status::Ok as u8, json),
-                    Err((st, why)) => (st as u8, why.into_bytes()),
-                };
-                let f = ControlFrame::CoordinatorAdminReply { id, status, body };
-                self.send_control(&reply_to, &f);
-            }
-            ControlFrame::CoordinatorAdminReply { id, status, body } => {
-                if let Some((tx, _)) = self.admin_waiters.remove(&id) {
-                    let answer = match crate::envelope::Status::from_u8(status) {
-                        Some(crate::envelope::Status::Ok) => Ok(body),
-                        st => Err((
-                            st.unwrap_or(crate::envelope::Status::EntityFailed),
-                            String::from_utf8_lossy(&body).into_owned(),
-                        )),
-                    };
-                    let _ = tx.send(answer);
-                }
-            }
-        }
-        self.drive();
-        Ok(())
     }
 
     // ----- timers and inbox -----
 
     fn tick(&mut self) {
-        self.release_held();
+        self.check_journal();
         let now = self.now();
-        if !self.stopped && self.cluster.poll_timeout().is_some_and(|t| t <= now) {
-            self.cluster.handle_timeout(now);
-        }
-        let due: Vec<String> = self
-            .coordinators
-            .iter()
-            .filter(|(_, c)| c.poll_timeout().is_some_and(|t| t <= now))
-            .map(|(t, _)| t.clone())
-            .collect();
-        for t in due {
-            if let Some(c) = self.coordinators.get_mut(&t) {
-                c.handle_timeout(now);
-                for a in c.take_abandoned_hand_offs() {
-                    tracing::warn!(
-                        type_name = t,
-                        shard = a.shard.0,
-                        owner = %a.owner,
-                        generation = a.generation.0,
-                        reason = a.reason,
-                        "hand-off abandoned; the shard stays with its owner"
-                    );
-                }
-            }
-        }
-        if let Some(l) = &self.leave {
-            if let LeavePhase::HandingOff { until } = l.phase {
-                if now >= until {
-                    tracing::warn!("hand-off did not finish in time; leaving anyway");
-                    self.begin_leave();
-                }
-            }
-        }
-        self.stats_waiters.retain(|_, (_, until)| now < *until);
-        let expired: Vec<u64> = self
-            .admin_waiters
-            .iter()
-            .filter(|(_, (_, until))| now >= *until)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in expired {
-            if let Some((tx, _)) = self.admin_waiters.remove(&id) {
-                let oldest = self.cluster.oldest().map(|o| o.address.0);
-                let _ = tx.send(Err((
-                    crate::envelope::Status::Unavailable,
-                    format!(
-                        "the coordinator's member {} did not answer within {} ms",
-                        oldest.as_deref().unwrap_or("(none)"),
-                        super::admin::FORWARD_TIMEOUT.as_millis()
-                    ),
-                )));
-            }
-        }
-        if self.leave.as_ref().is_some_and(|l| now >= l.deadline) {
-            if let Some(l) = self.leave.take() {
-                tracing::warn!("leave did not complete in time");
-                let _ = l.done.try_send(());
-            }
+        if self.plane.poll_timeout().is_some_and(|t| t <= now) {
+            self.plane.handle_timeout(now);
         }
         self.drive();
     }
 
-    fn begin_leave(&mut self) {
-        let now = self.now();
-        if let Some(l) = &mut self.leave {
-            l.phase = LeavePhase::Leaving;
-        }
-        tracing::info!("shards handed off; leaving the cluster");
-        self.cluster.leave(now);
-    }
-
     fn on_inbox(&mut self, m: ToControl) {
+        let now = self.now();
         match m {
             ToControl::ToCoordinator { type_name, msg } => {
-                self.route_to_coordinator(&type_name, msg)
+                self.plane.handle_to_coordinator(now, &type_name, msg);
             }
-            ToControl::ToRegion { type_name, to, msg } => self.send_region(&type_name, to, msg),
+            ToControl::ToRegion { type_name, to, msg } => {
+                self.plane.handle_to_region(now, &type_name, to, msg);
+            }
             ToControl::RegisterType {
                 type_name,
                 remember_entities,
-            } => {
-                if remember_entities {
-                    self.remember.insert(type_name.clone());
-                }
-                if self.types.insert(type_name.clone()) && self.singleton {
-                    self.new_coordinator(&type_name);
-                }
-            }
-            ToControl::Registered { core, all } => {
-                if let Some(r) = self.registered.get_mut(usize::from(core)) {
-                    *r = all;
-                }
-            }
-            ToControl::ShutdownComplete { core } => {
-                if let Some(r) = self.handed_off.get_mut(usize::from(core)) {
-                    *r = true;
-                }
-                let all = self.handed_off.iter().all(|d| *d);
-                let handing = self
-                    .leave
-                    .as_ref()
-                    .is_some_and(|l| matches!(l.phase, LeavePhase::HandingOff { .. }));
-                if all && handing {
-                    self.begin_leave();
-                }
-            }
+            } => self
+                .plane
+                .handle_register_type(now, &type_name, remember_entities),
+            ToControl::Registered { core, all } => self.plane.handle_registered(now, core, all),
+            ToControl::ShutdownComplete { core } => self.plane.handle_shutdown_complete(now, core),
             ToControl::Status { reply } => {
                 let _ = reply.send(self.view());
             }
@@ -1273,11 +629,18 @@ impl Control {
                 type_name,
                 wait,
                 reply,
-            } => self.ask_stats(type_name, wait, reply),
-            ToControl::CoordinatorAdmin { cmd, reply } => self.coordinator_admin(cmd, reply),
+            } => {
+                let id = self.plane.handle_sharding_stats(now, type_name, wait);
+                self.stats_replies.insert(id, reply);
+            }
+            ToControl::CoordinatorAdmin { cmd, reply } => {
+                let id = self.plane.handle_coordinator_admin(now, cmd);
+                self.admin_replies.insert(id, reply);
+            }
             ToControl::Subscribe => {
                 if let Ok(subs) = self.shared.subscribers.lock() {
-                    let snapshot = ClusterEvent::CurrentClusterState(self.state.clone());
+                    let snapshot =
+                        ClusterEvent::CurrentClusterState(self.plane.current_state().clone());
                     for s in subs.iter().skip(self.subscribers_initialized) {
                         let _ = s.try_send(snapshot.clone());
                     }
@@ -1285,126 +648,15 @@ impl Control {
                 }
             }
             ToControl::Leave { timeout, done } => {
-                let now = self.now();
-                if self.stopped {
-                    let _ = done.try_send(());
-                    return;
-                }
-                tracing::info!("graceful leave: handing off shards");
-                self.leave = Some(LeaveState {
-                    phase: LeavePhase::HandingOff {
-                        until: now + timeout / 2,
-                    },
-                    deadline: now + timeout,
-                    done,
-                });
-                self.handed_off.iter_mut().for_each(|d| *d = false);
-                self.to_all_cores(|| ToCore::GracefulShutdown);
+                self.leave_done = Some(done);
+                self.plane.handle_leave(now, timeout);
             }
             ToControl::Shutdown => self.shutdown = true,
         }
         self.drive();
     }
 
-    // ----- coordinator admin commands -----
-
-    /// Answers `cmd` from the coordinators on this member, or says where
-    /// they run.
-    fn admin_here(&mut self, cmd: &CoordinatorCommand) -> AdminAnswer {
-        if !self.singleton {
-            let where_ = match self.cluster.oldest() {
-                Some(o) => format!("they run on {}", o.address.0),
-                None => "no member is Up".to_string(),
-            };
-            return Err((
-                crate::envelope::Status::Unavailable,
-                format!(
-                    "the coordinators do not run on {}: {where_}",
-                    self.me.address.0
-                ),
-            ));
-        }
-        let now = self.now();
-        let me = self.me.clone();
-        super::admin::answer(&me, now, &mut self.coordinators, cmd)
-    }
-
-    /// A coordinator admin command: answered here when the coordinators
-    /// run here, else forwarded to the oldest member (answered
-    /// `Unavailable` when there is none, or after
-    /// [`super::admin::FORWARD_TIMEOUT`] without its answer).
-    fn coordinator_admin(
-        &mut self,
-        cmd: CoordinatorCommand,
-        reply: crossbeam_channel::Sender<AdminAnswer>,
-    ) {
-        let oldest = self.cluster.oldest();
-        match oldest {
-            Some(o) if !self.singleton && o != self.me => {
-                let now = self.now();
-                self.next_stats_id += 1;
-                let id = self.next_stats_id;
-                self.admin_waiters
-                    .insert(id, (reply, now + super::admin::FORWARD_TIMEOUT));
-                let (rebalance, type_name) = match cmd {
-                    CoordinatorCommand::Allocation => (false, None),
-                    CoordinatorCommand::Rebalance { type_name } => (true, type_name),
-                };
-                let f = ControlFrame::CoordinatorAdminRequest {
-                    id,
-                    rebalance,
-                    type_name,
-                    reply_to: self.me.address.0.clone(),
-                };
-                self.send_control(&o.address.0, &f);
-            }
-            _ => {
-                let _ = reply.send(self.admin_here(&cmd));
-            }
-        }
-    }
-
-    // ----- cluster-wide sharding stats -----
-
-    /// Sends a stats request for `type_name` to every other Up member that
-    /// is reachable; reports who was asked, then forwards their answers
-    /// for `wait`.
-    fn ask_stats(
-        &mut self,
-        type_name: String,
-        wait: Duration,
-        reply: crossbeam_channel::Sender<StatsEvent>,
-    ) {
-        let now = self.now();
-        let unreachable_set = &self.cluster.current_state().unreachable;
-        let mut asked = Vec::new();
-        let mut unreachable = Vec::new();
-        for m in self.cluster.gossip().members.values() {
-            if m.status != cl::MemberStatus::Up || m.unique_address == self.me {
-                continue;
-            }
-            let who = (m.unique_address.address.0.clone(), m.unique_address.uid.0);
-            if unreachable_set.contains(&m.unique_address) {
-                unreachable.push(who);
-            } else {
-                asked.push(who);
-            }
-        }
-        self.next_stats_id += 1;
-        let id = self.next_stats_id;
-        if !asked.is_empty() {
-            self.stats_waiters.insert(id, (reply.clone(), now + wait));
-        }
-        let frame = ControlFrame::StatsRequest {
-            id,
-            type_name,
-            reply_to: self.me.address.0.clone(),
-        };
-        for (addr, _) in &asked {
-            self.send_control(addr, &frame);
-        }
-        let _ = reply.send(StatsEvent::Asked { asked, unreachable });
-    }
+    // ----- answers -----
 
     /// Collects this node's regions of `type_name` from every data core and
     /// answers `reply_to` on its control lane (from a spawned task).
@@ -1419,7 +671,7 @@ impl Control {
             address: self.me.address.0.clone(),
             uid: self.me.uid.0,
         };
-        let Some(ctl) = CTL_SELF.with(|c| c.borrow().clone()) else {
+        let Some(ctl) = self.this.upgrade() else {
             return;
         };
         monoio::spawn(async move {
@@ -1460,40 +712,15 @@ impl Control {
     }
 
     fn view(&self) -> ClusterView {
-        let st = self.cluster.current_state();
-        let g = self.cluster.gossip();
-        let mut members: Vec<MemberStatusView> = g
-            .members
-            .values()
-            .map(|m| MemberStatusView {
-                address: m.unique_address.address.0.clone(),
-                uid: m.unique_address.uid.0,
-                status: format!("{:?}", m.status),
-                reachable: !st.unreachable.contains(&m.unique_address),
-            })
-            .collect();
-        members.sort_by(|a, b| a.address.cmp(&b.address));
-        ClusterView {
-            members,
-            leader: self.cluster.leader().map(|l| l.address.0),
-            coordinator: self.cluster.oldest().map(|o| o.address.0),
-            coordinator_here: self.singleton,
-            coordinators: self
-                .coord_status
-                .values()
-                .map(|s| {
-                    let mut s = s.clone();
-                    if let Some(c) = self.coordinators.get(&s.type_name) {
-                        s.shards = c.state().shards.len() as u64;
-                    }
-                    s.journal_error = self.journal.as_ref().and_then(ControlStore::health);
-                    s
-                })
-                .collect(),
-            cluster_name: self.scope.cluster_name().to_string(),
-            cluster_id: self.scope.cluster_id(),
-            journal_identity: self.fp.journal_identity.clone(),
+        let mut v = self.plane.view();
+        let journal_error = self.journal.as_ref().and_then(ControlStore::health);
+        for s in &mut v.coordinators {
+            s.journal_error = journal_error.clone();
         }
+        v.cluster_name = self.scope.cluster_name().to_string();
+        v.cluster_id = self.scope.cluster_id();
+        v.journal_identity = self.fp.journal_identity.clone();
+        v
     }
 }
 
@@ -1501,103 +728,6 @@ impl Control {
 /// answering a stats request.
 const STATS_CORE_WAIT: Duration = Duration::from_millis(1500);
 
-/// A [`ControlFrame::StatsReply`] as [`crate::status::MemberShardStats`].
-fn member_stats(
-    member: WireMember,
-    regions: Vec<WireRegionStats>,
-) -> crate::status::MemberShardStats {
-    crate::status::MemberShardStats {
-        address: member.address,
-        uid: member.uid,
-        regions: regions
-            .into_iter()
-            .map(|r| crate::status::RegionShardStats {
-                core: r.core,
-                proxy: r.proxy,
-                registered: r.registered,
-                shards: r.shards.into_iter().collect(),
-                buffered: r.buffered,
-                dead_letters: r.dead_letters,
-            })
-            .collect(),
-    }
-}
-
-/// Events whose fold is `st` (same homes, regions, proxies and
-/// `last_generation`, unallocated shards), for recovering a coordinator from a replicated state.
-fn snapshot_events(st: &CoordinatorState) -> Vec<CoordinatorEvent> {
-    let mut ev = Vec::new();
-    let top = st
-        .shards
-        .values()
-        .map(|(_, g)| *g)
-        .max()
-        .unwrap_or(Generation(0));
-    if st.last_generation > top {
-        // Carry the largest generation ever allocated with a placeholder
-        // allocation that is undone at once (shard id outside every range).
-        let phantom = RegionId {
-            member: UniqueAddress {
-                address: Address(String::new()),
-                uid: MemberUid(0),
-            },
-            core: u16::MAX,
-        };
-        let shard = shardline_core::ids::ShardId(u32::MAX);
-        ev.push(CoordinatorEvent::ShardHomeAllocated {
-            shard,
-            region: phantom.clone(),
-            generation: st.last_generation,
-        });
-        ev.push(CoordinatorEvent::ShardHomeDeallocated {
-            shard,
-            generation: st.last_generation,
-        });
-        ev.push(CoordinatorEvent::ShardRegionTerminated { region: phantom });
-    }
-    for r in st.regions.keys() {
-        ev.push(CoordinatorEvent::ShardRegionRegistered { region: r.clone() });
-    }
-    for p in &st.proxies {
-        ev.push(CoordinatorEvent::ShardRegionProxyRegistered { proxy: p.clone() });
-    }
-    for (s, (r, g)) in &st.shards {
-        ev.push(CoordinatorEvent::ShardHomeAllocated {
-            shard: *s,
-            region: r.clone(),
-            generation: *g,
-        });
-    }
-    for s in &st.unallocated {
-        ev.push(CoordinatorEvent::ShardUnallocated { shard: *s });
-    }
-    ev
-}
-
-fn short_event(e: &ClusterEvent) -> String {
-    match e {
-        ClusterEvent::CurrentClusterState(s) => {
-            format!("CurrentClusterState({} members)", s.members.len())
-        }
-        ClusterEvent::MemberJoined(m) => format!("MemberJoined({})", m.unique_address),
-        ClusterEvent::MemberWeaklyUp(m) => format!("MemberWeaklyUp({})", m.unique_address),
-        ClusterEvent::MemberUp(m) => format!("MemberUp({})", m.unique_address),
-        ClusterEvent::MemberLeft(m) => format!("MemberLeft({})", m.unique_address),
-        ClusterEvent::MemberExited(m) => format!("MemberExited({})", m.unique_address),
-        ClusterEvent::MemberDowned(m) => format!("MemberDowned({})", m.unique_address),
-        ClusterEvent::MemberRemoved { member, .. } => {
-            format!("MemberRemoved({})", member.unique_address)
-        }
-        ClusterEvent::UnreachableMember(m) => format!("UnreachableMember({})", m.unique_address),
-        ClusterEvent::ReachableMember(m) => format!("ReachableMember({})", m.unique_address),
-        ClusterEvent::LeaderChanged(l) => {
-            format!("LeaderChanged({:?})", l.as_ref().map(|l| l.to_string()))
-        }
-        other => format!("{other:?}"),
-    }
-}
-
-/// An outbound control lane: connect, handshake, write batched frames.
 async fn run_peer(ctl: ControlRef, addr: String, outbox: Rc<Outbox>) {
     let hello = {
         let c = ctl.borrow();
@@ -1656,11 +786,16 @@ async fn run_peer(ctl: ControlRef, addr: String, outbox: Rc<Outbox>) {
     match &res {
         Err(TransportError::Refused(reason)) => {
             tracing::error!(peer = addr, reason, "control lane refused");
-            ctl.borrow_mut().peer_refused(&addr, reason);
+            let mut c = ctl.borrow_mut();
+            let now = c.now();
+            c.plane.handle_seed_refused(now, &addr, reason);
+            c.drive();
         }
         Err(TransportError::Rejected(reason)) => {
             tracing::error!(peer = addr, reason, "rejected by a member");
-            ctl.borrow_mut().refuse_to_join(reason.clone());
+            let mut c = ctl.borrow_mut();
+            c.refuse_to_join(reason.clone());
+            c.drive();
         }
         Err(e) => tracing::debug!(peer = addr, error = %e, "control lane closed"),
         Ok(()) => {}
@@ -1668,11 +803,13 @@ async fn run_peer(ctl: ControlRef, addr: String, outbox: Rc<Outbox>) {
     outbox.close();
     let mut c = ctl.borrow_mut();
     c.peer_failed(&addr, &outbox, refused);
+    let now = c.now();
     if refused {
-        c.peer_connection_refused(&addr);
+        c.plane.handle_connection_refused(now, &addr);
     } else if established {
-        c.peer_connection_lost(&addr);
+        c.plane.handle_connection_lost(now, &addr);
     }
+    c.drive();
 }
 
 /// An accepted node-to-node connection: handshake, then a control lane is
@@ -1729,6 +866,7 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
             Learned::Conflict { reason, mine: true } => c.refuse_to_join(reason),
             _ => {}
         }
+        c.drive();
     }
     let hello = match res {
         Ok(h) => h,
@@ -1774,7 +912,11 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
         loop {
             match reader.next_frame() {
                 Ok(Some(range)) => {
-                    if let Err(e) = ctl.borrow_mut().on_control_frame(reader.body(range)) {
+                    let mut c = ctl.borrow_mut();
+                    let now = c.now();
+                    let r = c.plane.handle_control_frame(now, reader.body(range));
+                    c.drive();
+                    if let Err(e) = r {
                         err = Some(e.to_string());
                         break;
                     }
@@ -1797,49 +939,4 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
         }
     };
     tracing::debug!(?peer, from = %from, why, "control lane closed");
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::envelope::WireCoordinatorEvent;
-    use shardline_core::ids::ShardId;
-
-    #[test]
-    fn replicated_state_events_fold_back_to_the_state_through_the_wire() {
-        let region = RegionId {
-            member: UniqueAddress {
-                address: Address("127.0.0.1:26001".to_string()),
-                uid: MemberUid(7),
-            },
-            core: 1,
-        };
-        let mut st = CoordinatorState::default();
-        for e in [
-            CoordinatorEvent::ShardRegionRegistered {
-                region: region.clone(),
-            },
-            CoordinatorEvent::ShardHomeAllocated {
-                shard: ShardId(1),
-                region: region.clone(),
-                generation: Generation(40),
-            },
-            CoordinatorEvent::ShardHomeAllocated {
-                shard: ShardId(2),
-                region,
-                generation: Generation(41),
-            },
-            CoordinatorEvent::ShardHomeDeallocated {
-                shard: ShardId(2),
-                generation: Generation(41),
-            },
-            CoordinatorEvent::ShardUnallocated { shard: ShardId(2) },
-        ] {
-            st.apply(&e);
-        }
-        assert!(st.unallocated.contains(&ShardId(2)));
-        let wire: Vec<WireCoordinatorEvent> = snapshot_events(&st).iter().map(Into::into).collect();
-        let back: Vec<CoordinatorEvent> = wire.into_iter().map(CoordinatorEvent::from).collect();
-        assert_eq!(CoordinatorState::from_events(back.iter()), st);
-    }
 }

@@ -17,6 +17,7 @@ pub(crate) mod admin;
 mod control;
 pub(crate) mod core;
 mod msg;
+pub(crate) mod plane;
 mod watch;
 
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
