@@ -528,17 +528,16 @@ fn a_newer_claim_racing_in_flight_appends_of_the_older_epoch_commits_none_after_
         let mut recovered: HashMap<String, u64> = HashMap::new();
         for (i, p) in ids.iter().enumerate() {
             let before = statements.load(Ordering::SeqCst);
-            let rec = claimer.recover(p, WriterEpoch(2)).expect("claim and recover");
+            let rec = claimer
+                .recover(p, WriterEpoch(2))
+                .expect("claim and recover");
             if statements.load(Ordering::SeqCst) == before {
                 claims_without_progress += 1;
             }
             for (k, e) in rec.events.iter().enumerate() {
                 assert_eq!(e.0, k as u64 + 1, "contiguous");
             }
-            recovered.insert(
-                p.as_str().to_string(),
-                rec.events.last().map_or(0, |e| e.0),
-            );
+            recovered.insert(p.as_str().to_string(), rec.events.last().map_or(0, |e| e.0));
             if i % 4 == round % 4 {
                 std::thread::sleep(Duration::from_micros(300));
             }
@@ -584,7 +583,10 @@ fn a_newer_claim_racing_in_flight_appends_of_the_older_epoch_commits_none_after_
     }
     // The race was real: claims ran while statements of the old epoch
     // were being sent (not all after the writer stopped).
-    assert!(claims_without_progress < ROUNDS * IDS, "no claim overlapped an append");
+    assert!(
+        claims_without_progress < ROUNDS * IDS,
+        "no claim overlapped an append"
+    );
 }
 
 /// Two writers append to the same 32 ids concurrently, one in ascending
@@ -672,8 +674,9 @@ fn an_append_without_a_claim_records_its_epoch_and_only_an_older_one_is_fenced()
     let pg = TempPg::start();
     let s = settings(&pg);
     let p = pid("counter|noclaim");
-    let writer_row =
-        || pg.psql("SELECT writer_epoch, xmin FROM shardline_writers WHERE persistence_id = 'counter|noclaim'");
+    let writer_row = || {
+        pg.psql("SELECT writer_epoch, xmin FROM shardline_writers WHERE persistence_id = 'counter|noclaim'")
+    };
     let mut a = PgLog::open(&s, 0);
     append_one(&mut a, &p, 1, 5, b"1").expect("first append, no claim");
     assert!(writer_row().starts_with("5|"), "{}", writer_row());
