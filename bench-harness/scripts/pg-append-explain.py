@@ -27,7 +27,7 @@ def stmt_of(src):
     m = re.search(r'pub\(crate\) const APPEND_SQL: &str = "(.*?)";', src, re.S)
     if not m:
         sys.exit("APPEND_SQL not found")
-    return m.group(1)
+    return m.group(1).replace('\\"', '"')
 
 
 new_sql = stmt_of(open("engine/src/persistence/pg.rs").read())
@@ -81,7 +81,9 @@ scripts = {v: [] for v in variants}
 for _ in range(N):
     ids = rng.sample(range(IDS), ROWS)
     for v in variants:
-        scripts[v].append(ids)
+        # This build's writer sends its arrays sorted by persistence id
+        # (bytewise); the old one in a hash map's order.
+        scripts[v].append(sorted(ids, key=lambda i: f"counter|{i}") if v != "old" else ids)
 for v, sql in variants.items():
     lines = ["PREPARE a AS " + sql + ";"]
     for ids in scripts[v]:

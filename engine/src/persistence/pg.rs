@@ -115,14 +115,14 @@ WITH ok AS MATERIALIZED (
     FROM shardline_writers AS cur
     JOIN unnest($1::text[], $2::int8[]) AS r(p, ep) ON cur.persistence_id = r.p
     WHERE cur.writer_epoch = r.ep
-    ORDER BY cur.persistence_id
+    ORDER BY cur.persistence_id COLLATE \"C\"
     FOR SHARE OF cur
 ), u AS (
     INSERT INTO shardline_writers AS cur (persistence_id, writer_epoch)
     SELECT r.p, r.ep
     FROM unnest($1::text[], $2::int8[]) AS r(p, ep)
     WHERE NOT EXISTS (SELECT 1 FROM ok WHERE ok.persistence_id = r.p)
-    ORDER BY r.p
+    ORDER BY r.p COLLATE \"C\"
     ON CONFLICT (persistence_id) DO UPDATE SET writer_epoch = EXCLUDED.writer_epoch
         WHERE cur.writer_epoch <= EXCLUDED.writer_epoch
     RETURNING persistence_id
@@ -133,14 +133,14 @@ WITH ok AS MATERIALIZED (
     SELECT r.p, r.s, r.ep, r.d
     FROM unnest($3::text[], $4::int8[], $5::int8[], $6::bytea[]) AS r(p, s, ep, d)
     WHERE r.p IN (SELECT persistence_id FROM w)
-    ORDER BY r.p, r.s
+    ORDER BY r.p COLLATE \"C\", r.s
     RETURNING 1
 ), s AS (
     INSERT INTO shardline_snapshots AS cur (persistence_id, sequence_nr, writer_epoch, data)
     SELECT r.p, r.s, r.ep, r.d
     FROM unnest($7::text[], $8::int8[], $9::int8[], $10::bytea[]) AS r(p, s, ep, d)
     WHERE r.p IN (SELECT persistence_id FROM w)
-    ORDER BY r.p
+    ORDER BY r.p COLLATE \"C\"
     ON CONFLICT (persistence_id) DO UPDATE
         SET sequence_nr = EXCLUDED.sequence_nr, writer_epoch = EXCLUDED.writer_epoch,
             data = EXCLUDED.data
@@ -1244,16 +1244,23 @@ fn run_append(
     let (c, st) = client
         .as_mut()
         .ok_or_else(|| PgError::Unavailable("no connection".into()))?;
-    let w_pid: Vec<&str> = epochs.keys().map(String::as_str).collect();
+    // In the order the statement locks and inserts them (bytewise, as its
+    // `COLLATE "C"`), so that its sorts find them sorted.
+    let mut w_pid: Vec<&str> = epochs.keys().map(String::as_str).collect();
+    w_pid.sort_unstable();
     let w_ep: Vec<i64> = w_pid.iter().map(|p| epochs[*p] as i64).collect();
+    let mut rows: Vec<&Row> = rows.iter().collect();
+    rows.sort_by(|a, b| (a.pid.as_str(), a.seq).cmp(&(b.pid.as_str(), b.seq)));
     let e_pid: Vec<&str> = rows.iter().map(|r| r.pid.as_str()).collect();
     let e_seq: Vec<i64> = rows.iter().map(|r| r.seq as i64).collect();
     let e_ep: Vec<i64> = rows.iter().map(|r| r.epoch as i64).collect();
     let e_data: Vec<&[u8]> = rows.iter().map(|r| r.payload.as_slice()).collect();
-    let s_pid: Vec<&str> = snaps.values().map(|s| s.pid.as_str()).collect();
-    let s_seq: Vec<i64> = snaps.values().map(|s| s.seq as i64).collect();
-    let s_ep: Vec<i64> = snaps.values().map(|s| s.epoch as i64).collect();
-    let s_data: Vec<&[u8]> = snaps.values().map(|s| s.data.as_slice()).collect();
+    let mut snaps: Vec<&SnapRow> = snaps.values().collect();
+    snaps.sort_by(|a, b| a.pid.cmp(&b.pid));
+    let s_pid: Vec<&str> = snaps.iter().map(|s| s.pid.as_str()).collect();
+    let s_seq: Vec<i64> = snaps.iter().map(|s| s.seq as i64).collect();
+    let s_ep: Vec<i64> = snaps.iter().map(|s| s.epoch as i64).collect();
+    let s_data: Vec<&[u8]> = snaps.iter().map(|s| s.data.as_slice()).collect();
     let out = c
         .query(
             &*st,
