@@ -4,7 +4,8 @@
 //! filesystem.
 //!
 //! ```text
-//!  per policy:  spawn node (data_cores = 1, durability = policy)
+//!  per policy:  spawn node (data_cores = 1, durability = policy),
+//!               start every counter (one `get` each, not measured)
 //!    per depth D:  raw baseline: D records in flight, pwrite + fdatasync
 //!                  (same cadence as the policy, file in the node's data root)
 //!                  durable run: closed loop, D counter adds in flight over
