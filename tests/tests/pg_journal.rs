@@ -455,3 +455,250 @@ fn the_cluster_id_is_kept_per_cluster_name() {
         "id-two"
     );
 }
+
+/// A claim of a newer epoch races appends of the older one that are in
+/// flight, many rounds: each round an old incarnation (epoch 1) appends to
+/// 16 ids as fast as it can (one statement carries all of them) while a
+/// new one (epoch 2) claims and recovers them one by one. The old writer
+/// ends fenced on every id; every event of the old epoch it had
+/// acknowledged, and every one in the database, is in what the new
+/// incarnation recovered; no event of epoch 1 was committed after the
+/// claim of its id (commit timestamps: `track_commit_timestamp`); and the
+/// old epoch's events are 1..=n without a gap.
+#[test]
+fn a_newer_claim_racing_in_flight_appends_of_the_older_epoch_commits_none_after_it() {
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    const IDS: usize = 16;
+    const ROUNDS: usize = 40;
+    let pg = TempPg::start();
+    let s = settings(&pg);
+    pg::connect(&s).expect("schema");
+    let mut claimer = PgLog::open(&s, 1);
+    let mut old = PgLog::open(&s, 0);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut claims_without_progress = 0usize;
+    for round in 0..ROUNDS {
+        let ids: Vec<PersistenceId> = (0..IDS)
+            .map(|i| pid(&format!("fence{round}|{i}")))
+            .collect();
+        for p in &ids {
+            old.recover(p, WriterEpoch(1)).expect("recover old");
+        }
+        let statements = Arc::new(AtomicU64::new(0));
+        let st = statements.clone();
+        let ids2 = ids.clone();
+        let writer = std::thread::spawn(move || {
+            let mut acked: HashMap<String, u64> = HashMap::new();
+            let mut live: Vec<PersistenceId> = ids2.clone();
+            let mut next = 1u64;
+            while !live.is_empty() {
+                assert!(Instant::now() < deadline, "old writer never fenced");
+                let mut sent = Vec::new();
+                for p in &live {
+                    let lsn = old
+                        .append(p, SequenceNr(next), WriterEpoch(1), b"old")
+                        .expect("append queued");
+                    sent.push((p.clone(), lsn));
+                }
+                let last = sent.last().expect("one").1;
+                old.wait_durable(last).expect("outcome");
+                let mut still = Vec::new();
+                for (p, lsn) in sent {
+                    match old.rejected(&p, lsn) {
+                        None => {
+                            acked.insert(p.as_str().to_string(), next);
+                            still.push(p);
+                        }
+                        Some(e) => assert_eq!(e.kind, LogErrorKind::Fenced, "{}", e.message),
+                    }
+                }
+                live = still;
+                next += 1;
+                st.fetch_add(1, Ordering::SeqCst);
+            }
+            (old, acked)
+        });
+        // Claim while the old writer's statements are in flight: after a
+        // few of them, and a varying pause between the claims.
+        while statements.load(Ordering::SeqCst) < 2 + (round as u64 % 3) {
+            assert!(Instant::now() < deadline, "old writer idle");
+            std::thread::yield_now();
+        }
+        let mut recovered: HashMap<String, u64> = HashMap::new();
+        for (i, p) in ids.iter().enumerate() {
+            let before = statements.load(Ordering::SeqCst);
+            let rec = claimer
+                .recover(p, WriterEpoch(2))
+                .expect("claim and recover");
+            if statements.load(Ordering::SeqCst) == before {
+                claims_without_progress += 1;
+            }
+            for (k, e) in rec.events.iter().enumerate() {
+                assert_eq!(e.0, k as u64 + 1, "contiguous");
+            }
+            recovered.insert(p.as_str().to_string(), rec.events.last().map_or(0, |e| e.0));
+            if i % 4 == round % 4 {
+                std::thread::sleep(Duration::from_micros(300));
+            }
+        }
+        let (o, acked) = writer.join().expect("old writer");
+        old = o;
+        // Per id: the old epoch's events (count, highest), those committed
+        // after the claim, and the recorded epoch; one query per round.
+        let rows = pg.psql(&format!(
+            "SELECT count(e.sequence_nr), coalesce(max(e.sequence_nr), 0), \
+             count(*) FILTER (WHERE pg_xact_commit_timestamp(e.xmin) > pg_xact_commit_timestamp(w.xmin)), \
+             w.writer_epoch, w.persistence_id \
+             FROM shardline_writers w LEFT JOIN shardline_events e \
+             ON e.persistence_id = w.persistence_id AND e.writer_epoch = 1 \
+             WHERE w.persistence_id LIKE 'fence{round}|%' GROUP BY w.persistence_id, w.writer_epoch"
+        ));
+        let mut seen = 0;
+        for line in rows.lines() {
+            // count|highest|late|epoch|persistence id (which has a '|').
+            let f: Vec<&str> = line.splitn(5, '|').collect();
+            let p = f[4];
+            let got = *recovered
+                .get(p)
+                .unwrap_or_else(|| panic!("round {round}: {p} not claimed: {rows}"));
+            let a = acked.get(p).copied().unwrap_or(0);
+            assert!(
+                a <= got,
+                "round {round}, {p}: acknowledged up to {a}, recovered only {got}"
+            );
+            assert_eq!(
+                (f[0], f[1]),
+                (got.to_string().as_str(), got.to_string().as_str()),
+                "round {round}, {p}: the old epoch's events are exactly what was recovered"
+            );
+            assert_eq!(
+                f[2], "0",
+                "round {round}, {p}: an event of the old epoch committed after the newer claim"
+            );
+            assert_eq!(f[3], "2", "round {round}, {p}: the newer epoch is recorded");
+            seen += 1;
+        }
+        assert_eq!(seen, IDS, "round {round}: {rows}");
+    }
+    // The race was real: claims ran while statements of the old epoch
+    // were being sent (not all after the writer stopped).
+    assert!(
+        claims_without_progress < ROUNDS * IDS,
+        "no claim overlapped an append"
+    );
+}
+
+/// Two writers append to the same 32 ids concurrently, one in ascending
+/// and one in descending order, 100 rounds: rounds that raise the epoch
+/// (each writer's statement updates every writer row), rounds at the
+/// recorded epoch (`FOR SHARE`) and snapshot saves (upserts of the same
+/// snapshot rows). Every append commits (a deadlock, 40P01, would refuse
+/// a statement's appends as unavailable) and the server logs no deadlock.
+#[test]
+fn two_writers_appending_to_the_same_ids_in_opposite_orders_never_deadlock() {
+    const IDS: u64 = 256;
+    const ROUNDS: u64 = 60;
+    let pg = TempPg::start();
+    let s = settings(&pg);
+    pg::connect(&s).expect("schema");
+    let barrier = Arc::new(std::sync::Barrier::new(2));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let hs: Vec<_> = [false, true]
+        .into_iter()
+        .enumerate()
+        .map(|(w, descending)| {
+            let s = s.clone();
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                let mut log = PgLog::open(&s, w as u16);
+                // Appends wait for `flush`: one statement per round.
+                log.set_flush_wake(Arc::new(DurableWake::default()));
+                let mut order: Vec<u64> = (0..IDS).collect();
+                if descending {
+                    order.reverse();
+                }
+                for round in 1..=ROUNDS {
+                    assert!(Instant::now() < deadline, "rounds too slow");
+                    let epoch = round.div_ceil(2);
+                    let seq = 2 * round - 1 + w as u64;
+                    barrier.wait();
+                    let mut sent = Vec::new();
+                    for i in &order {
+                        let p = pid(&format!("dl|{i}"));
+                        let lsn = log
+                            .append(&p, SequenceNr(seq), WriterEpoch(epoch), b"e")
+                            .expect("append");
+                        if round % 4 == 0 {
+                            log.save_snapshot(&p, SequenceNr(seq), WriterEpoch(epoch), b"s")
+                                .expect("snapshot");
+                        }
+                        sent.push((p, lsn));
+                    }
+                    log.flush();
+                    let last = sent.last().expect("one").1;
+                    log.wait_durable(last).expect("outcome");
+                    for (p, lsn) in &sent {
+                        if let Some(e) = log.rejected(p, *lsn) {
+                            panic!("round {round}, writer {w}, {p:?}: {}", e.message);
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().expect("writer");
+    }
+    assert_eq!(
+        pg.psql("SELECT count(*), count(DISTINCT persistence_id) FROM shardline_events WHERE persistence_id LIKE 'dl|%'"),
+        format!("{}|{IDS}", 2 * ROUNDS * IDS)
+    );
+    assert_eq!(
+        pg.psql("SELECT min(writer_epoch), max(writer_epoch) FROM shardline_writers WHERE persistence_id LIKE 'dl|%'"),
+        format!("{0}|{0}", ROUNDS / 2)
+    );
+    let log = pg.server_log();
+    assert!(
+        !log.contains("deadlock detected"),
+        "the server logged a deadlock: {log}"
+    );
+}
+
+/// The append's fence without a claim before it (an API caller that
+/// appends first): the first append of an id records its epoch, a newer
+/// epoch raises it, the recorded epoch appends without writing a new
+/// version of the writer row, and an older one is refused as fenced.
+#[test]
+fn an_append_without_a_claim_records_its_epoch_and_only_an_older_one_is_fenced() {
+    let pg = TempPg::start();
+    let s = settings(&pg);
+    let p = pid("counter|noclaim");
+    let writer_row = || {
+        pg.psql("SELECT writer_epoch, xmin FROM shardline_writers WHERE persistence_id = 'counter|noclaim'")
+    };
+    let mut a = PgLog::open(&s, 0);
+    append_one(&mut a, &p, 1, 5, b"1").expect("first append, no claim");
+    assert!(writer_row().starts_with("5|"), "{}", writer_row());
+    append_one(&mut a, &p, 2, 7, b"2").expect("a newer epoch than recorded");
+    let at7 = writer_row();
+    assert!(at7.starts_with("7|"), "{at7}");
+    append_one(&mut a, &p, 3, 7, b"3").expect("the recorded epoch");
+    append_one(&mut a, &p, 4, 7, b"4").expect("the recorded epoch");
+    assert_eq!(
+        writer_row(),
+        at7,
+        "appends at the recorded epoch write no new version of the writer row"
+    );
+    let mut b = PgLog::open(&s, 1);
+    assert_eq!(
+        append_one(&mut b, &p, 5, 6, b"5"),
+        Err(LogErrorKind::Fenced),
+        "an older epoch than recorded"
+    );
+    assert_eq!(
+        pg.psql("SELECT string_agg(sequence_nr || ':' || writer_epoch, ',' ORDER BY sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|noclaim'"),
+        "1:5,2:7,3:7,4:7"
+    );
+    assert!(writer_row().starts_with("7|"));
+}

@@ -17,15 +17,18 @@
 //! [`DurableWake`]. An event counts as durable (its handler runs, its
 //! command is answered) only once that statement committed.
 //!
-//! Fencing: every statement that writes upserts the writer epoch of each
-//! persistence id into `shardline_writers` with `ON CONFLICT DO UPDATE ...
-//! WHERE writer_epoch <= EXCLUDED.writer_epoch` and inserts only the rows
-//! of the ids that upsert returned, in the same statement, so the check
-//! and the write are one atomic step (the row lock of the upsert orders
-//! racing writers). A recovery claims the id with its epoch first (its
-//! own statement), then reads: an older incarnation's append that
-//! commits after the claim is refused, and one that committed before it
-//! is in what the recovery reads.
+//! Fencing: every statement that writes checks the writer epoch of each
+//! persistence id against `shardline_writers` and inserts only the rows
+//! of the ids it accepted, in the same statement ([`APPEND_SQL`]), so the
+//! check and the write are one atomic step: an id whose recorded epoch is
+//! ours is locked `FOR SHARE` (no new row version), any other is upserted
+//! with `ON CONFLICT DO UPDATE ... WHERE writer_epoch <=
+//! EXCLUDED.writer_epoch`; the row locks order racing writers, and every
+//! statement takes them in persistence id order. A recovery claims the id
+//! with its epoch first (its own statement, an update of the row that
+//! waits for the appends holding it), then reads: an older incarnation's
+//! append that commits after the claim is refused, and one that committed
+//! before it is in what the recovery reads.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -79,26 +82,65 @@ CREATE TABLE IF NOT EXISTS shardline_clusters (
 /// The key of the advisory lock held while the schema is created.
 const SCHEMA_LOCK_KEY: i64 = 0x5348_4152_444c_494e; // "SHARDLIN"
 
-/// The group-commit statement: fenced writer-epoch upsert, then the events
-/// and snapshots of the ids it accepted; returns the accepted ids.
+/// The group-commit statement: the fence, then the events and snapshots
+/// of the ids it accepted; returns the accepted ids.
+///
+/// `$1`/`$2` are each id's writer epoch (one entry per id), `$3..$6` the
+/// events, `$7..$10` the snapshots (at most one per id).
+///
+/// The fence is decided by the database in this statement (no
+/// read-then-write race):
+/// - `ok`: the ids whose recorded epoch equals ours (the common case: a
+///   recovery claimed it before the incarnation appends) are locked
+///   `FOR SHARE`, in persistence id order. That writes no new row version
+///   (only the lock in the row's header) and blocks a claim's update of
+///   the row until this transaction ends. A claim of a newer epoch that
+///   updated the row first makes the lock wait for it; READ COMMITTED then
+///   re-checks the newest row version (`EvalPlanQual`), finds the newer
+///   epoch and leaves the id out.
+/// - `u`: every other id (no row yet: an append that no claim preceded; a
+///   recorded epoch older than ours; or one that changed under `ok`) is
+///   upserted, in persistence id order, and accepted only where the
+///   recorded epoch is not newer than ours (`ON CONFLICT ... DO UPDATE
+///   ... WHERE`, which locks and re-checks the newest version likewise).
+/// - The events and snapshots of the accepted ids are inserted in
+///   `(persistence_id, sequence_nr)` order.
+///
+/// Every row lock and insert of one statement is so taken in one order,
+/// and two statements whose batches share ids wait for each other instead
+/// of deadlocking.
 pub(crate) const APPEND_SQL: &str = "
-WITH w AS (
+WITH ok AS MATERIALIZED (
+    SELECT cur.persistence_id
+    FROM shardline_writers AS cur
+    JOIN unnest($1::text[], $2::int8[]) AS r(p, ep) ON cur.persistence_id = r.p
+    WHERE cur.writer_epoch = r.ep
+    ORDER BY cur.persistence_id COLLATE \"C\"
+    FOR SHARE OF cur
+), u AS (
     INSERT INTO shardline_writers AS cur (persistence_id, writer_epoch)
-    SELECT * FROM unnest($1::text[], $2::int8[])
+    SELECT r.p, r.ep
+    FROM unnest($1::text[], $2::int8[]) AS r(p, ep)
+    WHERE NOT EXISTS (SELECT 1 FROM ok WHERE ok.persistence_id = r.p)
+    ORDER BY r.p COLLATE \"C\"
     ON CONFLICT (persistence_id) DO UPDATE SET writer_epoch = EXCLUDED.writer_epoch
         WHERE cur.writer_epoch <= EXCLUDED.writer_epoch
     RETURNING persistence_id
+), w AS (
+    SELECT persistence_id FROM ok UNION ALL SELECT persistence_id FROM u
 ), e AS (
     INSERT INTO shardline_events (persistence_id, sequence_nr, writer_epoch, payload)
     SELECT r.p, r.s, r.ep, r.d
     FROM unnest($3::text[], $4::int8[], $5::int8[], $6::bytea[]) AS r(p, s, ep, d)
     WHERE r.p IN (SELECT persistence_id FROM w)
+    ORDER BY r.p COLLATE \"C\", r.s
     RETURNING 1
 ), s AS (
     INSERT INTO shardline_snapshots AS cur (persistence_id, sequence_nr, writer_epoch, data)
     SELECT r.p, r.s, r.ep, r.d
     FROM unnest($7::text[], $8::int8[], $9::int8[], $10::bytea[]) AS r(p, s, ep, d)
     WHERE r.p IN (SELECT persistence_id FROM w)
+    ORDER BY r.p COLLATE \"C\"
     ON CONFLICT (persistence_id) DO UPDATE
         SET sequence_nr = EXCLUDED.sequence_nr, writer_epoch = EXCLUDED.writer_epoch,
             data = EXCLUDED.data
@@ -1202,16 +1244,23 @@ fn run_append(
     let (c, st) = client
         .as_mut()
         .ok_or_else(|| PgError::Unavailable("no connection".into()))?;
-    let w_pid: Vec<&str> = epochs.keys().map(String::as_str).collect();
+    // In the order the statement locks and inserts them (bytewise, as its
+    // `COLLATE "C"`), so that its sorts find them sorted.
+    let mut w_pid: Vec<&str> = epochs.keys().map(String::as_str).collect();
+    w_pid.sort_unstable();
     let w_ep: Vec<i64> = w_pid.iter().map(|p| epochs[*p] as i64).collect();
+    let mut rows: Vec<&Row> = rows.iter().collect();
+    rows.sort_by(|a, b| (a.pid.as_str(), a.seq).cmp(&(b.pid.as_str(), b.seq)));
     let e_pid: Vec<&str> = rows.iter().map(|r| r.pid.as_str()).collect();
     let e_seq: Vec<i64> = rows.iter().map(|r| r.seq as i64).collect();
     let e_ep: Vec<i64> = rows.iter().map(|r| r.epoch as i64).collect();
     let e_data: Vec<&[u8]> = rows.iter().map(|r| r.payload.as_slice()).collect();
-    let s_pid: Vec<&str> = snaps.values().map(|s| s.pid.as_str()).collect();
-    let s_seq: Vec<i64> = snaps.values().map(|s| s.seq as i64).collect();
-    let s_ep: Vec<i64> = snaps.values().map(|s| s.epoch as i64).collect();
-    let s_data: Vec<&[u8]> = snaps.values().map(|s| s.data.as_slice()).collect();
+    let mut snaps: Vec<&SnapRow> = snaps.values().collect();
+    snaps.sort_by(|a, b| a.pid.cmp(&b.pid));
+    let s_pid: Vec<&str> = snaps.iter().map(|s| s.pid.as_str()).collect();
+    let s_seq: Vec<i64> = snaps.iter().map(|s| s.seq as i64).collect();
+    let s_ep: Vec<i64> = snaps.iter().map(|s| s.epoch as i64).collect();
+    let s_data: Vec<&[u8]> = snaps.iter().map(|s| s.data.as_slice()).collect();
     let out = c
         .query(
             &*st,

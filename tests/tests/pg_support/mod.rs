@@ -190,6 +190,10 @@ impl TempPg {
                 "listen_addresses=127.0.0.1",
                 "-c",
                 "max_connections=200",
+                // Commit times of rows (`pg_xact_commit_timestamp`), for
+                // the fencing tests' ordering checks.
+                "-c",
+                "track_commit_timestamp=on",
             ]);
         if self.fast {
             cmd.args(["-c", "fsync=off", "-c", "full_page_writes=off"]);
