@@ -14,12 +14,19 @@ pub struct RebalanceArgs {
     /// that runs the coordinators).
     #[arg(long)]
     pub node: SocketAddr,
-    /// The entity type (default: every type).
-    #[arg(long = "type")]
+    /// The entity type (default: every type). An empty or over-long name
+    /// is refused (exit 2) rather than taken as "every type".
+    #[arg(long = "type", value_parser = type_name)]
     pub type_name: Option<String>,
     /// Print the raw JSON instead of text.
     #[arg(long)]
     pub json: bool,
+}
+
+fn type_name(s: &str) -> Result<String, String> {
+    shardline_core::ids::TypeName::new(s)
+        .map(|t| t.as_str().to_string())
+        .map_err(|e| e.to_string())
 }
 
 /// Runs the round and prints what it started.

@@ -167,7 +167,15 @@ pub fn route(method: Method, target: &str) -> Result<Route, RouteError> {
             };
             get(r)
         }
-        ["v1", "coordinator", "allocation"] => get(Route::Allocation),
+        ["v1", "coordinator", "allocation"] => {
+            if query.is_some_and(|q| !q.is_empty()) {
+                return Err(RouteError::BadRequest(
+                    "`/v1/coordinator/allocation` takes no query parameters (it lists every type)"
+                        .to_string(),
+                ));
+            }
+            get(Route::Allocation)
+        }
         ["v1", "coordinator", "rebalance"] => {
             if method != Method::Post {
                 return Err(RouteError::MethodNotAllowed { allow: "POST" });
@@ -254,6 +262,11 @@ fn type_param(query: Option<&str>) -> Result<Option<TypeName>, RouteError> {
                     ));
                 }
                 found = Some(type_name(v)?);
+            }
+            None if pair == "type" => {
+                return Err(RouteError::BadRequest(
+                    "the query parameter `type` needs a value (`type=NAME`)".to_string(),
+                ));
             }
             _ => {
                 let k = pair.split_once('=').map_or(pair, |(k, _)| k);
@@ -390,6 +403,26 @@ mod tests {
         assert!(post(&ok).is_ok());
         let long_escaped = format!("/v1/entities/counter/{}", "%41".repeat(256));
         assert_eq!(post(&long_escaped).unwrap_err().status_code(), 400);
+    }
+
+    #[test]
+    fn coordinator_routes_refuse_queries_they_do_not_take() {
+        for q in ["?garbage", "?type=counter", "?type"] {
+            let t = format!("/v1/coordinator/allocation{q}");
+            let e = route(Method::Get, &t).unwrap_err();
+            assert_eq!(e.status_code(), 400, "{t}: {e}");
+        }
+        let e = route(Method::Post, "/v1/coordinator/rebalance?type").unwrap_err();
+        assert_eq!(e.status_code(), 400);
+        assert!(e.to_string().contains("needs a value"), "{e}");
+        for q in ["?type=", "?foo=bar", "?type=a&type=b"] {
+            let t = format!("/v1/coordinator/rebalance{q}");
+            assert_eq!(
+                route(Method::Post, &t).unwrap_err().status_code(),
+                400,
+                "{t}"
+            );
+        }
     }
 
     #[test]

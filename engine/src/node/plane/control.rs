@@ -796,6 +796,7 @@ impl ControlPlane {
             .as_ref()
             .is_some_and(|l| matches!(l.phase, LeavePhase::HandingOff { .. }));
         if all && handing {
+            tracing::info!("shards handed off");
             self.begin_leave(now);
         }
         self.drive(now);
@@ -1537,7 +1538,14 @@ impl ControlPlane {
         if let Some(l) = &mut self.leave {
             l.phase = LeavePhase::Leaving;
         }
-        tracing::info!("shards handed off; leaving the cluster");
+        if self.cluster.self_member().is_none() {
+            // Never joined (e.g. refused by its seeds and still asking):
+            // there is no cluster to leave, so nothing to wait for.
+            tracing::info!("not a member of any cluster; stopping");
+            self.on_stop(StopReason::Left);
+            return;
+        }
+        tracing::info!("leaving the cluster");
         self.cluster.leave(now);
     }
 
@@ -2085,6 +2093,49 @@ mod tests {
     }
 
     #[test]
+    fn a_member_that_never_joined_stops_at_once_when_asked_to_leave() {
+        // Its only seed is another address that never answers: it keeps
+        // asking and is in no cluster.
+        let me = me();
+        let seed = Address("127.0.0.1:27002".to_string());
+        let cfg = ControlPlaneConfig {
+            cluster: ClusterConfig::new(me.address.clone(), vec![seed]),
+            me,
+            alone: false,
+            data_cores: 2,
+            journal: CoordinatorConfig {
+                number_of_shards: 16,
+                hash_name: SHARD_ID_HASH_NAME.to_string(),
+            },
+            coordinator: crate::config::CoordinatorConfig::default(),
+            on_join_refused: crate::config::OnJoinRefused::default(),
+        };
+        let mut p = ControlPlane::new(cfg, Duration::ZERO);
+        let mut now = Duration::ZERO;
+        while now < Duration::from_secs(2) {
+            now += Duration::from_millis(10);
+            p.handle_timeout(now);
+            drain(&mut p);
+        }
+        assert!(!p.is_up());
+        p.handle_leave(now, Duration::from_secs(30));
+        drain(&mut p);
+        p.handle_shutdown_complete(now, 0);
+        p.handle_shutdown_complete(now, 1);
+        let o = drain(&mut p);
+        assert!(
+            o.events
+                .iter()
+                .any(|e| matches!(e, ControlEvent::Stopped { code: 1, .. })),
+            "not stopped as left"
+        );
+        assert!(o
+            .events
+            .iter()
+            .any(|e| matches!(e, ControlEvent::LeaveDone)));
+    }
+
+    #[test]
     fn a_leave_whose_hand_offs_time_out_leaves_after_half_its_timeout() {
         let (mut p, mut now) = until_recover(2);
         p.handle_recovered(now, 1_000, TYPE, Recovery::NoJournal);
@@ -2139,8 +2190,10 @@ mod tests {
     }
 
     #[test]
-    fn a_leave_that_never_completes_is_given_up_at_its_deadline() {
-        // A member that is not Up (its seed never answers) cannot leave.
+    fn a_member_that_never_joined_stops_after_its_hand_off_time_when_its_cores_do_not_answer() {
+        // A member that is in no cluster (its seed never answers) has no
+        // cluster to leave: it stops once the hand-off phase (half the
+        // timeout) is over, before the leave's deadline.
         let me = me();
         let cfg = ControlPlaneConfig {
             cluster: ClusterConfig::new(
@@ -2160,12 +2213,19 @@ mod tests {
         let mut p = ControlPlane::new(cfg, Duration::ZERO);
         let mut now = Duration::ZERO;
         p.handle_leave(now, Duration::from_secs(2));
+        let mut stopped = false;
         run_until(&mut p, &mut now, Duration::from_secs(3), |_, o| {
+            stopped |= o
+                .events
+                .iter()
+                .any(|e| matches!(e, ControlEvent::Stopped { code: 1, .. }));
             o.events
                 .iter()
                 .any(|e| matches!(e, ControlEvent::LeaveDone))
         });
-        assert!(now >= Duration::from_secs(2));
+        assert!(stopped, "not stopped as left");
+        assert!(now >= Duration::from_secs(1), "{now:?}");
+        assert!(now < Duration::from_secs(2), "{now:?}");
     }
 
     #[test]
