@@ -45,6 +45,7 @@ pub mod persistence;
 /// hidden from the docs and may change with any release.
 #[doc(hidden)]
 pub mod plane {
+    pub use crate::envelope::ControlFrame;
     pub use crate::node::plane::control::*;
     pub use crate::node::{ClusterView, StatsEvent};
     pub use crate::persistence::coordinator::{

@@ -76,6 +76,18 @@ pub(crate) struct Params {
     pub nodes: Option<usize>,
     /// Clustered mode: exactly these slots run at the end.
     pub expect_survivors: Option<Vec<usize>>,
+    /// Clustered mode: how long after a journal write it is durable and
+    /// the writer's plane is told (min, max; in order per node).
+    pub journal_ack: (Duration, Duration),
+    /// Clustered mode: how long a coordinator recovery read takes (min, max).
+    pub recovery_delay: (Duration, Duration),
+    /// Clustered mode: the share of recovery reads answered as the
+    /// database does (claiming the next writer epoch at the read), the
+    /// others as a file journal (the plane picks the epoch).
+    pub p_database: f64,
+    /// Clustered mode: the timeout of a graceful leave (the hand-offs get
+    /// half of it).
+    pub leave_timeout: Duration,
 }
 
 fn ms(n: u64) -> Duration {
@@ -117,6 +129,10 @@ impl Params {
             clustered: false,
             nodes: None,
             expect_survivors: None,
+            journal_ack: (Duration::from_micros(100), ms(2)),
+            recovery_delay: (ms(1), ms(10)),
+            p_database: 0.0,
+            leave_timeout: s(20),
         }
     }
 

@@ -531,8 +531,14 @@ impl ControlPlane {
         }
     }
 
-    /// The hosted coordinator of `type_name`, if it runs here.
-    #[cfg(test)]
+    /// The membership state machine (read only: members, gossip,
+    /// fencing), for views and checks.
+    pub fn cluster(&self) -> &ClusterNode {
+        &self.cluster
+    }
+
+    /// The hosted coordinator of `type_name`, if it runs here (not while
+    /// its recovery read is under way).
     pub fn coordinator(&self, type_name: &str) -> Option<&ShardCoordinator> {
         self.coordinators.get(type_name)
     }
