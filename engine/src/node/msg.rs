@@ -193,11 +193,17 @@ pub(crate) enum ToControl {
 }
 
 /// Maps a membership event to the sharding state machines' view.
+///
+/// A Downed member is Leaving for sharding: it gets no new shards and keeps
+/// the ones it has until it is removed, when its regions are terminated and
+/// their shards allocated again (Akka: the coordinator ranks regions of
+/// members that are not Up last, and terminates a region once its member
+/// is removed).
 pub(crate) fn sharding_event(e: &ClusterEvent) -> Option<MembershipEvent> {
     use shardline_core::cluster::ClusterEvent as E;
     match e {
         E::MemberUp(m) => Some(MembershipEvent::MemberUp(m.unique_address.clone())),
-        E::MemberLeft(m) | E::MemberExited(m) => {
+        E::MemberLeft(m) | E::MemberExited(m) | E::MemberDowned(m) => {
             Some(MembershipEvent::MemberLeaving(m.unique_address.clone()))
         }
         E::MemberRemoved { member, .. } => Some(MembershipEvent::MemberRemoved(

@@ -86,6 +86,12 @@ pub struct RunStats {
     /// Clustered mode: journal events lost because they were not durable
     /// when their writer crashed (count).
     pub journal_lost: u64,
+    /// Clustered mode: coordinator incarnations begun from the copy
+    /// replicated to their member, the journal holding nothing (count).
+    pub replicated_starts: u64,
+    /// Clustered mode: graceful leaves given up at their deadline (the
+    /// process stopped while still a member) (count).
+    pub leaves_given_up: u64,
 }
 
 /// The result of one run.

@@ -1196,7 +1196,7 @@ impl ControlPlane {
             .values()
             .filter_map(|m| match m.status {
                 cl::MemberStatus::Up => Some((m.unique_address.clone(), ShMemberStatus::Up)),
-                cl::MemberStatus::Leaving | cl::MemberStatus::Exiting => {
+                cl::MemberStatus::Leaving | cl::MemberStatus::Exiting | cl::MemberStatus::Down => {
                     Some((m.unique_address.clone(), ShMemberStatus::Leaving))
                 }
                 _ => None,

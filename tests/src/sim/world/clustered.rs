@@ -373,10 +373,15 @@ impl World {
             }
             ControlEvent::LeaveDone => {
                 if self.nodes[slot].alive {
-                    self.violate(
-                        "left",
-                        format!("node {slot} gave its leave up at the deadline"),
-                    );
+                    // `Node::leave` stops the process at the deadline even
+                    // though the member did not leave: the others down it.
+                    self.log(|| format!("node {slot} gave its leave up at the deadline; it stops"));
+                    self.stats.leaves_given_up += 1;
+                    let n = &mut self.nodes[slot];
+                    n.alive = false;
+                    n.deferred.clear();
+                    n.paused = None;
+                    self.lose_everything_at(slot, "leave timed out");
                 }
             }
             ControlEvent::Cluster(e) => {
@@ -477,13 +482,16 @@ impl World {
                 self.log(|| format!("node {slot} recovers {type_name} (answer in {d:?})"));
                 self.schedule(self.now + d, Ev::Recovered { slot, uid });
             }
-            JournalOp::Begin { epoch, seq, .. } => {
+            JournalOp::Begin {
+                epoch, seq, state, ..
+            } => {
                 let j = &self.journal_of_record;
                 let newest = j.epoch;
                 let claimed_here = j.writer == Some((slot, uid)) && epoch == newest;
                 if epoch > newest || claimed_here {
                     self.log(|| format!("journal: node {slot} begins epoch {}", epoch.0));
                     self.stats.coordinator_starts += 1;
+                    self.begin_from(slot, &state);
                     let j = &mut self.journal_of_record;
                     j.epoch = epoch;
                     j.writer = Some((slot, uid));
@@ -545,6 +553,40 @@ impl World {
         }
     }
 
+    /// "recovery source": a new incarnation starts from the journal's
+    /// state when the journal holds any; from another (the copy replicated
+    /// to its member) only when it holds none, and then that state is the
+    /// incarnation's first record.
+    fn begin_from(&mut self, slot: usize, state: &CoordinatorState) {
+        let j = &mut self.journal_of_record;
+        let mut fold = CoordinatorState::default();
+        for e in &j.events {
+            fold.apply(e);
+        }
+        if fold == *state {
+            return;
+        }
+        if !j.events.is_empty() {
+            return self.violate(
+                "recovery source",
+                format!(
+                    "node {slot} began an incarnation from a state other than the journal's ({} shards, the journal {})",
+                    state.shards.len(),
+                    fold.shards.len()
+                ),
+            );
+        }
+        self.stats.replicated_starts += 1;
+        j.events = shardline::plane::snapshot_events(state);
+        j.durable = 0;
+        self.latest_alloc.iter_mut().for_each(|a| *a = None);
+        for (shard, (region, generation)) in &state.shards {
+            if let Some(a) = self.latest_alloc.get_mut(shard.0 as usize) {
+                *a = Some((region.clone(), *generation));
+            }
+        }
+    }
+
     /// The write `seq` of `slot` becomes durable after a seed-chosen delay,
     /// after every earlier write of that node.
     fn flush_later(&mut self, slot: usize, seq: JournalSeq) {
@@ -578,6 +620,9 @@ impl World {
                         generation,
                     } = e
                     {
+                        if shard.0 >= self.cfg.shards {
+                            continue;
+                        }
                         self.durable_allocs
                             .insert((*shard, region.clone(), *generation));
                     }
@@ -649,9 +694,15 @@ impl World {
                     shard,
                     region,
                     generation,
-                } => self.latest_alloc[shard.0 as usize] = Some((region.clone(), *generation)),
+                } => {
+                    if let Some(a) = self.latest_alloc.get_mut(shard.0 as usize) {
+                        *a = Some((region.clone(), *generation));
+                    }
+                }
                 CoordinatorEvent::ShardHomeDeallocated { shard, .. } => {
-                    self.latest_alloc[shard.0 as usize] = None
+                    if let Some(a) = self.latest_alloc.get_mut(shard.0 as usize) {
+                        *a = None;
+                    }
                 }
                 _ => {}
             }
