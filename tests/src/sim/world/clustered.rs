@@ -371,18 +371,16 @@ impl World {
                 self.log(|| format!("node {slot} stops: code {code} {refusal:?}"));
                 self.plane_stop(slot, code);
             }
-            ControlEvent::LeaveDone => {
-                if self.nodes[slot].alive {
-                    // `Node::leave` stops the process at the deadline even
-                    // though the member did not leave: the others down it.
-                    self.log(|| format!("node {slot} gave its leave up at the deadline; it stops"));
-                    self.stats.leaves_given_up += 1;
-                    let n = &mut self.nodes[slot];
-                    n.alive = false;
-                    n.deferred.clear();
-                    n.paused = None;
-                    self.lose_everything_at(slot, "leave timed out");
-                }
+            ControlEvent::LeaveDone if self.nodes[slot].alive => {
+                // `Node::leave` stops the process at the deadline even
+                // though the member did not leave: the others down it.
+                self.log(|| format!("node {slot} gave its leave up at the deadline; it stops"));
+                self.stats.leaves_given_up += 1;
+                let n = &mut self.nodes[slot];
+                n.alive = false;
+                n.deferred.clear();
+                n.paused = None;
+                self.lose_everything_at(slot, "leave timed out");
             }
             ControlEvent::Cluster(e) => {
                 self.log(|| format!("node {slot} cluster event {e:?}"));
