@@ -597,8 +597,9 @@ impl World {
     /// senders are told (the runtime's ask times out).
     fn lose_everything_at(&mut self, slot: usize, why: &'static str) {
         let mut lost_in_leave = 0;
-        // A node that leaves gracefully flushes what it sent before it exits.
-        let graceful = why == "node left";
+        // A node that leaves gracefully flushes what it sent before it exits
+        // (also when its hand-offs timed out: it still left the cluster).
+        let graceful = why == "node left" || why == "leave timed out";
         for r in &mut self.ledger {
             if r.outcome != Outcome::Pending {
                 continue;

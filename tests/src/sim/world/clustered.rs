@@ -380,7 +380,7 @@ impl World {
                 n.alive = false;
                 n.deferred.clear();
                 n.paused = None;
-                self.lose_everything_at(slot, "leave timed out");
+                self.lose_everything_at(slot, "leave given up");
             }
             ControlEvent::Cluster(e) => {
                 self.log(|| format!("node {slot} cluster event {e:?}"));
