@@ -39,6 +39,20 @@ pub mod envelope;
 pub mod gateway;
 pub mod node;
 pub mod persistence;
+/// The node's sans-IO control plane and the types of its inputs and
+/// outputs, for drivers other than the node's own control executor (the
+/// deterministic simulation in `shardline-tests`). Not a stable user API:
+/// hidden from the docs and may change with any release.
+#[doc(hidden)]
+pub mod plane {
+    pub use crate::envelope::ControlFrame;
+    pub use crate::node::plane::control::*;
+    pub use crate::node::{ClusterView, StatsEvent};
+    pub use crate::persistence::coordinator::{
+        next_epoch, CoordinatorConfig as JournalConfig, RecoveredCoordinator,
+    };
+    pub use crate::status::{AdminAnswer, CoordinatorCommand};
+}
 pub(crate) mod runtime;
 pub mod status;
 pub mod transport;

@@ -369,14 +369,17 @@ pub struct RebalanceAnswer {
 /// native `CoordinatorAdmin` frame) and answered by the member that runs
 /// the coordinators (`node::admin`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum CoordinatorCommand {
+pub enum CoordinatorCommand {
     /// The allocation table of every entity type.
     Allocation,
     /// One rebalance round now, for `type_name` or every type (`None`).
-    Rebalance { type_name: Option<String> },
+    Rebalance {
+        /// The entity type (`None`: every type).
+        type_name: Option<String>,
+    },
 }
 
 /// A coordinator admin command's answer: the JSON body, or why not (a
 /// status whose HTTP code the HTTP front's `status_code_of` gives,
 /// and the reason).
-pub(crate) type AdminAnswer = Result<Vec<u8>, (Status, String)>;
+pub type AdminAnswer = Result<Vec<u8>, (Status, String)>;

@@ -18,6 +18,8 @@ mod control;
 pub(crate) mod core;
 mod msg;
 pub(crate) mod plane;
+#[doc(hidden)]
+pub use msg::{ClusterView, StatsEvent};
 mod watch;
 
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -35,7 +37,7 @@ use crate::entity::EntityFactory;
 use crate::envelope::Status;
 use crate::runtime::{ring, RingSender};
 pub use crate::status::{CoordinatorStatusView, MemberStatusView, NodeStatus, RegionStatusView};
-pub(crate) use msg::{StatsEvent, ToControl, ToCore};
+pub(crate) use msg::{ToControl, ToCore};
 
 /// Errors from starting a node.
 #[derive(Debug, Error)]

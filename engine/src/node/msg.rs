@@ -47,24 +47,34 @@ pub(crate) type UserEnvelope = Envelope<Vec<u8>, ReplyTo>;
 
 /// The cluster part of a status answer.
 #[derive(Debug, Clone)]
-pub(crate) struct ClusterView {
+pub struct ClusterView {
+    /// Every member this one knows, by address.
     pub members: Vec<MemberStatusView>,
+    /// The cluster leader's address (`host:port`), if any.
     pub leader: Option<String>,
+    /// The address of the member where the coordinators run (the oldest Up).
     pub coordinator: Option<String>,
+    /// Whether the coordinators run on this member.
     pub coordinator_here: bool,
+    /// The coordinators hosted here, one per entity type.
     pub coordinators: Vec<crate::status::CoordinatorStatusView>,
+    /// The cluster's name (filled in by the driver).
     pub cluster_name: String,
+    /// The cluster's id, once known (filled in by the driver).
     pub cluster_id: Option<String>,
+    /// The coordinator journal's identity (filled in by the driver).
     pub journal_identity: String,
 }
 
 /// What the control executor reports to a [`ToControl::ShardingStats`].
 #[derive(Debug)]
-pub(crate) enum StatsEvent {
+pub enum StatsEvent {
     /// Sent first: the other Up members asked, and those not asked because
     /// they are unreachable, as (address, uid).
     Asked {
+        /// The members asked, as (address, uid).
         asked: Vec<(String, u64)>,
+        /// The Up members not asked because they are unreachable.
         unreachable: Vec<(String, u64)>,
     },
     /// One asked member's answer.
@@ -183,11 +193,17 @@ pub(crate) enum ToControl {
 }
 
 /// Maps a membership event to the sharding state machines' view.
+///
+/// A Downed member is Leaving for sharding: it gets no new shards and keeps
+/// the ones it has until it is removed, when its regions are terminated and
+/// their shards allocated again (Akka: the coordinator ranks regions of
+/// members that are not Up last, and terminates a region once its member
+/// is removed).
 pub(crate) fn sharding_event(e: &ClusterEvent) -> Option<MembershipEvent> {
     use shardline_core::cluster::ClusterEvent as E;
     match e {
         E::MemberUp(m) => Some(MembershipEvent::MemberUp(m.unique_address.clone())),
-        E::MemberLeft(m) | E::MemberExited(m) => {
+        E::MemberLeft(m) | E::MemberExited(m) | E::MemberDowned(m) => {
             Some(MembershipEvent::MemberLeaving(m.unique_address.clone()))
         }
         E::MemberRemoved { member, .. } => Some(MembershipEvent::MemberRemoved(

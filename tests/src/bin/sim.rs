@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use clap::Parser;
-use shardline_tests::sim::{membership, run, Scenario, SimConfig, SCENARIOS};
+use shardline_tests::sim::{membership, run, Scenario, SimConfig, OPEN_SCENARIOS, SCENARIOS};
 
 /// Deterministic simulation of Shardline's cluster sharding.
 #[derive(Parser, Debug)]
@@ -57,6 +57,9 @@ fn main() -> Result<ExitCode> {
         for s in SCENARIOS {
             println!("{:<26} {}", s.name, s.about);
         }
+        for s in OPEN_SCENARIOS {
+            println!("{:<26} {} (only with --scenario)", s.name, s.about);
+        }
         membership::list_membership_scenarios();
         return Ok(ExitCode::SUCCESS);
     }
@@ -69,7 +72,11 @@ fn main() -> Result<ExitCode> {
         ..SimConfig::default()
     };
     let scenarios: Vec<&'static Scenario> = match &args.scenario {
-        Some(name) => match SCENARIOS.iter().find(|s| s.name == name) {
+        Some(name) => match SCENARIOS
+            .iter()
+            .chain(OPEN_SCENARIOS)
+            .find(|s| s.name == name)
+        {
             Some(s) => vec![s],
             None if membership::is_membership_scenario(name) => Vec::new(),
             None => bail!("unknown scenario {name:?}; see --list"),
@@ -147,6 +154,7 @@ fn main() -> Result<ExitCode> {
     for f in failures.iter().take(3) {
         let sc = SCENARIOS
             .iter()
+            .chain(OPEN_SCENARIOS)
             .find(|s| s.name == f.scenario)
             .expect("known");
         let o = run(sc, f.seed, &cfg, true);

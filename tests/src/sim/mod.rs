@@ -44,7 +44,7 @@ mod regressions;
 mod scenario;
 mod world;
 
-pub use scenario::{Scenario, SCENARIOS};
+pub use scenario::{Scenario, OPEN_SCENARIOS, SCENARIOS};
 pub use world::{RunOutcome, SimConfig, Violation, World};
 
 /// Runs one scenario with one seed; `trace` keeps a log of every event (for

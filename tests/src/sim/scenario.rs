@@ -76,6 +76,18 @@ pub(crate) struct Params {
     pub nodes: Option<usize>,
     /// Clustered mode: exactly these slots run at the end.
     pub expect_survivors: Option<Vec<usize>>,
+    /// Clustered mode: how long after a journal write it is durable and
+    /// the writer's plane is told (min, max; in order per node).
+    pub journal_ack: (Duration, Duration),
+    /// Clustered mode: how long a coordinator recovery read takes (min, max).
+    pub recovery_delay: (Duration, Duration),
+    /// Clustered mode: the share of recovery reads answered as the
+    /// database does (claiming the next writer epoch at the read), the
+    /// others as a file journal (the plane picks the epoch).
+    pub p_database: f64,
+    /// Clustered mode: the timeout of a graceful leave (the hand-offs get
+    /// half of it).
+    pub leave_timeout: Duration,
 }
 
 fn ms(n: u64) -> Duration {
@@ -117,6 +129,10 @@ impl Params {
             clustered: false,
             nodes: None,
             expect_survivors: None,
+            journal_ack: (Duration::from_micros(100), ms(2)),
+            recovery_delay: (ms(1), ms(10)),
+            p_database: 0.0,
+            leave_timeout: s(20),
         }
     }
 
@@ -134,6 +150,35 @@ impl Params {
         p
     }
 }
+
+/// A clustered graceful leave of `victim` whose hand-offs time out in
+/// half the runs.
+fn leave_timeout(
+    rng: &mut ChaCha8Rng,
+    p: &mut Params,
+    nodes: usize,
+    victim: usize,
+) -> (Params, Script) {
+    if rng.gen_bool(0.5) {
+        p.stop_time = (s(6), s(9));
+        p.leave_timeout = s(10);
+    }
+    p.expect_survivors = Some((0..nodes).filter(|&i| i != victim).collect());
+    let t = rand_time(rng, FORMED_BY_MS, FORMED_BY_MS + 10_000);
+    (p.clone(), vec![(t, Action::Leave(victim))])
+}
+
+/// Scenarios that show an open bug: run only by name (`--scenario`), not
+/// in the `--seeds` sweep of every scenario.
+pub static OPEN_SCENARIOS: &[Scenario] = &[Scenario {
+    name: "cluster-leave-coordinator-timeout",
+    about: "open bug: the coordinator's member (slot 0) leaves and its hand-offs time out; the coordinator moves mid hand-off and a sender's messages buffered at the old owner reach the new home after newer ones (order)",
+    build: |rng, cfg| {
+        let nodes = 3 + rng.gen_range(0..3);
+        let mut p = Params::clustered(cfg, nodes);
+        leave_timeout(rng, &mut p, nodes, 0)
+    },
+}];
 
 /// Clustered runs: the cluster has formed and the coordinator runs by then.
 const FORMED_BY_MS: u64 = 12_000;
@@ -427,6 +472,57 @@ pub static SCENARIOS: &[Scenario] = &[
                 p,
                 vec![(t, Action::Pause(victim)), (t + pause, Action::Resume(victim))],
             )
+        },
+    },
+    Scenario {
+        name: "cluster-journal-late",
+        about: "clustered, the coordinator journal acknowledges 50-800 ms late: the coordinator's region messages wait until their events are durable; in half the runs its member crashes, losing what was not durable",
+        build: |rng, cfg| {
+            let nodes = 3 + rng.gen_range(0..3);
+            let mut p = Params::clustered(cfg, nodes);
+            p.journal_ack = (ms(50), ms(800));
+            p.region.remember_entities = rng.gen_bool(0.5);
+            let mut script = vec![];
+            if rng.gen_bool(0.5) {
+                let t = rand_time(rng, FORMED_BY_MS, FORMED_BY_MS + 10_000);
+                script.push((t, Action::CrashCoordinatorNode));
+                // Which member it is shows only at run time.
+                p.expect_survivors = None;
+            }
+            (p, script)
+        },
+    },
+    Scenario {
+        name: "cluster-coordinator-recovery",
+        about: "clustered, the coordinator's member crashes (maybe restarting, maybe its successor too): recovery reads take 0.2-3 s, half answered as the database (claiming the epoch), half as a file journal; unacknowledged events are lost, so members' replicated copies run ahead of the journal, which must win",
+        build: |rng, cfg| {
+            let nodes = 4 + rng.gen_range(0..2);
+            let mut p = Params::clustered(cfg, nodes);
+            p.journal_ack = (ms(5), ms(300));
+            p.recovery_delay = (ms(200), ms(3000));
+            p.p_database = 0.5;
+            p.expect_survivors = None;
+            let t = rand_time(rng, FORMED_BY_MS, FORMED_BY_MS + 5000);
+            let mut script = vec![(t, Action::CrashCoordinatorNode)];
+            if rng.gen_bool(0.5) {
+                script.push((t + rand_time(rng, 15_000, 20_000), Action::RestartCrashed));
+            } else if nodes == 5 {
+                // Its successor crashes too (3 of 5 stay: a majority).
+                script.push((t + rand_time(rng, 15_000, 20_000), Action::CrashCoordinatorNode));
+            }
+            (p, script)
+        },
+    },
+    Scenario {
+        name: "cluster-leave-timeout",
+        about: "clustered, a member other than the first seed leaves gracefully through its plane; in half the runs its entities take 6-9 s to stop, longer than the hand-off half of a 10 s leave timeout, so it leaves anyway",
+        build: |rng, cfg| {
+            let nodes = 3 + rng.gen_range(0..3);
+            let mut p = Params::clustered(cfg, nodes);
+            // Slot 0 forms the cluster and is the oldest, so it runs the
+            // coordinator: its leave is `cluster-leave-coordinator-timeout`.
+            let victim = rng.gen_range(1..nodes);
+            leave_timeout(rng, &mut p, nodes, victim)
         },
     },
     Scenario {

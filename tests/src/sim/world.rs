@@ -83,6 +83,15 @@ pub struct RunStats {
     pub steps: u64,
     /// Clustered mode: nodes stopped by their membership (downed) (count).
     pub downed: u64,
+    /// Clustered mode: journal events lost because they were not durable
+    /// when their writer crashed (count).
+    pub journal_lost: u64,
+    /// Clustered mode: coordinator incarnations begun from the copy
+    /// replicated to their member, the journal holding nothing (count).
+    pub replicated_starts: u64,
+    /// Clustered mode: graceful leaves given up at their deadline (the
+    /// process stopped while still a member) (count).
+    pub leaves_given_up: u64,
 }
 
 /// The result of one run.
@@ -161,8 +170,18 @@ struct Node {
     regions: Vec<Region>,
     actors: Vec<HashMap<EntityId, Actor>>,
     coordinator: Option<ShardCoordinator>,
-    /// Clustered mode: the node's membership state machine.
-    cn: Option<shardline_core::cluster::ClusterNode>,
+    /// Clustered mode: the node's control plane (membership, coordinator
+    /// hosting, the durability barrier, the leave).
+    plane: Option<Box<shardline::plane::ControlPlane>>,
+    /// Clustered mode: the plane's outputs are being carried out.
+    driving: bool,
+    /// Clustered mode: journal writes not yet durable, as (operation, the
+    /// journal's length after it).
+    seq_len: Vec<(shardline::plane::JournalSeq, usize)>,
+    /// Clustered mode: when this node's last journal write becomes durable.
+    last_flush: Duration,
+    /// Clustered mode, while leaving: which cores handed off every shard.
+    handed_off: Vec<bool>,
     /// Clustered mode: frozen (no input at all) since this time.
     paused: Option<Duration>,
     /// Inputs held while the node is frozen (paused or fenced), in order.
@@ -186,8 +205,8 @@ enum Body {
     Coord(CoordinatorMsg),
     Ctl(RegionId, RegionMsg),
     User(RegionId, Env),
-    /// Clustered mode: a membership message, in its wire form.
-    Cluster(Vec<u8>),
+    /// Clustered mode: a control frame of a node's plane.
+    Frame(Box<shardline::plane::ControlFrame>),
 }
 
 #[derive(Debug)]
@@ -222,6 +241,19 @@ enum Ev {
     },
     DupToCoordinator(CoordinatorMsg),
     LeaveCheck(usize, MemberUid),
+    /// Clustered mode: the journal made a node's writes up to `seq` durable.
+    JournalDurable {
+        slot: usize,
+        uid: MemberUid,
+        seq: shardline::plane::JournalSeq,
+    },
+    /// Clustered mode: a node's coordinator recovery read ends.
+    Recovered {
+        slot: usize,
+        uid: MemberUid,
+    },
+    /// Clustered mode: a graceful leave must be over by now.
+    LeaveDeadline(usize, MemberUid),
 }
 
 struct Scheduled {
@@ -263,6 +295,10 @@ pub struct World {
     members: BTreeMap<UniqueAddress, MemberStatus>,
     coord_at: Option<(usize, MemberUid)>,
     journal: Vec<CoordinatorEvent>,
+    /// Clustered mode: the coordinator journal the planes write.
+    journal_of_record: clustered::SimJournal,
+    /// Clustered mode: allocations the journal made durable.
+    durable_allocs: HashSet<(ShardId, RegionId, Generation)>,
     latest_alloc: Vec<Option<(RegionId, Generation)>>,
     hosts_scratch: Vec<Option<(usize, usize)>>,
     remembered: HashMap<ShardId, std::collections::BTreeSet<EntityId>>,
@@ -322,6 +358,8 @@ impl World {
             members: BTreeMap::new(),
             coord_at: None,
             journal: Vec::new(),
+            journal_of_record: Default::default(),
+            durable_allocs: HashSet::default(),
             latest_alloc: vec![None; cfg.shards as usize],
             hosts_scratch: vec![None; cfg.shards as usize],
             remembered: HashMap::default(),
@@ -419,7 +457,11 @@ impl World {
             regions: Vec::new(),
             actors: (0..=self.cfg.cores).map(|_| HashMap::default()).collect(),
             coordinator: None,
-            cn: None,
+            plane: None,
+            driving: false,
+            seq_len: Vec::new(),
+            last_flush: Duration::ZERO,
+            handed_off: Vec::new(),
             paused: None,
             deferred: Vec::new(),
             long_resumed: false,
@@ -432,9 +474,7 @@ impl World {
         self.slot_of.insert(addr, slot);
         let member = self.nodes[slot].member();
         self.log(|| format!("node {slot} up as {member}"));
-        if self.p.clustered {
-            self.start_cluster_node(slot);
-        } else {
+        if !self.p.clustered {
             self.members.insert(member.clone(), MemberStatus::Up);
             self.notify(MembershipEvent::MemberUp(member));
         }
@@ -456,6 +496,9 @@ impl World {
             let r = Region::new_proxy(id, self.p.region.clone(), self.now);
             self.nodes[slot].regions.push(r);
             self.drain_region(slot, core);
+        }
+        if self.p.clustered {
+            self.start_cluster_node(slot);
         }
     }
 
@@ -537,7 +580,10 @@ impl World {
         self.log(|| format!("node {slot} ({member}) crashes"));
         self.nodes[slot].alive = false;
         self.nodes[slot].coordinator = None;
+        self.nodes[slot].plane = None;
         self.last_crashed = Some(slot);
+        let uid = self.nodes[slot].uid;
+        self.journal_writer_crashed(slot, uid);
         self.lose_everything_at(slot, "node crashed");
         if self.p.clustered {
             // The members' failure detectors find out.
@@ -551,8 +597,9 @@ impl World {
     /// senders are told (the runtime's ask times out).
     fn lose_everything_at(&mut self, slot: usize, why: &'static str) {
         let mut lost_in_leave = 0;
-        // A node that leaves gracefully flushes what it sent before it exits.
-        let graceful = why == "node left";
+        // A node that leaves gracefully flushes what it sent before it exits
+        // (also when its hand-offs timed out: it still left the cluster).
+        let graceful = why == "node left" || why == "leave timed out";
         for r in &mut self.ledger {
             if r.outcome != Outcome::Pending {
                 continue;
@@ -652,6 +699,9 @@ impl World {
     }
 
     fn coordinator_slot(&self) -> Option<usize> {
+        if self.p.clustered {
+            return (0..self.nodes.len()).find(|&s| self.runs_coordinator(s));
+        }
         self.coord_at.map(|(s, _)| s)
     }
 
@@ -700,13 +750,19 @@ impl World {
                 self.start_node(s);
             }
             Action::Leave(s) => {
-                if s < self.nodes.len() {
+                if s < self.nodes.len() && self.p.clustered {
+                    self.plane_leave(s);
+                } else if s < self.nodes.len() {
                     self.leave(s);
                 }
             }
             Action::LeaveCoordinatorNode => {
                 if let Some(s) = self.coordinator_slot() {
-                    self.leave(s);
+                    if self.p.clustered {
+                        self.plane_leave(s);
+                    } else {
+                        self.leave(s);
+                    }
                 }
             }
             Action::Partition(set) => {
@@ -741,7 +797,7 @@ impl World {
             body,
         };
         let blocked = self.isolated.contains(&from) != self.isolated.contains(&to);
-        if blocked && matches!(p.body, Body::Cluster(_)) {
+        if blocked && matches!(&p.body, Body::Frame(f) if clustered::is_membership(f)) {
             // Membership messages are datagrams: a partition loses them.
             return;
         }
@@ -795,7 +851,7 @@ impl World {
         }
         let slot = p.to;
         match p.body {
-            Body::Cluster(bytes) => self.cluster_arrive(slot, bytes),
+            Body::Frame(f) => self.frame_arrive(slot, *f),
             Body::Coord(msg) => {
                 if self.coord_at == Some((slot, p.to_uid)) {
                     if let Some(c) = self.nodes[slot].coordinator.as_mut() {
@@ -862,10 +918,23 @@ impl World {
     }
 
     fn drain_region(&mut self, slot: usize, core: usize) {
+        self.drain_region_effects(slot, core);
+        if self.p.clustered && self.nodes[slot].leaving.is_some() {
+            self.check_shutdown_complete(slot, core);
+        }
+    }
+
+    fn drain_region_effects(&mut self, slot: usize, core: usize) {
         while let Some(e) = self.nodes[slot].regions[core].poll_effect() {
             self.log(|| format!("region {slot}/{core} -> {e:?}"));
             match e {
+                RegionEffect::SendToCoordinator(m) if self.p.clustered => {
+                    self.plane_to_coordinator(slot, m)
+                }
                 RegionEffect::SendToCoordinator(m) => self.send_to_coordinator(slot, m),
+                RegionEffect::SendToRegion { to, msg } if self.p.clustered => {
+                    self.plane_to_region(slot, to, msg)
+                }
                 RegionEffect::SendToRegion { to, msg } => {
                     if let Some(&ts) = self.slot_of.get(&to.member.address) {
                         self.send(slot, ts, to.member.uid, Body::Ctl(to, msg));
@@ -1352,8 +1421,8 @@ impl World {
         let mut t: Option<Duration> = None;
         for (slot, n) in self.nodes.iter().enumerate().filter(|(_, n)| n.alive) {
             if n.paused.is_none() {
-                if let Some(cn) = &n.cn {
-                    t = min_opt(t, cn.poll_timeout());
+                if let Some(p) = &n.plane {
+                    t = min_opt(t, p.poll_timeout());
                 }
             }
             if self.frozen(slot) {
@@ -1375,7 +1444,7 @@ impl World {
             if !self.nodes[slot].alive {
                 continue;
             }
-            self.cluster_timer(slot);
+            self.plane_timer(slot);
             if !self.nodes[slot].alive || self.frozen(slot) {
                 continue;
             }
@@ -1451,7 +1520,7 @@ impl World {
         };
         match ev {
             Ev::Arrive(p) => {
-                if !matches!(p.body, Body::Cluster(_)) {
+                if !matches!(&p.body, Body::Frame(f) if clustered::is_membership(f)) {
                     self.log(|| format!("arrive {}->{}: {:?}", p.from, p.to, p.body));
                 }
                 self.arrive(p)
@@ -1489,6 +1558,9 @@ impl World {
                 }
             }
             Ev::LeaveCheck(slot, uid) => self.leave_check(slot, uid),
+            Ev::JournalDurable { slot, uid, seq } => self.journal_durable(slot, uid, seq),
+            Ev::Recovered { slot, uid } => self.recovered(slot, uid),
+            Ev::LeaveDeadline(slot, uid) => self.leave_deadline(slot, uid),
         }
     }
 

@@ -66,11 +66,11 @@ use crate::status::CoordinatorStatusView;
 
 /// Most messages kept per entity type for a coordinator whose recovery
 /// read is under way (count; regions register again on their own).
-pub(crate) const WAITING_MAX: usize = 4096;
+pub const WAITING_MAX: usize = 4096;
 
 /// What a [`ControlPlane`] is built from.
 #[derive(Debug, Clone)]
-pub(crate) struct ControlPlaneConfig {
+pub struct ControlPlaneConfig {
     /// This member.
     pub me: UniqueAddress,
     /// The membership state machine's settings.
@@ -91,7 +91,7 @@ impl ControlPlaneConfig {
     /// The plane's settings from a node's configuration (`uid`: this
     /// incarnation's member uid, also the seed of the membership state
     /// machine's randomness).
-    pub(crate) fn from_node_config(config: &NodeConfig, uid: MemberUid) -> Self {
+    pub fn from_node_config(config: &NodeConfig, uid: MemberUid) -> Self {
         let me = UniqueAddress {
             address: Address(config.cluster_address.to_string()),
             uid,
@@ -131,11 +131,11 @@ impl ControlPlaneConfig {
 /// The number of a journal operation that writes (a begin or an append),
 /// 1, 2, … in the order [`ControlPlane::poll_journal`] hands them out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub(crate) struct JournalSeq(pub u64);
+pub struct JournalSeq(pub u64);
 
 /// A control frame for another member (by cluster address).
 #[derive(Debug, Clone)]
-pub(crate) struct Transmit {
+pub struct Transmit {
     /// The member's cluster address (`host:port`).
     pub to: String,
     /// The frame.
@@ -144,7 +144,7 @@ pub(crate) struct Transmit {
 
 /// A message for every data core of this node.
 #[derive(Debug, Clone)]
-pub(crate) enum CoreCommand {
+pub enum CoreCommand {
     /// A membership change for every region.
     Membership(MembershipEvent),
     /// The coordinator moved: regions register again.
@@ -159,7 +159,7 @@ pub(crate) enum CoreCommand {
 
 /// A message for the data cores.
 #[derive(Debug, Clone)]
-pub(crate) enum ToCores {
+pub enum ToCores {
     /// For the region of `type_name` on data core `core`.
     Region {
         /// The data core (index).
@@ -176,7 +176,7 @@ pub(crate) enum ToCores {
 /// How a coordinator recovery read ended (fed to
 /// [`ControlPlane::handle_recovered`]).
 #[derive(Debug)]
-pub(crate) enum Recovery {
+pub enum Recovery {
     /// This node has no coordinator journal: the coordinator starts from
     /// the replicated copy, else empty, and persists nothing.
     NoJournal,
@@ -190,7 +190,7 @@ pub(crate) enum Recovery {
 /// An operation on the coordinator journal, carried out by the driver in
 /// the order handed out.
 #[derive(Debug, Clone)]
-pub(crate) enum JournalOp {
+pub enum JournalOp {
     /// Read `type_name`'s coordinator state; answer with
     /// [`ControlPlane::handle_recovered`] (at once or later).
     Recover {
@@ -243,11 +243,11 @@ pub(crate) enum JournalOp {
 
 /// The id of an admin or stats request made through the plane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub(crate) struct RequestId(pub u64);
+pub struct RequestId(pub u64);
 
 /// Something the driver acts on or logs.
 #[derive(Debug)]
-pub(crate) enum ControlEvent {
+pub enum ControlEvent {
     /// A membership event, for the node's subscribers (the initial
     /// `CurrentClusterState` is not sent: see [`ControlPlane::current_state`]).
     Cluster(ClusterEvent),
@@ -338,7 +338,7 @@ struct Hosting {
 }
 
 /// The sans-IO control plane (see the module doc for the order of calls).
-pub(crate) struct ControlPlane {
+pub struct ControlPlane {
     me: UniqueAddress,
     cluster: ClusterNode,
     types: BTreeSet<String>,
@@ -381,7 +381,7 @@ impl ControlPlane {
     /// A plane for a member that has not joined yet (it joins itself at
     /// once when it is its only seed); `now` on the driver's monotonic
     /// clock.
-    pub(crate) fn new(config: ControlPlaneConfig, now: Duration) -> Self {
+    pub fn new(config: ControlPlaneConfig, now: Duration) -> Self {
         let mut cluster = ClusterNode::new(config.cluster, config.me.uid, now);
         cluster.subscribe();
         if config.alone {
@@ -428,28 +428,28 @@ impl ControlPlane {
     // ----- outputs -----
 
     /// The next control frame to send.
-    pub(crate) fn poll_transmit(&mut self) -> Option<Transmit> {
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
         self.transmits.pop_front()
     }
 
     /// The next message for the data cores.
-    pub(crate) fn poll_to_cores(&mut self) -> Option<ToCores> {
+    pub fn poll_to_cores(&mut self) -> Option<ToCores> {
         self.to_cores.pop_front()
     }
 
     /// The next journal operation.
-    pub(crate) fn poll_journal(&mut self) -> Option<JournalOp> {
+    pub fn poll_journal(&mut self) -> Option<JournalOp> {
         self.journal_ops.pop_front()
     }
 
     /// The next event.
-    pub(crate) fn poll_event(&mut self) -> Option<ControlEvent> {
+    pub fn poll_event(&mut self) -> Option<ControlEvent> {
         self.events.pop_front()
     }
 
     /// When [`Self::handle_timeout`] must be called next (on the driver's
     /// clock), if anything waits for time.
-    pub(crate) fn poll_timeout(&self) -> Option<Duration> {
+    pub fn poll_timeout(&self) -> Option<Duration> {
         let mut t: Option<Duration> = None;
         let mut at = |d: Option<Duration>| {
             if let Some(d) = d {
@@ -476,17 +476,17 @@ impl ControlPlane {
     // ----- views -----
 
     /// The membership state as this member's subscribers see it.
-    pub(crate) fn current_state(&self) -> &CurrentClusterState {
+    pub fn current_state(&self) -> &CurrentClusterState {
         &self.state
     }
 
     /// Whether the member stopped (left, downed or refused).
-    pub(crate) fn is_stopped(&self) -> bool {
+    pub fn is_stopped(&self) -> bool {
         self.stopped
     }
 
     /// Whether this member is Up.
-    pub(crate) fn is_up(&self) -> bool {
+    pub fn is_up(&self) -> bool {
         self.cluster
             .self_member()
             .is_some_and(|m| m.status == cl::MemberStatus::Up)
@@ -495,7 +495,7 @@ impl ControlPlane {
     /// The membership and coordinator part of a status answer (the
     /// driver fills in the cluster's name and id, the journal identity and
     /// the journal's health).
-    pub(crate) fn view(&self) -> ClusterView {
+    pub fn view(&self) -> ClusterView {
         let st = self.cluster.current_state();
         let g = self.cluster.gossip();
         let mut members: Vec<MemberStatusView> = g
@@ -531,9 +531,15 @@ impl ControlPlane {
         }
     }
 
-    /// The hosted coordinator of `type_name`, if it runs here.
-    #[cfg(test)]
-    pub(crate) fn coordinator(&self, type_name: &str) -> Option<&ShardCoordinator> {
+    /// The membership state machine (read only: members, gossip,
+    /// fencing), for views and checks.
+    pub fn cluster(&self) -> &ClusterNode {
+        &self.cluster
+    }
+
+    /// The hosted coordinator of `type_name`, if it runs here (not while
+    /// its recovery read is under way).
+    pub fn coordinator(&self, type_name: &str) -> Option<&ShardCoordinator> {
         self.coordinators.get(type_name)
     }
 
@@ -546,11 +552,7 @@ impl ControlPlane {
     /// [`FrameError`] when the body is not a valid frame or its membership
     /// message does not decode: the driver closes that lane; the plane is
     /// unchanged.
-    pub(crate) fn handle_control_frame(
-        &mut self,
-        now: Duration,
-        body: &[u8],
-    ) -> Result<(), FrameError> {
+    pub fn handle_control_frame(&mut self, now: Duration, body: &[u8]) -> Result<(), FrameError> {
         let f: ControlFrame = decode_frame_body(body)?;
         self.handle_frame(now, f)
     }
@@ -560,11 +562,7 @@ impl ControlPlane {
     /// # Errors
     /// [`FrameError::Invalid`] when a membership message or a region
     /// message in it does not decode.
-    pub(crate) fn handle_frame(
-        &mut self,
-        now: Duration,
-        f: ControlFrame,
-    ) -> Result<(), FrameError> {
+    pub fn handle_frame(&mut self, now: Duration, f: ControlFrame) -> Result<(), FrameError> {
         match f {
             ControlFrame::Cluster { bytes } => {
                 let m = cl::decode(&bytes).map_err(|e| FrameError::Invalid(e.to_string()))?;
@@ -664,7 +662,7 @@ impl ControlPlane {
 
     /// The connect to `addr` was refused (ECONNREFUSED or a reset while
     /// connecting): the membership state machine decides what that means.
-    pub(crate) fn handle_connection_refused(&mut self, now: Duration, addr: &str) {
+    pub fn handle_connection_refused(&mut self, now: Duration, addr: &str) {
         if self.stopped {
             return;
         }
@@ -675,7 +673,7 @@ impl ControlPlane {
     }
 
     /// An established control lane to `addr` was closed by the peer.
-    pub(crate) fn handle_connection_lost(&mut self, now: Duration, addr: &str) {
+    pub fn handle_connection_lost(&mut self, now: Duration, addr: &str) {
         if self.stopped {
             return;
         }
@@ -689,7 +687,7 @@ impl ControlPlane {
     /// node will not form a cluster of its own (see
     /// `ClusterNode::handle_seed_refused`), and stops when
     /// `on_join_refused` says so.
-    pub(crate) fn handle_seed_refused(&mut self, now: Duration, addr: &str, reason: &str) {
+    pub fn handle_seed_refused(&mut self, now: Duration, addr: &str, reason: &str) {
         let seed = Address(addr.to_string());
         let before = self.cluster.join_refused().map(str::to_string);
         self.cluster.handle_seed_refused(now, &seed, reason);
@@ -716,18 +714,13 @@ impl ControlPlane {
     /// The cluster this node reached is not its own (another cluster id,
     /// or no shared journal): a node that is not Up yet stops instead of
     /// joining; a member that is Up only logs `reason`.
-    pub(crate) fn handle_refuse_to_join(&mut self, now: Duration, reason: String) {
+    pub fn handle_refuse_to_join(&mut self, now: Duration, reason: String) {
         self.refuse_to_join(reason);
         self.drive(now);
     }
 
     /// A data core's region sent its type's coordinator `msg`.
-    pub(crate) fn handle_to_coordinator(
-        &mut self,
-        now: Duration,
-        type_name: &str,
-        msg: CoordinatorMsg,
-    ) {
+    pub fn handle_to_coordinator(&mut self, now: Duration, type_name: &str, msg: CoordinatorMsg) {
         if self.singleton {
             self.coordinator_message(now, type_name, msg);
         } else {
@@ -747,7 +740,7 @@ impl ControlPlane {
     }
 
     /// A data core's region sent the region `to` of `type_name` `msg`.
-    pub(crate) fn handle_to_region(
+    pub fn handle_to_region(
         &mut self,
         now: Duration,
         type_name: &str,
@@ -760,7 +753,7 @@ impl ControlPlane {
 
     /// An entity type was started on this node (`remember_entities`: its
     /// coordinator allocates shards that lost their home again at once).
-    pub(crate) fn handle_register_type(
+    pub fn handle_register_type(
         &mut self,
         now: Duration,
         type_name: &str,
@@ -777,7 +770,7 @@ impl ControlPlane {
 
     /// Data core `core`'s regions are (`all`) or are no longer all
     /// registered with their coordinators.
-    pub(crate) fn handle_registered(&mut self, now: Duration, core: u16, all: bool) {
+    pub fn handle_registered(&mut self, now: Duration, core: u16, all: bool) {
         if let Some(r) = self.registered.get_mut(usize::from(core)) {
             *r = all;
         }
@@ -786,7 +779,7 @@ impl ControlPlane {
 
     /// Data core `core` finished its graceful hand-off: once every core
     /// did, the member leaves the cluster.
-    pub(crate) fn handle_shutdown_complete(&mut self, now: Duration, core: u16) {
+    pub fn handle_shutdown_complete(&mut self, now: Duration, core: u16) {
         if let Some(r) = self.handed_off.get_mut(usize::from(core)) {
             *r = true;
         }
@@ -806,7 +799,7 @@ impl ControlPlane {
     /// `timeout`, then the member leaves the cluster (at once when every
     /// core finished before); [`ControlEvent::LeaveDone`] once it left or
     /// `timeout` passed.
-    pub(crate) fn handle_leave(&mut self, now: Duration, timeout: Duration) {
+    pub fn handle_leave(&mut self, now: Duration, timeout: Duration) {
         if self.stopped {
             self.events.push_back(ControlEvent::LeaveDone);
             return;
@@ -829,7 +822,7 @@ impl ControlPlane {
     /// `Unavailable` when there is none, or after
     /// [`crate::node::admin::FORWARD_TIMEOUT`] without its answer). The
     /// answer comes as [`ControlEvent::AdminAnswer`] with the returned id.
-    pub(crate) fn handle_coordinator_admin(
+    pub fn handle_coordinator_admin(
         &mut self,
         now: Duration,
         cmd: CoordinatorCommand,
@@ -865,7 +858,7 @@ impl ControlPlane {
     /// that is reachable is asked; [`ControlEvent::Stats`] reports who was
     /// asked, then their answers for `wait`, then
     /// [`ControlEvent::StatsDone`].
-    pub(crate) fn handle_sharding_stats(
+    pub fn handle_sharding_stats(
         &mut self,
         now: Duration,
         type_name: String,
@@ -918,7 +911,7 @@ impl ControlPlane {
     /// else the copy replicated to this member, else empty. The writer
     /// epoch: the one the recovery claimed (the database), else
     /// `next_epoch(highest recorded, wall_clock_ms)`.
-    pub(crate) fn handle_recovered(
+    pub fn handle_recovered(
         &mut self,
         now: Duration,
         wall_clock_ms: u64,
@@ -946,19 +939,14 @@ impl ControlPlane {
     /// The journal refused `type_name`'s begin or an append with `reason`
     /// (a newer incarnation fenced it, or the journal failed): its
     /// coordinator stops and its held messages are dropped.
-    pub(crate) fn handle_journal_refused(
-        &mut self,
-        now: Duration,
-        type_name: &str,
-        reason: String,
-    ) {
+    pub fn handle_journal_refused(&mut self, now: Duration, type_name: &str, reason: String) {
         self.fail_coordinator(type_name, reason);
         self.drive(now);
     }
 
     /// Every journal operation numbered `seq` or below is durable (or had
     /// its outcome reported): the held messages behind it go.
-    pub(crate) fn handle_journal_durable(&mut self, now: Duration, seq: JournalSeq) {
+    pub fn handle_journal_durable(&mut self, now: Duration, seq: JournalSeq) {
         if seq <= self.durable {
             return;
         }
@@ -969,7 +957,7 @@ impl ControlPlane {
 
     /// The journal wants a snapshot of `type_name`: queues
     /// [`JournalOp::SaveSnapshot`] with its coordinator's state.
-    pub(crate) fn handle_snapshot_due(&mut self, type_name: &str) {
+    pub fn handle_snapshot_due(&mut self, type_name: &str) {
         let journaled = self
             .hosting
             .get(type_name)
@@ -985,7 +973,7 @@ impl ControlPlane {
     /// Time passed: membership timers, coordinator timers (rebalance,
     /// hand-off and re-register timeouts), the leave's phases and the
     /// requests' expiries.
-    pub(crate) fn handle_timeout(&mut self, now: Duration) {
+    pub fn handle_timeout(&mut self, now: Duration) {
         if !self.stopped && self.cluster.poll_timeout().is_some_and(|t| t <= now) {
             self.cluster.handle_timeout(now);
         }
@@ -1209,7 +1197,7 @@ impl ControlPlane {
             .values()
             .filter_map(|m| match m.status {
                 cl::MemberStatus::Up => Some((m.unique_address.clone(), ShMemberStatus::Up)),
-                cl::MemberStatus::Leaving | cl::MemberStatus::Exiting => {
+                cl::MemberStatus::Leaving | cl::MemberStatus::Exiting | cl::MemberStatus::Down => {
                     Some((m.unique_address.clone(), ShMemberStatus::Leaving))
                 }
                 _ => None,
@@ -1595,7 +1583,7 @@ fn member_stats(
 /// Events whose fold is `st` (same homes, regions, proxies and
 /// `last_generation`, unallocated shards), for recovering a coordinator
 /// from a replicated state.
-pub(crate) fn snapshot_events(st: &CoordinatorState) -> Vec<CoordinatorEvent> {
+pub fn snapshot_events(st: &CoordinatorState) -> Vec<CoordinatorEvent> {
     let mut ev = Vec::new();
     let top = st
         .shards

@@ -3,4 +3,4 @@
 //! no sockets, timers, threads or clocks of their own. The executors in
 //! `node/` are their drivers.
 
-pub(crate) mod control;
+pub mod control;
