@@ -66,7 +66,7 @@ pub struct ClusterView {
     pub journal_identity: String,
 }
 
-/// What the control executor reports to a [`ToControl::ShardingStats`].
+/// What the control executor reports to a `ToControl::ShardingStats` request.
 #[derive(Debug)]
 pub enum StatsEvent {
     /// Sent first: the other Up members asked, and those not asked because

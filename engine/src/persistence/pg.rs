@@ -19,7 +19,7 @@
 //!
 //! Fencing: every statement that writes checks the writer epoch of each
 //! persistence id against `shardline_writers` and inserts only the rows
-//! of the ids it accepted, in the same statement ([`APPEND_SQL`]), so the
+//! of the ids it accepted, in the same statement (`APPEND_SQL`), so the
 //! check and the write are one atomic step: an id whose recorded epoch is
 //! ours is locked `FOR SHARE` (no new row version), any other is upserted
 //! with `ON CONFLICT DO UPDATE ... WHERE writer_epoch <=
