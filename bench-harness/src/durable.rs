@@ -552,28 +552,7 @@ fn activate_all(
             })
         })));
     }
-    let windows = (0..conns)
-        .map(|c| depth / conns + usize::from(c < depth % conns))
-        .collect();
-    let config = DriverConfig {
-        addresses: addrs.to_vec(),
-        mode: LoopMode::Closed,
-        rates_per_s: vec![0.0; conns],
-        windows,
-        quotas: vec![u64::MAX; conns],
-        warmup: Duration::ZERO,
-        duration: None,
-        request_timeout: args.request_timeout,
-        capture_values: false,
-    };
-    let out = Driver::start(
-        config,
-        connector.clone(),
-        sources,
-        Instant::now(),
-        Arc::new(AtomicBool::new(false)),
-    )
-    .join()?;
+    let out = closed_loop(args, connector, addrs, depth, sources, Duration::ZERO, None)?;
     let errors = out.recorder.error_count();
     if errors > 0 || out.recorder.ok < args.entities {
         bail!(
@@ -583,6 +562,47 @@ fn activate_all(
         );
     }
     Ok(())
+}
+
+/// Runs `sources` (one per connection) closed loop over
+/// `depth.min(args.connections)` connections with `depth` requests in
+/// flight in all (split as evenly as possible), `warmup` then `duration`
+/// (`None`: until the sources end), and waits for the driver.
+///
+/// # Errors
+/// The driver's (a connection that fails).
+fn closed_loop(
+    args: &DurableArgs,
+    connector: &Arc<dyn Connector>,
+    addrs: &[std::net::SocketAddr],
+    depth: usize,
+    sources: Vec<Box<dyn Iterator<Item = Result<Request>> + Send>>,
+    warmup: Duration,
+    duration: Option<Duration>,
+) -> Result<crate::driver::Outcome> {
+    let conns = sources.len();
+    let windows = (0..conns)
+        .map(|c| depth / conns + usize::from(c < depth % conns))
+        .collect();
+    let config = DriverConfig {
+        addresses: addrs.to_vec(),
+        mode: LoopMode::Closed,
+        rates_per_s: vec![0.0; conns],
+        windows,
+        quotas: vec![u64::MAX; conns],
+        warmup,
+        duration,
+        request_timeout: args.request_timeout,
+        capture_values: false,
+    };
+    Driver::start(
+        config,
+        connector.clone(),
+        sources,
+        Instant::now(),
+        Arc::new(AtomicBool::new(false)),
+    )
+    .join()
 }
 
 /// One closed-loop run of counter adds: `warmup`, then `duration` measured.
@@ -605,28 +625,15 @@ fn drive(
     for c in 0..n {
         sources.push(Box::new(RequestSource::new(&workload, &op, 1, c, n)?));
     }
-    let windows = (0..conns)
-        .map(|c| depth / conns + usize::from(c < depth % conns))
-        .collect();
-    let config = DriverConfig {
-        addresses: addrs.to_vec(),
-        mode: LoopMode::Closed,
-        rates_per_s: vec![0.0; conns],
-        windows,
-        quotas: vec![u64::MAX; conns],
-        warmup,
-        duration: Some(duration),
-        request_timeout: args.request_timeout,
-        capture_values: false,
-    };
-    let out = Driver::start(
-        config,
-        connector.clone(),
+    let out = closed_loop(
+        args,
+        connector,
+        addrs,
+        depth,
         sources,
-        Instant::now(),
-        Arc::new(AtomicBool::new(false)),
-    )
-    .join()?;
+        warmup,
+        Some(duration),
+    )?;
     let warmup_ns = warmup.as_nanos() as u64;
     let measured_s = out.recorder.last_completion_ns.saturating_sub(warmup_ns) as f64 / 1e9;
     Ok(Driven {
