@@ -148,6 +148,13 @@ pub struct Persistent {
     stopping: bool,
 }
 
+/// Frees an empty queue's buffer (a drained `VecDeque` keeps its capacity).
+fn release_if_drained<T>(q: &mut VecDeque<T>) {
+    if q.is_empty() && q.capacity() > 0 {
+        *q = VecDeque::new();
+    }
+}
+
 impl Persistent {
     /// Wraps `inner`; a snapshot every `snapshot_every` events (0: never).
     pub fn new(inner: Box<dyn PersistentEntity>, snapshot_every: u64) -> Self {
@@ -412,15 +419,9 @@ impl Persistent {
         // An idle entity keeps no queue buffers: a drained `VecDeque` keeps
         // its capacity, which is hundreds of bytes an entity across a
         // million idle ones (freed here; the next command allocates again).
-        if self.in_flight.is_empty() && self.in_flight.capacity() > 0 {
-            self.in_flight = VecDeque::new();
-        }
-        if self.commands.is_empty() && self.commands.capacity() > 0 {
-            self.commands = VecDeque::new();
-        }
-        if self.stashed.is_empty() && self.stashed.capacity() > 0 {
-            self.stashed = VecDeque::new();
-        }
+        release_if_drained(&mut self.in_flight);
+        release_if_drained(&mut self.commands);
+        release_if_drained(&mut self.stashed);
         Ok(())
     }
 

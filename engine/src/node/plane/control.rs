@@ -1677,11 +1677,21 @@ mod tests {
 
     /// A member that is its only seed, with `cores` data cores.
     fn single(cores: usize) -> ControlPlane {
+        plane(cores, Vec::new(), true)
+    }
+
+    /// A member whose only seed is another address that never answers: it
+    /// keeps asking and is in no cluster.
+    fn never_joined(cores: usize) -> ControlPlane {
+        plane(cores, vec![Address("127.0.0.1:27002".to_string())], false)
+    }
+
+    fn plane(cores: usize, seeds: Vec<Address>, alone: bool) -> ControlPlane {
         let me = me();
         let cfg = ControlPlaneConfig {
-            cluster: ClusterConfig::new(me.address.clone(), Vec::new()),
+            cluster: ClusterConfig::new(me.address.clone(), seeds),
             me,
-            alone: true,
+            alone,
             data_cores: cores,
             journal: CoordinatorConfig {
                 number_of_shards: 16,
@@ -2082,23 +2092,7 @@ mod tests {
 
     #[test]
     fn a_member_that_never_joined_stops_at_once_when_asked_to_leave() {
-        // Its only seed is another address that never answers: it keeps
-        // asking and is in no cluster.
-        let me = me();
-        let seed = Address("127.0.0.1:27002".to_string());
-        let cfg = ControlPlaneConfig {
-            cluster: ClusterConfig::new(me.address.clone(), vec![seed]),
-            me,
-            alone: false,
-            data_cores: 2,
-            journal: CoordinatorConfig {
-                number_of_shards: 16,
-                hash_name: SHARD_ID_HASH_NAME.to_string(),
-            },
-            coordinator: crate::config::CoordinatorConfig::default(),
-            on_join_refused: crate::config::OnJoinRefused::default(),
-        };
-        let mut p = ControlPlane::new(cfg, Duration::ZERO);
+        let mut p = never_joined(2);
         let mut now = Duration::ZERO;
         while now < Duration::from_secs(2) {
             now += Duration::from_millis(10);
@@ -2182,23 +2176,7 @@ mod tests {
         // A member that is in no cluster (its seed never answers) has no
         // cluster to leave: it stops once the hand-off phase (half the
         // timeout) is over, before the leave's deadline.
-        let me = me();
-        let cfg = ControlPlaneConfig {
-            cluster: ClusterConfig::new(
-                me.address.clone(),
-                vec![Address("127.0.0.1:27002".to_string())],
-            ),
-            me,
-            alone: false,
-            data_cores: 1,
-            journal: CoordinatorConfig {
-                number_of_shards: 16,
-                hash_name: SHARD_ID_HASH_NAME.to_string(),
-            },
-            coordinator: crate::config::CoordinatorConfig::default(),
-            on_join_refused: crate::config::OnJoinRefused::default(),
-        };
-        let mut p = ControlPlane::new(cfg, Duration::ZERO);
+        let mut p = never_joined(1);
         let mut now = Duration::ZERO;
         p.handle_leave(now, Duration::from_secs(2));
         let mut stopped = false;
