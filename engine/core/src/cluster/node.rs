@@ -193,6 +193,18 @@ struct Refusals {
     next_probe: Duration,
 }
 
+impl Refusals {
+    /// No refusal counted yet; reported at `now`, probed at `next_probe`.
+    fn new(now: Duration, next_probe: Duration) -> Self {
+        Refusals {
+            count: 0,
+            last_counted: None,
+            last_report: now,
+            next_probe,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 struct Singleton {
     running: bool,
@@ -523,12 +535,10 @@ impl ClusterNode {
         }
         let probe = self.cfg.refusal_probe_interval;
         for ua in self.members_at(address) {
-            let r = self.refusals.entry(ua).or_insert(Refusals {
-                count: 0,
-                last_counted: None,
-                last_report: now,
-                next_probe: now + probe,
-            });
+            let r = self
+                .refusals
+                .entry(ua)
+                .or_insert(Refusals::new(now, now + probe));
             r.last_report = now;
             if r.last_counted.is_none_or(|t| now >= t + probe / 2) {
                 r.count = r.count.saturating_add(1);
@@ -552,12 +562,10 @@ impl ClusterNode {
         if self.cfg.refusals_to_down > 0 {
             let probe = self.cfg.refusal_probe_interval;
             for ua in self.members_at(address) {
-                let r = self.refusals.entry(ua).or_insert(Refusals {
-                    count: 0,
-                    last_counted: None,
-                    last_report: now,
-                    next_probe: now + probe,
-                });
+                let r = self
+                    .refusals
+                    .entry(ua)
+                    .or_insert(Refusals::new(now, now + probe));
                 r.last_report = now;
             }
         }
@@ -923,12 +931,7 @@ impl ClusterNode {
                 .map(|m| m.unique_address.clone())
                 .collect();
             for u in down {
-                self.refusals.entry(u).or_insert(Refusals {
-                    count: 0,
-                    last_counted: None,
-                    last_report: now,
-                    next_probe: now,
-                });
+                self.refusals.entry(u).or_insert(Refusals::new(now, now));
             }
         }
     }
