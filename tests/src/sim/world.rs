@@ -879,6 +879,26 @@ impl World {
 
     // ---- effects ----------------------------------------------------------
 
+    /// Counts a coordinator's allocation event and keeps the latest home
+    /// of its shard (both interpreters of coordinator effects call it).
+    fn note_allocation(&mut self, event: &CoordinatorEvent) {
+        match event {
+            CoordinatorEvent::ShardHomeAllocated {
+                shard,
+                region,
+                generation,
+            } => {
+                self.stats.allocations += 1;
+                self.latest_alloc[shard.0 as usize] = Some((region.clone(), *generation));
+            }
+            CoordinatorEvent::ShardHomeDeallocated { shard, .. } => {
+                self.stats.deallocations += 1;
+                self.latest_alloc[shard.0 as usize] = None;
+            }
+            _ => {}
+        }
+    }
+
     fn drain_coordinator(&mut self, slot: usize) {
         loop {
             let Some(c) = self.nodes[slot].coordinator.as_mut() else {
@@ -890,22 +910,7 @@ impl World {
             self.log(|| format!("coordinator@{slot} -> {e:?}"));
             match e {
                 CoordinatorEffect::Persist(ev) => {
-                    match &ev {
-                        CoordinatorEvent::ShardHomeAllocated {
-                            shard,
-                            region,
-                            generation,
-                        } => {
-                            self.stats.allocations += 1;
-                            self.latest_alloc[shard.0 as usize] =
-                                Some((region.clone(), *generation));
-                        }
-                        CoordinatorEvent::ShardHomeDeallocated { shard, .. } => {
-                            self.stats.deallocations += 1;
-                            self.latest_alloc[shard.0 as usize] = None;
-                        }
-                        _ => {}
-                    }
+                    self.note_allocation(&ev);
                     self.journal.push(ev);
                 }
                 CoordinatorEffect::Send { to, msg } => {

@@ -521,21 +521,7 @@ impl World {
                     }
                     return;
                 }
-                match &event {
-                    CoordinatorEvent::ShardHomeAllocated {
-                        shard,
-                        region,
-                        generation,
-                    } => {
-                        self.stats.allocations += 1;
-                        self.latest_alloc[shard.0 as usize] = Some((region.clone(), *generation));
-                    }
-                    CoordinatorEvent::ShardHomeDeallocated { shard, .. } => {
-                        self.stats.deallocations += 1;
-                        self.latest_alloc[shard.0 as usize] = None;
-                    }
-                    _ => {}
-                }
+                self.note_allocation(&event);
                 self.log(|| format!("journal: node {slot} appends {event:?} as {}", seq.0));
                 let j = &mut self.journal_of_record;
                 j.events.push(event);
