@@ -457,7 +457,8 @@ fn raw_pg_loop(
         "DROP TABLE IF EXISTS shardline_bench_raw;
          CREATE TABLE shardline_bench_raw (persistence_id text NOT NULL,
            sequence_nr bigint NOT NULL, writer_epoch bigint NOT NULL,
-           payload bytea NOT NULL, PRIMARY KEY (persistence_id, sequence_nr))",
+           payload bytea NOT NULL, claim boolean NOT NULL DEFAULT false,
+           PRIMARY KEY (persistence_id, sequence_nr))",
     )
     .context("creating the raw baseline's table")?;
     let st = c

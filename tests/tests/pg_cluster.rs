@@ -862,11 +862,11 @@ fn a_hand_off_with_events_in_flight_answers_them_and_loses_nothing() {
     std::thread::sleep(Duration::from_millis(500));
     std::thread::scope(|s| {
         let holder = s.spawn(|| {
-            // One table lock (it waits for the appends in flight, then holds
-            // back every new one): a multi-row `FOR UPDATE` taken while the
-            // writers' multi-row upserts run can deadlock with them.
+            // One table lock: it waits for the appends in flight, then
+            // holds back every new one (an insert's ROW EXCLUSIVE lock
+            // conflicts with it).
             pg.psql(
-                "BEGIN; LOCK TABLE shardline_writers IN SHARE ROW EXCLUSIVE MODE; \
+                "BEGIN; LOCK TABLE shardline_events IN SHARE ROW EXCLUSIVE MODE; \
                  SELECT pg_sleep(2); COMMIT;",
             )
         });

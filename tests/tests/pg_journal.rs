@@ -94,6 +94,18 @@ fn schema_is_created_once_and_a_newer_version_is_refused() {
         pg.psql("SELECT count(*) FROM pg_tables WHERE tablename = 'shardline_clusters'"),
         "1"
     );
+    // A database of schema version 2 (before the claim rows' column) is
+    // migrated.
+    pg.psql("ALTER TABLE shardline_events DROP COLUMN claim");
+    pg.psql("UPDATE shardline_schema SET version = 2");
+    pg::connect(&s).expect("migrates version 2");
+    assert_eq!(
+        pg.psql(
+            "SELECT count(*) FROM information_schema.columns \
+             WHERE table_name = 'shardline_events' AND column_name = 'claim'"
+        ),
+        "1"
+    );
     pg.psql("UPDATE shardline_schema SET version = 99");
     match pg::connect(&s) {
         Err(PgError::SchemaTooNew { found, supported }) => {
@@ -189,11 +201,12 @@ fn two_writers_racing_on_one_persistence_id_the_older_epoch_is_fenced() {
         let mut a = PgLog::open(&s2, 0);
         let rec = a.recover(&p2, WriterEpoch(1)).expect("recover old");
         assert!(rec.events.is_empty());
+        assert_eq!(rec.highest, 1, "the claim row takes sequence number 1");
         let deadline = Instant::now() + Duration::from_secs(20);
         let mut acked = 0u64;
         loop {
             assert!(Instant::now() < deadline, "old writer never fenced");
-            match append_one(&mut a, &p2, acked + 1, 1, b"old") {
+            match append_one(&mut a, &p2, rec.highest + acked + 1, 1, b"old") {
                 Ok(()) => acked += 1,
                 Err(k) => return (acked, k),
             }
@@ -212,12 +225,14 @@ fn two_writers_racing_on_one_persistence_id_the_older_epoch_is_fenced() {
     }
     let mut b = PgLog::open(&s, 1);
     let rec = b.recover(&p, WriterEpoch(2)).expect("recover new");
-    let recovered = rec.events.last().map_or(0, |e| e.0);
+    let recovered = rec.events.len() as u64;
     for (i, e) in rec.events.iter().enumerate() {
-        assert_eq!(e.0, i as u64 + 1, "contiguous");
+        assert_eq!(e.0, i as u64 + 2, "contiguous after the old claim row");
     }
+    let claim = rec.highest;
+    assert_eq!(claim, recovered + 2, "the new claim row follows the events");
     for k in 1..=50 {
-        append_one(&mut b, &p, recovered + k, 2, b"new").expect("new writer appends");
+        append_one(&mut b, &p, claim + k, 2, b"new").expect("new writer appends");
     }
     let (acked_old, kind) = old.join().expect("old thread");
     assert_eq!(
@@ -229,16 +244,26 @@ fn two_writers_racing_on_one_persistence_id_the_older_epoch_is_fenced() {
         acked_old <= recovered,
         "an acknowledged append of the old writer ({acked_old}) is missing from the recovery ({recovered})"
     );
+    // Events and claim rows: 1 (old claim), 2..=claim-1 (old events),
+    // claim (new claim), then the 50 new events; no gap, no duplicate.
     assert_eq!(
         pg.psql(
-            "SELECT count(*), min(sequence_nr), max(sequence_nr), \
-             count(*) FILTER (WHERE writer_epoch = 1 AND sequence_nr > (SELECT max(sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|race' AND writer_epoch = 1)) \
+            "SELECT count(*) FILTER (WHERE NOT claim), \
+             string_agg(sequence_nr || ':' || writer_epoch, ',' ORDER BY sequence_nr) FILTER (WHERE claim), \
+             min(sequence_nr), max(sequence_nr), count(*) \
              FROM shardline_events WHERE persistence_id = 'counter|race'"
         ),
-        format!("{n}|1|{n}|0", n = recovered + 50)
+        format!(
+            "{}|1:1,{claim}:2|1|{n}|{n}",
+            recovered + 50,
+            n = claim + 50
+        )
     );
     assert_eq!(
-        pg.psql("SELECT count(*) FROM shardline_events WHERE persistence_id = 'counter|race' AND writer_epoch = 1 AND sequence_nr > {recovered}".replace("{recovered}", &recovered.to_string()).as_str()),
+        pg.psql(&format!(
+            "SELECT count(*) FROM shardline_events WHERE persistence_id = 'counter|race' \
+             AND writer_epoch = 1 AND sequence_nr > {claim}"
+        )),
         "0",
         "no event of the old epoch after the new one's claim"
     );
@@ -254,19 +279,20 @@ fn an_outage_refuses_appends_then_resumes_without_a_restart() {
     let s = settings(&pg);
     let mut log = PgLog::open(&s, 0);
     let p = pid("counter|out");
-    log.recover(&p, WriterEpoch(1)).expect("recover");
-    append_one(&mut log, &p, 1, 1, b"1").expect("append");
+    let claim = log.recover(&p, WriterEpoch(1)).expect("recover").highest;
+    assert_eq!(claim, 1, "the claim row takes 1");
+    append_one(&mut log, &p, 2, 1, b"2").expect("append");
     assert!(log.health().is_none());
     pg.stop_server();
     assert_eq!(
-        append_one(&mut log, &p, 2, 1, b"2"),
+        append_one(&mut log, &p, 3, 1, b"3"),
         Err(LogErrorKind::Unavailable)
     );
     let why = log.health().expect("health names the cause");
     assert!(why.starts_with("journal unavailable"), "{why}");
     // Until the id is recovered again its appends are refused (a later
     // event must not land after a lost one).
-    assert!(log.append(&p, SequenceNr(3), WriterEpoch(1), b"3").is_err());
+    assert!(log.append(&p, SequenceNr(4), WriterEpoch(1), b"4").is_err());
     pg.start_server();
     let deadline = Instant::now() + Duration::from_secs(20);
     let rec = loop {
@@ -279,12 +305,13 @@ fn an_outage_refuses_appends_then_resumes_without_a_restart() {
         }
     };
     let seqs: Vec<u64> = rec.events.iter().map(|e| e.0).collect();
-    assert_eq!(seqs, vec![1], "the refused event is not there");
-    append_one(&mut log, &p, 2, 1, b"2").expect("append after the outage");
+    assert_eq!(seqs, vec![2], "the refused event is not there");
+    assert_eq!(rec.highest, 3, "the second claim row follows the event");
+    append_one(&mut log, &p, 4, 1, b"4").expect("append after the outage");
     assert!(log.health().is_none(), "health clears");
     assert_eq!(
-        pg.psql("SELECT string_agg(sequence_nr::text, ',' ORDER BY sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|out'"),
-        "1,2"
+        pg.psql("SELECT string_agg(sequence_nr || ':' || claim::text, ',' ORDER BY sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|out'"),
+        "1:true,2:false,3:true,4:false"
     );
 }
 
@@ -358,7 +385,7 @@ fn coordinator_state_on_postgres_recovers_and_fences_the_older_incarnation() {
     assert!(a.take_refused().is_empty(), "committed");
     assert_eq!(
         pg.psql(
-            "SELECT count(*) FROM shardline_events WHERE persistence_id = 'coordinator|counter'"
+            "SELECT count(*) FROM shardline_events WHERE persistence_id = 'coordinator|counter' AND NOT claim"
         ),
         "7",
         "takeover record and six events"
@@ -483,7 +510,8 @@ fn a_newer_claim_racing_in_flight_appends_of_the_older_epoch_commits_none_after_
             .map(|i| pid(&format!("fence{round}|{i}")))
             .collect();
         for p in &ids {
-            old.recover(p, WriterEpoch(1)).expect("recover old");
+            let rec = old.recover(p, WriterEpoch(1)).expect("recover old");
+            assert_eq!(rec.highest, 1, "the old claim row takes 1");
         }
         let statements = Arc::new(AtomicU64::new(0));
         let st = statements.clone();
@@ -491,7 +519,7 @@ fn a_newer_claim_racing_in_flight_appends_of_the_older_epoch_commits_none_after_
         let writer = std::thread::spawn(move || {
             let mut acked: HashMap<String, u64> = HashMap::new();
             let mut live: Vec<PersistenceId> = ids2.clone();
-            let mut next = 1u64;
+            let mut next = 2u64;
             while !live.is_empty() {
                 assert!(Instant::now() < deadline, "old writer never fenced");
                 let mut sent = Vec::new();
@@ -525,7 +553,7 @@ fn a_newer_claim_racing_in_flight_appends_of_the_older_epoch_commits_none_after_
             assert!(Instant::now() < deadline, "old writer idle");
             std::thread::yield_now();
         }
-        let mut recovered: HashMap<String, u64> = HashMap::new();
+        let mut recovered: HashMap<String, (u64, u64)> = HashMap::new();
         for (i, p) in ids.iter().enumerate() {
             let before = statements.load(Ordering::SeqCst);
             let rec = claimer
@@ -535,9 +563,20 @@ fn a_newer_claim_racing_in_flight_appends_of_the_older_epoch_commits_none_after_
                 claims_without_progress += 1;
             }
             for (k, e) in rec.events.iter().enumerate() {
-                assert_eq!(e.0, k as u64 + 1, "contiguous");
+                assert_eq!(e.0, k as u64 + 2, "contiguous after the old claim row");
             }
-            recovered.insert(p.as_str().to_string(), rec.events.last().map_or(0, |e| e.0));
+            assert_eq!(
+                rec.highest,
+                rec.events.len() as u64 + 2,
+                "the new claim row follows the old epoch's events"
+            );
+            recovered.insert(
+                p.as_str().to_string(),
+                (
+                    rec.events.len() as u64,
+                    rec.events.last().map_or(0, |e| e.0),
+                ),
+            );
             if i % 4 == round % 4 {
                 std::thread::sleep(Duration::from_micros(300));
             }
@@ -551,7 +590,7 @@ fn a_newer_claim_racing_in_flight_appends_of_the_older_epoch_commits_none_after_
              count(*) FILTER (WHERE pg_xact_commit_timestamp(e.xmin) > pg_xact_commit_timestamp(w.xmin)), \
              w.writer_epoch, w.persistence_id \
              FROM shardline_writers w LEFT JOIN shardline_events e \
-             ON e.persistence_id = w.persistence_id AND e.writer_epoch = 1 \
+             ON e.persistence_id = w.persistence_id AND e.writer_epoch = 1 AND NOT e.claim \
              WHERE w.persistence_id LIKE 'fence{round}|%' GROUP BY w.persistence_id, w.writer_epoch"
         ));
         let mut seen = 0;
@@ -559,7 +598,7 @@ fn a_newer_claim_racing_in_flight_appends_of_the_older_epoch_commits_none_after_
             // count|highest|late|epoch|persistence id (which has a '|').
             let f: Vec<&str> = line.splitn(5, '|').collect();
             let p = f[4];
-            let got = *recovered
+            let (count, got) = *recovered
                 .get(p)
                 .unwrap_or_else(|| panic!("round {round}: {p} not claimed: {rows}"));
             let a = acked.get(p).copied().unwrap_or(0);
@@ -569,7 +608,7 @@ fn a_newer_claim_racing_in_flight_appends_of_the_older_epoch_commits_none_after_
             );
             assert_eq!(
                 (f[0], f[1]),
-                (got.to_string().as_str(), got.to_string().as_str()),
+                (count.to_string().as_str(), got.to_string().as_str()),
                 "round {round}, {p}: the old epoch's events are exactly what was recovered"
             );
             assert_eq!(
@@ -589,12 +628,12 @@ fn a_newer_claim_racing_in_flight_appends_of_the_older_epoch_commits_none_after_
     );
 }
 
-/// Two writers append to the same 32 ids concurrently, one in ascending
-/// and one in descending order, 100 rounds: rounds that raise the epoch
-/// (each writer's statement updates every writer row), rounds at the
-/// recorded epoch (`FOR SHARE`) and snapshot saves (upserts of the same
-/// snapshot rows). Every append commits (a deadlock, 40P01, would refuse
-/// a statement's appends as unavailable) and the server logs no deadlock.
+/// Two writers append to the same 256 ids concurrently, one in ascending
+/// and one in descending order, 60 rounds, each its own sequence numbers,
+/// with snapshot saves of every id every fourth round (upserts of the same
+/// snapshot rows: row locks both statements take). Every append commits
+/// (a deadlock, 40P01, would refuse a statement's appends as unavailable)
+/// and the server logs no deadlock.
 #[test]
 fn two_writers_appending_to_the_same_ids_in_opposite_orders_never_deadlock() {
     const IDS: u64 = 256;
@@ -655,8 +694,8 @@ fn two_writers_appending_to_the_same_ids_in_opposite_orders_never_deadlock() {
         format!("{}|{IDS}", 2 * ROUNDS * IDS)
     );
     assert_eq!(
-        pg.psql("SELECT min(writer_epoch), max(writer_epoch) FROM shardline_writers WHERE persistence_id LIKE 'dl|%'"),
-        format!("{0}|{0}", ROUNDS / 2)
+        pg.psql("SELECT count(*) FROM shardline_snapshots WHERE persistence_id LIKE 'dl|%'"),
+        IDS.to_string()
     );
     let log = pg.server_log();
     assert!(
@@ -665,40 +704,41 @@ fn two_writers_appending_to_the_same_ids_in_opposite_orders_never_deadlock() {
     );
 }
 
-/// The append's fence without a claim before it (an API caller that
-/// appends first): the first append of an id records its epoch, a newer
-/// epoch raises it, the recorded epoch appends without writing a new
-/// version of the writer row, and an older one is refused as fenced.
+/// An append without a claim before it (an API caller that appends
+/// first) is stored at its sequence number; a recovery's claim row then
+/// fences that writer: its next append is refused as fenced, the claimer
+/// continues after its claim row, and an older epoch's claim is refused.
 #[test]
-fn an_append_without_a_claim_records_its_epoch_and_only_an_older_one_is_fenced() {
+fn an_append_without_a_claim_is_fenced_by_the_next_claim() {
     let pg = TempPg::start();
     let s = settings(&pg);
     let p = pid("counter|noclaim");
-    let writer_row = || {
-        pg.psql("SELECT writer_epoch, xmin FROM shardline_writers WHERE persistence_id = 'counter|noclaim'")
-    };
     let mut a = PgLog::open(&s, 0);
     append_one(&mut a, &p, 1, 5, b"1").expect("first append, no claim");
-    assert!(writer_row().starts_with("5|"), "{}", writer_row());
-    append_one(&mut a, &p, 2, 7, b"2").expect("a newer epoch than recorded");
-    let at7 = writer_row();
-    assert!(at7.starts_with("7|"), "{at7}");
-    append_one(&mut a, &p, 3, 7, b"3").expect("the recorded epoch");
-    append_one(&mut a, &p, 4, 7, b"4").expect("the recorded epoch");
-    assert_eq!(
-        writer_row(),
-        at7,
-        "appends at the recorded epoch write no new version of the writer row"
-    );
+    append_one(&mut a, &p, 2, 5, b"2").expect("second append, no claim");
     let mut b = PgLog::open(&s, 1);
+    let rec = b.recover(&p, WriterEpoch(6)).expect("claim");
+    assert_eq!(rec.events, vec![(1, b"1".to_vec()), (2, b"2".to_vec())]);
+    assert_eq!(rec.highest, 3, "the claim row follows the events");
     assert_eq!(
-        append_one(&mut b, &p, 5, 6, b"5"),
+        append_one(&mut a, &p, 3, 5, b"3"),
         Err(LogErrorKind::Fenced),
-        "an older epoch than recorded"
+        "the writer before the claim"
+    );
+    append_one(&mut b, &p, 4, 6, b"4").expect("the claimer appends after its claim row");
+    let mut c = PgLog::open(&s, 2);
+    match c.recover(&p, WriterEpoch(5)) {
+        Err(e) => assert!(e.contains("fenced"), "{e}"),
+        Ok(r) => panic!("an older epoch's claim must be refused: {r:?}"),
+    }
+    assert_eq!(
+        pg.psql("SELECT string_agg(sequence_nr || ':' || writer_epoch || ':' || claim::text, ',' ORDER BY sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|noclaim'"),
+        "1:5:false,2:5:false,3:6:true,4:6:false"
     );
     assert_eq!(
-        pg.psql("SELECT string_agg(sequence_nr || ':' || writer_epoch, ',' ORDER BY sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|noclaim'"),
-        "1:5,2:7,3:7,4:7"
+        pg.psql(
+            "SELECT writer_epoch FROM shardline_writers WHERE persistence_id = 'counter|noclaim'"
+        ),
+        "6"
     );
-    assert!(writer_row().starts_with("7|"));
 }

@@ -238,6 +238,8 @@ impl Persistent {
             self.seq = *seq;
             n += 1;
         }
+        // Sequence numbers taken without an event (a claim row).
+        self.seq = self.seq.max(rec.highest);
         self.recovered_events = n;
         self.since_snapshot += n;
         Ok(())
@@ -607,6 +609,7 @@ mod tests {
             Ok(Recovered {
                 snapshot: snap,
                 events,
+                highest: 0,
             })
         }
         fn save_snapshot(

@@ -236,6 +236,11 @@ pub struct Recovered {
     pub snapshot: Option<(u64, Vec<u8>)>,
     /// `(sequence number, payload)` in order.
     pub events: Vec<(u64, Vec<u8>)>,
+    /// The highest sequence number taken for the id when it was read: at
+    /// least the last event's (or the snapshot's); with the PostgreSQL
+    /// journal, the claim row the recovery wrote (see
+    /// [`pg::claim_and_read`]). The incarnation's next event is one more.
+    pub highest: u64,
 }
 
 /// Segment size of a core journal, in bytes (16 MiB: about 250,000
@@ -476,7 +481,16 @@ impl EventLog for CoreLog {
                 ));
             }
         }
-        Ok(Recovered { snapshot, events })
+        let highest = events
+            .last()
+            .map(|e| e.0)
+            .or(snapshot.as_ref().map(|s| s.0))
+            .unwrap_or(0);
+        Ok(Recovered {
+            snapshot,
+            events,
+            highest,
+        })
     }
 
     fn save_snapshot(

@@ -17,18 +17,21 @@
 //! [`DurableWake`]. An event counts as durable (its handler runs, its
 //! command is answered) only once that statement committed.
 //!
-//! Fencing: every statement that writes checks the writer epoch of each
-//! persistence id against `shardline_writers` and inserts only the rows
-//! of the ids it accepted, in the same statement (`APPEND_SQL`), so the
-//! check and the write are one atomic step: an id whose recorded epoch is
-//! ours is locked `FOR SHARE` (no new row version), any other is upserted
-//! with `ON CONFLICT DO UPDATE ... WHERE writer_epoch <=
-//! EXCLUDED.writer_epoch`; the row locks order racing writers, and every
-//! statement takes them in persistence id order. A recovery claims the id
-//! with its epoch first (its own statement, an update of the row that
-//! waits for the appends holding it), then reads: an older incarnation's
-//! append that commits after the claim is refused, and one that committed
-//! before it is in what the recovery reads.
+//! Fencing: a recovery claims the persistence id. In one transaction it
+//! records its writer epoch in `shardline_writers` (refused when a newer
+//! one is recorded) and inserts a *claim row* into `shardline_events` at
+//! the next free sequence number (`claim = true`, no payload); then it
+//! reads. An incarnation appends only the sequence number after its last
+//! durable one (or after its claim row), so every older incarnation's
+//! next append collides with the claim row, or with the newer
+//! incarnation's events, on the primary key `(persistence_id,
+//! sequence_nr)`: the database refuses it in the statement that would
+//! write it (a unique violation, reported as fenced), with no extra
+//! lookup in the append. An older append that committed before the claim
+//! is in what the recovery reads (the claim row goes after it: a claim
+//! that collides with an append in flight waits for it, and retries above
+//! it when it committed). The primary key is also the fence of Akka's
+//! JDBC journal; the claim row makes the newest claim win.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,8 +47,9 @@ use crate::config::JournalConfig;
 
 /// The schema version this build writes and reads. A database whose
 /// recorded version is higher is refused (a newer release migrated it); a
-/// lower one is migrated (version 2 added `shardline_clusters`).
-pub const SCHEMA_VERSION: i32 = 2;
+/// lower one is migrated (version 2 added `shardline_clusters`, version 3
+/// the claim rows' `claim` column).
+pub const SCHEMA_VERSION: i32 = 3;
 
 /// The schema, created at first start (idempotent; run under an advisory
 /// lock so that nodes starting together do not race).
@@ -64,8 +68,10 @@ CREATE TABLE IF NOT EXISTS shardline_events (
     sequence_nr bigint NOT NULL,
     writer_epoch bigint NOT NULL,
     payload bytea NOT NULL,
+    claim boolean NOT NULL DEFAULT false,
     PRIMARY KEY (persistence_id, sequence_nr)
 );
+ALTER TABLE shardline_events ADD COLUMN IF NOT EXISTS claim boolean NOT NULL DEFAULT false;
 CREATE TABLE IF NOT EXISTS shardline_snapshots (
     persistence_id text PRIMARY KEY,
     sequence_nr bigint NOT NULL,
@@ -82,72 +88,36 @@ CREATE TABLE IF NOT EXISTS shardline_clusters (
 /// The key of the advisory lock held while the schema is created.
 const SCHEMA_LOCK_KEY: i64 = 0x5348_4152_444c_494e; // "SHARDLIN"
 
-/// The group-commit statement: the fence, then the events and snapshots
-/// of the ids it accepted; returns the accepted ids.
+/// The group-commit statement: the events and snapshots of one batch;
+/// returns the number of events inserted (a data-modifying `WITH` runs
+/// whether or not the outer query reads it).
 ///
-/// `$1`/`$2` are each id's writer epoch (one entry per id), `$3..$6` the
-/// events, `$7..$10` the snapshots (at most one per id).
+/// `$1..$4` are the events, `$5..$8` the snapshots (at most one per id),
+/// both sorted by persistence id (bytewise) and sequence number: every
+/// key lock of the statement is taken in that order, so two statements
+/// sharing keys wait for each other instead of deadlocking.
 ///
-/// The fence is decided by the database in this statement (no
-/// read-then-write race):
-/// - `ok`: the ids whose recorded epoch equals ours (the common case: a
-///   recovery claimed it before the incarnation appends) are locked
-///   `FOR SHARE`, in persistence id order. That writes no new row version
-///   (only the lock in the row's header) and blocks a claim's update of
-///   the row until this transaction ends. A claim of a newer epoch that
-///   updated the row first makes the lock wait for it; READ COMMITTED then
-///   re-checks the newest row version (`EvalPlanQual`), finds the newer
-///   epoch and leaves the id out.
-/// - `u`: every other id (no row yet: an append that no claim preceded; a
-///   recorded epoch older than ours; or one that changed under `ok`) is
-///   upserted, in persistence id order, and accepted only where the
-///   recorded epoch is not newer than ours (`ON CONFLICT ... DO UPDATE
-///   ... WHERE`, which locks and re-checks the newest version likewise).
-/// - The events and snapshots of the accepted ids are inserted in
-///   `(persistence_id, sequence_nr)` order.
-///
-/// Every row lock and insert of one statement is so taken in one order,
-/// and two statements whose batches share ids wait for each other instead
-/// of deadlocking.
+/// The fence is the events' primary key (see the module doc): an event
+/// whose sequence number is taken (by a newer incarnation's claim row or
+/// events) fails the whole statement with a unique violation, and the
+/// writer retries the batch's ids in halves to refuse only that id's
+/// rows. A snapshot replaces the stored one only when it is newer; an
+/// older incarnation's snapshot covers only events that were durable, so
+/// it is a snapshot of the same history the newer one recovered.
 pub(crate) const APPEND_SQL: &str = "
-WITH ok AS MATERIALIZED (
-    SELECT cur.persistence_id
-    FROM shardline_writers AS cur
-    JOIN unnest($1::text[], $2::int8[]) AS r(p, ep) ON cur.persistence_id = r.p
-    WHERE cur.writer_epoch = r.ep
-    ORDER BY cur.persistence_id COLLATE \"C\"
-    FOR SHARE OF cur
-), u AS (
-    INSERT INTO shardline_writers AS cur (persistence_id, writer_epoch)
-    SELECT r.p, r.ep
-    FROM unnest($1::text[], $2::int8[]) AS r(p, ep)
-    WHERE NOT EXISTS (SELECT 1 FROM ok WHERE ok.persistence_id = r.p)
-    ORDER BY r.p COLLATE \"C\"
-    ON CONFLICT (persistence_id) DO UPDATE SET writer_epoch = EXCLUDED.writer_epoch
-        WHERE cur.writer_epoch <= EXCLUDED.writer_epoch
-    RETURNING persistence_id
-), w AS (
-    SELECT persistence_id FROM ok UNION ALL SELECT persistence_id FROM u
-), e AS (
+WITH e AS (
     INSERT INTO shardline_events (persistence_id, sequence_nr, writer_epoch, payload)
-    SELECT r.p, r.s, r.ep, r.d
-    FROM unnest($3::text[], $4::int8[], $5::int8[], $6::bytea[]) AS r(p, s, ep, d)
-    WHERE r.p IN (SELECT persistence_id FROM w)
-    ORDER BY r.p COLLATE \"C\", r.s
+    SELECT * FROM unnest($1::text[], $2::int8[], $3::int8[], $4::bytea[])
     RETURNING 1
 ), s AS (
     INSERT INTO shardline_snapshots AS cur (persistence_id, sequence_nr, writer_epoch, data)
-    SELECT r.p, r.s, r.ep, r.d
-    FROM unnest($7::text[], $8::int8[], $9::int8[], $10::bytea[]) AS r(p, s, ep, d)
-    WHERE r.p IN (SELECT persistence_id FROM w)
-    ORDER BY r.p COLLATE \"C\"
+    SELECT * FROM unnest($5::text[], $6::int8[], $7::int8[], $8::bytea[])
     ON CONFLICT (persistence_id) DO UPDATE
         SET sequence_nr = EXCLUDED.sequence_nr, writer_epoch = EXCLUDED.writer_epoch,
             data = EXCLUDED.data
         WHERE cur.sequence_nr < EXCLUDED.sequence_nr
-    RETURNING 1
 )
-SELECT persistence_id FROM w";
+SELECT count(*) FROM e";
 
 /// The recovery's claim: the id's writer epoch becomes ours unless a newer
 /// one is recorded; returns the recorded epoch when it is ours.
@@ -156,6 +126,20 @@ INSERT INTO shardline_writers AS cur (persistence_id, writer_epoch) VALUES ($1, 
 ON CONFLICT (persistence_id) DO UPDATE SET writer_epoch = EXCLUDED.writer_epoch
     WHERE cur.writer_epoch <= EXCLUDED.writer_epoch
 RETURNING writer_epoch";
+
+/// The claim row: the id's next free sequence number, taken by the
+/// claiming epoch (after its [`CLAIM_SQL`], in the same transaction).
+const CLAIM_ROW_SQL: &str = "
+INSERT INTO shardline_events (persistence_id, sequence_nr, writer_epoch, payload, claim)
+SELECT $1, greatest(coalesce(max(e.sequence_nr), 0),
+                    coalesce((SELECT sequence_nr FROM shardline_snapshots WHERE persistence_id = $1), 0)) + 1,
+       $2, ''::bytea, true
+FROM shardline_events AS e WHERE e.persistence_id = $1
+RETURNING sequence_nr";
+
+/// How often a claim is tried again when appends in flight keep taking
+/// the sequence number its claim row wanted (each retry reads above them).
+const CLAIM_ATTEMPTS: usize = 50;
 
 /// Settings of the backend, from the `[journal]` table.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -262,6 +246,10 @@ pub fn connect(settings: &PgSettings) -> Result<Client, PgError> {
         .map_err(|e: postgres::Error| PgError::Rejected(format!("bad journal.url: {e}")))?;
     cfg.connect_timeout(settings.connect_timeout);
     cfg.application_name("shardline");
+    // The statements are prepared once and their plans do not depend on
+    // the values: never plan them again per execution (a custom plan of
+    // the journal's statements costs more than running them).
+    cfg.options("-c plan_cache_mode=force_generic_plan");
     let mut client = cfg
         .connect(NoTls)
         .map_err(|e| PgError::Unavailable(e.to_string()))?;
@@ -333,14 +321,20 @@ pub fn identity(settings: &PgSettings) -> Result<String, PgError> {
     Ok(format!("postgres:{sys}/{db}"))
 }
 
-/// Reads one persistence id after claiming it with `epoch`: the latest
-/// snapshot newer than `after_seq`, then the events after it (an indexed
-/// range read on the primary key). `check_gaps`: refuse a gap in the
-/// sequence numbers.
+/// Reads one persistence id after claiming it with `epoch`: records the
+/// epoch and the claim row (one transaction, see the module doc), then
+/// reads the latest snapshot newer than `after_seq` and the events after
+/// it (an indexed range read on the primary key; claim rows are left out
+/// of the events and their sequence numbers count as taken).
+/// [`Recovered::highest`] is the claim row's sequence number: the
+/// incarnation's first event is the one after it. `check_gaps`: refuse a
+/// gap in the sequence numbers.
 ///
 /// # Errors
 /// [`PgError::Fenced`] when a newer epoch is recorded for the id;
-/// [`PgError::Unavailable`]; [`PgError::Rejected`] on a gap.
+/// [`PgError::Unavailable`] (also when appends in flight took the claim
+/// row's sequence number [`CLAIM_ATTEMPTS`] times in a row);
+/// [`PgError::Rejected`] on a gap.
 pub fn claim_and_read(
     client: &mut Client,
     pid: &str,
@@ -350,13 +344,35 @@ pub fn claim_and_read(
 ) -> Result<Recovered, PgError> {
     let err = |e: postgres::Error| PgError::classify(&e);
     let ep = epoch as i64;
-    let claimed = client.query(CLAIM_SQL, &[&pid, &ep]).map_err(err)?;
-    if claimed.is_empty() {
-        return Err(PgError::Fenced {
-            pid: pid.to_string(),
-            epoch,
-        });
+    let mut claim_row = None;
+    for _ in 0..CLAIM_ATTEMPTS {
+        // Dropping the transaction without commit rolls it back.
+        let mut tx = client.transaction().map_err(err)?;
+        let claimed = tx.query(CLAIM_SQL, &[&pid, &ep]).map_err(err)?;
+        if claimed.is_empty() {
+            return Err(PgError::Fenced {
+                pid: pid.to_string(),
+                epoch,
+            });
+        }
+        match tx.query_one(CLAIM_ROW_SQL, &[&pid, &ep]) {
+            Ok(r) => {
+                let seq = r.get::<_, i64>(0) as u64;
+                tx.commit().map_err(err)?;
+                claim_row = Some(seq);
+                break;
+            }
+            // An append of an older incarnation that was in flight took
+            // the number and committed first: claim above it.
+            Err(e) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => continue,
+            Err(e) => return Err(err(e)),
+        }
     }
+    let Some(highest) = claim_row else {
+        return Err(PgError::Unavailable(format!(
+            "cannot claim {pid}: appends in flight took its next sequence number {CLAIM_ATTEMPTS} times"
+        )));
+    };
     let snap = client
         .query_opt(
             "SELECT sequence_nr, data FROM shardline_snapshots \
@@ -368,7 +384,7 @@ pub fn claim_and_read(
     let from = snap.as_ref().map_or(after_seq, |s| s.0);
     let rows = client
         .query(
-            "SELECT sequence_nr, payload FROM shardline_events \
+            "SELECT sequence_nr, payload, claim FROM shardline_events \
              WHERE persistence_id = $1 AND sequence_nr > $2 ORDER BY sequence_nr",
             &[&pid, &(from as i64)],
         )
@@ -382,11 +398,14 @@ pub fn claim_and_read(
                 from + 1 + i as u64
             )));
         }
-        events.push((seq, r.get::<_, Vec<u8>>(1)));
+        if !r.get::<_, bool>(2) {
+            events.push((seq, r.get::<_, Vec<u8>>(1)));
+        }
     }
     Ok(Recovered {
         snapshot: snap,
         events,
+        highest,
     })
 }
 
@@ -916,7 +935,8 @@ impl PgLog {
             .last()
             .map(|e| e.0)
             .or(r.snapshot.as_ref().map(|s| s.0))
-            .unwrap_or(0);
+            .unwrap_or(0)
+            .max(r.highest);
         let h = self.highest.entry(pid.to_string()).or_insert(0);
         *h = (*h).max(last);
     }
@@ -1178,21 +1198,8 @@ fn commit_chunk(
     if rows.is_empty() && snaps.is_empty() {
         return;
     }
-    match run_append(settings, client, &rows, &snaps, &epochs) {
-        Ok(accepted) => {
-            set_health(health, None);
-            let (ok, fenced): (Vec<Row>, Vec<Row>) =
-                rows.into_iter().partition(|r| accepted.contains(&r.pid));
-            drop(ok);
-            for r in fenced {
-                let e = PgError::Fenced {
-                    pid: r.pid.clone(),
-                    epoch: r.epoch,
-                }
-                .to_log();
-                refuse(vec![r], &e, refused);
-            }
-        }
+    match run_append(settings, client, &rows, &snaps) {
+        Ok(()) => set_health(health, None),
         Err(PgError::Unavailable(why)) => {
             *client = None;
             let e = LogError::unavailable(format!("journal unavailable: {why}"));
@@ -1200,19 +1207,27 @@ fn commit_chunk(
             refuse(rows, &e, refused);
         }
         Err(e) => {
-            let pids: HashSet<&str> = rows.iter().map(|r| r.pid.as_str()).collect();
+            let mut pids: Vec<&str> = rows.iter().map(|r| r.pid.as_str()).collect();
+            pids.sort_unstable();
+            pids.dedup();
             if pids.len() > 1 {
-                // Find the id the database refuses: one statement per id.
-                let mut per: HashMap<String, Batch> = HashMap::new();
+                // Find the ids the database refuses (a taken sequence
+                // number fails the whole statement): the two halves of
+                // the ids, each in a statement of its own, recursively.
+                let upper: HashSet<String> = pids[pids.len() / 2..]
+                    .iter()
+                    .map(|p| p.to_string())
+                    .collect();
+                let mut halves = [Batch::default(), Batch::default()];
                 for r in rows {
-                    let b = per.entry(r.pid.clone()).or_default();
+                    let b = &mut halves[usize::from(upper.contains(&r.pid))];
                     b.last = r.lsn;
                     b.rows.push(r);
                 }
-                for (pid, s) in snaps {
-                    per.entry(pid).or_default().snaps.push(s);
+                for (pid, sn) in snaps {
+                    halves[usize::from(upper.contains(&pid))].snaps.push(sn);
                 }
-                for (_, b) in per {
+                for b in halves {
                     commit_chunk(settings, client, b, poisoned, refused, health);
                 }
             } else {
@@ -1220,22 +1235,27 @@ fn commit_chunk(
                     *client = None;
                     set_health(health, Some(e.to_string()));
                 }
-                tracing::warn!(error = %e, "journal append refused");
+                if !matches!(e, PgError::Fenced { .. }) {
+                    tracing::warn!(error = %e, "journal append refused");
+                }
                 refuse(rows, &e.to_log(), refused);
             }
         }
     }
 }
 
-/// Runs [`APPEND_SQL`] once (connecting first when needed); returns the
-/// ids whose epoch was accepted.
+/// Runs [`APPEND_SQL`] once (connecting first when needed).
+///
+/// # Errors
+/// [`PgError::Fenced`] (naming the statement's first id and highest
+/// epoch) when an event's sequence number is taken: a newer incarnation
+/// claimed one of the ids; else as [`PgError::classify`].
 fn run_append(
     settings: &PgSettings,
     client: &mut Conn,
     rows: &[Row],
     snaps: &HashMap<String, SnapRow>,
-    epochs: &HashMap<String, u64>,
-) -> Result<HashSet<String>, PgError> {
+) -> Result<(), PgError> {
     if client.as_ref().is_none_or(|(c, _)| c.is_closed()) {
         let mut c = connect(settings)?;
         let st = c.prepare(APPEND_SQL).map_err(|e| PgError::classify(&e))?;
@@ -1244,11 +1264,9 @@ fn run_append(
     let (c, st) = client
         .as_mut()
         .ok_or_else(|| PgError::Unavailable("no connection".into()))?;
-    // In the order the statement locks and inserts them (bytewise, as its
-    // `COLLATE "C"`), so that its sorts find them sorted.
-    let mut w_pid: Vec<&str> = epochs.keys().map(String::as_str).collect();
-    w_pid.sort_unstable();
-    let w_ep: Vec<i64> = w_pid.iter().map(|p| epochs[*p] as i64).collect();
+    // In persistence id (bytewise, as the index's `COLLATE "C"` keys
+    // compare for equal lengths) and sequence number order: every key
+    // lock of the statement is taken in this one order.
     let mut rows: Vec<&Row> = rows.iter().collect();
     rows.sort_by(|a, b| (a.pid.as_str(), a.seq).cmp(&(b.pid.as_str(), b.seq)));
     let e_pid: Vec<&str> = rows.iter().map(|r| r.pid.as_str()).collect();
@@ -1261,13 +1279,21 @@ fn run_append(
     let s_seq: Vec<i64> = snaps.iter().map(|s| s.seq as i64).collect();
     let s_ep: Vec<i64> = snaps.iter().map(|s| s.epoch as i64).collect();
     let s_data: Vec<&[u8]> = snaps.iter().map(|s| s.data.as_slice()).collect();
-    let out = c
-        .query(
-            &*st,
-            &[
-                &w_pid, &w_ep, &e_pid, &e_seq, &e_ep, &e_data, &s_pid, &s_seq, &s_ep, &s_data,
-            ],
-        )
-        .map_err(|e| PgError::classify(&e))?;
-    Ok(out.into_iter().map(|r| r.get::<_, String>(0)).collect())
+    c.query(
+        &*st,
+        &[
+            &e_pid, &e_seq, &e_ep, &e_data, &s_pid, &s_seq, &s_ep, &s_data,
+        ],
+    )
+    .map(|_| ())
+    .map_err(|e| {
+        if e.code() == Some(&SqlState::UNIQUE_VIOLATION) {
+            PgError::Fenced {
+                pid: rows.first().map_or_else(String::new, |r| r.pid.clone()),
+                epoch: rows.iter().map(|r| r.epoch).max().unwrap_or(0),
+            }
+        } else {
+            PgError::classify(&e)
+        }
+    })
 }

@@ -607,6 +607,8 @@ fn fold(
         records += 1;
         last_seq = *seq;
     }
+    // The claim row's sequence number is taken too.
+    last_seq = last_seq.max(r.rec.highest);
     if let Some(cfg) = &config {
         if cfg != expected {
             return Err(CoordinatorJournalError::ConfigMismatch {
@@ -670,36 +672,28 @@ fn commit(
             }
         }
     }
-    let w_pid: Vec<&str> = epochs.keys().copied().collect();
-    let w_ep: Vec<i64> = w_pid.iter().map(|p| epochs[*p] as i64).collect();
-    let e_pid: Vec<&str> = rows.iter().map(|r| r.pid.as_str()).collect();
-    let e_seq: Vec<i64> = rows.iter().map(|r| r.seq as i64).collect();
-    let e_ep: Vec<i64> = rows.iter().map(|r| r.epoch as i64).collect();
-    let e_data: Vec<&[u8]> = rows.iter().map(|r| r.data.as_slice()).collect();
-    let s_rows: Vec<&Row> = snap_of.values().copied().collect();
-    let s_pid: Vec<&str> = s_rows.iter().map(|r| r.pid.as_str()).collect();
-    let s_seq: Vec<i64> = s_rows.iter().map(|r| r.seq as i64).collect();
-    let s_ep: Vec<i64> = s_rows.iter().map(|r| r.epoch as i64).collect();
-    let s_data: Vec<&[u8]> = s_rows.iter().map(|r| r.data.as_slice()).collect();
-    let r = with_retry(settings, client, shared, |c| {
-        let out = c
-            .query(
-                APPEND_SQL,
-                &[
-                    &w_pid, &w_ep, &e_pid, &e_seq, &e_ep, &e_data, &s_pid, &s_seq, &s_ep, &s_data,
-                ],
-            )
-            .map_err(|e| PgError::classify(&e))?;
-        Ok(out
-            .into_iter()
-            .map(|r| r.get::<_, String>(0))
-            .collect::<Vec<String>>())
-    });
+    let mut rows = rows;
+    rows.sort_by(|a, b| (a.pid.as_str(), a.seq).cmp(&(b.pid.as_str(), b.seq)));
+    let mut s_rows: Vec<&Row> = snap_of.values().copied().collect();
+    s_rows.sort_by(|a, b| a.pid.cmp(&b.pid));
+    let r = with_retry(settings, client, shared, |c| append(c, &rows, &s_rows));
     match r {
-        Ok(accepted) => {
-            for r in rows {
-                if !accepted.contains(&r.pid) {
-                    refused.push((r.type_name.clone(), r.epoch, fenced(r).to_string()));
+        Ok(()) => {}
+        Err(_) if rows.iter().any(|r| r.pid != rows[0].pid) => {
+            // A taken sequence number fails the whole statement: one
+            // statement per id finds the refused ones.
+            let mut pids: Vec<&str> = rows.iter().map(|r| r.pid.as_str()).collect();
+            pids.dedup();
+            for p in pids {
+                let own: Vec<&Row> = rows.iter().copied().filter(|r| r.pid == p).collect();
+                let own_snaps: Vec<&Row> = s_rows.iter().copied().filter(|r| r.pid == p).collect();
+                if let Err(e) =
+                    with_retry(settings, client, shared, |c| append(c, &own, &own_snaps))
+                {
+                    tracing::warn!(error = %e, "coordinator journal append refused");
+                    for r in own {
+                        refused.push((r.type_name.clone(), r.epoch, e.to_string()));
+                    }
                 }
             }
         }
@@ -711,6 +705,40 @@ fn commit(
         }
     }
     refused
+}
+
+/// Runs [`APPEND_SQL`] once for `rows` and `snaps` (each sorted by id and
+/// sequence number).
+///
+/// # Errors
+/// [`PgError::Fenced`] when an event's sequence number is taken (a newer
+/// incarnation claimed the id); else as [`PgError::classify`].
+fn append(c: &mut Client, rows: &[&Row], snaps: &[&Row]) -> Result<(), PgError> {
+    let e_pid: Vec<&str> = rows.iter().map(|r| r.pid.as_str()).collect();
+    let e_seq: Vec<i64> = rows.iter().map(|r| r.seq as i64).collect();
+    let e_ep: Vec<i64> = rows.iter().map(|r| r.epoch as i64).collect();
+    let e_data: Vec<&[u8]> = rows.iter().map(|r| r.data.as_slice()).collect();
+    let s_pid: Vec<&str> = snaps.iter().map(|r| r.pid.as_str()).collect();
+    let s_seq: Vec<i64> = snaps.iter().map(|r| r.seq as i64).collect();
+    let s_ep: Vec<i64> = snaps.iter().map(|r| r.epoch as i64).collect();
+    let s_data: Vec<&[u8]> = snaps.iter().map(|r| r.data.as_slice()).collect();
+    c.query(
+        APPEND_SQL,
+        &[
+            &e_pid, &e_seq, &e_ep, &e_data, &s_pid, &s_seq, &s_ep, &s_data,
+        ],
+    )
+    .map(|_| ())
+    .map_err(|e| {
+        if e.code() == Some(&postgres::error::SqlState::UNIQUE_VIOLATION) {
+            PgError::Fenced {
+                pid: rows.first().map_or_else(String::new, |r| r.pid.clone()),
+                epoch: rows.iter().map(|r| r.epoch).max().unwrap_or(0),
+            }
+        } else {
+            PgError::classify(&e)
+        }
+    })
 }
 
 /// The table that keeps each cluster's identity (created with

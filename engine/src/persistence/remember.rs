@@ -165,7 +165,9 @@ fn fold(pid: &PersistenceId, rec: &Recovered) -> Vec<EntityId> {
             _ => {}
         }
     }
-    // Continue the sequence in this core's journal after the recovered one.
+    // Continue the sequence in this core's journal after the recovered one
+    // (and after a claim row's number).
+    let last = last.max(rec.highest);
     let own_last = with_log(|l| l.highest_sequence_nr(pid)).unwrap_or(0);
     SEQ.with(|s| {
         s.borrow_mut()
