@@ -285,6 +285,21 @@ struct Shard<M, S> {
     entities: DetHashMap<EntityId, Entity<M, S>>,
 }
 
+impl<M, S> Shard<M, S> {
+    /// Whether the shard got its `HandOff`: it is stopping its entities,
+    /// or it stops once its remembered entities are recovered.
+    fn is_handing_off(&self) -> bool {
+        matches!(
+            self.state,
+            ShardState::Stopping
+                | ShardState::Recovering {
+                    hand_off: Some(_),
+                    ..
+                }
+        )
+    }
+}
+
 /// The region state machine: routes messages of one entity type on one core
 /// and hosts shards.
 ///
@@ -538,6 +553,13 @@ impl<M, S> ShardRegion<M, S> {
                 proxy: self.id.clone(),
             }
         } else {
+            let mut stopping: Vec<ShardId> = self
+                .shards
+                .iter()
+                .filter(|(_, sh)| sh.is_handing_off())
+                .map(|(s, _)| *s)
+                .collect();
+            stopping.sort();
             CoordinatorMsg::Register {
                 region: self.id.clone(),
                 hosted: self
@@ -545,6 +567,7 @@ impl<M, S> ShardRegion<M, S> {
                     .iter()
                     .map(|(s, sh)| (*s, sh.generation))
                     .collect(),
+                stopping,
             }
         };
         self.effects.push_back(RegionEffect::SendToCoordinator(msg));
