@@ -3,6 +3,12 @@
 //! Protocol after Akka's `ShardCoordinator` (Akka Cluster Sharding docs,
 //! "Shard location", "Shard rebalancing"):
 //! - `Register` → `RegisterAck` (+ `ShardHomes` of what the region owns);
+//!   after a recovery, a shard the region reports as stopping (it got the
+//!   previous coordinator's `HandOff`) resumes its hand-off at its last step,
+//!   waiting for `ShardStopped`, and `GetShardHome` for a shard whose
+//!   recorded home has not registered again waits for that `Register` (or
+//!   the re-register deadline), so the stopping owner is never named as a
+//!   home (see "Ordering" in `region.rs`);
 //! - `GetShardHome` → allocation through the [`ShardAllocationStrategy`] →
 //!   `Persist(ShardHomeAllocated)` → `ShardHome` to the home and every asker;
 //! - a rebalance round every `rebalance_interval`: for each chosen shard,
@@ -183,7 +189,11 @@ pub struct CoordinatorSettings {
     /// demand. Regions of members that are no longer in the membership are
     /// terminated at once; regions of Up members are kept (terminating a
     /// live region would give its shards a second home; if the member dies,
-    /// its removal terminates them). Default 10 s. (Akka: a recovered
+    /// its removal terminates them). Until a recorded region registered
+    /// again (or the deadline settled it), `GetShardHome` for its shards is
+    /// not answered: its `Register` says whether it is still stopping them
+    /// after an earlier coordinator's `HandOff` (see
+    /// [`CoordinatorMsg::Register`]). Default 10 s. (Akka: a recovered
     /// coordinator watches the recorded regions and drops those that are
     /// gone.)
     pub reregister_timeout: Duration,

@@ -42,6 +42,14 @@
 //!    N and H included, flushes its buffer for the shard in arrival order
 //!    when it learns the home, then sends directly, behind the flushed
 //!    messages on the same link.
+//! 5. When the coordinator moves during the hand-off, the new one recovers
+//!    the allocation (H) but not the hand-off. It answers no `GetShardHome`
+//!    for a shard whose recorded home has not registered again, and H's
+//!    `Register` names the shards it is stopping, so the hand-off resumes
+//!    (waiting for `ShardStopped`): no region is told that H is the home and
+//!    forwards into H's stopping buffer, which would reach N after that
+//!    region's newer messages (simulation scenario
+//!    `cluster-leave-coordinator-timeout`).
 //!
 //! So every message a sender sent before its region's `BeginHandOff` is
 //! processed at H before N processes anything of the shard, and the later
