@@ -651,6 +651,7 @@ fn a_panicking_strategy_does_not_wedge_the_coordinator() {
         CoordinatorMsg::Register {
             region: rid(1),
             hosted: vec![],
+            stopping: vec![],
         },
     );
     let _ = c.drain_effects().count();
@@ -674,6 +675,7 @@ fn a_panicking_strategy_does_not_wedge_the_coordinator() {
         CoordinatorMsg::Register {
             region: rid(1),
             hosted: vec![],
+            stopping: vec![],
         },
     );
     assert!(c.drain_effects().any(|e| matches!(
@@ -699,6 +701,7 @@ fn min_nr_of_members_delays_the_first_allocation() {
         CoordinatorMsg::Register {
             region: rid(1),
             hosted: vec![],
+            stopping: vec![],
         },
     );
     c.handle_message(
@@ -793,7 +796,7 @@ proptest! {
             match o {
                 Op::Up(m) => c.handle_membership(now, MembershipEvent::MemberUp(member(m))),
                 Op::Remove(m) => c.handle_membership(now, MembershipEvent::MemberRemoved(member(m))),
-                Op::Register(r) => c.handle_message(now, CoordinatorMsg::Register { region: rid(r), hosted: vec![] }),
+                Op::Register(r) => c.handle_message(now, CoordinatorMsg::Register { region: rid(r), hosted: vec![], stopping: vec![] }),
                 Op::Get(r, s) => c.handle_message(now, CoordinatorMsg::GetShardHome { region: rid(r), shard: ShardId(s) }),
                 Op::Ack(s, r) => {
                     let g = c.state().shards.get(&ShardId(s)).map(|x| x.1).unwrap_or_default();
@@ -983,6 +986,7 @@ fn recovered_regions_that_do_not_reregister_are_terminated_at_the_deadline() {
             CoordinatorMsg::Register {
                 region: rid(r),
                 hosted: vec![],
+                stopping: vec![],
             },
         );
         c.handle_message(
@@ -1020,6 +1024,7 @@ fn recovered_regions_that_do_not_reregister_are_terminated_at_the_deadline() {
         CoordinatorMsg::Register {
             region: rid(1),
             hosted,
+            stopping: vec![],
         },
     );
     let sent: Vec<CoordinatorEffect> = r.drain_effects().collect();
@@ -1424,4 +1429,171 @@ fn a_frozen_member_stalls_only_the_hand_offs_that_need_it() {
         let home = w.home(s.0).expect("allocated").0;
         assert!(home == rid(1) || home == rid(3), "{home}");
     }
+}
+
+/// A region's `Register` names the shards it is stopping after a
+/// `HandOff` (and only those), so that a coordinator that took over meanwhile
+/// can resume the hand-off.
+#[test]
+fn register_after_a_coordinator_move_names_the_shards_still_stopping() {
+    let now = Duration::ZERO;
+    let mut r = owner_of_shard_0(quiet_settings());
+    r.handle_region_msg(
+        now,
+        RegionMsg::ShardHome {
+            shard: ShardId(1),
+            region: rid(1),
+            generation: Generation(2),
+        },
+    );
+    r.handle_message(now, envelope_for("a", 1));
+    let _ = r.drain_effects().count();
+    r.handle_region_msg(
+        now,
+        RegionMsg::HandOff {
+            shard: ShardId(0),
+            generation: Generation(1),
+        },
+    );
+    let _ = r.drain_effects().count();
+    r.handle_coordinator_moved(now);
+    let sent: Vec<RegionEffect<u32, u32>> = r.drain_effects().collect();
+    let Some(RegionEffect::SendToCoordinator(CoordinatorMsg::Register {
+        mut hosted,
+        stopping,
+        ..
+    })) = sent.into_iter().next()
+    else {
+        panic!("no Register")
+    };
+    hosted.sort();
+    assert_eq!(
+        hosted,
+        vec![(ShardId(0), Generation(1)), (ShardId(1), Generation(2))]
+    );
+    assert_eq!(stopping, vec![ShardId(0)], "only shard 0 is stopping");
+}
+
+/// Simulation scenario `cluster-leave-coordinator-timeout` (seed 4 of its
+/// first 100, and 21 more): the coordinator's member leaves while the owner
+/// of one of its shards is still stopping that shard's entities after the
+/// `HandOff`; the coordinator moves. The new coordinator, recovered from the
+/// journal, knew nothing of the hand-off: it named the stopping owner as
+/// the shard's home, so another region flushed its buffered messages into
+/// the owner's stopping buffer; once the shard was allocated anew, that
+/// region's newer messages went straight to the new home and could arrive
+/// before the owner forwarded its buffer there. Now the new coordinator
+/// answers no `GetShardHome` for a shard whose recorded home has not
+/// registered again, and the owner's `Register` names the shards it is
+/// stopping, so the hand-off resumes: the other regions keep buffering
+/// until `ShardStopped`, and their messages reach the new home in order.
+#[test]
+fn a_new_coordinator_resumes_a_hand_off_whose_owner_is_still_stopping() {
+    let cs = CoordinatorSettings {
+        rebalance_interval: Duration::from_secs(3600),
+        ..CoordinatorSettings::default()
+    };
+    let mut w = World::new(3, quiet_settings(), cs.clone());
+    w.send(0, "a", 0, 1);
+    let (owner, g) = w.home(0).expect("allocated");
+    let h = w.idx(&owner);
+    let r = (h + 1) % 3;
+    w.send(r, "a", 0, 2);
+    assert_eq!(
+        w.delivered.iter().map(|d| (d.0, d.2)).collect::<Vec<_>>(),
+        vec![(h, 1), (h, 2)]
+    );
+    // The owner leaves: its shard's hand-off reaches `HandOff`, and the
+    // entity takes its time to stop.
+    w.auto_stop = false;
+    let now = w.now;
+    w.regions[h].start_graceful_shutdown(now);
+    w.pump();
+    assert_eq!(w.stopping.len(), 1, "{:?}", w.stopping);
+    assert_eq!(w.stopping[0].3, StopReason::HandOff);
+    w.send(r, "a", 0, 3);
+    assert_eq!(w.regions[r].buffered(), 1, "buffered since BeginHandOff");
+
+    // The coordinator moves: a new one recovers from the journal. The other
+    // regions register first and ask for the shard's home.
+    let now = w.now;
+    let mut c = ShardCoordinator::recover(
+        cs.clone(),
+        Box::new(LeastShardAllocationStrategy::default()),
+        w.journal.iter(),
+        now,
+    );
+    c.handle_membership(
+        now,
+        MembershipEvent::CurrentMembers(
+            (1..=3)
+                .map(|i| {
+                    let status = if rid(i) == owner {
+                        MemberStatus::Leaving
+                    } else {
+                        MemberStatus::Up
+                    };
+                    (member(i), status)
+                })
+                .collect(),
+        ),
+    );
+    w.coord = c;
+    for i in (0..3).filter(|i| *i != h) {
+        w.regions[i].handle_coordinator_moved(now);
+    }
+    w.pump();
+    assert!(w.queue.is_empty());
+    assert_eq!(
+        w.regions[r].home_of(ShardId(0)),
+        None,
+        "the stopping owner is not named as the home before it registered"
+    );
+    w.send(r, "a", 0, 4);
+    assert_eq!(w.regions[r].buffered(), 2, "still buffered");
+
+    // The owner registers again and names the shard it is stopping: the
+    // hand-off resumes at its last step.
+    w.regions[h].handle_coordinator_moved(now);
+    w.pump();
+    let hand_off = w
+        .coord
+        .allocation()
+        .into_iter()
+        .find(|a| a.shard == ShardId(0))
+        .and_then(|a| a.hand_off)
+        .expect("the hand-off is in progress again");
+    assert_eq!(hand_off.phase, HandOffPhase::Stopping);
+    assert_eq!(w.home(0), Some((owner.clone(), g)));
+    assert_eq!(w.regions[r].home_of(ShardId(0)), None);
+    assert_eq!(w.regions[r].buffered(), 2, "still buffered after Register");
+    assert_eq!(
+        w.regions[h].buffered(),
+        0,
+        "nothing of the other regions waits in the stopping shard"
+    );
+    w.send(r, "a", 0, 5);
+
+    // The entity stops: `ShardStopped` ends the hand-off, the shard gets a
+    // new home, and the other region's messages reach it in order.
+    let (i, s, e, _) = w.stopping.remove(0);
+    assert_eq!(i, h);
+    w.auto_stop = true;
+    let now = w.now;
+    w.regions[h].handle_entity_stopped(now, s, &e);
+    w.pump();
+    let (home, g2) = w.home(0).expect("allocated anew");
+    assert_ne!(home, owner, "not to the leaving owner");
+    assert!(g2 > g);
+    assert_eq!(w.coord.rebalance_in_progress().count(), 0);
+    w.send(r, "a", 0, 6);
+    let n = w.idx(&home);
+    let got: Vec<(usize, u32)> = w
+        .delivered
+        .iter()
+        .filter(|d| d.1 == "a")
+        .map(|d| (d.0, d.2))
+        .collect();
+    assert_eq!(got, vec![(h, 1), (h, 2), (n, 3), (n, 4), (n, 5), (n, 6)]);
+    assert!(w.failed.is_empty(), "{:?}", w.failed);
 }

@@ -57,6 +57,7 @@ fn coordinator(
             CoordinatorMsg::Register {
                 region: rid(*i),
                 hosted: Vec::new(),
+                stopping: Vec::new(),
             },
         );
     }
@@ -156,6 +157,7 @@ fn unallocated_shards_wait_for_a_region_and_min_nr_of_members() {
         CoordinatorMsg::Register {
             region: rid(3),
             hosted: Vec::new(),
+            stopping: Vec::new(),
         },
     );
     let homes = drain(&mut c, &mut journal);
@@ -180,6 +182,7 @@ fn a_rebalanced_shard_is_allocated_again_when_its_hand_off_completes() {
         CoordinatorMsg::Register {
             region: rid(2),
             hosted: Vec::new(),
+            stopping: Vec::new(),
         },
     );
     drain(&mut c, &mut journal);
@@ -281,6 +284,7 @@ fn a_recovered_coordinator_allocates_shards_of_gone_regions_once_regions_registe
         CoordinatorMsg::Register {
             region: rid(4),
             hosted: Vec::new(),
+            stopping: Vec::new(),
         },
     );
     assert!(

@@ -28,7 +28,8 @@ pub struct CoordinatorConfig {
     /// applies. Default 0.1; in (0, 1].
     pub rebalance_relative_limit: f64,
     /// How long a recovered coordinator waits for the regions of its
-    /// recovered state to register again, in milliseconds. Default 10000;
+    /// recovered state to register again, in milliseconds (a `GetShardHome`
+    /// for one of their shards waits meanwhile). Default 10000;
     /// 100..=3600000.
     pub reregister_timeout_ms: u64,
 }

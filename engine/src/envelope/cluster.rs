@@ -104,6 +104,7 @@ pub enum WireCoordinatorMsg {
     Register {
         region: WireRegion,
         hosted: Vec<(u32, u64)>,
+        stopping: Vec<u32>,
     },
     RegisterProxy {
         proxy: WireRegion,
@@ -475,9 +476,14 @@ impl From<WireRegion> for RegionId {
 impl From<&CoordinatorMsg> for WireCoordinatorMsg {
     fn from(m: &CoordinatorMsg) -> Self {
         match m {
-            CoordinatorMsg::Register { region, hosted } => WireCoordinatorMsg::Register {
+            CoordinatorMsg::Register {
+                region,
+                hosted,
+                stopping,
+            } => WireCoordinatorMsg::Register {
                 region: region.into(),
                 hosted: hosted.iter().map(|(s, g)| (s.0, g.0)).collect(),
+                stopping: stopping.iter().map(|s| s.0).collect(),
             },
             CoordinatorMsg::RegisterProxy { proxy } => WireCoordinatorMsg::RegisterProxy {
                 proxy: proxy.into(),
@@ -516,12 +522,17 @@ impl From<&CoordinatorMsg> for WireCoordinatorMsg {
 impl From<WireCoordinatorMsg> for CoordinatorMsg {
     fn from(m: WireCoordinatorMsg) -> Self {
         match m {
-            WireCoordinatorMsg::Register { region, hosted } => CoordinatorMsg::Register {
+            WireCoordinatorMsg::Register {
+                region,
+                hosted,
+                stopping,
+            } => CoordinatorMsg::Register {
                 region: region.into(),
                 hosted: hosted
                     .into_iter()
                     .map(|(s, g)| (ShardId(s), Generation(g)))
                     .collect(),
+                stopping: stopping.into_iter().map(ShardId).collect(),
             },
             WireCoordinatorMsg::RegisterProxy { proxy } => CoordinatorMsg::RegisterProxy {
                 proxy: proxy.into(),

@@ -32,14 +32,15 @@ pub const MAX_FRAME_SIZE_BYTES: usize = 16 << 20;
 pub const FRAME_HEADER_BYTES: usize = 4;
 
 /// Version of the node-to-node protocol; a peer with another version is
-/// refused at the handshake. 5: `DataFrame::Forward` carries the time left
+/// refused at the handshake. 6: a region's `Register` names the shards it
+/// is still stopping after a `HandOff`; 5: `DataFrame::Forward` carries the time left
 /// to its ask deadline, reply statuses `Unavailable` (7), `TooLarge` (8)
 /// and `JournalUnavailable` (9); 4: cluster name and id, journal identity
 /// and durable types in the handshake, the `Identity` control frame; 3: the
 /// coordinator event `ShardUnallocated` (remember entities) in replicated
 /// coordinator state; 2: control frames for cluster-wide sharding stats
 /// (`StatsRequest`/`StatsReply`); 1: the first release.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Errors from decoding a frame. Each is a protocol error that closes the
 /// connection it arrived on.

@@ -1067,6 +1067,7 @@ mod tests {
                     CoordinatorMsg::Register {
                         region: rid(r),
                         hosted: vec![],
+                        stopping: vec![],
                     },
                 ),
                 Op::Proxy(r) => {

@@ -168,17 +168,9 @@ fn leave_timeout(
     (p.clone(), vec![(t, Action::Leave(victim))])
 }
 
-/// Scenarios that show an open bug: run only by name (`--scenario`), not
-/// in the `--seeds` sweep of every scenario.
-pub static OPEN_SCENARIOS: &[Scenario] = &[Scenario {
-    name: "cluster-leave-coordinator-timeout",
-    about: "open bug: the coordinator's member (slot 0) leaves and its hand-offs time out; the coordinator moves mid hand-off and a sender's messages buffered at the old owner reach the new home after newer ones (order)",
-    build: |rng, cfg| {
-        let nodes = 3 + rng.gen_range(0..3);
-        let mut p = Params::clustered(cfg, nodes);
-        leave_timeout(rng, &mut p, nodes, 0)
-    },
-}];
+/// Scenarios that show an open bug (none at present): run only by name
+/// (`--scenario`), not in the `--seeds` sweep of every scenario.
+pub static OPEN_SCENARIOS: &[Scenario] = &[];
 
 /// Clustered runs: the cluster has formed and the coordinator runs by then.
 const FORMED_BY_MS: u64 = 12_000;
@@ -523,6 +515,15 @@ pub static SCENARIOS: &[Scenario] = &[
             // coordinator: its leave is `cluster-leave-coordinator-timeout`.
             let victim = rng.gen_range(1..nodes);
             leave_timeout(rng, &mut p, nodes, victim)
+        },
+    },
+    Scenario {
+        name: "cluster-leave-coordinator-timeout",
+        about: "clustered, the coordinator's member (the first seed) leaves gracefully; in half the runs its entities take 6-9 s to stop, so the coordinator moves while its own shards are still handing off and the new one resumes those hand-offs from the regions' Register",
+        build: |rng, cfg| {
+            let nodes = 3 + rng.gen_range(0..3);
+            let mut p = Params::clustered(cfg, nodes);
+            leave_timeout(rng, &mut p, nodes, 0)
         },
     },
     Scenario {

@@ -3,6 +3,12 @@
 //! Protocol after Akka's `ShardCoordinator` (Akka Cluster Sharding docs,
 //! "Shard location", "Shard rebalancing"):
 //! - `Register` → `RegisterAck` (+ `ShardHomes` of what the region owns);
+//!   after a recovery, a shard the region reports as stopping (it got the
+//!   previous coordinator's `HandOff`) resumes its hand-off at its last step,
+//!   waiting for `ShardStopped`, and `GetShardHome` for a shard whose
+//!   recorded home has not registered again waits for that `Register` (or
+//!   the re-register deadline), so the stopping owner is never named as a
+//!   home (see "Ordering" in `region.rs`);
 //! - `GetShardHome` → allocation through the [`ShardAllocationStrategy`] →
 //!   `Persist(ShardHomeAllocated)` → `ShardHome` to the home and every asker;
 //! - a rebalance round every `rebalance_interval`: for each chosen shard,
@@ -183,7 +189,11 @@ pub struct CoordinatorSettings {
     /// demand. Regions of members that are no longer in the membership are
     /// terminated at once; regions of Up members are kept (terminating a
     /// live region would give its shards a second home; if the member dies,
-    /// its removal terminates them). Default 10 s. (Akka: a recovered
+    /// its removal terminates them). Until a recorded region registered
+    /// again (or the deadline settled it), `GetShardHome` for its shards is
+    /// not answered: its `Register` says whether it is still stopping them
+    /// after an earlier coordinator's `HandOff` (see
+    /// [`CoordinatorMsg::Register`]). Default 10 s. (Akka: a recovered
     /// coordinator watches the recorded regions and drops those that are
     /// gone.)
     pub reregister_timeout: Duration,
@@ -651,19 +661,47 @@ impl ShardCoordinator {
 
     fn message_inner(&mut self, now: Duration, msg: CoordinatorMsg) {
         match msg {
-            CoordinatorMsg::Register { region, hosted } => {
+            CoordinatorMsg::Register {
+                region,
+                hosted,
+                stopping,
+            } => {
                 if self.removed.contains(&region.member) {
                     return;
                 }
-                self.unconfirmed.remove(&region);
+                let was_unconfirmed = self.unconfirmed.remove(&region);
                 if !self.state.regions.contains_key(&region) {
                     self.persist(CoordinatorEvent::ShardRegionRegistered {
                         region: region.clone(),
                     });
                 }
                 self.send(region.clone(), RegionMsg::RegisterAck);
+                let stopping: BTreeSet<ShardId> = stopping.into_iter().collect();
                 for (s, g) in hosted {
                     let agrees = matches!(self.state.shards.get(&s), Some((r, g2)) if *r == region && *g2 == g);
+                    if agrees && stopping.contains(&s) && !self.rebalance.contains_key(&s) {
+                        // The owner is stopping the shard after a `HandOff`
+                        // of an earlier coordinator: every region acked that
+                        // hand-off's `BeginHandOff` and buffers the shard's
+                        // messages. Resume it at its last step (wait for
+                        // `ShardStopped`); naming the owner as the home
+                        // would send other regions' messages into its
+                        // stopping buffer, which reaches the new home after
+                        // their newer ones ("Ordering" in `region.rs`).
+                        self.rebalance.insert(
+                            s,
+                            HandOffState {
+                                generation: g,
+                                owner: region.clone(),
+                                waiting_acks: BTreeSet::new(),
+                                handoff_sent: true,
+                                since: now,
+                                deadline: now + self.settings.handoff_timeout,
+                                planned_target: None,
+                            },
+                        );
+                        continue;
+                    }
                     if !agrees {
                         // A stale copy: the region must stop it.
                         self.send(
@@ -681,7 +719,11 @@ impl ShardCoordinator {
                     .map(|s| (*s, region.clone(), self.state.shards[s].1))
                     .collect();
                 if !homes.is_empty() {
-                    self.send(region, RegionMsg::ShardHomes { homes });
+                    self.send(region.clone(), RegionMsg::ShardHomes { homes });
+                }
+                if was_unconfirmed {
+                    // `GetShardHome`s for its shards waited for this.
+                    self.answer_deferred_of(&region);
                 }
             }
             CoordinatorMsg::RegisterProxy { proxy } => {
@@ -700,7 +742,10 @@ impl ShardCoordinator {
                 if self.removed.contains(&region.member) {
                     return;
                 }
-                if self.rebalance.contains_key(&shard) {
+                if self.rebalance.contains_key(&shard) || self.home_unconfirmed(shard) {
+                    // A hand-off in progress, or (after a recovery) a home
+                    // that has not registered again and may be stopping the
+                    // shard: answered once that is settled.
                     self.deferred.entry(shard).or_default().insert(region);
                 } else if let Some((home, generation)) = self.state.shards.get(&shard).cloned() {
                     self.send(
@@ -805,9 +850,43 @@ impl ShardCoordinator {
         }
     }
 
+    /// Whether `shard`'s recorded home is a recovered region that has not
+    /// registered again yet (its `Register` says whether it is stopping the
+    /// shard).
+    fn home_unconfirmed(&self, shard: ShardId) -> bool {
+        self.state
+            .shards
+            .get(&shard)
+            .is_some_and(|(home, _)| self.unconfirmed.contains(home))
+    }
+
+    /// Answers the deferred `GetShardHome`s of the shards homed at `region`
+    /// (once it registered again, or was kept at the re-register deadline).
+    fn answer_deferred_of(&mut self, region: &RegionId) {
+        let shards: Vec<ShardId> = self
+            .state
+            .regions
+            .get(region)
+            .map(|set| {
+                set.iter()
+                    .filter(|s| self.deferred.contains_key(s))
+                    .copied()
+                    .collect()
+            })
+            .unwrap_or_default();
+        for s in shards {
+            self.answer_deferred(s);
+        }
+    }
+
     /// Allocates `shard` if it has no home and someone waits for it, then
-    /// answers everyone waiting.
+    /// answers everyone waiting. Answers nothing while the shard's hand-off
+    /// is in progress or its home has not registered again after a
+    /// recovery.
     fn answer_deferred(&mut self, shard: ShardId) {
+        if self.rebalance.contains_key(&shard) || self.home_unconfirmed(shard) {
+            return;
+        }
         let Some(waiting) = self.deferred.get(&shard) else {
             return;
         };
@@ -923,12 +1002,15 @@ impl ShardCoordinator {
             // whose member is not Up are gone: their shards are allocated
             // anew on demand. Regions of Up members stay (see
             // `reregister_timeout`).
-            let gone: Vec<RegionId> = std::mem::take(&mut self.unconfirmed)
-                .into_iter()
-                .filter(|r| self.members.get(&r.member) != Some(&MemberStatus::Up))
-                .collect();
+            let (kept, gone): (Vec<RegionId>, Vec<RegionId>) =
+                std::mem::take(&mut self.unconfirmed)
+                    .into_iter()
+                    .partition(|r| self.members.get(&r.member) == Some(&MemberStatus::Up));
             for r in gone {
                 self.terminate_region(&r);
+            }
+            for r in kept {
+                self.answer_deferred_of(&r);
             }
         }
         let expired: Vec<ShardId> = self

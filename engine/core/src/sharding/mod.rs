@@ -113,6 +113,13 @@ pub enum CoordinatorMsg {
         region: RegionId,
         /// The shards the region hosts (running or stopping), with their generation.
         hosted: Vec<(ShardId, Generation)>,
+        /// The hosted shards that are handing off: the region got their
+        /// `HandOff` and is stopping their entities (a subset of `hosted`).
+        /// A coordinator that took over during such a hand-off resumes it
+        /// (waits for the owner's `ShardStopped`, answers no `GetShardHome`
+        /// for the shard meanwhile) instead of naming the stopping owner as
+        /// the shard's home; see "Ordering" in `sharding/region.rs`.
+        stopping: Vec<ShardId>,
     },
     /// A proxy (routes, hosts nothing) announces itself.
     RegisterProxy {

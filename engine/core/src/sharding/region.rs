@@ -42,6 +42,14 @@
 //!    N and H included, flushes its buffer for the shard in arrival order
 //!    when it learns the home, then sends directly, behind the flushed
 //!    messages on the same link.
+//! 5. When the coordinator moves during the hand-off, the new one recovers
+//!    the allocation (H) but not the hand-off. It answers no `GetShardHome`
+//!    for a shard whose recorded home has not registered again, and H's
+//!    `Register` names the shards it is stopping, so the hand-off resumes
+//!    (waiting for `ShardStopped`): no region is told that H is the home and
+//!    forwards into H's stopping buffer, which would reach N after that
+//!    region's newer messages (simulation scenario
+//!    `cluster-leave-coordinator-timeout`).
 //!
 //! So every message a sender sent before its region's `BeginHandOff` is
 //! processed at H before N processes anything of the shard, and the later
@@ -283,6 +291,21 @@ struct Shard<M, S> {
     generation: Generation,
     state: ShardState<M, S>,
     entities: DetHashMap<EntityId, Entity<M, S>>,
+}
+
+impl<M, S> Shard<M, S> {
+    /// Whether the shard got its `HandOff`: it is stopping its entities,
+    /// or it stops once its remembered entities are recovered.
+    fn is_handing_off(&self) -> bool {
+        matches!(
+            self.state,
+            ShardState::Stopping
+                | ShardState::Recovering {
+                    hand_off: Some(_),
+                    ..
+                }
+        )
+    }
 }
 
 /// The region state machine: routes messages of one entity type on one core
@@ -538,6 +561,13 @@ impl<M, S> ShardRegion<M, S> {
                 proxy: self.id.clone(),
             }
         } else {
+            let mut stopping: Vec<ShardId> = self
+                .shards
+                .iter()
+                .filter(|(_, sh)| sh.is_handing_off())
+                .map(|(s, _)| *s)
+                .collect();
+            stopping.sort();
             CoordinatorMsg::Register {
                 region: self.id.clone(),
                 hosted: self
@@ -545,6 +575,7 @@ impl<M, S> ShardRegion<M, S> {
                     .iter()
                     .map(|(s, sh)| (*s, sh.generation))
                     .collect(),
+                stopping,
             }
         };
         self.effects.push_back(RegionEffect::SendToCoordinator(msg));

@@ -1806,6 +1806,7 @@ mod tests {
             CoordinatorMsg::Register {
                 region: region(core),
                 hosted: Vec::new(),
+                stopping: Vec::new(),
             },
         );
         drain(p)
