@@ -201,7 +201,11 @@ fn two_writers_racing_on_one_persistence_id_the_older_epoch_is_fenced() {
         let mut a = PgLog::open(&s2, 0);
         let rec = a.recover(&p2, WriterEpoch(1)).expect("recover old");
         assert!(rec.events.is_empty());
-        assert_eq!(rec.highest, 1, "the claim row takes sequence number 1");
+        assert_eq!(
+            rec.highest,
+            pg::CLAIM_ROWS,
+            "the claim rows take 1..=CLAIM_ROWS"
+        );
         let deadline = Instant::now() + Duration::from_secs(20);
         let mut acked = 0u64;
         loop {
@@ -227,10 +231,18 @@ fn two_writers_racing_on_one_persistence_id_the_older_epoch_is_fenced() {
     let rec = b.recover(&p, WriterEpoch(2)).expect("recover new");
     let recovered = rec.events.len() as u64;
     for (i, e) in rec.events.iter().enumerate() {
-        assert_eq!(e.0, i as u64 + 2, "contiguous after the old claim row");
+        assert_eq!(
+            e.0,
+            i as u64 + pg::CLAIM_ROWS + 1,
+            "contiguous after the old claim rows"
+        );
     }
+    let last_old = rec.events.last().map_or(pg::CLAIM_ROWS, |e| e.0);
     let claim = rec.highest;
-    assert_eq!(claim, recovered + 2, "the new claim row follows the events");
+    assert!(
+        claim > last_old && claim <= last_old + pg::CLAIM_ROWS,
+        "the new claim rows follow the events: {claim} after {last_old}"
+    );
     for k in 1..=50 {
         append_one(&mut b, &p, claim + k, 2, b"new").expect("new writer appends");
     }
@@ -244,25 +256,25 @@ fn two_writers_racing_on_one_persistence_id_the_older_epoch_is_fenced() {
         acked_old <= recovered,
         "an acknowledged append of the old writer ({acked_old}) is missing from the recovery ({recovered})"
     );
-    // Events and claim rows: 1 (old claim), 2..=claim-1 (old events),
-    // claim (new claim), then the 50 new events; no gap, no duplicate.
+    // Claim rows 1..=CLAIM_ROWS (old), the old events, the new claim rows
+    // up to `claim`, then the 50 new events: no gap, no duplicate.
     assert_eq!(
         pg.psql(
-            "SELECT count(*) FILTER (WHERE NOT claim), \
-             string_agg(sequence_nr || ':' || writer_epoch, ',' ORDER BY sequence_nr) FILTER (WHERE claim), \
+            "SELECT count(*) FILTER (WHERE NOT claim), count(*) FILTER (WHERE claim AND writer_epoch = 2), \
              min(sequence_nr), max(sequence_nr), count(*) \
              FROM shardline_events WHERE persistence_id = 'counter|race'"
         ),
         format!(
-            "{}|1:1,{claim}:2|1|{n}|{n}",
+            "{}|{}|1|{n}|{n}",
             recovered + 50,
+            claim - last_old,
             n = claim + 50
         )
     );
     assert_eq!(
         pg.psql(&format!(
             "SELECT count(*) FROM shardline_events WHERE persistence_id = 'counter|race' \
-             AND writer_epoch = 1 AND sequence_nr > {claim}"
+             AND writer_epoch = 1 AND sequence_nr > {last_old}"
         )),
         "0",
         "no event of the old epoch after the new one's claim"
@@ -279,20 +291,22 @@ fn an_outage_refuses_appends_then_resumes_without_a_restart() {
     let s = settings(&pg);
     let mut log = PgLog::open(&s, 0);
     let p = pid("counter|out");
-    let claim = log.recover(&p, WriterEpoch(1)).expect("recover").highest;
-    assert_eq!(claim, 1, "the claim row takes 1");
-    append_one(&mut log, &p, 2, 1, b"2").expect("append");
+    let c = log.recover(&p, WriterEpoch(1)).expect("recover").highest;
+    assert_eq!(c, pg::CLAIM_ROWS, "the claim rows");
+    append_one(&mut log, &p, c + 1, 1, b"1").expect("append");
     assert!(log.health().is_none());
     pg.stop_server();
     assert_eq!(
-        append_one(&mut log, &p, 3, 1, b"3"),
+        append_one(&mut log, &p, c + 2, 1, b"2"),
         Err(LogErrorKind::Unavailable)
     );
     let why = log.health().expect("health names the cause");
     assert!(why.starts_with("journal unavailable"), "{why}");
     // Until the id is recovered again its appends are refused (a later
     // event must not land after a lost one).
-    assert!(log.append(&p, SequenceNr(4), WriterEpoch(1), b"4").is_err());
+    assert!(log
+        .append(&p, SequenceNr(c + 3), WriterEpoch(1), b"3")
+        .is_err());
     pg.start_server();
     let deadline = Instant::now() + Duration::from_secs(20);
     let rec = loop {
@@ -305,13 +319,18 @@ fn an_outage_refuses_appends_then_resumes_without_a_restart() {
         }
     };
     let seqs: Vec<u64> = rec.events.iter().map(|e| e.0).collect();
-    assert_eq!(seqs, vec![2], "the refused event is not there");
-    assert_eq!(rec.highest, 3, "the second claim row follows the event");
-    append_one(&mut log, &p, 4, 1, b"4").expect("append after the outage");
+    assert_eq!(seqs, vec![c + 1], "the refused event is not there");
+    let c2 = rec.highest;
+    assert_eq!(
+        c2,
+        c + 1 + pg::CLAIM_ROWS,
+        "the second claim rows follow the event"
+    );
+    append_one(&mut log, &p, c2 + 1, 1, b"2").expect("append after the outage");
     assert!(log.health().is_none(), "health clears");
     assert_eq!(
-        pg.psql("SELECT string_agg(sequence_nr || ':' || claim::text, ',' ORDER BY sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|out'"),
-        "1:true,2:false,3:true,4:false"
+        pg.psql("SELECT string_agg(sequence_nr::text, ',' ORDER BY sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|out' AND NOT claim"),
+        format!("{},{}", c + 1, c2 + 1)
     );
 }
 
@@ -511,7 +530,7 @@ fn a_newer_claim_racing_in_flight_appends_of_the_older_epoch_commits_none_after_
             .collect();
         for p in &ids {
             let rec = old.recover(p, WriterEpoch(1)).expect("recover old");
-            assert_eq!(rec.highest, 1, "the old claim row takes 1");
+            assert_eq!(rec.highest, pg::CLAIM_ROWS, "the old claim rows");
         }
         let statements = Arc::new(AtomicU64::new(0));
         let st = statements.clone();
@@ -519,7 +538,7 @@ fn a_newer_claim_racing_in_flight_appends_of_the_older_epoch_commits_none_after_
         let writer = std::thread::spawn(move || {
             let mut acked: HashMap<String, u64> = HashMap::new();
             let mut live: Vec<PersistenceId> = ids2.clone();
-            let mut next = 2u64;
+            let mut next = pg::CLAIM_ROWS + 1;
             while !live.is_empty() {
                 assert!(Instant::now() < deadline, "old writer never fenced");
                 let mut sent = Vec::new();
@@ -563,12 +582,16 @@ fn a_newer_claim_racing_in_flight_appends_of_the_older_epoch_commits_none_after_
                 claims_without_progress += 1;
             }
             for (k, e) in rec.events.iter().enumerate() {
-                assert_eq!(e.0, k as u64 + 2, "contiguous after the old claim row");
+                assert_eq!(
+                    e.0,
+                    k as u64 + pg::CLAIM_ROWS + 1,
+                    "contiguous after the old claim rows"
+                );
             }
-            assert_eq!(
-                rec.highest,
-                rec.events.len() as u64 + 2,
-                "the new claim row follows the old epoch's events"
+            let last_old = rec.events.last().map_or(pg::CLAIM_ROWS, |e| e.0);
+            assert!(
+                rec.highest > last_old && rec.highest <= last_old + pg::CLAIM_ROWS,
+                "the new claim rows follow the old epoch's events"
             );
             recovered.insert(
                 p.as_str().to_string(),
@@ -719,21 +742,30 @@ fn an_append_without_a_claim_is_fenced_by_the_next_claim() {
     let mut b = PgLog::open(&s, 1);
     let rec = b.recover(&p, WriterEpoch(6)).expect("claim");
     assert_eq!(rec.events, vec![(1, b"1".to_vec()), (2, b"2".to_vec())]);
-    assert_eq!(rec.highest, 3, "the claim row follows the events");
+    assert_eq!(
+        rec.highest,
+        2 + pg::CLAIM_ROWS,
+        "the claim rows follow the events"
+    );
     assert_eq!(
         append_one(&mut a, &p, 3, 5, b"3"),
         Err(LogErrorKind::Fenced),
         "the writer before the claim"
     );
-    append_one(&mut b, &p, 4, 6, b"4").expect("the claimer appends after its claim row");
+    append_one(&mut b, &p, rec.highest + 1, 6, b"4")
+        .expect("the claimer appends after its claim rows");
     let mut c = PgLog::open(&s, 2);
     match c.recover(&p, WriterEpoch(5)) {
         Err(e) => assert!(e.contains("fenced"), "{e}"),
         Ok(r) => panic!("an older epoch's claim must be refused: {r:?}"),
     }
     assert_eq!(
-        pg.psql("SELECT string_agg(sequence_nr || ':' || writer_epoch || ':' || claim::text, ',' ORDER BY sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|noclaim'"),
-        "1:5:false,2:5:false,3:6:true,4:6:false"
+        pg.psql("SELECT string_agg(sequence_nr || ':' || writer_epoch, ',' ORDER BY sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|noclaim' AND NOT claim"),
+        format!("1:5,2:5,{}:6", rec.highest + 1)
+    );
+    assert_eq!(
+        pg.psql("SELECT count(*), min(sequence_nr), max(sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|noclaim' AND claim"),
+        format!("{}|3|{}", pg::CLAIM_ROWS, rec.highest)
     );
     assert_eq!(
         pg.psql(

@@ -19,19 +19,19 @@
 //!
 //! Fencing: a recovery claims the persistence id. In one transaction it
 //! records its writer epoch in `shardline_writers` (refused when a newer
-//! one is recorded) and inserts a *claim row* into `shardline_events` at
-//! the next free sequence number (`claim = true`, no payload); then it
-//! reads. An incarnation appends only the sequence number after its last
-//! durable one (or after its claim row), so every older incarnation's
-//! next append collides with the claim row, or with the newer
-//! incarnation's events, on the primary key `(persistence_id,
-//! sequence_nr)`: the database refuses it in the statement that would
-//! write it (a unique violation, reported as fenced), with no extra
-//! lookup in the append. An older append that committed before the claim
-//! is in what the recovery reads (the claim row goes after it: a claim
-//! that collides with an append in flight waits for it, and retries above
-//! it when it committed). The primary key is also the fence of Akka's
-//! JDBC journal; the claim row makes the newest claim win.
+//! one is recorded) and inserts [`CLAIM_ROWS`] *claim rows* into
+//! `shardline_events` at the next free sequence numbers (`claim = true`,
+//! no payload); then it reads. An incarnation appends only the sequence
+//! number after its last durable one (or after its last claim row), so
+//! every older incarnation's next append collides with a claim row, or
+//! with the newer incarnation's events, on the primary key
+//! `(persistence_id, sequence_nr)`: the database refuses it in the
+//! statement that would write it (a unique violation, reported as fenced),
+//! with no extra lookup in the append. An older append that committed
+//! before the claim is in what the recovery reads (the claim rows go after
+//! it: a claim row that collides with an append in flight waits for it and
+//! skips its number when it committed). The primary key is also the fence
+//! of Akka's JDBC journal; the claim rows make the newest claim win.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -98,7 +98,7 @@ const SCHEMA_LOCK_KEY: i64 = 0x5348_4152_444c_494e; // "SHARDLIN"
 /// sharing keys wait for each other instead of deadlocking.
 ///
 /// The fence is the events' primary key (see the module doc): an event
-/// whose sequence number is taken (by a newer incarnation's claim row or
+/// whose sequence number is taken (by a newer incarnation's claim rows or
 /// events) fails the whole statement with a unique violation, and the
 /// writer retries the batch's ids in halves to refuse only that id's
 /// rows. A snapshot replaces the stored one only when it is newer; an
@@ -127,18 +127,37 @@ ON CONFLICT (persistence_id) DO UPDATE SET writer_epoch = EXCLUDED.writer_epoch
     WHERE cur.writer_epoch <= EXCLUDED.writer_epoch
 RETURNING writer_epoch";
 
-/// The claim row: the id's next free sequence number, taken by the
-/// claiming epoch (after its [`CLAIM_SQL`], in the same transaction).
-const CLAIM_ROW_SQL: &str = "
+/// The claim rows: the id's next [`CLAIM_ROWS`] sequence numbers, taken
+/// by the claiming epoch (after its [`CLAIM_SQL`], in the same
+/// transaction) in ascending order, skipping the numbers an older
+/// incarnation's appends in flight took first (`ON CONFLICT DO NOTHING`
+/// waits for such an insert and then skips its number). Returns the
+/// numbers taken.
+const CLAIM_ROWS_SQL: &str = "
 INSERT INTO shardline_events (persistence_id, sequence_nr, writer_epoch, payload, claim)
-SELECT $1, greatest(coalesce(max(e.sequence_nr), 0),
-                    coalesce((SELECT sequence_nr FROM shardline_snapshots WHERE persistence_id = $1), 0)) + 1,
-       $2, ''::bytea, true
-FROM shardline_events AS e WHERE e.persistence_id = $1
+SELECT $1, n, $2, ''::bytea, true
+FROM (SELECT greatest(coalesce(max(e.sequence_nr), 0),
+                      coalesce((SELECT sequence_nr FROM shardline_snapshots
+                                WHERE persistence_id = $1), 0)) AS m
+      FROM shardline_events AS e WHERE e.persistence_id = $1) AS top,
+     generate_series(top.m + 1, top.m + $3) AS n
+ORDER BY n
+ON CONFLICT DO NOTHING
 RETURNING sequence_nr";
 
-/// How often a claim is tried again when appends in flight keep taking
-/// the sequence number its claim row wanted (each retry reads above them).
+/// Sequence numbers a claim takes (count). An older incarnation appends
+/// its numbers in ascending order, one statement at a time per writer;
+/// the claim's insert walks its numbers within one statement (a few us
+/// per number) while the older one needs a round trip through its node
+/// for its next statement (100 us or more), so after the numbers of the
+/// statement in flight the claim takes the rest, and the older one's next
+/// append collides with them. With one number per claim, an older
+/// incarnation appending back to back took the number before every
+/// retry of the claim (measured: 50 retries lost in a row).
+pub const CLAIM_ROWS: u64 = 8;
+
+/// How often a claim is tried again when appends in flight took all of
+/// its numbers (each retry reads above them).
 const CLAIM_ATTEMPTS: usize = 50;
 
 /// Settings of the backend, from the `[journal]` table.
@@ -322,18 +341,18 @@ pub fn identity(settings: &PgSettings) -> Result<String, PgError> {
 }
 
 /// Reads one persistence id after claiming it with `epoch`: records the
-/// epoch and the claim row (one transaction, see the module doc), then
+/// epoch and the claim rows (one transaction, see the module doc), then
 /// reads the latest snapshot newer than `after_seq` and the events after
 /// it (an indexed range read on the primary key; claim rows are left out
 /// of the events and their sequence numbers count as taken).
-/// [`Recovered::highest`] is the claim row's sequence number: the
+/// [`Recovered::highest`] is the last claim row's sequence number: the
 /// incarnation's first event is the one after it. `check_gaps`: refuse a
 /// gap in the sequence numbers.
 ///
 /// # Errors
 /// [`PgError::Fenced`] when a newer epoch is recorded for the id;
 /// [`PgError::Unavailable`] (also when appends in flight took the claim
-/// row's sequence number [`CLAIM_ATTEMPTS`] times in a row);
+/// rows' sequence numbers [`CLAIM_ATTEMPTS`] times in a row);
 /// [`PgError::Rejected`] on a gap.
 pub fn claim_and_read(
     client: &mut Client,
@@ -355,22 +374,26 @@ pub fn claim_and_read(
                 epoch,
             });
         }
-        match tx.query_one(CLAIM_ROW_SQL, &[&pid, &ep]) {
-            Ok(r) => {
-                let seq = r.get::<_, i64>(0) as u64;
-                tx.commit().map_err(err)?;
-                claim_row = Some(seq);
-                break;
-            }
-            // An append of an older incarnation that was in flight took
-            // the number and committed first: claim above it.
-            Err(e) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => continue,
-            Err(e) => return Err(err(e)),
+        let mut taken: Vec<i64> = tx
+            .query(CLAIM_ROWS_SQL, &[&pid, &ep, &(CLAIM_ROWS as i64)])
+            .map_err(err)?
+            .iter()
+            .map(|r| r.get::<_, i64>(0))
+            .collect();
+        taken.sort_unstable();
+        // The older incarnation's numbers are below the claim's: a run of
+        // numbers up to the highest one asked for. Anything else (every
+        // number taken by appends in flight) is tried again above them.
+        if !taken.is_empty() && taken.windows(2).all(|w| w[1] == w[0] + 1) {
+            tx.commit().map_err(err)?;
+            claim_row = taken.last().map(|n| *n as u64);
+            break;
         }
+        drop(tx);
     }
     let Some(highest) = claim_row else {
         return Err(PgError::Unavailable(format!(
-            "cannot claim {pid}: appends in flight took its next sequence number {CLAIM_ATTEMPTS} times"
+            "cannot claim {pid}: appends in flight took its next sequence numbers {CLAIM_ATTEMPTS} times"
         )));
     };
     let snap = client
@@ -1095,8 +1118,9 @@ fn writer_loop(
     }
 }
 
-/// A writer's connection and its prepared [`APPEND_SQL`].
-type Conn = Option<(Client, postgres::Statement)>;
+/// A writer's connection and its prepared [`APPEND_SQL`] and
+/// [`APPEND_EVENTS_SQL`].
+type Conn = Option<(Client, postgres::Statement, postgres::Statement)>;
 
 /// Splits a batch into statements within the limits, keeping the events'
 /// LSN order (the snapshots ride with the first: each covers only events
@@ -1125,6 +1149,13 @@ fn split(batch: Batch, settings: &PgSettings) -> Vec<Batch> {
     }
     out
 }
+
+/// [`APPEND_SQL`] for a batch without snapshots: the events' insert
+/// alone (the empty snapshot upsert costs a 1-row statement about 60 us of
+/// the server's time, measured with `bench-harness/scripts/pg-append-explain.py`).
+pub(crate) const APPEND_EVENTS_SQL: &str = "
+INSERT INTO shardline_events (persistence_id, sequence_nr, writer_epoch, payload)
+SELECT * FROM unnest($1::text[], $2::int8[], $3::int8[], $4::bytea[])";
 
 /// Commits one statement's rows; refused rows go to `refused` as
 /// `(pid, lowest LSN, highest LSN, why)` (snapshots are not reported: a
@@ -1256,12 +1287,15 @@ fn run_append(
     rows: &[Row],
     snaps: &HashMap<String, SnapRow>,
 ) -> Result<(), PgError> {
-    if client.as_ref().is_none_or(|(c, _)| c.is_closed()) {
+    if client.as_ref().is_none_or(|(c, _, _)| c.is_closed()) {
         let mut c = connect(settings)?;
-        let st = c.prepare(APPEND_SQL).map_err(|e| PgError::classify(&e))?;
-        *client = Some((c, st));
+        let both = c.prepare(APPEND_SQL).map_err(|e| PgError::classify(&e))?;
+        let events = c
+            .prepare(APPEND_EVENTS_SQL)
+            .map_err(|e| PgError::classify(&e))?;
+        *client = Some((c, both, events));
     }
-    let (c, st) = client
+    let (c, both, events) = client
         .as_mut()
         .ok_or_else(|| PgError::Unavailable("no connection".into()))?;
     // In persistence id (bytewise, as the index's `COLLATE "C"` keys
@@ -1279,14 +1313,17 @@ fn run_append(
     let s_seq: Vec<i64> = snaps.iter().map(|s| s.seq as i64).collect();
     let s_ep: Vec<i64> = snaps.iter().map(|s| s.epoch as i64).collect();
     let s_data: Vec<&[u8]> = snaps.iter().map(|s| s.data.as_slice()).collect();
-    c.query(
-        &*st,
-        &[
-            &e_pid, &e_seq, &e_ep, &e_data, &s_pid, &s_seq, &s_ep, &s_data,
-        ],
-    )
-    .map(|_| ())
-    .map_err(|e| {
+    let r = if snaps.is_empty() {
+        c.execute(&*events, &[&e_pid, &e_seq, &e_ep, &e_data])
+    } else {
+        c.execute(
+            &*both,
+            &[
+                &e_pid, &e_seq, &e_ep, &e_data, &s_pid, &s_seq, &s_ep, &s_data,
+            ],
+        )
+    };
+    r.map(|_| ()).map_err(|e| {
         if e.code() == Some(&SqlState::UNIQUE_VIOLATION) {
             PgError::Fenced {
                 pid: rows.first().map_or_else(String::new, |r| r.pid.clone()),
