@@ -352,7 +352,7 @@ pub fn identity(settings: &PgSettings) -> Result<String, PgError> {
 /// # Errors
 /// [`PgError::Fenced`] when a newer epoch is recorded for the id;
 /// [`PgError::Unavailable`] (also when appends in flight took the claim
-/// rows' sequence numbers [`CLAIM_ATTEMPTS`] times in a row);
+/// rows' sequence numbers 50 (`CLAIM_ATTEMPTS`) times in a row);
 /// [`PgError::Rejected`] on a gap.
 pub fn claim_and_read(
     client: &mut Client,
