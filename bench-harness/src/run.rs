@@ -435,7 +435,11 @@ pub fn run(args: RunArgs, connector: Arc<dyn Connector>, command: &str) -> Resul
         let mut attempt = 1;
         let c = loop {
             let mut c = LocalCluster::prepare(binary.clone(), nodes, spare, &spec)?;
-            eprintln!("starting {nodes} node(s) in {} ...", c.dir().display());
+            eprintln!(
+                "starting {nodes} node(s) in {} ({} node) ...",
+                c.dir().display(),
+                binary.display()
+            );
             match c.start_initial(connector.as_ref(), CLUSTER_FORMATION_TIMEOUT) {
                 Ok(()) => break c,
                 Err(error) if attempt < CLUSTER_START_ATTEMPTS => {
