@@ -78,7 +78,10 @@ fn exit_code(verify: Option<&verify::Verdict>) -> ExitCode {
 }
 
 fn main() -> anyhow::Result<ExitCode> {
-    if std::env::args_os().nth(1).is_some_and(|a| a == cluster::NODE_SUBCOMMAND) {
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == cluster::NODE_SUBCOMMAND)
+    {
         // A node of a local cluster: the `shardline` command line, as if
         // started as `shardline node ...`.
         return Ok(shardline::cli::main(

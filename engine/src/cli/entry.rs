@@ -85,9 +85,7 @@ fn run(cli: Cli) -> Result<ExitCode, BoxError> {
             super::node::run(&args)?;
         }
         Command::Status(args) => super::status::run(&args, &mut std::io::stdout().lock())?,
-        Command::Rebalance(args) => {
-            super::rebalance::run(&args, &mut std::io::stdout().lock())?
-        }
+        Command::Rebalance(args) => super::rebalance::run(&args, &mut std::io::stdout().lock())?,
         Command::Journal(args) => {
             if !super::journal::run(&args, &mut std::io::stdout().lock())? {
                 return Ok(ExitCode::FAILURE);

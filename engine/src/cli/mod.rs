@@ -3,8 +3,8 @@
 //! is what `src/bin/shardline.rs` runs (and `shardline-bench node`, which
 //! starts the bench's nodes from the bench binary itself).
 
-pub mod journal;
 mod entry;
+pub mod journal;
 pub mod node;
 pub mod rebalance;
 pub mod shard_of;
