@@ -125,7 +125,7 @@ pub struct RunArgs {
     /// Write every figure, the configuration and the machine as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// Write the latency percentile plot (.svg or .png); scenarios add p99 per second.
+    /// Write the plot (.svg or .png): latency by percentile, and p50, p99 and max per second with the scenario's events (log latency axes, ms).
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// No live progress bar.
