@@ -199,12 +199,8 @@ pub fn write_plot(
     let height = if timeline.is_some() { 960 } else { 560 };
     let extension = path.extension().and_then(|e| e.to_str()).unwrap_or("");
     match extension {
-        "svg" => draw(
-            SVGBackend::new(path, (PLOT_WIDTH, height)).into_drawing_area(),
-            title,
-            h,
-            timeline,
-        ),
+        "svg" => std::fs::write(path, svg_string(title, h, timeline)?)
+            .map_err(|e| anyhow!("cannot write {}: {e}", path.display())),
         "png" => draw(
             BitMapBackend::new(path, (PLOT_WIDTH, height)).into_drawing_area(),
             title,
