@@ -1,4 +1,6 @@
-//! A local cluster of `shardline node` child processes (`--spawn N`).
+//! A local cluster of node child processes (`--spawn N`): this executable
+//! run as `shardline-bench node --config FILE` (the `shardline node`
+//! command line), or `$SHARDLINE_BIN node --config FILE`.
 //!
 //! Configs are generated into a temporary directory with loopback ports
 //! that were free when allocated; every node lists the initial nodes as seed
@@ -147,62 +149,23 @@ pub fn free_addresses(count: usize) -> Result<Vec<SocketAddr>> {
         .collect()
 }
 
-/// Finds the `shardline` binary: `$SHARDLINE_BIN`, else next to the running
-/// executable (the same `target/<profile>` directory). When it is missing
-/// there, builds it with `cargo build -p shardline --bin shardline` (with
-/// `--release` when running from a `release` directory) into the same
-/// target directory, from the workspace this harness was compiled in.
+/// The first argument that makes `shardline-bench` run as a node
+/// (`shardline-bench node --config FILE`, the `shardline node` command).
+pub const NODE_SUBCOMMAND: &str = "node";
+
+/// The program that runs the local cluster's nodes as `PROGRAM node
+/// --config FILE`: `$SHARDLINE_BIN` when set (a `shardline` binary), else
+/// this executable, which runs the `shardline` command line when its first
+/// argument is `node` (see `main.rs`), so no other binary is built.
 ///
 /// # Errors
-/// When the binary is missing and the build fails.
+/// When `$SHARDLINE_BIN` is unset and the running executable cannot be
+/// located.
 pub fn node_binary() -> Result<PathBuf> {
     if let Some(path) = std::env::var_os("SHARDLINE_BIN") {
         return Ok(PathBuf::from(path));
     }
-    let exe = std::env::current_exe().context("cannot locate the running executable")?;
-    let mut dir = exe
-        .parent()
-        .context("executable has no directory")?
-        .to_path_buf();
-    if dir.file_name().is_some_and(|n| n == "deps") {
-        dir.pop();
-    }
-    let candidate = dir.join("shardline");
-    if candidate.is_file() {
-        return Ok(candidate);
-    }
-    let profile = dir
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or("debug")
-        .to_string();
-    let target_dir = dir.parent().context("target directory")?;
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    eprintln!(
-        "shardline-bench: building the node binary ({profile}) into {} ...",
-        target_dir.display()
-    );
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut command = Command::new(cargo);
-    command
-        .current_dir(&workspace)
-        // `--workspace --bins`, as the README's build: `-p shardline` alone
-        // resolves the dependencies' features differently and would rebuild
-        // the engine each time it alternates with a workspace build.
-        .args(["build", "--workspace", "--bins", "--target-dir"])
-        .arg(target_dir);
-    if profile == "release" {
-        command.arg("--release");
-    } else if profile != "debug" {
-        command.args(["--profile", &profile]);
-    }
-    let status = command
-        .status()
-        .context("cannot run cargo to build the node binary")?;
-    if !status.success() || !candidate.is_file() {
-        bail!("building the node binary failed ({status}); build it with `cargo build --release -p shardline` or set SHARDLINE_BIN");
-    }
-    Ok(candidate)
+    std::env::current_exe().context("cannot locate the running executable to start nodes with")
 }
 
 /// One node of the local cluster.
@@ -314,7 +277,7 @@ impl LocalCluster {
             .open(&node.log_path)?;
         let mut command = Command::new(&self.binary);
         command
-            .arg("node")
+            .arg(NODE_SUBCOMMAND)
             .arg("--config")
             .arg(&node.config_path)
             .env("NO_COLOR", "1")

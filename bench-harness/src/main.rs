@@ -14,6 +14,12 @@
 //! and `demo` (the main job: a 3-node cluster replaying the OLTP trace),
 //! `journal` (the journal against raw `pwrite` + `fdatasync`) and `durable`
 //! (durable counter adds per data core against that raw baseline).
+//!
+//! `shardline-bench node --config FILE` (hidden) runs a node exactly as
+//! `shardline node` does: the same entry point ([`shardline::cli::main`]),
+//! config, signals, exit codes and allocator (mimalloc). The local clusters
+//! of `--spawn` start their nodes that way, so the bench needs no second
+//! build; `$SHARDLINE_BIN` names another node binary instead.
 
 mod cluster;
 mod demo;
@@ -72,6 +78,16 @@ fn exit_code(verify: Option<&verify::Verdict>) -> ExitCode {
 }
 
 fn main() -> anyhow::Result<ExitCode> {
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == cluster::NODE_SUBCOMMAND)
+    {
+        // A node of a local cluster: the `shardline` command line, as if
+        // started as `shardline node ...`.
+        return Ok(shardline::cli::main(
+            std::iter::once("shardline".into()).chain(std::env::args_os().skip(1)),
+        ));
+    }
     let cli = Cli::parse();
     let connector: Arc<dyn transport::Connector> = Arc::new(native::NativeConnector);
     match cli.command {

@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use crate::cluster::{node_binary, Durability, LocalCluster, NodeSpec};
 use crate::driver::{Driver, DriverConfig, LoopMode, Outcome};
-use crate::plot::{Mark, Timeline};
+use crate::plot::{Mark, PlotTitle, Timeline};
 use crate::report::{LatencySummary, Machine};
 use crate::transport::{sum_field, Connector};
 use crate::units::{format_latency_us, parse_duration};
@@ -125,7 +125,7 @@ pub struct RunArgs {
     /// Write every figure, the configuration and the machine as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// Write the latency percentile plot (.svg or .png); scenarios add p99 per second.
+    /// Write the plot (.svg or .png): latency by percentile, and p50, p99 and max per second with the scenario's events (log latency axes, ms).
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// No live progress bar.
@@ -435,7 +435,11 @@ pub fn run(args: RunArgs, connector: Arc<dyn Connector>, command: &str) -> Resul
         let mut attempt = 1;
         let c = loop {
             let mut c = LocalCluster::prepare(binary.clone(), nodes, spare, &spec)?;
-            eprintln!("starting {nodes} node(s) in {} ...", c.dir().display());
+            eprintln!(
+                "starting {nodes} node(s) in {} ({} node) ...",
+                c.dir().display(),
+                binary.display()
+            );
             match c.start_initial(connector.as_ref(), CLUSTER_FORMATION_TIMEOUT) {
                 Ok(()) => break c,
                 Err(error) if attempt < CLUSTER_START_ATTEMPTS => {
@@ -725,25 +729,40 @@ pub fn run(args: RunArgs, connector: Arc<dyn Connector>, command: &str) -> Resul
         println!("wrote {}", path.display());
     }
     if let Some(path) = &args.plot {
-        let timeline = (args.scenario != Scenario::Steady).then(|| Timeline {
-            p99_ms: report
+        let series = |f: fn(&SecondFigures) -> u64| -> Vec<(f64, f64)> {
+            report
                 .per_second
                 .iter()
                 .filter(|s| s.ok > 0)
-                .map(|s| (s.t_s as f64 + 0.5, s.p99_us as f64 / 1e3))
-                .collect(),
+                .map(|s| (s.t_s as f64 + 0.5, f(s) as f64 / 1e3))
+                .collect()
+        };
+        let timeline = Timeline {
+            p50_ms: series(|s| s.p50_us),
+            p99_ms: series(|s| s.p99_us),
+            max_ms: series(|s| s.max_us),
             errors: report
                 .per_second
                 .iter()
                 .map(|s| (s.t_s as f64 + 0.5, s.errors))
                 .collect(),
             marks: marks.clone(),
-        });
-        let title = format!(
-            "shardline-bench {command}: latency by percentile ({})",
-            report.applied
-        );
-        crate::plot::write_plot(path, &title, &recorder.histogram, timeline.as_ref())?;
+        };
+        let title = PlotTitle {
+            title: format!("shardline-bench {command}: latency"),
+            subtitle: match args.scenario {
+                Scenario::Steady => report.applied.clone(),
+                scenario => format!(
+                    "scenario {}; {}",
+                    scenario
+                        .to_possible_value()
+                        .map(|v| v.get_name().to_string())
+                        .unwrap_or_default(),
+                    report.applied
+                ),
+            },
+        };
+        crate::plot::write_plot(path, &title, &recorder.histogram, Some(&timeline))?;
         println!("wrote {}", path.display());
     }
     if let Some(c) = cluster.as_mut() {

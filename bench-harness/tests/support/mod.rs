@@ -36,9 +36,19 @@ pub fn oltp_trace() -> PathBuf {
 /// # Panics
 /// When it cannot be started or runs past `limit`.
 pub fn run_bench(args: &[&str], limit: Duration) -> Output {
-    let mut child = Command::new(bench_binary())
+    let mut command = Command::new(bench_binary());
+    command.env("SHARDLINE_BIN", node_binary_if_built());
+    run_command(command, args, limit)
+}
+
+/// Runs `command` with `args`, killing it after `limit` (SIGTERM, then
+/// SIGKILL 5 s later).
+///
+/// # Panics
+/// When it cannot be started or runs past `limit`.
+pub fn run_command(mut command: Command, args: &[&str], limit: Duration) -> Output {
+    let mut child = command
         .args(args)
-        .env("SHARDLINE_BIN", node_binary_if_built())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -68,7 +78,7 @@ pub fn run_bench(args: &[&str], limit: Duration) -> Output {
             std::thread::sleep(Duration::from_secs(5));
             let _ = child.kill();
             let _ = child.wait();
-            panic!("shardline-bench {args:?} ran past {limit:?}");
+            panic!("{command:?} {args:?} ran past {limit:?}");
         }
         std::thread::sleep(Duration::from_millis(50));
     };

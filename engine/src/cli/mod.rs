@@ -1,12 +1,16 @@
 //! Implementations of the `shardline` command line's subcommands. Each
-//! subcommand lives in its own module; `src/bin/shardline.rs` only parses and
-//! dispatches.
+//! subcommand lives in its own module; [`main`] parses and dispatches, and
+//! is what `src/bin/shardline.rs` runs (and `shardline-bench node`, which
+//! starts the bench's nodes from the bench binary itself).
 
+mod entry;
 pub mod journal;
 pub mod node;
 pub mod rebalance;
 pub mod shard_of;
 pub mod status;
+
+pub use entry::main;
 
 use thiserror::Error;
 
