@@ -742,3 +742,47 @@ fn an_append_without_a_claim_is_fenced_by_the_next_claim() {
         "6"
     );
 }
+
+/// An older incarnation's turn carries more of one id's events than one
+/// statement takes (`batch_max_rows = 1`): the first statement collides
+/// with the newer claim row and is refused as fenced, and the id's later
+/// events of the same turn are refused with it (none commits after the
+/// claim, where it would take the newer incarnation's next sequence
+/// number and fence the newer incarnation instead).
+#[test]
+fn an_older_incarnations_turn_split_over_statements_commits_nothing_after_the_claim() {
+    let pg = TempPg::start();
+    let mut s = settings(&pg);
+    s.batch_max_rows = 1;
+    let p = pid("counter|split");
+    let mut old = PgLog::open(&s, 0);
+    assert_eq!(old.recover(&p, WriterEpoch(1)).expect("claim").highest, 1);
+    append_one(&mut old, &p, 2, 1, b"2").expect("durable before the claim");
+    let mut new = PgLog::open(&s, 1);
+    let rec = new.recover(&p, WriterEpoch(2)).expect("newer claim");
+    assert_eq!(rec.highest, 3, "the newer claim row takes 3");
+    // One turn of the older incarnation: sequence numbers 3, 4 and 5.
+    old.set_flush_wake(Arc::new(DurableWake::default()));
+    let lsns: Vec<_> = (3..=5u64)
+        .map(|seq| {
+            old.append(&p, SequenceNr(seq), WriterEpoch(1), b"old")
+                .expect("append queued")
+        })
+        .collect();
+    old.flush();
+    old.wait_durable(*lsns.last().expect("three"))
+        .expect("outcome");
+    for (seq, lsn) in (3..=5u64).zip(&lsns) {
+        assert!(
+            old.rejected(&p, *lsn).is_some(),
+            "the older incarnation's event {seq} was acknowledged after the newer claim"
+        );
+    }
+    assert_eq!(
+        pg.psql("SELECT string_agg(sequence_nr || ':' || writer_epoch || ':' || claim::text, ',' ORDER BY sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|split'"),
+        "1:1:true,2:1:false,3:2:true",
+        "no event of the older epoch after the newer claim row"
+    );
+    append_one(&mut new, &p, 4, 2, b"4")
+        .expect("the newer incarnation appends after its claim row");
+}
