@@ -786,3 +786,52 @@ fn an_older_incarnations_turn_split_over_statements_commits_nothing_after_the_cl
     append_one(&mut new, &p, 4, 2, b"4")
         .expect("the newer incarnation appends after its claim row");
 }
+
+/// A version 2 database with data (events, a snapshot and a recorded
+/// writer epoch, no `claim` column) is migrated in place: its events all
+/// read as events (none as a claim row), the first recovery's claim row
+/// follows the highest of them, the recorded epoch still fences an older
+/// claim, and the incarnation before the upgrade is fenced at its next
+/// append.
+#[test]
+fn a_version_2_database_with_data_is_migrated_and_recovers_its_events() {
+    let pg = TempPg::start();
+    let s = settings(&pg);
+    pg::connect(&s).expect("schema");
+    pg.psql("ALTER TABLE shardline_events DROP COLUMN claim");
+    pg.psql("UPDATE shardline_schema SET version = 2");
+    pg.psql(
+        "INSERT INTO shardline_writers VALUES ('counter|v2', 3); \
+         INSERT INTO shardline_events SELECT 'counter|v2', n, 3, int4send(n::int) FROM generate_series(1, 5) AS n; \
+         INSERT INTO shardline_snapshots VALUES ('counter|v2', 2, 3, 'snap2')",
+    );
+    let p = pid("counter|v2");
+    let mut log = PgLog::open(&s, 0);
+    match log.recover(&p, WriterEpoch(2)) {
+        Err(e) => assert!(e.contains("fenced"), "{e}"),
+        Ok(r) => panic!("the epoch recorded before the upgrade fences an older one: {r:?}"),
+    }
+    let rec = log
+        .recover(&p, WriterEpoch(4))
+        .expect("recover after the upgrade");
+    assert_eq!(
+        pg.psql("SELECT version FROM shardline_schema"),
+        pg::SCHEMA_VERSION.to_string()
+    );
+    assert_eq!(rec.snapshot, Some((2, b"snap2".to_vec())));
+    let events: Vec<(u64, Vec<u8>)> = (3..=5u32)
+        .map(|n| (u64::from(n), n.to_be_bytes().to_vec()))
+        .collect();
+    assert_eq!(rec.events, events, "the version 2 events, none a claim row");
+    assert_eq!(rec.highest, 6, "the claim row follows the version 2 events");
+    let mut old = PgLog::open(&s, 1);
+    assert_eq!(
+        append_one(&mut old, &p, 6, 3, b"old"),
+        Err(LogErrorKind::Fenced),
+        "the incarnation from before the upgrade (another node's log)"
+    );
+    append_one(&mut log, &p, 7, 4, b"7").expect("the new incarnation appends after its claim row");
+    let again = log.recover(&p, WriterEpoch(5)).expect("recover again");
+    assert_eq!(again.events.len(), 4, "3, 4, 5 and 7: {again:?}");
+    assert_eq!(again.highest, 8);
+}
