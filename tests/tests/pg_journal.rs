@@ -835,3 +835,37 @@ fn a_version_2_database_with_data_is_migrated_and_recovers_its_events() {
     assert_eq!(again.events.len(), 4, "3, 4, 5 and 7: {again:?}");
     assert_eq!(again.highest, 8);
 }
+
+/// `journal.url`'s own `options` are kept: a `search_path` in them puts
+/// the journal's tables in that schema (the generic plans are still set).
+#[test]
+fn the_urls_options_are_kept_a_search_path_places_the_tables() {
+    let pg = TempPg::start();
+    pg.psql("CREATE SCHEMA sl");
+    let mut s = settings(&pg);
+    s.url = format!("{}?options=-c%20search_path%3Dsl", pg.url());
+    let mut c = pg::connect(&s).expect("connect with options");
+    for (what, want) in [
+        ("search_path", "sl"),
+        ("plan_cache_mode", "force_generic_plan"),
+    ] {
+        let got: String = c
+            .query_one(&format!("SHOW {what}"), &[])
+            .expect("show")
+            .get(0);
+        assert_eq!(got, want, "{what}");
+    }
+    assert_eq!(
+        pg.psql("SELECT string_agg(DISTINCT schemaname, ',') FROM pg_tables WHERE tablename LIKE 'shardline_%'"),
+        "sl",
+        "the tables are in the url's search_path"
+    );
+    let p = pid("counter|opts");
+    let mut log = PgLog::open(&s, 0);
+    assert_eq!(log.recover(&p, WriterEpoch(1)).expect("claim").highest, 1);
+    append_one(&mut log, &p, 2, 1, b"2").expect("append");
+    assert_eq!(
+        pg.psql("SELECT count(*) FROM sl.shardline_events WHERE persistence_id = 'counter|opts'"),
+        "2"
+    );
+}

@@ -248,8 +248,16 @@ pub fn connect(settings: &PgSettings) -> Result<Client, PgError> {
     cfg.application_name("shardline");
     // The statements are prepared once and their plans do not depend on
     // the values: never plan them again per execution (a custom plan of
-    // the journal's statements costs more than running them).
-    cfg.options("-c plan_cache_mode=force_generic_plan");
+    // the journal's statements costs more than running them). Added in
+    // front of the url's own `options` (e.g. a `search_path`), which are
+    // kept and may set it otherwise.
+    let options = match cfg.get_options() {
+        Some(own) if !own.trim().is_empty() => {
+            format!("-c plan_cache_mode=force_generic_plan {own}")
+        }
+        _ => "-c plan_cache_mode=force_generic_plan".to_string(),
+    };
+    cfg.options(&options);
     let mut client = cfg
         .connect(NoTls)
         .map_err(|e| PgError::Unavailable(e.to_string()))?;
