@@ -774,3 +774,143 @@ fn an_append_without_a_claim_is_fenced_by_the_next_claim() {
         "6"
     );
 }
+
+/// An older incarnation's turn carries more of one id's events than one
+/// statement takes (`batch_max_rows = 1`): the first statement collides
+/// with the newer claim row and is refused as fenced, and the id's later
+/// events of the same turn are refused with it (none commits after the
+/// claim, where it would take the newer incarnation's next sequence
+/// number and fence the newer incarnation instead).
+#[test]
+fn an_older_incarnations_turn_split_over_statements_commits_nothing_after_the_claim() {
+    let pg = TempPg::start();
+    let mut s = settings(&pg);
+    s.batch_max_rows = 1;
+    let p = pid("counter|split");
+    let mut old = PgLog::open(&s, 0);
+    const C: u64 = pg::CLAIM_ROWS;
+    assert_eq!(old.recover(&p, WriterEpoch(1)).expect("claim").highest, C);
+    append_one(&mut old, &p, C + 1, 1, b"2").expect("durable before the claim");
+    let mut new = PgLog::open(&s, 1);
+    let rec = new.recover(&p, WriterEpoch(2)).expect("newer claim");
+    assert_eq!(
+        rec.highest,
+        2 * C + 1,
+        "the newer claim rows follow the event"
+    );
+    // One turn of the older incarnation: the next three sequence numbers.
+    old.set_flush_wake(Arc::new(DurableWake::default()));
+    let turn = C + 2..=C + 4;
+    let lsns: Vec<_> = turn
+        .clone()
+        .map(|seq| {
+            old.append(&p, SequenceNr(seq), WriterEpoch(1), b"old")
+                .expect("append queued")
+        })
+        .collect();
+    old.flush();
+    old.wait_durable(*lsns.last().expect("three"))
+        .expect("outcome");
+    for (seq, lsn) in turn.zip(&lsns) {
+        assert!(
+            old.rejected(&p, *lsn).is_some(),
+            "the older incarnation's event {seq} was acknowledged after the newer claim"
+        );
+    }
+    assert_eq!(
+        pg.psql("SELECT count(*) FILTER (WHERE claim AND writer_epoch = 1), string_agg(sequence_nr || ':' || writer_epoch, ',' ORDER BY sequence_nr) FILTER (WHERE NOT claim), count(*) FILTER (WHERE claim AND writer_epoch = 2), max(sequence_nr) FROM shardline_events WHERE persistence_id = 'counter|split'"),
+        format!("{C}|{}:1|{C}|{}", C + 1, 2 * C + 1),
+        "no event of the older epoch after the newer claim rows"
+    );
+    append_one(&mut new, &p, 2 * C + 2, 2, b"4")
+        .expect("the newer incarnation appends after its claim row");
+}
+
+/// A version 2 database with data (events, a snapshot and a recorded
+/// writer epoch, no `claim` column) is migrated in place: its events all
+/// read as events (none as a claim row), the first recovery's claim row
+/// follows the highest of them, the recorded epoch still fences an older
+/// claim, and the incarnation before the upgrade is fenced at its next
+/// append.
+#[test]
+fn a_version_2_database_with_data_is_migrated_and_recovers_its_events() {
+    let pg = TempPg::start();
+    let s = settings(&pg);
+    pg::connect(&s).expect("schema");
+    pg.psql("ALTER TABLE shardline_events DROP COLUMN claim");
+    pg.psql("UPDATE shardline_schema SET version = 2");
+    pg.psql(
+        "INSERT INTO shardline_writers VALUES ('counter|v2', 3); \
+         INSERT INTO shardline_events SELECT 'counter|v2', n, 3, int4send(n::int) FROM generate_series(1, 5) AS n; \
+         INSERT INTO shardline_snapshots VALUES ('counter|v2', 2, 3, 'snap2')",
+    );
+    let p = pid("counter|v2");
+    let mut log = PgLog::open(&s, 0);
+    match log.recover(&p, WriterEpoch(2)) {
+        Err(e) => assert!(e.contains("fenced"), "{e}"),
+        Ok(r) => panic!("the epoch recorded before the upgrade fences an older one: {r:?}"),
+    }
+    let rec = log
+        .recover(&p, WriterEpoch(4))
+        .expect("recover after the upgrade");
+    assert_eq!(
+        pg.psql("SELECT version FROM shardline_schema"),
+        pg::SCHEMA_VERSION.to_string()
+    );
+    assert_eq!(rec.snapshot, Some((2, b"snap2".to_vec())));
+    let events: Vec<(u64, Vec<u8>)> = (3..=5u32)
+        .map(|n| (u64::from(n), n.to_be_bytes().to_vec()))
+        .collect();
+    assert_eq!(rec.events, events, "the version 2 events, none a claim row");
+    assert_eq!(
+        rec.highest,
+        5 + pg::CLAIM_ROWS,
+        "the claim rows follow the version 2 events"
+    );
+    let mut old = PgLog::open(&s, 1);
+    assert_eq!(
+        append_one(&mut old, &p, 6, 3, b"old"),
+        Err(LogErrorKind::Fenced),
+        "the incarnation from before the upgrade (another node's log)"
+    );
+    append_one(&mut log, &p, rec.highest + 1, 4, b"7")
+        .expect("the new incarnation appends after its claim rows");
+    let again = log.recover(&p, WriterEpoch(5)).expect("recover again");
+    assert_eq!(again.events.len(), 4, "3, 4, 5 and the new one: {again:?}");
+    assert_eq!(again.highest, rec.highest + 1 + pg::CLAIM_ROWS);
+}
+
+/// `journal.url`'s own `options` are kept: a `search_path` in them puts
+/// the journal's tables in that schema (the generic plans are still set).
+#[test]
+fn the_urls_options_are_kept_a_search_path_places_the_tables() {
+    let pg = TempPg::start();
+    pg.psql("CREATE SCHEMA sl");
+    let mut s = settings(&pg);
+    s.url = format!("{}?options=-c%20search_path%3Dsl", pg.url());
+    let mut c = pg::connect(&s).expect("connect with options");
+    for (what, want) in [
+        ("search_path", "sl"),
+        ("plan_cache_mode", "force_generic_plan"),
+    ] {
+        let got: String = c
+            .query_one(&format!("SHOW {what}"), &[])
+            .expect("show")
+            .get(0);
+        assert_eq!(got, want, "{what}");
+    }
+    assert_eq!(
+        pg.psql("SELECT string_agg(DISTINCT schemaname, ',') FROM pg_tables WHERE tablename LIKE 'shardline_%'"),
+        "sl",
+        "the tables are in the url's search_path"
+    );
+    let p = pid("counter|opts");
+    let mut log = PgLog::open(&s, 0);
+    let c = log.recover(&p, WriterEpoch(1)).expect("claim").highest;
+    assert_eq!(c, pg::CLAIM_ROWS);
+    append_one(&mut log, &p, c + 1, 1, b"2").expect("append");
+    assert_eq!(
+        pg.psql("SELECT count(*) FROM sl.shardline_events WHERE persistence_id = 'counter|opts'"),
+        (pg::CLAIM_ROWS + 1).to_string()
+    );
+}

@@ -267,8 +267,16 @@ pub fn connect(settings: &PgSettings) -> Result<Client, PgError> {
     cfg.application_name("shardline");
     // The statements are prepared once and their plans do not depend on
     // the values: never plan them again per execution (a custom plan of
-    // the journal's statements costs more than running them).
-    cfg.options("-c plan_cache_mode=force_generic_plan");
+    // the journal's statements costs more than running them). Added in
+    // front of the url's own `options` (e.g. a `search_path`), which are
+    // kept and may set it otherwise.
+    let options = match cfg.get_options() {
+        Some(own) if !own.trim().is_empty() => {
+            format!("-c plan_cache_mode=force_generic_plan {own}")
+        }
+        _ => "-c plan_cache_mode=force_generic_plan".to_string(),
+    };
+    cfg.options(&options);
     let mut client = cfg
         .connect(NoTls)
         .map_err(|e| PgError::Unavailable(e.to_string()))?;
@@ -1071,8 +1079,8 @@ fn writer_loop(
         let last = batch.last;
         let rows = batch_len(&batch);
         let started = Instant::now();
-        let mut refused: Vec<(String, u64, u64, LogError)> = Vec::new();
         for chunk in split(batch, settings) {
+            let mut refused: Vec<(String, u64, u64, LogError)> = Vec::new();
             commit_chunk(
                 settings,
                 &mut client,
@@ -1081,22 +1089,12 @@ fn writer_loop(
                 &mut refused,
                 health,
             );
-        }
-        if !refused.is_empty() {
-            if let Ok(mut g) = shared.rejected.lock() {
-                let assigned = g.assigned;
-                for (pid, lo, hi, e) in refused {
-                    if is_remember(&pid) {
-                        continue;
-                    }
-                    if g.floors.get(&pid).is_some_and(|f| hi < *f) {
-                        // Rows from before the id's latest recovery.
-                        continue;
-                    }
-                    poisoned.insert(pid.clone(), assigned);
-                    g.entries.entry(pid).or_default().push((lo, hi, e));
-                }
-            }
+            // Recorded before the next statement: an id's later rows in
+            // the same batch (split over statements) are refused with it.
+            // Sent on, the next of them would take the sequence number
+            // after a newer incarnation's claim row (its next one) and
+            // commit after the claim, or leave a gap after a refusal.
+            record_refusals(shared, &mut poisoned, refused);
         }
         // What is queued now was appended before this wake: it goes in the
         // next statement whatever comes later.
@@ -1115,6 +1113,35 @@ fn writer_loop(
         // `resolved` moves only after the refusals are recorded.
         shared.resolved.fetch_max(last, Ordering::SeqCst);
         shared.notify();
+    }
+}
+
+/// Records the refusals of one statement, `(pid, lowest LSN, highest LSN,
+/// why)`: the id's rows up to the highest LSN assigned on the core now are
+/// refused from here on (`poisoned`), and its entity sees the refusal
+/// until its next recovery (rows from before that recovery, and the
+/// remember-entities ids, are left out).
+fn record_refusals(
+    shared: &CoreShared,
+    poisoned: &mut HashMap<String, u64>,
+    refused: Vec<(String, u64, u64, LogError)>,
+) {
+    if refused.is_empty() {
+        return;
+    }
+    if let Ok(mut g) = shared.rejected.lock() {
+        let assigned = g.assigned;
+        for (pid, lo, hi, e) in refused {
+            if is_remember(&pid) {
+                continue;
+            }
+            if g.floors.get(&pid).is_some_and(|f| hi < *f) {
+                // Rows from before the id's latest recovery.
+                continue;
+            }
+            poisoned.insert(pid.clone(), assigned);
+            g.entries.entry(pid).or_default().push((lo, hi, e));
+        }
     }
 }
 
