@@ -238,7 +238,7 @@ pub struct Recovered {
     pub events: Vec<(u64, Vec<u8>)>,
     /// The highest sequence number taken for the id when it was read: at
     /// least the last event's (or the snapshot's); with the PostgreSQL
-    /// journal, the claim row the recovery wrote (see
+    /// journal, the last claim row the recovery wrote (see
     /// [`pg::claim_and_read`]). The incarnation's next event is one more.
     pub highest: u64,
 }
