@@ -1328,23 +1328,55 @@ fn run_append(
     // In persistence id (bytewise, as the index's `COLLATE "C"` keys
     // compare for equal lengths) and sequence number order: every key
     // lock of the statement is taken in this one order.
-    let mut rows: Vec<&Row> = rows.iter().collect();
-    rows.sort_by(|a, b| (a.pid.as_str(), a.seq).cmp(&(b.pid.as_str(), b.seq)));
-    let e_pid: Vec<&str> = rows.iter().map(|r| r.pid.as_str()).collect();
-    let e_seq: Vec<i64> = rows.iter().map(|r| r.seq as i64).collect();
-    let e_ep: Vec<i64> = rows.iter().map(|r| r.epoch as i64).collect();
-    let e_data: Vec<&[u8]> = rows.iter().map(|r| r.payload.as_slice()).collect();
-    let mut snaps: Vec<&SnapRow> = snaps.values().collect();
-    snaps.sort_by(|a, b| a.pid.cmp(&b.pid));
-    let s_pid: Vec<&str> = snaps.iter().map(|s| s.pid.as_str()).collect();
-    let s_seq: Vec<i64> = snaps.iter().map(|s| s.seq as i64).collect();
-    let s_ep: Vec<i64> = snaps.iter().map(|s| s.epoch as i64).collect();
-    let s_data: Vec<&[u8]> = snaps.iter().map(|s| s.data.as_slice()).collect();
+    let mut rows: Vec<AppendRow<'_>> = rows
+        .iter()
+        .map(|r| (r.pid.as_str(), r.seq, r.epoch, r.payload.as_slice()))
+        .collect();
+    rows.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+    let mut snaps: Vec<AppendRow<'_>> = snaps
+        .values()
+        .map(|s| (s.pid.as_str(), s.seq, s.epoch, s.data.as_slice()))
+        .collect();
+    snaps.sort_by(|a, b| a.0.cmp(b.0));
+    execute_append(c, &*both, &*events, &rows, &snaps)
+}
+
+/// One row of [`APPEND_SQL`]'s arrays: `(persistence id, sequence number,
+/// writer epoch, payload or snapshot bytes)`.
+pub(crate) type AppendRow<'a> = (&'a str, u64, u64, &'a [u8]);
+
+/// Runs `both` ([`APPEND_SQL`]) for `rows` and `snaps`, or `events_only`
+/// ([`APPEND_EVENTS_SQL`]) when there are no snapshots; both sorted by
+/// id and sequence number. The entities' writers pass their prepared
+/// statements, the coordinators' journal the SQL text.
+///
+/// # Errors
+/// [`PgError::Fenced`] (naming the first row's id and the highest epoch)
+/// when an event's sequence number is taken: a newer incarnation claimed
+/// one of the ids; else as [`PgError::classify`].
+pub(crate) fn execute_append<T>(
+    c: &mut Client,
+    both: &T,
+    events_only: &T,
+    rows: &[AppendRow<'_>],
+    snaps: &[AppendRow<'_>],
+) -> Result<(), PgError>
+where
+    T: postgres::ToStatement + ?Sized,
+{
+    let e_pid: Vec<&str> = rows.iter().map(|r| r.0).collect();
+    let e_seq: Vec<i64> = rows.iter().map(|r| r.1 as i64).collect();
+    let e_ep: Vec<i64> = rows.iter().map(|r| r.2 as i64).collect();
+    let e_data: Vec<&[u8]> = rows.iter().map(|r| r.3).collect();
     let r = if snaps.is_empty() {
-        c.execute(&*events, &[&e_pid, &e_seq, &e_ep, &e_data])
+        c.execute(events_only, &[&e_pid, &e_seq, &e_ep, &e_data])
     } else {
+        let s_pid: Vec<&str> = snaps.iter().map(|s| s.0).collect();
+        let s_seq: Vec<i64> = snaps.iter().map(|s| s.1 as i64).collect();
+        let s_ep: Vec<i64> = snaps.iter().map(|s| s.2 as i64).collect();
+        let s_data: Vec<&[u8]> = snaps.iter().map(|s| s.3).collect();
         c.execute(
-            &*both,
+            both,
             &[
                 &e_pid, &e_seq, &e_ep, &e_data, &s_pid, &s_seq, &s_ep, &s_data,
             ],
@@ -1353,8 +1385,8 @@ fn run_append(
     r.map(|_| ()).map_err(|e| {
         if e.code() == Some(&SqlState::UNIQUE_VIOLATION) {
             PgError::Fenced {
-                pid: rows.first().map_or_else(String::new, |r| r.pid.clone()),
-                epoch: rows.iter().map(|r| r.epoch).max().unwrap_or(0),
+                pid: rows.first().map_or_else(String::new, |r| r.0.to_string()),
+                epoch: rows.iter().map(|r| r.2).max().unwrap_or(0),
             }
         } else {
             PgError::classify(&e)

@@ -47,7 +47,10 @@ use super::coordinator::{
     decode_record, encode_event, encode_state, next_epoch, persistence_id, CoordinatorConfig,
     CoordinatorJournalError, CoordinatorRecord, RecoveredCoordinator, SNAPSHOT_EVERY_EVENTS,
 };
-use super::pg::{claim_and_read, connect, PgError, PgSettings, APPEND_SQL};
+use super::pg::{
+    claim_and_read, connect, execute_append, AppendRow, PgError, PgSettings, APPEND_EVENTS_SQL,
+    APPEND_SQL,
+};
 use super::DurableWake;
 
 /// The longest pause between two attempts while the database cannot be
@@ -708,37 +711,24 @@ fn commit(
 }
 
 /// Runs [`APPEND_SQL`] once for `rows` and `snaps` (each sorted by id and
-/// sequence number).
+/// sequence number), through [`execute_append`].
 ///
 /// # Errors
-/// [`PgError::Fenced`] when an event's sequence number is taken (a newer
-/// incarnation claimed the id); else as [`PgError::classify`].
+/// As [`execute_append`]: [`PgError::Fenced`] when an event's sequence
+/// number is taken (a newer incarnation claimed the id).
 fn append(c: &mut Client, rows: &[&Row], snaps: &[&Row]) -> Result<(), PgError> {
-    let e_pid: Vec<&str> = rows.iter().map(|r| r.pid.as_str()).collect();
-    let e_seq: Vec<i64> = rows.iter().map(|r| r.seq as i64).collect();
-    let e_ep: Vec<i64> = rows.iter().map(|r| r.epoch as i64).collect();
-    let e_data: Vec<&[u8]> = rows.iter().map(|r| r.data.as_slice()).collect();
-    let s_pid: Vec<&str> = snaps.iter().map(|r| r.pid.as_str()).collect();
-    let s_seq: Vec<i64> = snaps.iter().map(|r| r.seq as i64).collect();
-    let s_ep: Vec<i64> = snaps.iter().map(|r| r.epoch as i64).collect();
-    let s_data: Vec<&[u8]> = snaps.iter().map(|r| r.data.as_slice()).collect();
-    c.query(
+    fn arrays<'a>(rs: &[&'a Row]) -> Vec<AppendRow<'a>> {
+        rs.iter()
+            .map(|r| (r.pid.as_str(), r.seq, r.epoch, r.data.as_slice()))
+            .collect()
+    }
+    execute_append(
+        c,
         APPEND_SQL,
-        &[
-            &e_pid, &e_seq, &e_ep, &e_data, &s_pid, &s_seq, &s_ep, &s_data,
-        ],
+        APPEND_EVENTS_SQL,
+        &arrays(rows),
+        &arrays(snaps),
     )
-    .map(|_| ())
-    .map_err(|e| {
-        if e.code() == Some(&postgres::error::SqlState::UNIQUE_VIOLATION) {
-            PgError::Fenced {
-                pid: rows.first().map_or_else(String::new, |r| r.pid.clone()),
-                epoch: rows.iter().map(|r| r.epoch).max().unwrap_or(0),
-            }
-        } else {
-            PgError::classify(&e)
-        }
-    })
 }
 
 /// The table that keeps each cluster's identity (created with
