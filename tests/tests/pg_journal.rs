@@ -914,3 +914,168 @@ fn the_urls_options_are_kept_a_search_path_places_the_tables() {
         (pg::CLAIM_ROWS + 1).to_string()
     );
 }
+
+/// A TCP proxy in front of the server that can lose one answer: once
+/// armed, the server's reply to the next `Bind` (the execution of a
+/// statement, after it reached the server) is dropped and the connection
+/// is closed, as when a network fails between a commit and its reply.
+struct LossyProxy {
+    port: u16,
+    armed: Arc<std::sync::atomic::AtomicBool>,
+    lost: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl LossyProxy {
+    fn start(server_port: u16) -> LossyProxy {
+        use std::io::{Read, Write};
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let listener = TcpListener::bind("127.0.0.1:0").expect("proxy bind");
+        let port = listener.local_addr().expect("addr").port();
+        let armed = Arc::new(AtomicBool::new(false));
+        let lost = Arc::new(AtomicUsize::new(0));
+        let (a, l) = (armed.clone(), lost.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = TcpStream::connect(("127.0.0.1", server_port)) else {
+                    continue;
+                };
+                let drop_reply = Arc::new(AtomicBool::new(false));
+                let (mut c_in, mut s_out) = (
+                    client.try_clone().expect("clone"),
+                    server.try_clone().expect("clone"),
+                );
+                let (armed, flag) = (a.clone(), drop_reply.clone());
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    while let Ok(n) = c_in.read(&mut buf) {
+                        if n == 0 {
+                            break;
+                        }
+                        if buf[0] == b'B' && armed.swap(false, Ordering::SeqCst) {
+                            flag.store(true, Ordering::SeqCst);
+                        }
+                        if s_out.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = s_out.shutdown(Shutdown::Both);
+                });
+                let (mut s_in, mut c_out, lost) = (server, client, l.clone());
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    while let Ok(n) = s_in.read(&mut buf) {
+                        if n == 0 {
+                            break;
+                        }
+                        if drop_reply.load(Ordering::SeqCst) {
+                            lost.fetch_add(1, Ordering::SeqCst);
+                            break;
+                        }
+                        if c_out.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = c_out.shutdown(Shutdown::Both);
+                    let _ = s_in.shutdown(Shutdown::Both);
+                });
+            }
+        });
+        LossyProxy { port, armed, lost }
+    }
+}
+
+#[test]
+fn a_coordinator_append_whose_commit_reply_was_lost_is_not_reported_fenced() {
+    use shardline_core::ids::{Address, MemberUid, RegionId, ShardId, UniqueAddress};
+    use shardline_core::sharding::{CoordinatorEvent, CoordinatorState, Generation};
+    use std::sync::atomic::Ordering;
+    let pg = TempPg::start();
+    let proxy = LossyProxy::start(pg.port());
+    let mut s = settings(&pg);
+    s.url = s
+        .url
+        .replace(&format!(":{}/", pg.port()), &format!(":{}/", proxy.port));
+    assert!(s.url.contains(&proxy.port.to_string()), "{}", s.url);
+    let cfg = CoordinatorConfig {
+        number_of_shards: 12,
+        hash_name: shardline_core::sharding::SHARD_ID_HASH_NAME.to_string(),
+    };
+    let region = RegionId {
+        member: UniqueAddress {
+            address: Address("127.0.0.1:7101".into()),
+            uid: MemberUid(7),
+        },
+        core: 0,
+    };
+    let mut j = PgControlJournal::open(&s, Arc::new(DurableWake::default()));
+    j.recover_start("counter", &cfg).expect("start");
+    let r = recovered(&mut j, "counter").expect("recover");
+    let epoch = r.claimed_epoch.expect("claimed");
+    let st = CoordinatorState::default();
+    j.begin("counter", epoch, &st, &cfg).expect("begin");
+    let first = j
+        .append(
+            "counter",
+            &CoordinatorEvent::ShardRegionRegistered {
+                region: region.clone(),
+            },
+        )
+        .expect("append");
+    wait_lsn(&j, first);
+    assert!(j.take_refused().is_empty(), "the first append committed");
+    // The next statement commits, but its answer is lost with the
+    // connection; the journal reconnects and sends it again.
+    proxy.armed.store(true, Ordering::SeqCst);
+    let second = j
+        .append(
+            "counter",
+            &CoordinatorEvent::ShardHomeAllocated {
+                shard: ShardId(3),
+                region: region.clone(),
+                generation: Generation(7),
+            },
+        )
+        .expect("append");
+    wait_lsn(&j, second);
+    assert_eq!(proxy.lost.load(Ordering::SeqCst), 1, "one answer was lost");
+    let refused = j.take_refused();
+    assert!(
+        refused.is_empty(),
+        "its own committed rows are not a newer incarnation: {refused:?}"
+    );
+    assert_eq!(
+        pg.psql(
+            "SELECT count(*) FROM shardline_events WHERE persistence_id = 'coordinator|counter' AND NOT claim"
+        ),
+        "3",
+        "takeover record and two events, each once"
+    );
+    // The next append goes on after them.
+    let third = j
+        .append(
+            "counter",
+            &CoordinatorEvent::ShardHomeAllocated {
+                shard: ShardId(4),
+                region: region.clone(),
+                generation: Generation(8),
+            },
+        )
+        .expect("append");
+    wait_lsn(&j, third);
+    assert!(j.take_refused().is_empty());
+    drop(j);
+    // A recovery folds all three.
+    let mut k = PgControlJournal::open(&settings(&pg), Arc::new(DurableWake::default()));
+    k.recover_start("counter", &cfg).expect("start");
+    let r = recovered(&mut k, "counter").expect("recover");
+    assert!(r.state.regions.contains_key(&region), "{:?}", r.state);
+    assert_eq!(r.state.last_generation, Generation(8), "{:?}", r.state);
+    assert_eq!(
+        r.state.shards.keys().copied().collect::<Vec<_>>(),
+        vec![ShardId(3), ShardId(4)],
+        "{:?}",
+        r.state
+    );
+}

@@ -679,7 +679,7 @@ fn commit(
     rows.sort_by(|a, b| (a.pid.as_str(), a.seq).cmp(&(b.pid.as_str(), b.seq)));
     let mut s_rows: Vec<&Row> = snap_of.values().copied().collect();
     s_rows.sort_by(|a, b| a.pid.cmp(&b.pid));
-    let r = with_retry(settings, client, shared, |c| append(c, &rows, &s_rows));
+    let r = with_retry(settings, client, shared, |c| append_once(c, &rows, &s_rows));
     match r {
         Ok(()) => {}
         Err(_) if rows.iter().any(|r| r.pid != rows[0].pid) => {
@@ -690,9 +690,9 @@ fn commit(
             for p in pids {
                 let own: Vec<&Row> = rows.iter().copied().filter(|r| r.pid == p).collect();
                 let own_snaps: Vec<&Row> = s_rows.iter().copied().filter(|r| r.pid == p).collect();
-                if let Err(e) =
-                    with_retry(settings, client, shared, |c| append(c, &own, &own_snaps))
-                {
+                if let Err(e) = with_retry(settings, client, shared, |c| {
+                    append_once(c, &own, &own_snaps)
+                }) {
                     tracing::warn!(error = %e, "coordinator journal append refused");
                     for r in own {
                         refused.push((r.type_name.clone(), r.epoch, e.to_string()));
@@ -708,6 +708,54 @@ fn commit(
         }
     }
     refused
+}
+
+/// [`append`], where a taken sequence number that holds this very row
+/// (same id, sequence number, writer epoch and payload, not a claim row)
+/// counts as committed: a retry after a lost commit reply (the statement
+/// committed, the connection broke before its answer came, and
+/// [`with_retry`] sends it again) finds its own rows, which are not a newer
+/// incarnation's. Only rows of one incarnation can match: a claim row or a
+/// newer writer's event differs in `claim` or `writer_epoch`.
+///
+/// # Errors
+/// As [`append`]; [`PgError::Unavailable`] when the check's read fails.
+fn append_once(c: &mut Client, rows: &[&Row], snaps: &[&Row]) -> Result<(), PgError> {
+    match append(c, rows, snaps) {
+        Err(PgError::Fenced { pid, epoch }) => {
+            if rows_already_committed(c, rows)? {
+                // The snapshot upsert rode in the same committed statement.
+                Ok(())
+            } else {
+                Err(PgError::Fenced { pid, epoch })
+            }
+        }
+        other => other,
+    }
+}
+
+/// Whether every row of `rows` is stored as is (see [`append_once`]).
+fn rows_already_committed(c: &mut Client, rows: &[&Row]) -> Result<bool, PgError> {
+    if rows.is_empty() {
+        return Ok(false);
+    }
+    let pids: Vec<&str> = rows.iter().map(|r| r.pid.as_str()).collect();
+    let seqs: Vec<i64> = rows.iter().map(|r| r.seq as i64).collect();
+    let epochs: Vec<i64> = rows.iter().map(|r| r.epoch as i64).collect();
+    let data: Vec<&[u8]> = rows.iter().map(|r| r.data.as_slice()).collect();
+    let row = c
+        .query_one(
+            "SELECT count(*) FROM shardline_events e
+             JOIN unnest($1::text[], $2::int8[], $3::int8[], $4::bytea[])
+               AS mine(pid, seq, epoch, payload)
+               ON e.persistence_id = mine.pid AND e.sequence_nr = mine.seq
+             WHERE NOT e.claim AND e.writer_epoch = mine.epoch
+               AND e.payload = mine.payload",
+            &[&pids, &seqs, &epochs, &data],
+        )
+        .map_err(|e| PgError::classify(&e))?;
+    let n: i64 = row.get(0);
+    Ok(n == rows.len() as i64)
 }
 
 /// Runs [`APPEND_SQL`] once for `rows` and `snaps` (each sorted by id and
