@@ -133,3 +133,60 @@ fn failover_kill_is_served_by_the_survivors_within_the_bound_and_verifies() {
     );
     assert_eq!(report["verify"]["unreadable"].as_u64(), Some(0), "{stdout}");
 }
+
+/// `durable` on the local journal, both clients: every row has acknowledged
+/// adds, no error, and its ratios against the raw baseline of the run.
+#[test]
+fn durable_bench_measures_adds_against_the_raw_baseline_with_both_clients() {
+    node_binary();
+    let dir = tempfile::tempdir().unwrap();
+    for client in ["one-thread", "driver"] {
+        let json = dir.path().join(format!("{client}.json"));
+        let out = run_bench(
+            &[
+                "durable",
+                "--policies",
+                "always",
+                "--depths",
+                "1,4",
+                "--connections",
+                "2",
+                "--entities",
+                "50",
+                "--duration",
+                "400ms",
+                "--warmup",
+                "200ms",
+                "--raw-duration",
+                "200ms",
+                "--client",
+                client,
+                "--json",
+                json.to_str().unwrap(),
+            ],
+            Duration::from_secs(120),
+        );
+        assert!(
+            out.status.success(),
+            "{client}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        let rows = report["rows"].as_array().unwrap();
+        assert_eq!(rows.len(), 2, "{client}: {report}");
+        for (row, depth) in rows.iter().zip([1, 4]) {
+            assert_eq!(row["depth"], depth, "{client}: {row}");
+            assert_eq!(row["errors"], 0, "{client}: {row}");
+            assert!(row["adds_per_s"].as_f64().unwrap() > 0.0, "{client}: {row}");
+            assert!(
+                row["latency"]["count"].as_u64().unwrap() > 0,
+                "{client}: {row}"
+            );
+            assert!(
+                row["throughput_ratio"].as_f64().unwrap() > 0.0,
+                "{client}: {row}"
+            );
+        }
+    }
+}
