@@ -1351,6 +1351,7 @@ impl ControlPlane {
             rebalance_interval: cc.rebalance_interval(),
             handoff_timeout: cc.handoff_timeout(),
             reregister_timeout: cc.reregister_timeout(),
+            min_nr_of_members: cc.min_nr_of_members,
             ..CoordinatorSettings::default()
         };
         let strategy = LeastShardAllocationStrategy {
