@@ -1352,7 +1352,6 @@ impl ControlPlane {
             handoff_timeout: cc.handoff_timeout(),
             reregister_timeout: cc.reregister_timeout(),
             min_nr_of_members: cc.min_nr_of_members,
-            ..CoordinatorSettings::default()
         };
         let strategy = LeastShardAllocationStrategy {
             rebalance_absolute_limit: cc.rebalance_absolute_limit,
