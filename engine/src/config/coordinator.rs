@@ -32,6 +32,12 @@ pub struct CoordinatorConfig {
     /// for one of their shards waits meanwhile). Default 10000;
     /// 100..=3600000.
     pub reregister_timeout_ms: u64,
+    /// The coordinator allocates no shard until this many members are Up
+    /// (count; Akka's `akka.cluster.min-nr-of-members`, which its
+    /// coordinator waits for): a cluster started all at once does not put
+    /// every shard on the first member and move them away again.
+    /// Default 1; at least 1.
+    pub min_nr_of_members: usize,
 }
 
 impl Default for CoordinatorConfig {
@@ -42,6 +48,7 @@ impl Default for CoordinatorConfig {
             rebalance_absolute_limit: 20,
             rebalance_relative_limit: 0.1,
             reregister_timeout_ms: 10_000,
+            min_nr_of_members: 1,
         }
     }
 }
@@ -79,6 +86,12 @@ impl CoordinatorConfig {
             if !(100..=3_600_000).contains(&v) {
                 return Err(bad(key, format!("{v} is not in 100..=3600000")));
             }
+        }
+        if self.min_nr_of_members == 0 {
+            return Err(bad(
+                "coordinator.min_nr_of_members",
+                "must be at least 1".into(),
+            ));
         }
         if self.rebalance_absolute_limit == 0 {
             return Err(bad(

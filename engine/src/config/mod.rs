@@ -906,6 +906,8 @@ active_entity_limit = 0
         .unwrap();
         assert_eq!(c.coordinator.rebalance_interval_ms, 500);
         assert_eq!(c.coordinator.rebalance_absolute_limit, 100);
+        let c = NodeConfig::from_toml(&with("min_nr_of_members = 3"), Path::new("x.toml")).unwrap();
+        assert_eq!(c.coordinator.min_nr_of_members, 3);
         for (t, key) in [
             (
                 "rebalance_interval_ms = 50",
@@ -920,6 +922,7 @@ active_entity_limit = 0
                 "rebalance_absolute_limit = 0",
                 "coordinator.rebalance_absolute_limit",
             ),
+            ("min_nr_of_members = 0", "coordinator.min_nr_of_members"),
             (
                 "rebalance_relative_limit = 0.0",
                 "coordinator.rebalance_relative_limit",

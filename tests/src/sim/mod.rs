@@ -3,22 +3,26 @@
 //! ```text
 //!   scenario script ──> World ──(virtual clock, one seeded RNG)──> events
 //!                        │ nodes × cores: ShardRegion + entities (actors)
-//!                        │ one ShardCoordinator on the oldest Up node
+//!                        │ per node: the node's ControlPlane (ClusterNode,
+//!                        │   the ShardCoordinator where the singleton runs)
 //!                        │ network: FIFO links, random latency, partitions
 //!                        └─ invariants after every step
 //! ```
 //!
 //! A world of N nodes × C cores runs the real state machines of
-//! `shardline_core::sharding`: every region, the coordinator and the
-//! entities' mailboxes. The network keeps each directed node-to-node link
+//! `shardline_core::sharding` (every region and the entities' mailboxes)
+//! and, on every node, the node's own control plane
+//! (`shardline::plane::ControlPlane`: membership, the coordinator's hosting
+//! and recovery, its journal barrier, the graceful leave). The network keeps each directed node-to-node link
 //! FIFO (like TCP) with a random latency per packet, so packets on different
 //! links reorder; a partition holds packets until it heals (TCP retransmits);
 //! a crash loses everything in flight to or from the node and everything it
-//! held. Membership is scripted (who is up, who crashed, who leaves): the
-//! `cluster-*` scenarios run in clustered mode instead: every node runs the
-//! real `shardline_core::cluster::ClusterNode`, whose gossip goes over the
-//! same links, and whose events, singleton commands and stop drive the
-//! regions and the coordinator (see `world/clustered.rs`). Everything random comes from one
+//! held. The script starts, crashes, restarts, partitions, pauses nodes
+//! and asks them to leave; membership itself is the real
+//! `shardline_core::cluster::ClusterNode` in every plane, whose gossip goes
+//! over the same links, and whose events, singleton placement and stop
+//! drive the regions and the coordinator (see `world/clustered.rs`; there
+//! is no interpreter of coordinator effects in the world). Everything random comes from one
 //! `ChaCha8Rng` seeded from the run's seed and scenario, so a run replays
 //! exactly.
 //!
@@ -88,6 +92,26 @@ mod tests {
                     sc.name
                 );
             }
+        }
+    }
+
+    #[test]
+    fn the_replay_check_sees_two_inputs_swapped() {
+        // The same run with two entities' processing steps swapped once
+        // (one input order changed) must not pass for a replay.
+        let cfg = SimConfig::default();
+        for name in ["steady", "crash"] {
+            let sc = SCENARIOS.iter().find(|s| s.name == name).expect("known");
+            let a = run(sc, 7, &cfg, true);
+            let mut w = World::new(sc, 7, &cfg, true);
+            w.swap_processing_at(3_000);
+            w.run();
+            assert!(w.perturbed(), "{name}: not perturbed");
+            let b = w.outcome();
+            assert_ne!(
+                a.trace_digest, b.trace_digest,
+                "{name}: the digest missed a changed order"
+            );
         }
     }
 

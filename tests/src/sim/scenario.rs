@@ -14,7 +14,8 @@ use super::world::SimConfig;
 /// A scripted step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Action {
-    /// The node at this slot crashes (detected and removed after a delay).
+    /// The node at this slot crashes (the members' failure detectors find
+    /// out; the split-brain resolver downs it).
     Crash(usize),
     /// The node at this slot restarts at the same address with a new uid.
     Restart(usize),
@@ -38,10 +39,10 @@ pub(crate) enum Action {
     Heal,
     /// Check that the Up regions' shard counts differ by at most 1.
     CheckBalanced,
-    /// Clustered mode: the node at this slot gets no input (a frozen
+    /// The node at this slot gets no input (a frozen
     /// process).
     Pause(usize),
-    /// Clustered mode: it gets input again, its membership first.
+    /// It gets input again, its membership first.
     Resume(usize),
 }
 
@@ -64,28 +65,28 @@ pub(crate) struct Params {
     pub dup_shard_stopped: bool,
     /// Skewed ids: 80% of messages go to 10% of the entities.
     pub skewed: bool,
-    /// Crash detection delay (min, max).
-    pub detect: (Duration, Duration),
     /// Node 0 also runs a proxy region (routes, hosts nothing) with a sender.
     pub proxy: bool,
-    /// Membership by the real `ClusterNode` on every node (gossip, failure
-    /// detection, split-brain resolver, singleton placement) instead of the
-    /// script.
+    /// Always true: membership by the real `ClusterNode` in every node's
+    /// control plane (gossip, failure detection, split-brain resolver,
+    /// singleton placement). Read by the region-effect arms that have a
+    /// second way for a world without planes (there is none any more).
     pub clustered: bool,
     /// Nodes at the start when the scenario fixes it (else the config's).
     pub nodes: Option<usize>,
-    /// Clustered mode: exactly these slots run at the end.
+    /// Exactly these slots run at the end (`None`: the script decides at
+    /// run time, e.g. the coordinator's member crashes).
     pub expect_survivors: Option<Vec<usize>>,
-    /// Clustered mode: how long after a journal write it is durable and
+    /// How long after a journal write it is durable and
     /// the writer's plane is told (min, max; in order per node).
     pub journal_ack: (Duration, Duration),
-    /// Clustered mode: how long a coordinator recovery read takes (min, max).
+    /// How long a coordinator recovery read takes (min, max).
     pub recovery_delay: (Duration, Duration),
-    /// Clustered mode: the share of recovery reads answered as the
+    /// The share of recovery reads answered as the
     /// database does (claiming the next writer epoch at the read), the
     /// others as a file journal (the plane picks the epoch).
     pub p_database: f64,
-    /// Clustered mode: the timeout of a graceful leave (the hand-offs get
+    /// The timeout of a graceful leave (the hand-offs get
     /// half of it).
     pub leave_timeout: Duration,
 }
@@ -99,6 +100,9 @@ fn s(n: u64) -> Duration {
 }
 
 impl Params {
+    /// `cfg.nodes` nodes under load for 20 s, the run ends at 40 s; every
+    /// node survives. The scripted scenarios start here and go through
+    /// [`after_forming`].
     fn base(cfg: &SimConfig) -> Self {
         Self {
             coordinator: CoordinatorSettings {
@@ -124,11 +128,10 @@ impl Params {
             stop_time: (ms(1), ms(5)),
             dup_shard_stopped: false,
             skewed: false,
-            detect: (ms(500), ms(3000)),
             proxy: false,
-            clustered: false,
+            clustered: true,
             nodes: None,
-            expect_survivors: None,
+            expect_survivors: Some((0..cfg.nodes).collect()),
             journal_ack: (Duration::from_micros(100), ms(2)),
             recovery_delay: (ms(1), ms(10)),
             p_database: 0.0,
@@ -136,12 +139,11 @@ impl Params {
         }
     }
 
-    /// Clustered mode with `nodes` nodes: the cluster forms first (the first
+    /// `nodes` nodes (the `cluster-*` scenarios): the cluster forms first (the first
     /// seed's 5 s timeout and a few gossip rounds), so the load and the run
     /// are longer.
     fn clustered(cfg: &SimConfig, nodes: usize) -> Self {
         let mut p = Self::base(cfg);
-        p.clustered = true;
         p.nodes = Some(nodes);
         p.rate_per_s = 25.0 * nodes as f64;
         p.workload_until = s(45);
@@ -149,6 +151,22 @@ impl Params {
         p.expect_survivors = Some((0..nodes).collect());
         p
     }
+}
+
+/// A scripted scenario on a cluster that forms first: its script, the end
+/// of its load and of its run move [`FORMED_BY_MS`] later (the load starts
+/// at once, as in every run: regions buffer until the coordinator runs).
+fn after_forming(mut p: Params, script: Script) -> (Params, Script) {
+    let formed = ms(FORMED_BY_MS);
+    p.workload_until += formed;
+    p.run_until += formed;
+    let script = script.into_iter().map(|(t, a)| (t + formed, a)).collect();
+    (p, script)
+}
+
+/// Every slot but `gone` (of `nodes`).
+fn all_but(nodes: usize, gone: usize) -> Option<Vec<usize>> {
+    Some((0..nodes).filter(|&i| i != gone).collect())
 }
 
 /// A clustered graceful leave of `victim` whose hand-offs time out in
@@ -215,7 +233,7 @@ pub static SCENARIOS: &[Scenario] = &[
             let mut p = Params::base(cfg);
             p.skewed = rng.gen_bool(0.5);
             p.proxy = true;
-            (p, vec![])
+            after_forming(p, vec![])
         },
     },
     Scenario {
@@ -234,36 +252,43 @@ pub static SCENARIOS: &[Scenario] = &[
                 last = t1 + rand_time(rng, 0, 4000);
                 script.push((last, Action::Join));
             }
+            p.expect_survivors = Some((0..cfg.nodes + script.len()).collect());
             // 15 rounds of 2 s after the last join.
             script.push((last + s(30), Action::CheckBalanced));
-            (p, script)
+            after_forming(p, script)
         },
     },
     Scenario {
         name: "leave",
         about: "a node (possibly the coordinator's) leaves gracefully under load",
         build: |rng, cfg| {
-            let p = Params::base(cfg);
+            let mut p = Params::base(cfg);
             let t = rand_time(rng, 3000, 10_000);
             let a = if rng.gen_bool(0.3) {
+                p.expect_survivors = None;
                 Action::LeaveCoordinatorNode
             } else {
-                Action::Leave(rng.gen_range(0..cfg.nodes))
+                let v = rng.gen_range(0..cfg.nodes);
+                p.expect_survivors = all_but(cfg.nodes, v);
+                Action::Leave(v)
             };
-            (p, vec![(t, a)])
+            after_forming(p, vec![(t, a)])
         },
     },
     Scenario {
         name: "crash",
-        about: "a node crashes under load (detected after a delay) and later restarts",
+        about: "a node crashes under load (detected, downed and removed by the members) and later restarts",
         build: |rng, cfg| {
-            let p = Params::base(cfg);
+            let mut p = Params::base(cfg);
             let t = rand_time(rng, 3000, 10_000);
             let mut script = vec![(t, Action::CrashOther)];
             if rng.gen_bool(0.5) {
                 script.push((t + rand_time(rng, 4000, 8000), Action::RestartCrashed));
+            } else {
+                // Which node it is shows only at run time.
+                p.expect_survivors = None;
             }
-            (p, script)
+            after_forming(p, script)
         },
     },
     Scenario {
@@ -287,8 +312,10 @@ pub static SCENARIOS: &[Scenario] = &[
             let mut script = vec![(t, a)];
             if rng.gen_bool(0.5) {
                 script.push((t + rand_time(rng, 1000, 8000), Action::RestartCrashed));
+            } else {
+                p.expect_survivors = None;
             }
-            (p, script)
+            after_forming(p, script)
         },
     },
     Scenario {
@@ -301,8 +328,10 @@ pub static SCENARIOS: &[Scenario] = &[
             let mut script = vec![(t, Action::CrashCoordinatorNode)];
             if rng.gen_bool(0.5) {
                 script.push((t + rand_time(rng, 1000, 5000), Action::RestartCrashed));
+            } else {
+                p.expect_survivors = None;
             }
-            (p, script)
+            after_forming(p, script)
         },
     },
     Scenario {
@@ -317,18 +346,20 @@ pub static SCENARIOS: &[Scenario] = &[
             };
             p.skewed = rng.gen_bool(0.5);
             p.stop_time = (ms(1), ms(50));
-            (p, vec![(rand_time(rng, 3000, 8000), Action::Join)])
+            p.expect_survivors = Some((0..=cfg.nodes).collect());
+            after_forming(p, vec![(rand_time(rng, 3000, 8000), Action::Join)])
         },
     },
     Scenario {
         name: "buffer-overflow",
-        about: "the coordinator is unreachable while senders keep sending: BufferFull, then drain",
+        about: "the coordinator's node is cut off while senders keep sending: BufferFull, then drain (a cut longer than detection and stable_after downs it)",
         build: |rng, cfg| {
             let mut p = Params::base(cfg);
             p.region.buffer_size = rng.gen_range(5..=30);
+            p.expect_survivors = None;
             let t = rand_time(rng, 0, 1000);
             let heal = t + rand_time(rng, 5000, 12_000);
-            (
+            after_forming(
                 p,
                 vec![(t, Action::PartitionCoordinatorNode), (heal, Action::Heal)],
             )
@@ -343,7 +374,8 @@ pub static SCENARIOS: &[Scenario] = &[
             p.stop_time = (ms(1000), ms(4000));
             p.workload_until = s(30);
             p.run_until = s(50);
-            (p, vec![(rand_time(rng, 2000, 6000), Action::Join)])
+            p.expect_survivors = Some((0..=cfg.nodes).collect());
+            after_forming(p, vec![(rand_time(rng, 2000, 6000), Action::Join)])
         },
     },
     Scenario {
@@ -357,12 +389,14 @@ pub static SCENARIOS: &[Scenario] = &[
             let t1 = rand_time(rng, 2000, 5000);
             let t2 = t1 + rand_time(rng, 2000, 6000);
             let t3 = t2 + rand_time(rng, 2000, 6000);
-            (
+            let v = rng.gen_range(0..cfg.nodes);
+            p.expect_survivors = all_but(cfg.nodes + 2, v);
+            after_forming(
                 p,
                 vec![
                     (t1, Action::Join),
                     (t2, Action::Join),
-                    (t3, Action::Leave(rng.gen_range(0..cfg.nodes))),
+                    (t3, Action::Leave(v)),
                 ],
             )
         },
@@ -379,11 +413,12 @@ pub static SCENARIOS: &[Scenario] = &[
             };
             p.workload_until = s(30);
             p.run_until = s(50);
+            p.expect_survivors = Some((0..=cfg.nodes).collect());
             let t1 = rand_time(rng, 2000, 5000);
             let victim = rng.gen_range(1..cfg.nodes.max(2));
             let t2 = t1 + rand_time(rng, 1500, 3000);
             let t3 = t2 + rand_time(rng, 200, 4000);
-            (
+            after_forming(
                 p,
                 vec![
                     (t1, Action::Join),
@@ -399,14 +434,19 @@ pub static SCENARIOS: &[Scenario] = &[
         build: |_rng, cfg| {
             let mut p = Params::base(cfg);
             p.coordinator.min_nr_of_members = cfg.nodes;
-            (p, vec![])
+            after_forming(p, vec![])
         },
     },
     Scenario {
         name: "partition",
-        about: "nodes are partitioned from each other and heal, twice",
+        about: "nodes are partitioned from each other and heal, twice; a second cut while the members still gossip the first one's observations may make the split-brain resolver down the members it finds indirectly connected",
         build: |rng, cfg| {
-            let p = Params::base(cfg);
+            let mut p = Params::base(cfg);
+            // Each cut is shorter than detection plus stable_after, but the
+            // second one can keep the first one's unreachability record
+            // from being gossiped as healed: who survives is the
+            // resolver's decision.
+            p.expect_survivors = None;
             let mut script = Vec::new();
             let mut t = rand_time(rng, 1000, 4000);
             for _ in 0..2 {
@@ -416,7 +456,7 @@ pub static SCENARIOS: &[Scenario] = &[
                 script.push((t, Action::Heal));
                 t += rand_time(rng, 1000, 3000);
             }
-            (p, script)
+            after_forming(p, script)
         },
     },
     Scenario {

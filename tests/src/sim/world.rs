@@ -10,9 +10,8 @@ use rand_chacha::ChaCha8Rng;
 use shardline_core::det::{DetHashMap as HashMap, DetHashSet as HashSet};
 use shardline_core::ids::{Address, EntityId, MemberUid, RegionId, ShardId, UniqueAddress};
 use shardline_core::sharding::{
-    shard_id_of, CoordinatorEffect, CoordinatorEvent, CoordinatorMsg, Envelope, FailureReason,
-    Generation, LeastShardAllocationStrategy, LruPolicy, MemberStatus, MembershipEvent,
-    RegionEffect, RegionMsg, ShardCoordinator, ShardEvent, ShardRegion,
+    shard_id_of, CoordinatorEvent, CoordinatorMsg, Envelope, FailureReason, Generation, LruPolicy,
+    RegionEffect, RegionMsg, ShardEvent, ShardRegion,
 };
 
 use super::scenario::{Action, Params, Scenario};
@@ -81,15 +80,15 @@ pub struct RunStats {
     pub coordinator_starts: u64,
     /// Steps run (count).
     pub steps: u64,
-    /// Clustered mode: nodes stopped by their membership (downed) (count).
+    /// Nodes stopped by their membership (downed) (count).
     pub downed: u64,
-    /// Clustered mode: journal events lost because they were not durable
+    /// Journal events lost because they were not durable
     /// when their writer crashed (count).
     pub journal_lost: u64,
-    /// Clustered mode: coordinator incarnations begun from the copy
+    /// Coordinator incarnations begun from the copy
     /// replicated to their member, the journal holding nothing (count).
     pub replicated_starts: u64,
-    /// Clustered mode: graceful leaves given up at their deadline (the
+    /// Graceful leaves given up at their deadline (the
     /// process stopped while still a member) (count).
     pub leaves_given_up: u64,
 }
@@ -104,8 +103,11 @@ pub struct RunOutcome {
     /// The last events (when tracing was on).
     pub last_events: Vec<String>,
     /// An FNV-1a digest of the whole event trace and its length in lines
-    /// (when tracing was on; `(FNV offset, 0)` otherwise): two runs with the
-    /// same digest produced the same events in the same order.
+    /// (when tracing was on; `(FNV offset, 0)` otherwise): every logged
+    /// event, every membership frame that arrived (not logged: the digest
+    /// takes its bytes) and every message an entity processed, with their
+    /// virtual times. Two runs with the same digest produced the same
+    /// events in the same order.
     pub trace_digest: (u64, u64),
 }
 
@@ -165,24 +167,22 @@ struct Node {
     leaving: Option<Duration>,
     /// Left gracefully: what it sent before still arrives.
     left: bool,
-    join_seq: u64,
     sender_base: u32,
     regions: Vec<Region>,
     actors: Vec<HashMap<EntityId, Actor>>,
-    coordinator: Option<ShardCoordinator>,
-    /// Clustered mode: the node's control plane (membership, coordinator
-    /// hosting, the durability barrier, the leave).
+    /// The node's control plane (membership, coordinator hosting, the
+    /// durability barrier, the leave).
     plane: Option<Box<shardline::plane::ControlPlane>>,
-    /// Clustered mode: the plane's outputs are being carried out.
+    /// The plane's outputs are being carried out.
     driving: bool,
-    /// Clustered mode: journal writes not yet durable, as (operation, the
+    /// Journal writes not yet durable, as (operation, the
     /// journal's length after it).
     seq_len: Vec<(shardline::plane::JournalSeq, usize)>,
-    /// Clustered mode: when this node's last journal write becomes durable.
+    /// When this node's last journal write becomes durable.
     last_flush: Duration,
-    /// Clustered mode, while leaving: which cores handed off every shard.
+    /// While leaving: which cores handed off every shard.
     handed_off: Vec<bool>,
-    /// Clustered mode: frozen (no input at all) since this time.
+    /// Frozen (no input at all) since this time.
     paused: Option<Duration>,
     /// Inputs held while the node is frozen (paused or fenced), in order.
     deferred: Vec<Ev>,
@@ -202,10 +202,9 @@ impl Node {
 
 #[derive(Debug)]
 enum Body {
-    Coord(CoordinatorMsg),
     Ctl(RegionId, RegionMsg),
     User(RegionId, Env),
-    /// Clustered mode: a control frame of a node's plane.
+    /// A control frame of a node's plane.
     Frame(Box<shardline::plane::ControlFrame>),
 }
 
@@ -229,7 +228,6 @@ enum Ev {
         incarnation: u64,
     },
     Script(usize),
-    Detect(usize, UniqueAddress),
     WorkloadTick,
     Burst {
         slot: usize,
@@ -239,20 +237,21 @@ enum Ev {
         entity: u32,
         left: u32,
     },
+    /// A region's message reaches the coordinator (wherever it runs now)
+    /// once more.
     DupToCoordinator(CoordinatorMsg),
-    LeaveCheck(usize, MemberUid),
-    /// Clustered mode: the journal made a node's writes up to `seq` durable.
+    /// The journal made a node's writes up to `seq` durable.
     JournalDurable {
         slot: usize,
         uid: MemberUid,
         seq: shardline::plane::JournalSeq,
     },
-    /// Clustered mode: a node's coordinator recovery read ends.
+    /// A node's coordinator recovery read ends.
     Recovered {
         slot: usize,
         uid: MemberUid,
     },
-    /// Clustered mode: a graceful leave must be over by now.
+    /// A graceful leave must be over by now.
     LeaveDeadline(usize, MemberUid),
 }
 
@@ -292,12 +291,9 @@ pub struct World {
     script: Vec<(Duration, Action)>,
     nodes: Vec<Node>,
     slot_of: HashMap<Address, usize>,
-    members: BTreeMap<UniqueAddress, MemberStatus>,
-    coord_at: Option<(usize, MemberUid)>,
-    journal: Vec<CoordinatorEvent>,
-    /// Clustered mode: the coordinator journal the planes write.
+    /// The coordinator journal the planes write.
     journal_of_record: clustered::SimJournal,
-    /// Clustered mode: allocations the journal made durable.
+    /// Allocations the journal made durable.
     durable_allocs: HashSet<(ShardId, RegionId, Generation)>,
     latest_alloc: Vec<Option<(RegionId, Generation)>>,
     hosts_scratch: Vec<Option<(usize, usize)>>,
@@ -311,7 +307,6 @@ pub struct World {
     last_seq: HashMap<(u32, u32), u64>,
     live: HashMap<EntityId, (usize, usize, u64)>,
     next_incarnation: u64,
-    next_join_seq: u64,
     next_sender_base: u32,
     last_crashed: Option<usize>,
     workload_on: bool,
@@ -320,13 +315,13 @@ pub struct World {
     trace: Option<VecDeque<String>>,
     /// FNV-1a digest of every trace line (when tracing), and their count.
     trace_digest: (u64, u64),
+    /// A perturbation (tests of the replay check): at the first step at or
+    /// after this one whose next two queued events are entities'
+    /// processing steps, they run in the opposite order.
+    swap_at: Option<u64>,
 }
 
 const TRACE_LINES: usize = 60;
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 impl World {
     /// Builds the world of `scenario` for `seed`.
@@ -355,9 +350,6 @@ impl World {
             script,
             nodes: Vec::new(),
             slot_of: HashMap::default(),
-            members: BTreeMap::new(),
-            coord_at: None,
-            journal: Vec::new(),
             journal_of_record: Default::default(),
             durable_allocs: HashSet::default(),
             latest_alloc: vec![None; cfg.shards as usize],
@@ -372,7 +364,6 @@ impl World {
             last_seq: HashMap::default(),
             live: HashMap::default(),
             next_incarnation: 1,
-            next_join_seq: 0,
             next_sender_base: 0,
             last_crashed: None,
             workload_on: true,
@@ -380,6 +371,7 @@ impl World {
             stats: RunStats::default(),
             trace: trace.then(VecDeque::new),
             trace_digest: (0xcbf2_9ce4_8422_2325, 0),
+            swap_at: None,
         };
         for i in 0..w.script.len() {
             let at = w.script[i].0;
@@ -387,9 +379,6 @@ impl World {
         }
         for slot in 0..w.p.nodes.unwrap_or(cfg.nodes) {
             w.start_node(slot);
-        }
-        if !w.p.clustered {
-            w.move_coordinator();
         }
         w.schedule(Duration::ZERO, Ev::WorkloadTick);
         w
@@ -401,13 +390,30 @@ impl World {
                 t.pop_front();
             }
             let line = format!("{:>9.3}s {}", self.now.as_secs_f64(), f());
-            let (h, n) = &mut self.trace_digest;
-            for b in line.bytes().chain(std::iter::once(b'\n')) {
-                *h = (*h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-            }
-            *n += 1;
+            fnv_line(&mut self.trace_digest, line.as_bytes());
             t.push_back(line);
         }
+    }
+
+    /// Adds an event to the trace's digest only (when tracing): `what`
+    /// and `bytes` at the current virtual time.
+    fn digest(&mut self, what: impl FnOnce() -> String, bytes: &[u8]) {
+        if self.trace.is_some() {
+            let head = format!("{:>9.3}s {}", self.now.as_secs_f64(), what());
+            fnv_line(&mut self.trace_digest, &[head.as_bytes(), bytes].concat());
+        }
+    }
+
+    /// Perturbs the run (tests of the replay check): see `swap_at`.
+    #[cfg(test)]
+    pub(crate) fn swap_processing_at(&mut self, step: u64) {
+        self.swap_at = Some(step);
+    }
+
+    /// Whether the perturbation of [`Self::swap_processing_at`] happened.
+    #[cfg(test)]
+    pub(crate) fn perturbed(&self) -> bool {
+        self.swap_at.is_none()
     }
 
     fn violate(&mut self, invariant: &'static str, detail: String) {
@@ -442,8 +448,6 @@ impl World {
     fn start_node(&mut self, slot: usize) {
         let addr = Address(format!("10.0.0.{}:7101", slot + 1));
         let uid = MemberUid(self.rng.gen());
-        let join_seq = self.next_join_seq;
-        self.next_join_seq += 1;
         let sender_base = self.next_sender_base;
         self.next_sender_base += self.cfg.cores as u32 + 1;
         let node = Node {
@@ -452,11 +456,9 @@ impl World {
             alive: true,
             leaving: None,
             left: false,
-            join_seq,
             sender_base,
             regions: Vec::new(),
             actors: (0..=self.cfg.cores).map(|_| HashMap::default()).collect(),
-            coordinator: None,
             plane: None,
             driving: false,
             seq_len: Vec::new(),
@@ -474,10 +476,6 @@ impl World {
         self.slot_of.insert(addr, slot);
         let member = self.nodes[slot].member();
         self.log(|| format!("node {slot} up as {member}"));
-        if !self.p.clustered {
-            self.members.insert(member.clone(), MemberStatus::Up);
-            self.notify(MembershipEvent::MemberUp(member));
-        }
         for core in 0..self.cfg.cores {
             let id = self.region_id(slot, core);
             let r = Region::new(
@@ -497,79 +495,7 @@ impl World {
             self.nodes[slot].regions.push(r);
             self.drain_region(slot, core);
         }
-        if self.p.clustered {
-            self.start_cluster_node(slot);
-        }
-    }
-
-    fn notify(&mut self, ev: MembershipEvent) {
-        for slot in 0..self.nodes.len() {
-            if !self.nodes[slot].alive {
-                continue;
-            }
-            for core in 0..self.nodes[slot].regions.len() {
-                let now = self.now;
-                self.nodes[slot].regions[core].handle_membership(now, &ev);
-                self.drain_region(slot, core);
-            }
-            if let Some(c) = self.nodes[slot].coordinator.as_mut() {
-                c.handle_membership(self.now, ev.clone());
-                self.drain_coordinator(slot);
-            }
-        }
-    }
-
-    /// Places the coordinator on the oldest Up member that is alive, taking
-    /// the journal over when it moves.
-    fn move_coordinator(&mut self) {
-        if self.p.clustered {
-            // The cluster's singleton placement decides.
-            return;
-        }
-        let oldest = (0..self.nodes.len())
-            .filter(|s| self.nodes[*s].alive && self.nodes[*s].leaving.is_none())
-            .filter(|s| self.members.contains_key(&self.nodes[*s].member()))
-            .min_by_key(|s| self.nodes[*s].join_seq);
-        let Some(new) = oldest else {
-            self.coord_at = None;
-            return;
-        };
-        let new_at = (new, self.nodes[new].uid);
-        if self.coord_at == Some(new_at) && self.nodes[new].coordinator.is_some() {
-            return;
-        }
-        if let Some((old, uid)) = self.coord_at {
-            if self.nodes[old].uid == uid {
-                self.nodes[old].coordinator = None;
-            }
-        }
-        self.log(|| format!("coordinator starts on node {new}"));
-        self.stats.coordinator_starts += 1;
-        let mut c = ShardCoordinator::recover(
-            self.p.coordinator.clone(),
-            Box::new(LeastShardAllocationStrategy::default()),
-            self.journal.iter(),
-            self.now,
-        );
-        c.handle_membership(
-            self.now,
-            MembershipEvent::CurrentMembers(
-                self.members.iter().map(|(m, s)| (m.clone(), *s)).collect(),
-            ),
-        );
-        self.nodes[new].coordinator = Some(c);
-        self.coord_at = Some(new_at);
-        self.drain_coordinator(new);
-        for slot in 0..self.nodes.len() {
-            if !self.nodes[slot].alive {
-                continue;
-            }
-            for core in 0..self.nodes[slot].regions.len() {
-                let now = self.now;
-                self.nodes[slot].regions[core].handle_coordinator_moved(now);
-                self.drain_region(slot, core);
-            }
-        }
+        self.start_cluster_node(slot);
     }
 
     fn crash(&mut self, slot: usize) {
@@ -579,18 +505,12 @@ impl World {
         let member = self.nodes[slot].member();
         self.log(|| format!("node {slot} ({member}) crashes"));
         self.nodes[slot].alive = false;
-        self.nodes[slot].coordinator = None;
         self.nodes[slot].plane = None;
         self.last_crashed = Some(slot);
         let uid = self.nodes[slot].uid;
         self.journal_writer_crashed(slot, uid);
+        // The members' failure detectors find out.
         self.lose_everything_at(slot, "node crashed");
-        if self.p.clustered {
-            // The members' failure detectors find out.
-            return;
-        }
-        let d = self.rng.gen_range(self.p.detect.0..=self.p.detect.1);
-        self.schedule(self.now + d, Ev::Detect(slot, member));
     }
 
     /// Everything held by or in flight to or from `slot` is lost; the
@@ -633,76 +553,8 @@ impl World {
             .retain(|(a, b), _| (*a != slot || graceful) && *b != slot);
     }
 
-    fn remove_member(&mut self, member: UniqueAddress) {
-        if self.members.remove(&member).is_some() {
-            self.log(|| format!("{member} removed"));
-            self.notify(MembershipEvent::MemberRemoved(member));
-        }
-        let coord_ok = matches!(self.coord_at, Some((s, u)) if self.nodes[s].alive && self.nodes[s].uid == u && self.nodes[s].coordinator.is_some());
-        if !coord_ok {
-            self.move_coordinator();
-        }
-    }
-
-    fn leave(&mut self, slot: usize) {
-        let active = (0..self.nodes.len())
-            .filter(|s| self.nodes[*s].alive && self.nodes[*s].leaving.is_none())
-            .count();
-        if !self.nodes[slot].alive || self.nodes[slot].leaving.is_some() || active < 2 {
-            return;
-        }
-        let member = self.nodes[slot].member();
-        self.log(|| format!("node {slot} ({member}) leaves"));
-        self.nodes[slot].leaving = Some(self.now);
-        self.members.insert(member.clone(), MemberStatus::Leaving);
-        self.notify(MembershipEvent::MemberLeaving(member));
-        if matches!(self.coord_at, Some((s, _)) if s == slot) {
-            self.move_coordinator();
-        }
-        for core in 0..self.nodes[slot].regions.len() {
-            let now = self.now;
-            self.nodes[slot].regions[core].start_graceful_shutdown(now);
-            self.drain_region(slot, core);
-        }
-        let uid = self.nodes[slot].uid;
-        self.schedule(self.now + ms(100), Ev::LeaveCheck(slot, uid));
-    }
-
-    fn leave_check(&mut self, slot: usize, uid: MemberUid) {
-        let n = &self.nodes[slot];
-        if !n.alive || n.uid != uid {
-            return;
-        }
-        let started = n.leaving.expect("leaving");
-        let done = n.regions.iter().all(|r| r.is_shutdown_complete())
-            && n.actors.iter().all(|a| a.is_empty());
-        if done {
-            let member = n.member();
-            self.log(|| format!("node {slot} finished leaving"));
-            self.nodes[slot].alive = false;
-            self.nodes[slot].left = true;
-            self.lose_everything_at(slot, "node left");
-            self.remove_member(member);
-        } else if self.now > started + Duration::from_secs(30) {
-            let detail = format!(
-                "node {slot} still hosts {:?} and buffers {:?} after 30 s",
-                n.regions
-                    .iter()
-                    .map(|r| r.hosted_shards().count())
-                    .collect::<Vec<_>>(),
-                n.regions.iter().map(|r| r.buffered()).collect::<Vec<_>>()
-            );
-            self.violate("left", detail);
-        } else {
-            self.schedule(self.now + ms(100), Ev::LeaveCheck(slot, uid));
-        }
-    }
-
     fn coordinator_slot(&self) -> Option<usize> {
-        if self.p.clustered {
-            return (0..self.nodes.len()).find(|&s| self.runs_coordinator(s));
-        }
-        self.coord_at.map(|(s, _)| s)
+        (0..self.nodes.len()).find(|&s| self.runs_coordinator(s))
     }
 
     fn run_action(&mut self, a: Action) {
@@ -730,18 +582,12 @@ impl World {
                         self.crash(s);
                     }
                     self.start_node(s);
-                    if self.coord_at.is_none() {
-                        self.move_coordinator();
-                    }
                 }
             }
             Action::RestartCrashed => {
                 if let Some(s) = self.last_crashed {
                     if !self.nodes[s].alive {
                         self.start_node(s);
-                        if self.coord_at.is_none() {
-                            self.move_coordinator();
-                        }
                     }
                 }
             }
@@ -750,19 +596,13 @@ impl World {
                 self.start_node(s);
             }
             Action::Leave(s) => {
-                if s < self.nodes.len() && self.p.clustered {
+                if s < self.nodes.len() {
                     self.plane_leave(s);
-                } else if s < self.nodes.len() {
-                    self.leave(s);
                 }
             }
             Action::LeaveCoordinatorNode => {
                 if let Some(s) = self.coordinator_slot() {
-                    if self.p.clustered {
-                        self.plane_leave(s);
-                    } else {
-                        self.leave(s);
-                    }
+                    self.plane_leave(s);
                 }
             }
             Action::Partition(set) => {
@@ -802,9 +642,9 @@ impl World {
             return;
         }
         let to_gone = !self.nodes[to].alive || self.nodes[to].uid != to_uid;
-        if blocked && !(self.p.clustered && to_gone) {
-            // (In clustered mode a packet to a stopped node fails at once,
-            // as a connection to a dead address does.)
+        if blocked && !to_gone {
+            // (A packet to a stopped node fails at once, as a connection
+            // to a dead address does.)
             self.held.entry((from, to)).or_default().push_back(p);
         } else {
             self.transmit(p);
@@ -822,16 +662,6 @@ impl World {
         let at = (self.now + lat).max(last + Duration::from_nanos(1));
         self.link_last.insert(link, at);
         self.schedule(at, Ev::Arrive(p));
-    }
-
-    fn send_to_coordinator(&mut self, from: usize, msg: CoordinatorMsg) {
-        if self.p.dup_shard_stopped && matches!(msg, CoordinatorMsg::ShardStopped { .. }) {
-            let d = ms(self.rng.gen_range(3000..=20_000));
-            self.schedule(self.now + d, Ev::DupToCoordinator(msg.clone()));
-        }
-        if let Some((s, uid)) = self.coord_at {
-            self.send(from, s, uid, Body::Coord(msg));
-        }
     }
 
     fn arrive(&mut self, p: Packet) {
@@ -852,14 +682,6 @@ impl World {
         let slot = p.to;
         match p.body {
             Body::Frame(f) => self.frame_arrive(slot, *f),
-            Body::Coord(msg) => {
-                if self.coord_at == Some((slot, p.to_uid)) {
-                    if let Some(c) = self.nodes[slot].coordinator.as_mut() {
-                        c.handle_message(self.now, msg);
-                        self.drain_coordinator(slot);
-                    }
-                }
-            }
             Body::Ctl(rid, msg) => {
                 let core = rid.core as usize;
                 let now = self.now;
@@ -879,8 +701,8 @@ impl World {
 
     // ---- effects ----------------------------------------------------------
 
-    /// Counts a coordinator's allocation event and keeps the latest home
-    /// of its shard (both interpreters of coordinator effects call it).
+    /// Counts a coordinator's allocation event (appended to the journal)
+    /// and keeps the latest home of its shard.
     fn note_allocation(&mut self, event: &CoordinatorEvent) {
         match event {
             CoordinatorEvent::ShardHomeAllocated {
@@ -899,32 +721,9 @@ impl World {
         }
     }
 
-    fn drain_coordinator(&mut self, slot: usize) {
-        loop {
-            let Some(c) = self.nodes[slot].coordinator.as_mut() else {
-                return;
-            };
-            let Some(e) = c.poll_effect() else {
-                return;
-            };
-            self.log(|| format!("coordinator@{slot} -> {e:?}"));
-            match e {
-                CoordinatorEffect::Persist(ev) => {
-                    self.note_allocation(&ev);
-                    self.journal.push(ev);
-                }
-                CoordinatorEffect::Send { to, msg } => {
-                    if let Some(&ts) = self.slot_of.get(&to.member.address) {
-                        self.send(slot, ts, to.member.uid, Body::Ctl(to, msg));
-                    }
-                }
-            }
-        }
-    }
-
     fn drain_region(&mut self, slot: usize, core: usize) {
         self.drain_region_effects(slot, core);
-        if self.p.clustered && self.nodes[slot].leaving.is_some() {
+        if self.nodes[slot].leaving.is_some() {
             self.check_shutdown_complete(slot, core);
         }
     }
@@ -1023,7 +822,7 @@ impl World {
 
     fn create_actor(&mut self, slot: usize, core: usize, entity: &EntityId) {
         // A paused process runs nothing: its incarnation does not count
-        // (clustered mode checks that it stops before it acts again).
+        // (the world checks that it stops before it acts again).
         let frozen = |s: usize| self.nodes[s].alive && self.frozen(s);
         if let Some((s, c, inc)) = self.live.get(entity).filter(|l| !frozen(l.0)) {
             let detail = format!(
@@ -1130,6 +929,7 @@ impl World {
         self.check_may_act(slot, "processed an entity message");
         match item {
             Item::Msg(id) => {
+                self.digest(|| format!("{slot}/{core} {entity} processes {id}"), &[]);
                 self.process_msg(slot, core, &entity, id);
                 if self.nodes[slot].actors[core].contains_key(&entity) {
                     self.kick(slot, core, &entity);
@@ -1334,10 +1134,11 @@ impl World {
     }
 
     fn check_balanced(&mut self) {
-        let Some((cs, _)) = self.coord_at else {
-            return self.violate("balanced", "no coordinator".into());
-        };
-        let Some(c) = self.nodes[cs].coordinator.as_ref() else {
+        let c = self.coordinator_slot().and_then(|cs| {
+            let p = self.nodes[cs].plane.as_ref()?;
+            p.coordinator(clustered::TYPE)
+        });
+        let Some(c) = c else {
             return self.violate("balanced", "no coordinator".into());
         };
         let counts: Vec<usize> = c
@@ -1370,7 +1171,7 @@ impl World {
     /// alive.
     fn check_remembered_homed(&mut self) {
         if !self.p.region.remember_entities
-            || self.coord_at.is_none()
+            || self.coordinator_slot().is_none()
             || !self.nodes.iter().any(|n| n.alive)
         {
             return;
@@ -1436,9 +1237,6 @@ impl World {
             for r in &n.regions {
                 t = min_opt(t, r.poll_timeout());
             }
-            if let Some(c) = &n.coordinator {
-                t = min_opt(t, c.poll_timeout());
-            }
         }
         t
     }
@@ -1460,12 +1258,6 @@ impl World {
                 {
                     self.nodes[slot].regions[core].handle_timeout(now);
                     self.drain_region(slot, core);
-                }
-            }
-            if let Some(c) = self.nodes[slot].coordinator.as_mut() {
-                if c.poll_timeout().is_some_and(|t| t <= now) {
-                    c.handle_timeout(now);
-                    self.drain_coordinator(slot);
                 }
             }
         }
@@ -1499,12 +1291,19 @@ impl World {
                 self.fire_timers();
             } else {
                 let s = self.queue.pop().expect("peeked");
+                if self.swap_at.is_some_and(|n| self.stats.steps >= n)
+                    && matches!(s.ev, Ev::Process { .. })
+                    && matches!(self.queue.peek().map(|s| &s.ev), Some(Ev::Process { .. }))
+                {
+                    self.swap_at = None;
+                    let second = self.queue.pop().expect("peeked");
+                    self.now = self.now.max(second.at);
+                    self.step(second.ev);
+                }
                 self.step(s.ev);
             }
             self.check_homes();
-            if self.p.clustered {
-                self.check_one_coordinator();
-            }
+            self.check_one_coordinator();
         }
         if self.violation.is_none() {
             self.now = end;
@@ -1512,9 +1311,7 @@ impl World {
             if self.violation.is_none() {
                 self.check_remembered_homed();
             }
-            if self.p.clustered {
-                self.check_clustered_end();
-            }
+            self.check_clustered_end();
         }
     }
 
@@ -1525,8 +1322,14 @@ impl World {
         };
         match ev {
             Ev::Arrive(p) => {
-                if !matches!(&p.body, Body::Frame(f) if clustered::is_membership(f)) {
-                    self.log(|| format!("arrive {}->{}: {:?}", p.from, p.to, p.body));
+                match &p.body {
+                    Body::Frame(f) if clustered::is_membership(f) => {
+                        if let shardline::plane::ControlFrame::Cluster { bytes } = &**f {
+                            let (from, to) = (p.from, p.to);
+                            self.digest(|| format!("arrive {from}->{to}: membership "), bytes);
+                        }
+                    }
+                    _ => self.log(|| format!("arrive {}->{}: {:?}", p.from, p.to, p.body)),
                 }
                 self.arrive(p)
             }
@@ -1541,7 +1344,6 @@ impl World {
                 let a = self.script[i].1.clone();
                 self.run_action(a);
             }
-            Ev::Detect(_slot, member) => self.remove_member(member),
             Ev::WorkloadTick => self.workload_tick(),
             Ev::Burst {
                 slot,
@@ -1551,18 +1353,7 @@ impl World {
                 entity,
                 left,
             } => self.burst(slot, uid, core, sender, entity, left),
-            Ev::DupToCoordinator(msg) => {
-                if let Some((s, uid)) = self.coord_at {
-                    if self.nodes[s].alive && self.nodes[s].uid == uid {
-                        self.log(|| format!("late duplicate to coordinator: {msg:?}"));
-                        if let Some(c) = self.nodes[s].coordinator.as_mut() {
-                            c.handle_message(self.now, msg);
-                            self.drain_coordinator(s);
-                        }
-                    }
-                }
-            }
-            Ev::LeaveCheck(slot, uid) => self.leave_check(slot, uid),
+            Ev::DupToCoordinator(msg) => self.dup_to_coordinator(msg),
             Ev::JournalDurable { slot, uid, seq } => self.journal_durable(slot, uid, seq),
             Ev::Recovered { slot, uid } => self.recovered(slot, uid),
             Ev::LeaveDeadline(slot, uid) => self.leave_deadline(slot, uid),
@@ -1587,6 +1378,14 @@ impl World {
     pub fn scenario(&self) -> &'static str {
         self.scenario
     }
+}
+
+/// Adds one line (`bytes` and a newline) to an FNV-1a digest and counts it.
+fn fnv_line((h, n): &mut (u64, u64), bytes: &[u8]) {
+    for b in bytes.iter().copied().chain(std::iter::once(b'\n')) {
+        *h = (*h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+    }
+    *n += 1;
 }
 
 fn min_opt(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {

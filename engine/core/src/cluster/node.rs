@@ -1163,13 +1163,6 @@ impl ClusterNode {
                 })
                 .map(|m| m.unique_address.clone())
                 .collect();
-            // Any earlier incarnation at this address (already Down
-            // included) is gone for sure now.
-            let replaced = self
-                .gossip
-                .members
-                .keys()
-                .any(|u| u.address == from.address && u.uid != from.uid);
             for o in old {
                 if let Some(m) = self.gossip.members.get_mut(&o) {
                     m.status = MemberStatus::Down;
@@ -1184,12 +1177,13 @@ impl ClusterNode {
             // of the next tick: a joiner is made Up as soon as convergence
             // allows.
             self.next_gossip = self.next_gossip.min(now);
-            if replaced {
-                // The old incarnation is gone for sure (Akka downs it when
-                // the new one joins): every member learns it now, so that
-                // the leader removes it at the next convergence.
-                self.gossip_to_all();
-            }
+            // Every member learns of the joiner now, not at the next round
+            // (to one random member): a contact that crashed before that
+            // round would leave the joiner Joining for good, as the others
+            // ignore gossip from a member they do not know. A replaced
+            // incarnation is gone for sure (Akka downs it when the new one
+            // joins), so the leader removes it at the next convergence.
+            self.gossip_to_all();
         }
         let msg = ClusterMessage::Welcome {
             from: self.self_ua.clone(),

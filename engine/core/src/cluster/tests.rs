@@ -366,6 +366,44 @@ fn gossip_that_has_not_seen_the_receiver_is_answered() {
 }
 
 #[test]
+fn a_join_is_gossiped_to_every_member_at_once() {
+    // If the member that took the join crashed before its next gossip
+    // round, the others would never learn of the joiner (they ignore gossip
+    // from a member they do not know) and it would stay Joining for good.
+    let mut net = Net::new(3, Duration::from_secs(5));
+    net.step_until(Duration::from_secs(20));
+    assert!(all_up(&net, &[0, 1, 2]));
+    let joiner = UniqueAddress {
+        address: addr(3),
+        uid: MemberUid(77),
+    };
+    let now = net.now;
+    let n1 = net.nodes[1].as_mut().unwrap();
+    while n1.poll_transmit().is_some() {}
+    n1.handle_message(
+        now,
+        ClusterMessage::Join {
+            from: joiner.clone(),
+            roles: BTreeSet::new(),
+        },
+    );
+    let mut told = BTreeSet::new();
+    while let Some(t) = n1.poll_transmit() {
+        if let ClusterMessage::Gossip { gossip, .. } = &t.message {
+            assert!(
+                gossip.members.contains_key(&joiner),
+                "the gossip names the joiner"
+            );
+            told.insert(t.to.clone());
+        }
+    }
+    assert!(
+        told.contains(&addr(0)) && told.contains(&addr(2)),
+        "every other member is told at once: {told:?}"
+    );
+}
+
+#[test]
 fn restarted_node_is_a_new_incarnation_and_the_old_one_is_removed() {
     let mut net = Net::new(3, Duration::from_secs(5));
     net.step_until(Duration::from_secs(20));

@@ -1351,7 +1351,7 @@ impl ControlPlane {
             rebalance_interval: cc.rebalance_interval(),
             handoff_timeout: cc.handoff_timeout(),
             reregister_timeout: cc.reregister_timeout(),
-            ..CoordinatorSettings::default()
+            min_nr_of_members: cc.min_nr_of_members,
         };
         let strategy = LeastShardAllocationStrategy {
             rebalance_absolute_limit: cc.rebalance_absolute_limit,

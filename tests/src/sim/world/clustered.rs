@@ -1,4 +1,4 @@
-//! Clustered mode of the sharding world: every node runs the node's real
+//! The control planes of the sharding world: every node runs the node's real
 //! control plane (`shardline::plane::ControlPlane`), which owns the
 //! `ClusterNode` (gossip, phi-accrual failure detector, split-brain
 //! resolver, coordinator singleton placement), hosts the coordinator,
@@ -105,6 +105,7 @@ impl World {
                 rebalance_interval_ms: c.rebalance_interval.as_millis() as u64,
                 handoff_timeout_ms: c.handoff_timeout.as_millis() as u64,
                 reregister_timeout_ms: c.reregister_timeout.as_millis() as u64,
+                min_nr_of_members: c.min_nr_of_members,
                 ..Default::default()
             },
             on_join_refused: Default::default(),
@@ -124,9 +125,6 @@ impl World {
 
     /// Holds an input of a frozen node; returns the event when it may run.
     pub(super) fn defer_if_frozen(&mut self, ev: Ev) -> Option<Ev> {
-        if !self.p.clustered {
-            return Some(ev);
-        }
         let slot = match &ev {
             Ev::Arrive(p) => {
                 let membership = matches!(&p.body, Body::Frame(f) if is_membership(f));
@@ -244,13 +242,42 @@ impl World {
         }
     }
 
+    /// A region of `slot` sends its coordinator `msg` (the region-effect
+    /// arm for a world without planes; every world runs them now).
+    pub(super) fn send_to_coordinator(&mut self, slot: usize, msg: CoordinatorMsg) {
+        self.plane_to_coordinator(slot, msg);
+    }
+
     /// A region of `slot` sends its coordinator `msg` (through its plane).
+    /// With `dup_shard_stopped`, a `ShardStopped` reaches the coordinator
+    /// once more, 3-20 s later.
     pub(super) fn plane_to_coordinator(&mut self, slot: usize, msg: CoordinatorMsg) {
+        if self.p.dup_shard_stopped && matches!(msg, CoordinatorMsg::ShardStopped { .. }) {
+            let d = Duration::from_millis(self.rng.gen_range(3000..=20_000));
+            self.schedule(self.now + d, Ev::DupToCoordinator(msg.clone()));
+        }
         let now = self.now;
         if let Some(p) = self.nodes[slot].plane.as_mut() {
             p.handle_to_coordinator(now, TYPE, msg);
             self.drive_plane(slot);
         }
+    }
+
+    /// A late duplicate of a region's message reaches the plane that runs
+    /// the coordinator now, as a frame from another member does.
+    pub(super) fn dup_to_coordinator(&mut self, msg: CoordinatorMsg) {
+        let Some(s) = (0..self.nodes.len()).find(|&s| self.runs_coordinator(s)) else {
+            return;
+        };
+        if self.frozen(s) {
+            return;
+        }
+        self.log(|| format!("late duplicate to the coordinator on node {s}: {msg:?}"));
+        let f = ControlFrame::ToCoordinator {
+            type_name: TYPE.to_string(),
+            msg: (&msg).into(),
+        };
+        self.frame_arrive(s, f);
     }
 
     /// A region of `slot` sends region `to` `msg` (through its plane).
@@ -727,9 +754,6 @@ impl World {
     /// A node that acts after a pause longer than 2 x stable_after, or while
     /// another live member has removed it, breaks the membership contract.
     pub(super) fn check_may_act(&mut self, slot: usize, what: &str) {
-        if !self.p.clustered {
-            return;
-        }
         if self.nodes[slot].long_resumed {
             return self.violate(
                 "paused stops first",
