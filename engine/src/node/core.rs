@@ -1,11 +1,16 @@
-//! A data executor: one `ShardRegion` per entity type, the entities, the
-//! data lanes to other nodes, and the fronts (`crate::gateway`) it starts and
-//! serves through [`DataPort`] (implemented here for [`CoreRef`]), answering
-//! them through their reply sink ([`Fronts::reply`]).
+//! A data executor: the driver of one core's data plane
+//! ([`DataPlane`], `node/plane/data.rs`, which owns the regions and makes
+//! the routing decisions), the entities it hosts, the data lanes to other
+//! nodes, and the fronts (`crate::gateway`) it starts and serves through
+//! [`DataPort`] (implemented here for [`DataExecutorRef`]), answering them
+//! through their reply sink ([`Fronts::reply`]).
 //!
-//! Everything here runs on one thread; the state is one `Rc<RefCell<Core>>`
-//! borrowed for the length of one input (a frame, a ring message, a tick),
-//! never across an await. Entities run to completion inside that borrow.
+//! Everything here runs on one thread; the state is one
+//! `Rc<RefCell<DataExecutor>>` borrowed for the length of one input (a
+//! frame, a ring message, a tick), never across an await. Each input is
+//! fed to the plane, then the plane's outputs are carried out
+//! ([`DataExecutor::run_effects`]); entities run to completion inside that
+//! borrow.
 
 use std::cell::RefCell;
 use std::collections::{BinaryHeap, HashMap};
@@ -34,7 +39,7 @@ use crate::transport::{self, FrameReader, Outbox, OUTBOX_HIGH_WATER_BYTES};
 mod workers;
 
 /// Everything a data executor starts with.
-pub(crate) struct CoreInit {
+pub(crate) struct DataExecutorInit {
     pub index: u16,
     pub config: NodeConfig,
     pub uid: MemberUid,
@@ -146,16 +151,7 @@ struct RememberPending {
 const REMEMBER_RETRY_MIN: Duration = Duration::from_millis(100);
 const REMEMBER_RETRY_MAX: Duration = Duration::from_secs(2);
 
-#[derive(PartialEq, Eq, PartialOrd, Ord)]
-struct TimerEntry {
-    due: std::cmp::Reverse<Duration>,
-    type_name: String,
-    entity: String,
-    key: u64,
-    incarnation: u64,
-}
-
-pub(crate) struct Core {
+pub(crate) struct DataExecutor {
     index: u16,
     me: UniqueAddress,
     epoch: Instant,
@@ -167,7 +163,7 @@ pub(crate) struct Core {
     /// The fronts of this executor: the reply sink of client requests.
     fronts: Fronts,
     /// This executor's own handle, for the tasks it spawns (data lanes).
-    self_ref: std::rc::Weak<RefCell<Core>>,
+    self_ref: std::rc::Weak<RefCell<DataExecutor>>,
     next_conn: u64,
     /// The routing decisions: regions, forwarding bookkeeping, lanes.
     plane: DataPlane,
@@ -184,7 +180,6 @@ pub(crate) struct Core {
     entity_ask_expiry: BinaryHeap<std::cmp::Reverse<(Duration, u64)>>,
     to_control: RingSender<ToControl>,
     to_cores: Vec<RingSender<ToCore>>,
-    timers: BinaryHeap<TimerEntry>,
     next_incarnation: u64,
     available: bool,
     shutdown: bool,
@@ -198,7 +193,7 @@ pub(crate) struct Core {
     durable: crate::persistence::Hooks,
     /// Lifecycle watches of this core's entities (`node::watch`).
     watches: WatchBook,
-    /// Set while [`Core::flush_system`] routes (no re-entry).
+    /// Set while [`DataExecutor::flush_system`] routes (no re-entry).
     flushing_system: bool,
     /// Why this core's journal could not be opened (durable entities then
     /// fail and `/health/ready` answers 503).
@@ -216,7 +211,7 @@ pub(crate) struct Core {
     fp: crate::transport::Fingerprint,
 }
 
-pub(crate) type CoreRef = Rc<RefCell<Core>>;
+pub(crate) type DataExecutorRef = Rc<RefCell<DataExecutor>>;
 
 /// An ask of an entity of this core waiting for its answer.
 struct EntityAskWait {
@@ -230,7 +225,7 @@ struct EntityAskWait {
 }
 
 /// Runs a data executor until [`ToCore::Shutdown`].
-pub(crate) async fn run(init: CoreInit) {
+pub(crate) async fn run(init: DataExecutorInit) {
     let me = UniqueAddress {
         address: Address(init.config.cluster_address.to_string()),
         uid: init.uid,
@@ -253,7 +248,7 @@ pub(crate) async fn run(init: CoreInit) {
         init.index,
     ));
     let core = Rc::new_cyclic(|self_ref| {
-        RefCell::new(Core {
+        RefCell::new(DataExecutor {
             plane,
             self_ref: self_ref.clone(),
             fronts: fronts.clone(),
@@ -274,7 +269,6 @@ pub(crate) async fn run(init: CoreInit) {
             entity_ask_expiry: BinaryHeap::new(),
             to_control: init.to_control,
             to_cores: init.to_cores,
-            timers: BinaryHeap::new(),
             next_incarnation: 1,
             available: false,
             shutdown: false,
@@ -390,7 +384,7 @@ pub(crate) async fn run(init: CoreInit) {
                 c.stop_node();
                 c.exit_requested = true;
             } else {
-                Core::on_inbox(&core, m);
+                DataExecutor::on_inbox(&core, m);
             }
         }
     }
@@ -416,7 +410,7 @@ pub(crate) async fn run(init: CoreInit) {
     }
 }
 
-impl Core {
+impl DataExecutor {
     pub(crate) fn now(&self) -> Duration {
         self.epoch.elapsed()
     }
@@ -715,6 +709,15 @@ impl Core {
                         self.plane.region(ty),
                         &event,
                     );
+                }
+                DataOutput::TimerFired {
+                    ty,
+                    entity,
+                    key,
+                    incarnation,
+                } => {
+                    let t = self.types.name(ty);
+                    self.fire_timer(&t, &entity, key, incarnation);
                 }
                 DataOutput::RecoverRememberedEntities { ty, shard } => {
                     let t = self.types.name(ty);
@@ -1262,6 +1265,7 @@ impl Core {
         true
     }
 
+    /// Hands what a handler asked of its timers to the plane.
     fn apply_timers(
         &mut self,
         t: &str,
@@ -1269,21 +1273,45 @@ impl Core {
         inc: u64,
         timers: Vec<(u64, Option<Duration>)>,
     ) {
-        let now = self.now();
-        for (key, delay) in timers {
-            // Cancellation: entries are matched on fire; a cancelled key is
-            // re-armed with `None` by dropping older entries for it.
-            self.timers
-                .retain(|e| !(e.entity == id.as_str() && e.type_name == t && e.key == key));
-            if let Some(d) = delay {
-                self.timers.push(TimerEntry {
-                    due: std::cmp::Reverse(now + d),
-                    type_name: t.to_string(),
-                    entity: id.as_str().to_string(),
-                    key,
-                    incarnation: inc,
-                });
-            }
+        if timers.is_empty() {
+            return;
+        }
+        if let Some(ty) = self.plane.type_index(t) {
+            let now = self.now();
+            self.plane.handle_entity_timers(now, ty, id, inc, timers);
+        }
+    }
+
+    /// Runs an entity's timer `key` if incarnation `inc` still lives.
+    fn fire_timer(&mut self, t: &str, id: &EntityId, key: u64, inc: u64) {
+        let Some(h) = self.types.get_mut(t) else {
+            return;
+        };
+        let Some(live) = h.entities.get_mut(id) else {
+            return;
+        };
+        if live.incarnation != inc {
+            return;
+        }
+        let shard = live.shard;
+        let mut ctx = EntityContext::new(id).with_type(t, live.epoch);
+        live.entity.on_timer(&mut ctx, key);
+        let out = ctx.take_outgoing();
+        let timers = ctx.take_timers();
+        let passivate = ctx.wants_passivation();
+        let wants_durable = ctx.wants_durable();
+        let watches = ctx.take_watches();
+        let failed = ctx.wants_failed_stop();
+        drop(ctx);
+        self.apply_watches(t, id, watches, failed);
+        self.apply_timers(t, id, inc, timers);
+        self.send_outgoing(out, &mut None, None);
+        if wants_durable {
+            self.durable.wait(t, id, inc);
+        }
+        self.drain_completions();
+        if passivate {
+            self.passivate(t, shard, id);
         }
     }
 
@@ -1367,47 +1395,11 @@ impl Core {
         if self.drain_until.is_some_and(|d| now >= d) {
             self.finish_drain();
         }
-        // The regions' timers and the deadlines of forwarded messages.
+        // The regions' and the entities' timers, the deadlines of
+        // forwarded messages.
         if self.plane.poll_timeout().is_some_and(|d| d <= now) {
             self.plane.handle_timeout(now);
             self.run_effects();
-        }
-        // Entity timers.
-        while self.timers.peek().is_some_and(|e| e.due.0 <= now) {
-            let Some(e) = self.timers.pop() else { break };
-            let Some(h) = self.types.get_mut(&e.type_name) else {
-                continue;
-            };
-            let Ok(id) = EntityId::new(e.entity.clone()) else {
-                continue;
-            };
-            let Some(live) = h.entities.get_mut(&id) else {
-                continue;
-            };
-            if live.incarnation != e.incarnation {
-                continue;
-            }
-            let shard = live.shard;
-            let mut ctx = EntityContext::new(&id).with_type(&e.type_name, live.epoch);
-            live.entity.on_timer(&mut ctx, e.key);
-            let out = ctx.take_outgoing();
-            let timers = ctx.take_timers();
-            let passivate = ctx.wants_passivation();
-            let wants_durable = ctx.wants_durable();
-            let watches = ctx.take_watches();
-            let failed = ctx.wants_failed_stop();
-            drop(ctx);
-            self.apply_watches(&e.type_name, &id, watches, failed);
-            self.apply_timers(&e.type_name, &id, e.incarnation, timers);
-            self.send_outgoing(out, &mut None, None);
-            if wants_durable {
-                self.durable.wait(&e.type_name, &id, e.incarnation);
-            }
-            self.drain_completions();
-            if passivate {
-                self.passivate(&e.type_name, shard, &id);
-                self.run_effects();
-            }
         }
         self.workers_tick(now);
         // Embedding-API asks past their wait: answered `None` (timed out).
@@ -1443,7 +1435,7 @@ impl Core {
 
     // ----- ring messages -----
 
-    fn on_inbox(core: &CoreRef, m: ToCore) {
+    fn on_inbox(core: &DataExecutorRef, m: ToCore) {
         let mut c = core.borrow_mut();
         let now = c.now();
         match m {
@@ -1756,7 +1748,7 @@ impl Core {
 
 /// An outbound data lane to a remote region: connect, handshake, then write
 /// batched `Forward`s and read `Reply`s until it fails.
-async fn run_link(core: CoreRef, to: RegionId, outbox: Rc<Outbox>) {
+async fn run_link(core: DataExecutorRef, to: RegionId, outbox: Rc<Outbox>) {
     let (hello, addr) = {
         let c = core.borrow();
         let hello = c.fp.hello(
@@ -1808,7 +1800,11 @@ async fn run_link(core: CoreRef, to: RegionId, outbox: Rc<Outbox>) {
 }
 
 /// An inbound data lane: read `Forward`s, route them, write `Reply`s.
-async fn serve_data_lane(core: CoreRef, stream: monoio::net::TcpStream, peer: UniqueAddress) {
+async fn serve_data_lane(
+    core: DataExecutorRef,
+    stream: monoio::net::TcpStream,
+    peer: UniqueAddress,
+) {
     let outbox = Rc::new(Outbox::default());
     let conn = core.borrow_mut().add_conn(outbox.clone());
     let (mut r, mut w) = stream.into_split();
@@ -1849,7 +1845,7 @@ async fn serve_data_lane(core: CoreRef, stream: monoio::net::TcpStream, peer: Un
 }
 
 /// The data plane's side of the port to the fronts of this executor.
-impl DataPort for CoreRef {
+impl DataPort for DataExecutorRef {
     fn open_conn(&self, signal: Rc<Outbox>) -> ConnId {
         self.borrow_mut().add_conn(signal)
     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use shardline_core::ids::EntityId;
 use shardline_core::sharding::{shard_id_of, Envelope};
 
-use super::{Core, FastMap, ReplyTo, ToCore, UserEnvelope};
+use super::{DataExecutor, FastMap, ReplyTo, ToCore, UserEnvelope};
 use crate::entity::worker::{core_share, Admit, WorkerPool, WorkerSettings};
 use crate::entity::{Entity, EntityContext, EntityFactory, Outgoing};
 use crate::envelope::Status;
@@ -83,7 +83,7 @@ fn apply_timers(a: &mut Activation, now: Duration, timers: Vec<(u64, Option<Dura
     }
 }
 
-impl Core {
+impl DataExecutor {
     /// Runs a request for worker type `t` here: on an idle or new
     /// activation, or queued; a full queue answers `BufferFull`. Once the
     /// node leaves, requests are answered `ShuttingDown` (retry on another
@@ -336,7 +336,7 @@ impl Core {
             let mut deadline = None;
             let to = if let Some(a) = &o.ask {
                 // An ask between entities: its answer comes back to the
-                // asking incarnation (`Core::answer_entity_ask`).
+                // asking incarnation (`DataExecutor::answer_entity_ask`).
                 let inc = self
                     .types
                     .get(&a.from_type)

@@ -38,7 +38,8 @@
 //! [`DataPlane::handle_transmit_refused`] or
 //! [`DataPlane::handle_core_refused`]: the sender is answered.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use shardline_core::ids::{EntityId, RegionId, ShardId, UniqueAddress};
@@ -205,6 +206,18 @@ pub(crate) enum DataOutput {
         /// Why it stops.
         reason: StopReason,
     },
+    /// An entity's timer is due: run its handler if incarnation
+    /// `incarnation` of the entity still lives (else drop it).
+    TimerFired {
+        /// The entity type.
+        ty: TypeIdx,
+        /// The entity.
+        entity: EntityId,
+        /// The timer's key (chosen by the entity).
+        key: u64,
+        /// The incarnation that armed it.
+        incarnation: u64,
+    },
     /// Record a remembered-entities event of a shard in the journal.
     Persist {
         /// The entity type.
@@ -238,6 +251,16 @@ struct DeferredReply {
     /// The entity incarnation that deferred it.
     incarnation: u64,
     to: ReplyTo,
+}
+
+/// An armed entity timer (ordered by due time first).
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+struct EntityTimer {
+    due: Reverse<Duration>,
+    ty: TypeIdx,
+    entity: EntityId,
+    key: u64,
+    incarnation: u64,
 }
 
 /// One entity type's region on this core.
@@ -292,6 +315,10 @@ pub(crate) struct DataPlane {
     deferred: FastMap<u64, DeferredReply>,
     /// Replies the barrier released, for [`DataPlane::poll_reply`].
     released: VecDeque<ReleasedReply>,
+    /// The entities' armed timers.
+    timers: BinaryHeap<EntityTimer>,
+    /// Timers that came due, given out once the regions' effects ran out.
+    fired: VecDeque<EntityTimer>,
 }
 
 impl DataPlane {
@@ -315,6 +342,8 @@ impl DataPlane {
             check_due: false,
             deferred: FastMap::default(),
             released: VecDeque::new(),
+            timers: BinaryHeap::new(),
+            fired: VecDeque::new(),
         }
     }
 
@@ -831,6 +860,36 @@ impl DataPlane {
         self.check_due = true;
     }
 
+    // ----- entity timers -----
+
+    /// What an entity's handler asked of its timers: `(key, Some(delay))`
+    /// arms (or re-arms) timer `key` to fire `delay` after `now`,
+    /// `(key, None)` cancels it. A timer fires as
+    /// [`DataOutput::TimerFired`] with the incarnation that armed it.
+    pub(crate) fn handle_entity_timers(
+        &mut self,
+        now: Duration,
+        ty: TypeIdx,
+        entity: &EntityId,
+        incarnation: u64,
+        timers: Vec<(u64, Option<Duration>)>,
+    ) {
+        for (key, delay) in timers {
+            // A key armed again replaces the older entry.
+            self.timers
+                .retain(|e| !(e.key == key && e.ty == ty && e.entity == *entity));
+            if let Some(d) = delay {
+                self.timers.push(EntityTimer {
+                    due: Reverse(now + d),
+                    ty,
+                    entity: entity.clone(),
+                    key,
+                    incarnation,
+                });
+            }
+        }
+    }
+
     // ----- the durability barrier for replies -----
 
     /// An entity (incarnation `incarnation`) handled a message whose reply
@@ -897,15 +956,17 @@ impl DataPlane {
     }
 
     /// When [`DataPlane::handle_timeout`] is due next (core clock): the
-    /// regions' timers (passivation, retries, hand-off) and the deadlines
-    /// of messages forwarded to other nodes.
+    /// regions' timers (passivation, retries, hand-off), the entities'
+    /// timers and the deadlines of messages forwarded to other nodes.
     pub(crate) fn poll_timeout(&self) -> Option<Duration> {
         let regions = self.types.iter().filter_map(|h| h.region.poll_timeout());
         let forwards = self.forwards.values().map(|p| p.deadline);
-        regions.chain(forwards).min()
+        let timers = self.timers.peek().map(|e| e.due.0);
+        regions.chain(forwards).chain(timers).min()
     }
 
-    /// Time passed: regions whose timer is due handle it, and messages
+    /// Time passed: regions whose timer is due handle it, entity timers
+    /// that are due fire (after the regions' effects), and messages
     /// forwarded to other nodes past their deadline are answered
     /// `TimedOut`.
     pub(crate) fn handle_timeout(&mut self, now: Duration) {
@@ -913,6 +974,11 @@ impl DataPlane {
             if h.region.poll_timeout().is_some_and(|d| d <= now) {
                 h.region.handle_timeout(now);
                 self.check_due = true;
+            }
+        }
+        while self.timers.peek().is_some_and(|e| e.due.0 <= now) {
+            if let Some(e) = self.timers.pop() {
+                self.fired.push_back(e);
             }
         }
         if !self.forwards.is_empty() {
@@ -962,7 +1028,12 @@ impl DataPlane {
                         self.check_registered();
                         continue;
                     }
-                    return None;
+                    return self.fired.pop_front().map(|e| DataOutput::TimerFired {
+                        ty: e.ty,
+                        entity: e.entity,
+                        key: e.key,
+                        incarnation: e.incarnation,
+                    });
                 }
             }
         }
@@ -1241,15 +1312,19 @@ mod tests {
         assert!(p
             .handle_register_type(Duration::ZERO, T, RegionSettings::default(), true, false)
             .is_none());
-        p.handle_region_msg(Duration::ZERO, T, RegionMsg::RegisterAck);
+        let registered = |out: &[DataOutput], all: bool| {
+            out.iter().any(|o| {
+                matches!(o, DataOutput::ToControl(ToControl::Registered { core: 0, all: a }) if *a == all)
+            })
+        };
         let out = drain(&mut p, Duration::ZERO);
         assert!(
-            out.iter().any(|o| matches!(
-                o,
-                DataOutput::ToControl(ToControl::Registered { core: 0, all: true })
-            )),
-            "the registration is reported"
+            registered(&out, false),
+            "a new type is reported unregistered"
         );
+        p.handle_region_msg(Duration::ZERO, T, RegionMsg::RegisterAck);
+        let out = drain(&mut p, Duration::ZERO);
+        assert!(registered(&out, true), "the registration is reported");
         (p, ty)
     }
 
@@ -1505,6 +1580,42 @@ mod tests {
         p.handle_entity_stopped(now, ty, shard, &id("a"));
         let out = drain(&mut p, now);
         assert!(stopped(&out), "ShardStopped once they did");
+    }
+
+    #[test]
+    fn entity_timers_fire_once_when_due_and_can_be_cancelled() {
+        let (mut p, ty) = plane(None);
+        let a = id("a");
+        p.handle_entity_timers(
+            secs(1),
+            ty,
+            &a,
+            3,
+            vec![(1, Some(secs(2))), (2, Some(secs(1)))],
+        );
+        assert_eq!(p.poll_timeout(), Some(secs(2)));
+        // Re-armed later, then the other one cancelled.
+        p.handle_entity_timers(secs(1), ty, &a, 3, vec![(2, Some(secs(5)))]);
+        p.handle_entity_timers(secs(1), ty, &a, 3, vec![(1, None)]);
+        assert_eq!(p.poll_timeout(), Some(secs(6)));
+        p.handle_timeout(secs(5));
+        assert!(drain(&mut p, secs(5)).is_empty(), "not due yet");
+        p.handle_timeout(secs(6));
+        let out = drain(&mut p, secs(6));
+        let fired: Vec<(u64, u64)> = out
+            .iter()
+            .filter_map(|o| match o {
+                DataOutput::TimerFired {
+                    entity,
+                    key,
+                    incarnation,
+                    ..
+                } if *entity == a => Some((*key, *incarnation)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(fired, vec![(2, 3)]);
+        assert_eq!(p.poll_timeout(), None, "fired once");
     }
 
     #[test]
