@@ -517,7 +517,7 @@ impl DataExecutor {
         let now = self.now();
         self.plane
             .handle_client_request(now, conn, request_id, type_name, entity_id, payload);
-        self.run_effects_at(now);
+        self.run_effects();
     }
 
     /// Hands a user message to this core's region of `t` and runs the effects
@@ -525,7 +525,7 @@ impl DataExecutor {
     fn route(&mut self, t: &str, env: UserEnvelope) {
         let now = self.now();
         self.plane.handle_message(now, t, env);
-        self.run_effects_at(now);
+        self.run_effects();
     }
 
     // ----- data lanes -----
@@ -534,7 +534,7 @@ impl DataExecutor {
     pub(crate) fn on_data_frame(&mut self, conn: u64, body: &[u8]) -> Result<(), FrameError> {
         let now = self.now();
         let r = self.plane.handle_data_frame(now, conn, body);
-        self.run_effects_at(now);
+        self.run_effects();
         r
     }
 
@@ -598,25 +598,11 @@ impl DataExecutor {
     /// deliveries may feed it more), then routes the watch book's system
     /// messages.
     fn run_effects(&mut self) {
-        let now = self.now();
-        self.run_effects_at(now);
-    }
-
-    /// [`DataExecutor::run_effects`] with the time of the input (`now`),
-    /// read again only after an output that ran entity code.
-    fn run_effects_at(&mut self, mut now: Duration) {
         loop {
+            let now = self.now();
             let Some(o) = self.plane.poll_output(now) else {
                 break;
             };
-            let runs_entity = matches!(
-                o,
-                DataOutput::Deliver { .. }
-                    | DataOutput::ToWorker { .. }
-                    | DataOutput::StartEntity { .. }
-                    | DataOutput::StopEntity { .. }
-                    | DataOutput::TimerFired { .. }
-            );
             match o {
                 DataOutput::Reply {
                     to,
@@ -737,9 +723,6 @@ impl DataExecutor {
                     let t = self.types.name(ty);
                     self.start_remember_read(&t, shard, 0);
                 }
-            }
-            if runs_entity {
-                now = self.now();
             }
         }
         self.flush_system();
