@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use shardline_core::ids::{RegionId, UniqueAddress};
 use shardline_core::sharding::{HandOffPhase, ShardCoordinator};
 
-use super::core::CoreRef;
+use super::core::DataExecutorRef;
 use super::{NodeStatus, StatsEvent, ToControl, ToCore};
 use crate::envelope::Status;
 use crate::status::{
@@ -192,7 +192,10 @@ const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
 /// answers it from the coordinators on this member or forwards it to the
 /// member that runs them. `Unavailable` when the control executor does not
 /// answer in time (the forward timeout plus 1 s).
-pub(crate) async fn coordinator_admin(core: &CoreRef, cmd: CoordinatorCommand) -> AdminAnswer {
+pub(crate) async fn coordinator_admin(
+    core: &DataExecutorRef,
+    cmd: CoordinatorCommand,
+) -> AdminAnswer {
     let (tx, rx) = crossbeam_channel::bounded(1);
     let sent = core
         .borrow()
@@ -216,7 +219,7 @@ pub(crate) async fn coordinator_admin(core: &CoreRef, cmd: CoordinatorCommand) -
 /// Collects this node's status: the cluster view from the control executor
 /// and the region views from every data executor (waiting at most
 /// `STATUS_TIMEOUT`). `None` when the control executor did not answer.
-pub(crate) async fn collect_status(core: &CoreRef) -> Option<NodeStatus> {
+pub(crate) async fn collect_status(core: &DataExecutorRef) -> Option<NodeStatus> {
     let (ctx, crx) = crossbeam_channel::bounded(1);
     let (rtx, rrx) = crossbeam_channel::bounded(64);
     let (mut status, others) = {
@@ -279,7 +282,7 @@ pub(crate) async fn collect_status(core: &CoreRef) -> Option<NodeStatus> {
 /// in `failed` with the reason. `None` when the control executor did not
 /// answer at all.
 pub(crate) async fn collect_cluster_stats(
-    core: &CoreRef,
+    core: &DataExecutorRef,
     type_name: &str,
     local: &NodeStatus,
     wait: Duration,

@@ -1,11 +1,16 @@
-//! A data executor: one `ShardRegion` per entity type, the entities, the
-//! data lanes to other nodes, and the fronts (`crate::gateway`) it starts and
-//! serves through [`DataPort`] (implemented here for [`CoreRef`]), answering
-//! them through their reply sink ([`Fronts::reply`]).
+//! A data executor: the driver of one core's data plane
+//! ([`DataPlane`], `node/plane/data.rs`, which owns the regions and makes
+//! the routing decisions), the entities it hosts, the data lanes to other
+//! nodes, and the fronts (`crate::gateway`) it starts and serves through
+//! [`DataPort`] (implemented here for [`DataExecutorRef`]), answering them
+//! through their reply sink ([`Fronts::reply`]).
 //!
-//! Everything here runs on one thread; the state is one `Rc<RefCell<Core>>`
-//! borrowed for the length of one input (a frame, a ring message, a tick),
-//! never across an await. Entities run to completion inside that borrow.
+//! Everything here runs on one thread; the state is one
+//! `Rc<RefCell<DataExecutor>>` borrowed for the length of one input (a
+//! frame, a ring message, a tick), never across an await. Each input is
+//! fed to the plane, then the plane's outputs are carried out
+//! ([`DataExecutor::run_effects`]); entities run to completion inside that
+//! borrow.
 
 use std::cell::RefCell;
 use std::collections::{BinaryHeap, HashMap};
@@ -16,18 +21,16 @@ use std::time::{Duration, Instant};
 
 use monoio::io::Splitable;
 use shardline_core::ids::{Address, EntityId, MemberUid, RegionId, ShardId, UniqueAddress};
-use shardline_core::sharding::{
-    shard_id_of, Envelope, FailureReason, LruPolicy, PassivationSettings, RegionEffect,
-    RegionSettings, ShardRegion,
-};
+use shardline_core::sharding::{shard_id_of, Envelope};
 
 use super::msg::{ReplyTo, ToControl, ToCore, UserEnvelope};
+use super::plane::data::{DataOutput, DataPlane, DataPlaneConfig, Transmit, TypeIdx};
 use super::watch::{EntityKey, SystemMsg, WatchBook};
-use super::{EntitySettings, RegionStatusView, Shared};
+use super::{RegionStatusView, Shared};
 use crate::config::NodeConfig;
 use crate::entity::{Entity, EntityContext, EntityFactory, TerminatedReason};
-use crate::envelope::{access, encode_frame, FrameError, Status, MAX_FRAME_SIZE_BYTES};
-use crate::envelope::{ArchivedDataFrame, DataFrame, Lane};
+use crate::envelope::{encode_frame, FrameError, Status, MAX_FRAME_SIZE_BYTES};
+use crate::envelope::{DataFrame, Lane};
 use crate::gateway::port::{ConnId, DataPort};
 use crate::gateway::{Fronts, MetricsBoard};
 use crate::runtime::{RingReceiver, RingSender};
@@ -36,7 +39,7 @@ use crate::transport::{self, FrameReader, Outbox, OUTBOX_HIGH_WATER_BYTES};
 mod workers;
 
 /// Everything a data executor starts with.
-pub(crate) struct CoreInit {
+pub(crate) struct DataExecutorInit {
     pub index: u16,
     pub config: NodeConfig,
     pub uid: MemberUid,
@@ -50,13 +53,6 @@ pub(crate) struct CoreInit {
     pub metrics_board: Arc<MetricsBoard>,
 }
 
-/// How long a forwarded message without an ask deadline may wait for its
-/// reply before the sender is answered `TimedOut`.
-const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long past its ask deadline a forwarded message waits for the home
-/// node's answer (which is `Unavailable` when it was still buffered there)
-/// before the sender is answered `TimedOut`.
-const FORWARD_GRACE: Duration = Duration::from_millis(500);
 /// Tick period of the executor's timers.
 const TICK: Duration = Duration::from_millis(5);
 /// After the node stops (it left, or was downed), how long its connections
@@ -66,9 +62,6 @@ const TICK: Duration = Duration::from_millis(5);
 const STOP_DRAIN: Duration = Duration::from_millis(1000);
 /// Most time an exiting executor waits for its connections' writers.
 const EXIT_WRITE_WAIT: Duration = Duration::from_secs(2);
-/// First and largest reconnect backoff of a data lane.
-const BACKOFF_MIN: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 /// A hash map with foldhash's per-process random seed: fast, and not
 /// predictable by a client choosing entity ids.
@@ -78,41 +71,33 @@ type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 /// scan (cheaper than hashing the name on every message).
 #[derive(Default)]
 struct TypeTable {
-    entries: Vec<(String, TypeHost)>,
+    /// In the order of the plane's [`TypeIdx`].
+    entries: Vec<(Rc<str>, TypeHost)>,
 }
 
 impl TypeTable {
     fn get(&self, t: &str) -> Option<&TypeHost> {
-        self.entries.iter().find(|(n, _)| n == t).map(|(_, h)| h)
+        self.entries.iter().find(|(n, _)| &**n == t).map(|(_, h)| h)
     }
     fn get_mut(&mut self, t: &str) -> Option<&mut TypeHost> {
         self.entries
             .iter_mut()
-            .find(|(n, _)| n == t)
+            .find(|(n, _)| &**n == t)
             .map(|(_, h)| h)
     }
-    fn contains_key(&self, t: &str) -> bool {
-        self.get(t).is_some()
+    fn insert(&mut self, t: &str, h: TypeHost) {
+        self.entries.push((Rc::from(t), h));
     }
-    fn insert(&mut self, t: String, h: TypeHost) {
-        self.entries.push((t, h));
-    }
-    fn keys(&self) -> impl Iterator<Item = &String> + '_ {
+    fn keys(&self) -> impl Iterator<Item = &Rc<str>> + '_ {
         self.entries.iter().map(|(n, _)| n)
     }
-    fn values(&self) -> impl Iterator<Item = &TypeHost> + '_ {
-        self.entries.iter().map(|(_, h)| h)
-    }
-    fn iter(&self) -> impl Iterator<Item = (&String, &TypeHost)> + '_ {
-        self.entries.iter().map(|(n, h)| (n, h))
-    }
-    fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+    /// The name of type `ty` (a reference count, not a copy).
+    fn name(&self, ty: TypeIdx) -> Rc<str> {
+        self.entries[ty.0].0.clone()
     }
 }
 
 struct TypeHost {
-    region: ShardRegion<Vec<u8>, ReplyTo>,
     factory: Option<EntityFactory>,
     entities: FastMap<EntityId, Live>,
     delivered: u64,
@@ -166,22 +151,7 @@ struct RememberPending {
 const REMEMBER_RETRY_MIN: Duration = Duration::from_millis(100);
 const REMEMBER_RETRY_MAX: Duration = Duration::from_secs(2);
 
-struct Pending {
-    reply_to: ReplyTo,
-    link: RegionId,
-    deadline: Duration,
-}
-
-#[derive(PartialEq, Eq, PartialOrd, Ord)]
-struct TimerEntry {
-    due: std::cmp::Reverse<Duration>,
-    type_name: String,
-    entity: String,
-    key: u64,
-    incarnation: u64,
-}
-
-pub(crate) struct Core {
+pub(crate) struct DataExecutor {
     index: u16,
     me: UniqueAddress,
     epoch: Instant,
@@ -193,14 +163,13 @@ pub(crate) struct Core {
     /// The fronts of this executor: the reply sink of client requests.
     fronts: Fronts,
     /// This executor's own handle, for the tasks it spawns (data lanes).
-    self_ref: std::rc::Weak<RefCell<Core>>,
+    self_ref: std::rc::Weak<RefCell<DataExecutor>>,
     next_conn: u64,
+    /// The routing decisions: regions, forwarding bookkeeping, lanes.
+    plane: DataPlane,
+    /// The data lanes the plane opened, by remote region.
     links: HashMap<RegionId, Link>,
-    backoff: HashMap<RegionId, (Duration, Duration)>,
-    /// Members removed from the cluster (incarnations never come back).
-    removed: std::collections::HashSet<UniqueAddress>,
-    pending: FastMap<u64, Pending>,
-    local_pending: FastMap<u64, ReplyTo>,
+    /// Ids of API asks and of entities' reply tokens.
     next_tag: u64,
     api_waiters: FastMap<u64, crate::api::oneshot::Sender<super::msg::ApiAnswer>>,
     /// When the core stops waiting for an API ask's answer: (due, id).
@@ -211,13 +180,8 @@ pub(crate) struct Core {
     entity_ask_expiry: BinaryHeap<std::cmp::Reverse<(Duration, u64)>>,
     to_control: RingSender<ToControl>,
     to_cores: Vec<RingSender<ToCore>>,
-    timers: BinaryHeap<TimerEntry>,
     next_incarnation: u64,
     available: bool,
-    stopped: bool,
-    shutting_down: bool,
-    reported_registered: bool,
-    reported_shutdown: bool,
     shutdown: bool,
     /// [`ToCore::Shutdown`] arrived: exit once the stop drain is over.
     exit_requested: bool,
@@ -226,10 +190,10 @@ pub(crate) struct Core {
     /// The stop drain is over: connections closed.
     drained: bool,
     /// Deferred replies and entities awaiting journal durability.
-    durable: crate::persistence::Hooks<ReplyTo>,
+    durable: crate::persistence::Hooks,
     /// Lifecycle watches of this core's entities (`node::watch`).
     watches: WatchBook,
-    /// Set while [`Core::flush_system`] routes (no re-entry).
+    /// Set while [`DataExecutor::flush_system`] routes (no re-entry).
     flushing_system: bool,
     /// Why this core's journal could not be opened (durable entities then
     /// fail and `/health/ready` answers 503).
@@ -247,7 +211,7 @@ pub(crate) struct Core {
     fp: crate::transport::Fingerprint,
 }
 
-pub(crate) type CoreRef = Rc<RefCell<Core>>;
+pub(crate) type DataExecutorRef = Rc<RefCell<DataExecutor>>;
 
 /// An ask of an entity of this core waiting for its answer.
 struct EntityAskWait {
@@ -261,7 +225,7 @@ struct EntityAskWait {
 }
 
 /// Runs a data executor until [`ToCore::Shutdown`].
-pub(crate) async fn run(init: CoreInit) {
+pub(crate) async fn run(init: DataExecutorInit) {
     let me = UniqueAddress {
         address: Address(init.config.cluster_address.to_string()),
         uid: init.uid,
@@ -278,8 +242,14 @@ pub(crate) async fn run(init: CoreInit) {
     let fronts = Fronts::new(init.index, init.metrics_board, answer_timeout);
     let http_front = crate::gateway::http::serve::bind(&init.config, init.index, &fronts);
     let fp = super::fingerprint(&init.config, &init.scope);
+    let plane = DataPlane::new(DataPlaneConfig::from_node_config(
+        &init.config,
+        me.clone(),
+        init.index,
+    ));
     let core = Rc::new_cyclic(|self_ref| {
-        RefCell::new(Core {
+        RefCell::new(DataExecutor {
+            plane,
             self_ref: self_ref.clone(),
             fronts: fronts.clone(),
             scope: init.scope,
@@ -292,10 +262,6 @@ pub(crate) async fn run(init: CoreInit) {
             conns: FastMap::default(),
             next_conn: 1,
             links: HashMap::new(),
-            backoff: HashMap::new(),
-            removed: std::collections::HashSet::new(),
-            pending: FastMap::default(),
-            local_pending: FastMap::default(),
             next_tag: 1,
             api_waiters: FastMap::default(),
             api_expiry: BinaryHeap::new(),
@@ -303,13 +269,8 @@ pub(crate) async fn run(init: CoreInit) {
             entity_ask_expiry: BinaryHeap::new(),
             to_control: init.to_control,
             to_cores: init.to_cores,
-            timers: BinaryHeap::new(),
             next_incarnation: 1,
             available: false,
-            stopped: false,
-            shutting_down: false,
-            reported_registered: false,
-            reported_shutdown: false,
             shutdown: false,
             exit_requested: false,
             drain_until: None,
@@ -423,7 +384,7 @@ pub(crate) async fn run(init: CoreInit) {
                 c.stop_node();
                 c.exit_requested = true;
             } else {
-                Core::on_inbox(&core, m);
+                DataExecutor::on_inbox(&core, m);
             }
         }
     }
@@ -449,16 +410,9 @@ pub(crate) async fn run(init: CoreInit) {
     }
 }
 
-impl Core {
+impl DataExecutor {
     pub(crate) fn now(&self) -> Duration {
         self.epoch.elapsed()
-    }
-
-    fn region_id(&self) -> RegionId {
-        RegionId {
-            member: self.me.clone(),
-            core: self.index,
-        }
     }
 
     // ----- connections -----
@@ -560,369 +514,164 @@ impl Core {
         entity_id: &[u8],
         payload: Vec<u8>,
     ) {
-        let Ok(t) = std::str::from_utf8(type_name) else {
-            return self.send_client(
-                conn,
-                request_id,
-                Status::InvalidEntityId,
-                b"type name is not UTF-8".to_vec(),
-            );
-        };
-        if !self.types.contains_key(t) {
-            let msg = format!("unknown entity type `{}`", t.escape_debug());
-            return self.send_client(
-                conn,
-                request_id,
-                Status::UnknownEntityType,
-                msg.into_bytes(),
-            );
-        }
-        let id = match EntityId::from_bytes(entity_id) {
-            Ok(id) => id,
-            Err(e) => {
-                return self.send_client(
-                    conn,
-                    request_id,
-                    Status::InvalidEntityId,
-                    e.to_string().into_bytes(),
-                )
-            }
-        };
-        if self.stopped {
-            return self.send_client(
-                conn,
-                request_id,
-                Status::ShuttingDown,
-                b"node stopped".to_vec(),
-            );
-        }
-        if payload.len() as u64 > self.config.requests.max_message_size_bytes {
-            let msg = format!(
-                "message of {} bytes exceeds requests.max_message_size_bytes ({})",
-                payload.len(),
-                self.config.requests.max_message_size_bytes
-            );
-            return self.send_client(conn, request_id, Status::TooLarge, msg.into_bytes());
-        }
-        let shard = shard_id_of(id.as_str(), self.config.number_of_shards);
         let now = self.now();
-        let env = Envelope {
-            deadline: Some(now + self.config.requests.ask_timeout()),
-            entity: id,
-            shard,
-            sender: ReplyTo::Client { conn, request_id },
-            payload,
-        };
-        self.route(t, env);
+        self.plane
+            .handle_client_request(now, conn, request_id, type_name, entity_id, payload);
+        self.run_effects();
     }
 
     /// Hands a user message to this core's region of `t` and runs the effects
-    /// (a stateless worker type's message runs here, without the region).
+    /// (a stateless worker type's message runs on its pool).
     fn route(&mut self, t: &str, env: UserEnvelope) {
-        if self.stopped {
-            // Its entities are gone: nothing is delivered any more.
-            return self.reply(env.sender, Status::ShuttingDown, b"node stopped".to_vec());
-        }
-        if self.is_worker(t) {
-            if matches!(env.sender, ReplyTo::System(_)) {
-                // Worker activations are not addressable: nothing to watch.
-                return self.reply(env.sender, Status::UnknownEntityType, Vec::new());
-            }
-            return self.worker_route(t, env);
-        }
         let now = self.now();
-        match self.types.get_mut(t) {
-            Some(h) => h.region.handle_message(now, env),
-            None => {
-                let msg = format!("unknown entity type `{t}`").into_bytes();
-                return self.reply(env.sender, Status::UnknownEntityType, msg);
-            }
-        }
-        self.run_effects(t);
+        self.plane.handle_message(now, t, env);
+        self.run_effects();
     }
 
     // ----- data lanes -----
 
     /// A frame on an inbound data lane. `Err` closes the connection.
     pub(crate) fn on_data_frame(&mut self, conn: u64, body: &[u8]) -> Result<(), FrameError> {
-        match access::<DataFrame>(body)? {
-            ArchivedDataFrame::Forward {
-                tag,
-                type_name,
-                entity_id,
-                shard,
-                payload,
-                deadline_ms,
-            } => {
-                let id = EntityId::new(entity_id.as_str())
-                    .map_err(|e| FrameError::Invalid(e.to_string()))?;
-                let left = deadline_ms.to_native();
-                let env = Envelope {
-                    deadline: (left > 0)
-                        .then(|| self.now() + Duration::from_millis(u64::from(left))),
-                    entity: id,
-                    shard: ShardId(shard.to_native()),
-                    sender: ReplyTo::Remote {
-                        conn,
-                        tag: tag.to_native(),
-                    },
-                    payload: payload.as_slice().to_vec(),
-                };
-                let t = type_name.as_str().to_string();
-                self.route(&t, env);
-                Ok(())
-            }
-            ArchivedDataFrame::Reply { .. } => {
-                Err(FrameError::Invalid("reply on an inbound data lane".into()))
-            }
-            ArchivedDataFrame::System {
-                type_name,
-                entity_id,
-                shard,
-                kind,
-                peer_type,
-                peer_id,
-                reason,
-            } => {
-                let bad = |e: String| FrameError::Invalid(e);
-                let to = EntityKey {
-                    type_name: type_name.as_str().to_string(),
-                    id: EntityId::new(entity_id.as_str()).map_err(|e| bad(e.to_string()))?,
-                };
-                let peer = EntityKey {
-                    type_name: peer_type.as_str().to_string(),
-                    id: EntityId::new(peer_id.as_str()).map_err(|e| bad(e.to_string()))?,
-                };
-                let msg = SystemMsg::from_wire(*kind, peer, *reason, to.clone()).map_err(bad)?;
-                let env = Envelope {
-                    deadline: None,
-                    entity: to.id,
-                    shard: ShardId(shard.to_native()),
-                    sender: ReplyTo::System(Box::new(msg)),
-                    payload: Vec::new(),
-                };
-                self.route(&to.type_name, env);
-                Ok(())
-            }
-        }
+        let now = self.now();
+        let r = self.plane.handle_data_frame(now, conn, body);
+        self.run_effects();
+        r
     }
 
     /// A reply on an outbound data lane.
     pub(crate) fn on_link_frame(&mut self, body: &[u8]) -> Result<(), FrameError> {
-        match access::<DataFrame>(body)? {
-            ArchivedDataFrame::Reply {
-                tag,
-                status,
-                payload,
-            } => {
-                let status = Status::from_u8(*status)
-                    .ok_or_else(|| FrameError::Invalid(format!("status {}", status)))?;
-                if let Some(p) = self.pending.remove(&tag.to_native()) {
-                    self.reply(p.reply_to, status, payload.as_slice().to_vec());
-                }
-                Ok(())
-            }
-            ArchivedDataFrame::Forward { .. } | ArchivedDataFrame::System { .. } => Err(
-                FrameError::Invalid("forward on an outbound data lane".into()),
-            ),
-        }
+        let r = self.plane.handle_link_frame(body);
+        self.run_effects();
+        r
     }
 
-    /// The data lane to `to` closed. Messages waiting for a reply on it are
-    /// answered `TimedOut` when the lane had connected (they may have
-    /// reached their entity), `Unavailable` when it never did (connect or
-    /// handshake failed: nothing was written).
+    /// The data lane to `to` closed (`connected`: its handshake had
+    /// completed); the plane answers what waited on it.
     fn link_failed(&mut self, to: &RegionId, outbox: &Rc<Outbox>, connected: bool) {
-        if let Some(l) = self.links.get(to) {
-            if Rc::ptr_eq(&l.outbox, outbox) {
-                self.links.remove(to);
-            }
+        let current = self
+            .links
+            .get(to)
+            .is_some_and(|l| Rc::ptr_eq(&l.outbox, outbox));
+        if current {
+            self.links.remove(to);
         }
         let now = self.now();
-        let next = self
-            .backoff
-            .get(to)
-            .map(|(_, b)| (*b * 2).min(BACKOFF_MAX))
-            .unwrap_or(BACKOFF_MIN);
-        self.backoff.insert(to.clone(), (now + next, next));
-        let dead: Vec<u64> = self
-            .pending
-            .iter()
-            .filter(|(_, p)| p.link == *to)
-            .map(|(t, _)| *t)
-            .collect();
-        for t in dead {
-            if let Some(p) = self.pending.remove(&t) {
-                if connected {
-                    self.reply(
-                        p.reply_to,
-                        Status::TimedOut,
-                        b"connection to the home node lost".to_vec(),
-                    );
-                } else {
-                    self.reply(
-                        p.reply_to,
-                        Status::Unavailable,
-                        b"home node unreachable; not delivered".to_vec(),
-                    );
-                }
-            }
-        }
+        self.plane.handle_link_closed(now, to, connected, current);
+        self.run_effects();
     }
 
-    fn forward_remote(c: &mut Core, t: &str, to: RegionId, env: UserEnvelope) {
-        let now = c.now();
-        if c.removed.contains(&to.member) {
-            return c.reply(
-                env.sender,
-                Status::Unavailable,
-                b"home node was removed from the cluster".to_vec(),
-            );
-        }
-        if !c.links.contains_key(&to) {
-            if let Some((until, _)) = c.backoff.get(&to) {
-                if now < *until {
-                    return c.reply(
-                        env.sender,
-                        Status::Unavailable,
-                        b"home node unreachable; retry later".to_vec(),
-                    );
-                }
-            }
-            let Some(core_rc) = c.self_ref.upgrade() else {
-                return c.reply(env.sender, Status::Unavailable, b"no link".to_vec());
-            };
-            let outbox = Rc::new(Outbox::default());
-            c.links.insert(
-                to.clone(),
-                Link {
-                    outbox: outbox.clone(),
-                },
-            );
-            monoio::spawn(run_link(core_rc, to.clone(), outbox));
-        }
-        let Some(link) = c.links.get(&to) else { return };
-        if link.outbox.buf.borrow().len() > OUTBOX_HIGH_WATER_BYTES {
-            return c.reply(
-                env.sender,
+    /// Writes a frame on the data lane the plane opened for it; a lane
+    /// over its high-water mark or a frame that does not encode is handed
+    /// back to the plane, which answers the sender.
+    fn transmit(&mut self, t: Transmit) {
+        let Some(link) = self.links.get(&t.to) else {
+            return self
+                .plane
+                .handle_transmit_refused(t, Status::Unavailable, b"no link".to_vec());
+        };
+        let outbox = link.outbox.clone();
+        if outbox.buf.borrow().len() > OUTBOX_HIGH_WATER_BYTES {
+            return self.plane.handle_transmit_refused(
+                t,
                 Status::BufferFull,
                 b"link to the home node is full".to_vec(),
             );
         }
-        if let ReplyTo::System(m) = &env.sender {
-            let (kind, peer, reason) = m.to_wire();
-            let f = DataFrame::System {
-                type_name: t.to_string(),
-                entity_id: env.entity.as_str().to_string(),
-                shard: env.shard.0,
-                kind,
-                peer_type: peer.type_name.clone(),
-                peer_id: peer.id.as_str().to_string(),
-                reason,
-            };
-            let outbox = link.outbox.clone();
-            if encode_frame(&f, &mut outbox.buf.borrow_mut()).is_err() {
-                return c.reply(env.sender, Status::BufferFull, Vec::new());
-            }
-            outbox.flush();
-            return;
-        }
-        let (deadline_ms, wait_until) = match env.deadline {
-            Some(d) if d <= now => {
-                // Defensive: the region checks this before it forwards.
-                return c.reply(
-                    env.sender,
-                    Status::Unavailable,
-                    b"ask deadline passed before the message was sent; not delivered".to_vec(),
-                );
-            }
-            Some(d) => {
-                let left = u32::try_from((d - now).as_millis()).unwrap_or(u32::MAX);
-                (left.max(1), d + FORWARD_GRACE)
-            }
-            None => (0, now + FORWARD_TIMEOUT),
-        };
-        let tag = c.next_tag;
-        c.next_tag += 1;
-        let f = DataFrame::Forward {
-            tag,
-            type_name: t.to_string(),
-            entity_id: env.entity.as_str().to_string(),
-            shard: env.shard.0,
-            payload: env.payload,
-            deadline_ms,
-        };
-        let outbox = link.outbox.clone();
-        if let Err(e) = encode_frame(&f, &mut outbox.buf.borrow_mut()) {
+        let encoded = encode_frame(&t.frame, &mut outbox.buf.borrow_mut());
+        if let Err(e) = encoded {
             // The fronts refuse messages over the limit; this is a message
             // from an entity or the embedding API.
-            return c.reply(env.sender, Status::TooLarge, e.to_string().into_bytes());
+            let status = match t.frame {
+                DataFrame::System { .. } => Status::BufferFull,
+                _ => Status::TooLarge,
+            };
+            return self
+                .plane
+                .handle_transmit_refused(t, status, e.to_string().into_bytes());
         }
         outbox.flush();
-        c.pending.insert(
-            tag,
-            Pending {
-                reply_to: env.sender,
-                link: to,
-                deadline: wait_until,
-            },
-        );
     }
 
     // ----- effects -----
 
-    fn run_effects(&mut self, t: &str) {
-        // Bounded: each effect is carried out once; effects it causes are
-        // appended and handled in the same loop.
+    /// Carries out the plane's outputs until it has none (the entities'
+    /// deliveries may feed it more), then routes the watch book's system
+    /// messages.
+    fn run_effects(&mut self) {
         loop {
-            let Some(h) = self.types.get_mut(t) else {
-                return;
-            };
-            let Some(eff) = h.region.poll_effect() else {
+            let now = self.now();
+            let Some(o) = self.plane.poll_output(now) else {
                 break;
             };
-            match eff {
-                RegionEffect::SendToCoordinator(msg) => {
-                    let _ = self.to_control.send(ToControl::ToCoordinator {
-                        type_name: t.to_string(),
-                        msg,
-                    });
+            match o {
+                DataOutput::Reply {
+                    to,
+                    status,
+                    payload,
+                } => self.reply(to, status, payload),
+                DataOutput::ToControl(m) => {
+                    let _ = self.to_control.send(m);
                 }
-                RegionEffect::SendToRegion { to, msg } => {
-                    if to.member == self.me && to.core == self.index {
-                        let now = self.now();
-                        if let Some(h) = self.types.get_mut(t) {
-                            h.region.handle_region_msg(now, msg);
-                        }
-                    } else {
-                        let _ = self.to_control.send(ToControl::ToRegion {
-                            type_name: t.to_string(),
-                            to,
-                            msg,
-                        });
+                DataOutput::OpenLink { to } => {
+                    let Some(core_rc) = self.self_ref.upgrade() else {
+                        continue;
+                    };
+                    let outbox = Rc::new(Outbox::default());
+                    self.links.insert(
+                        to.clone(),
+                        Link {
+                            outbox: outbox.clone(),
+                        },
+                    );
+                    monoio::spawn(run_link(core_rc, to, outbox));
+                }
+                DataOutput::CloseLink { to } => {
+                    if let Some(l) = self.links.remove(&to) {
+                        l.outbox.close();
                     }
                 }
-                RegionEffect::Forward { to, envelope } => {
-                    if to.member == self.me {
-                        self.forward_local(t, to.core, envelope);
-                    } else {
-                        Core::forward_remote(self, t, to, envelope);
-                    }
-                }
-                RegionEffect::Deliver {
+                DataOutput::Transmit(t) => self.transmit(t),
+                DataOutput::ToCore {
+                    core,
+                    type_name,
                     envelope,
-                    new_incarnation: _,
-                } => self.deliver(t, envelope),
-                RegionEffect::NotActive { envelope } => self.deliver(t, envelope),
-                RegionEffect::StartEntity { shard, entity } => {
-                    self.ensure_entity(t, shard, &entity);
+                } => {
+                    let Some(tx) = self.to_cores.get(usize::from(core)) else {
+                        self.plane.handle_core_refused(envelope);
+                        continue;
+                    };
+                    if let Err(
+                        crate::runtime::RingSendError::Full(m)
+                        | crate::runtime::RingSendError::Closed(m),
+                    ) = tx.send(ToCore::Forwarded {
+                        type_name,
+                        envelope,
+                    }) {
+                        if let ToCore::Forwarded { envelope, .. } = m {
+                            self.plane.handle_core_refused(envelope);
+                        }
+                    }
                 }
-                RegionEffect::StopEntity {
+                DataOutput::Deliver { ty, envelope } => {
+                    let t = self.types.name(ty);
+                    self.deliver(&t, envelope);
+                }
+                DataOutput::ToWorker { ty, envelope } => {
+                    let t = self.types.name(ty);
+                    self.worker_route(&t, envelope);
+                }
+                DataOutput::StartEntity { ty, shard, entity } => {
+                    let t = self.types.name(ty);
+                    self.ensure_entity(&t, shard, &entity);
+                }
+                DataOutput::StopEntity {
+                    ty,
                     shard,
                     entity,
                     stop_message,
                     reason,
                 } => {
+                    let t = self.types.name(ty);
                     if let Some(m) = stop_message {
                         let env = Envelope {
                             deadline: None,
@@ -931,12 +680,12 @@ impl Core {
                             sender: ReplyTo::Nobody,
                             payload: m,
                         };
-                        self.deliver(t, env);
+                        self.deliver(&t, env);
                     }
                     tracing::debug!(entity = %entity, ?reason, "stopping entity");
                     let live = self
                         .types
-                        .get_mut(t)
+                        .get_mut(&t)
                         .and_then(|h| h.entities.remove(&entity));
                     match live {
                         Some(l) => {
@@ -949,36 +698,50 @@ impl Core {
                             // The region learns that it stopped (and a
                             // hand-off's `ShardStopped` can go) only once
                             // its appends in flight have an outcome.
-                            self.begin_stop(t, entity, l, why, true);
+                            self.begin_stop(&t, entity, l, why, true);
                         }
-                        None => {
-                            let now = self.now();
-                            if let Some(h) = self.types.get_mut(t) {
-                                h.region.handle_entity_stopped(now, shard, &entity);
-                            }
-                        }
+                        None => self.plane.handle_entity_stopped(now, ty, shard, &entity),
                     }
                 }
-                RegionEffect::Persist(ev) => {
-                    if let Some(h) = self.types.get(t) {
-                        crate::persistence::remember::record(t, &h.region, &ev);
-                    }
+                DataOutput::Persist { ty, event } => {
+                    crate::persistence::remember::record(
+                        self.plane.type_name(ty),
+                        self.plane.region(ty),
+                        &event,
+                    );
                 }
-                RegionEffect::RecoverRememberedEntities { shard } => {
-                    self.start_remember_read(t, shard, 0);
+                DataOutput::TimerFired {
+                    ty,
+                    entity,
+                    key,
+                    incarnation,
+                } => {
+                    let t = self.types.name(ty);
+                    self.fire_timer(&t, &entity, key, incarnation);
                 }
-                RegionEffect::Fail { envelope, reason } => {
-                    let status = match reason {
-                        FailureReason::ShuttingDown => Status::ShuttingDown,
-                        FailureReason::BufferFull => Status::BufferFull,
-                        _ => Status::Unavailable,
-                    };
-                    self.reply(envelope.sender, status, reason.to_string().into_bytes());
+                DataOutput::RecoverRememberedEntities { ty, shard } => {
+                    let t = self.types.name(ty);
+                    self.start_remember_read(&t, shard, 0);
                 }
             }
         }
-        self.check_registered();
         self.flush_system();
+    }
+
+    /// Entity `id` of `t` asked to passivate.
+    fn passivate(&mut self, t: &str, shard: ShardId, id: &EntityId) {
+        if let Some(ty) = self.plane.type_index(t) {
+            let now = self.now();
+            self.plane.handle_passivate(now, ty, shard, id);
+        }
+    }
+
+    /// Entity `id` of `t` stopped: its region learns it.
+    fn entity_stopped(&mut self, t: &str, shard: ShardId, id: &EntityId) {
+        if let Some(ty) = self.plane.type_index(t) {
+            let now = self.now();
+            self.plane.handle_entity_stopped(now, ty, shard, id);
+        }
     }
 
     // ----- lifecycle watches (node::watch) -----
@@ -1056,10 +819,7 @@ impl Core {
                 self.apply_watches(t, &me.id, watches, failed);
                 self.send_outgoing(out, &mut None, None);
                 if passivate {
-                    let now = self.now();
-                    if let Some(h) = self.types.get_mut(t) {
-                        h.region.handle_passivate(now, shard, &me.id, None);
-                    }
+                    self.passivate(t, shard, &me.id);
                 }
             }
         }
@@ -1113,11 +873,8 @@ impl Core {
                 }
             }
             self.fail_deferred(inc);
-            let now = self.now();
-            if let Some(h) = self.types.get_mut(&t) {
-                h.region.handle_entity_stopped(now, shard, &w.entity);
-            }
-            self.run_effects(&t);
+            self.entity_stopped(&t, shard, &w.entity);
+            self.run_effects();
             return;
         }
         self.apply_timers(&t, &w.entity, inc, timers);
@@ -1127,11 +884,8 @@ impl Core {
         self.drain_completions();
         self.send_outgoing(out, &mut None, None);
         if passivate {
-            let now = self.now();
-            if let Some(h) = self.types.get_mut(&t) {
-                h.region.handle_passivate(now, shard, &w.entity, None);
-            }
-            self.run_effects(&t);
+            self.passivate(&t, shard, &w.entity);
+            self.run_effects();
         }
     }
 
@@ -1165,11 +919,12 @@ impl Core {
     /// Member `m` was removed: watchers here whose target's home (as this
     /// core's regions know it) was on `m` get `Terminated(NodeRemoved)`.
     fn watches_member_removed(&mut self, m: &UniqueAddress) {
-        let types = &self.types;
+        let plane = &self.plane;
         let n = self.config.number_of_shards;
         self.watches.on_member_removed(|k| {
-            types.get(&k.type_name).is_some_and(|h| {
-                h.region
+            plane.type_index(&k.type_name).is_some_and(|ty| {
+                plane
+                    .region(ty)
                     .home_of(shard_id_of(k.id.as_str(), n))
                     .is_some_and(|(r, _)| r.member == *m)
             })
@@ -1179,10 +934,16 @@ impl Core {
     /// Sends the deferred replies entities answered.
     fn drain_completions(&mut self) {
         for (token, status, payload) in crate::persistence::take_completions() {
-            if let Some(to) = self.durable.take(token) {
-                self.reply(to, status, payload);
-            }
+            self.plane.handle_reply_durable(token, status, payload);
+            self.release_replies();
             self.worker_completed(token);
+        }
+    }
+
+    /// Sends the replies the plane's durability barrier released.
+    fn release_replies(&mut self) {
+        while let Some(r) = self.plane.poll_reply() {
+            self.reply(r.to, r.status, r.payload);
         }
     }
 
@@ -1190,9 +951,8 @@ impl Core {
     /// answered itself first), the rest with `EntityFailed`.
     fn fail_deferred(&mut self, inc: u64) {
         self.drain_completions();
-        for to in self.durable.drop_incarnation(inc) {
-            self.reply(to, Status::EntityFailed, b"entity stopped".to_vec());
-        }
+        self.plane.handle_incarnation_stopped(inc);
+        self.release_replies();
     }
 
     /// The journal's durable LSN advanced: entities with events in flight
@@ -1236,11 +996,8 @@ impl Core {
                     }
                 }
                 self.fail_deferred(inc);
-                let now = self.now();
-                if let Some(h) = self.types.get_mut(&t) {
-                    h.region.handle_entity_stopped(now, shard, &id);
-                }
-                self.run_effects(&t);
+                self.entity_stopped(&t, shard, &id);
+                self.run_effects();
                 continue;
             }
             if !timers.is_empty() {
@@ -1250,11 +1007,8 @@ impl Core {
                 self.durable.wait(&t, &id, inc);
             }
             if passivate {
-                let now = self.now();
-                if let Some(h) = self.types.get_mut(&t) {
-                    h.region.handle_passivate(now, shard, &id, None);
-                }
-                self.run_effects(&t);
+                self.passivate(&t, shard, &id);
+                self.run_effects();
             }
         }
     }
@@ -1304,10 +1058,7 @@ impl Core {
         self.fail_deferred(inc);
         self.entity_gone(&st.type_name, &st.id, st.reason);
         if st.tell_region {
-            let now = self.now();
-            if let Some(h) = self.types.get_mut(&st.type_name) {
-                h.region.handle_entity_stopped(now, st.live.shard, &st.id);
-            }
+            self.entity_stopped(&st.type_name, st.live.shard, &st.id);
         }
     }
 
@@ -1337,7 +1088,7 @@ impl Core {
         let tell = st.tell_region;
         self.end_stop(st);
         if tell {
-            self.run_effects(&t);
+            self.run_effects();
         }
     }
 
@@ -1353,15 +1104,15 @@ impl Core {
     fn start_remember_read(&mut self, t: &str, shard: ShardId, failures: u32) {
         use crate::persistence::remember::{self, RememberRead};
         let now = self.now();
-        let Some(h) = self.types.get_mut(t) else {
+        let Some(ty) = self.plane.type_index(t) else {
             return;
         };
-        let Some(generation) = h.region.recovering_generation(shard) else {
+        let Some(generation) = self.plane.region(ty).recovering_generation(shard) else {
             return;
         };
-        match remember::recover_start(t, &h.region, shard) {
+        match remember::recover_start(t, self.plane.region(ty), shard) {
             RememberRead::Ready(Ok(ids)) => {
-                h.region.handle_remembered_entities(now, shard, ids);
+                self.plane.handle_remembered_entities(now, ty, shard, ids);
                 self.remember_read_ok();
             }
             RememberRead::Ready(Err(e)) => {
@@ -1429,18 +1180,17 @@ impl Core {
         let now = self.now();
         let mut touched: Vec<String> = Vec::new();
         for r in std::mem::take(&mut self.remember_reads) {
-            let current = self
-                .types
-                .get(&r.type_name)
-                .and_then(|h| h.region.recovering_generation(r.shard))
+            let ty = self.plane.type_index(&r.type_name);
+            let current = ty
+                .and_then(|ty| self.plane.region(ty).recovering_generation(r.shard))
                 .is_some_and(|g| g.0 == r.generation);
             match r.ticket {
                 Some(ticket) if !current => remember::recover_forget(ticket),
                 Some(ticket) => match remember::recover_poll(&r.type_name, r.shard, ticket) {
                     None => self.remember_reads.push(r),
                     Some(Ok(ids)) => {
-                        if let Some(h) = self.types.get_mut(&r.type_name) {
-                            h.region.handle_remembered_entities(now, r.shard, ids);
+                        if let Some(ty) = ty {
+                            self.plane.handle_remembered_entities(now, ty, r.shard, ids);
                         }
                         if r.failures > 0 {
                             tracing::info!(core = self.index, type_name = %r.type_name, shard = r.shard.0,
@@ -1461,55 +1211,8 @@ impl Core {
             }
         }
         self.remember_read_ok();
-        touched.sort();
-        touched.dedup();
-        for t in touched {
-            self.run_effects(&t);
-        }
-    }
-
-    fn forward_local(&mut self, t: &str, to_core: u16, env: UserEnvelope) {
-        if matches!(env.sender, ReplyTo::System(_)) {
-            // Unanswered: it travels with its system sender.
-            let Some(tx) = self.to_cores.get(usize::from(to_core)) else {
-                return self.reply(env.sender, Status::BufferFull, Vec::new());
-            };
-            if let Err(
-                crate::runtime::RingSendError::Full(m) | crate::runtime::RingSendError::Closed(m),
-            ) = tx.send(ToCore::Forwarded {
-                type_name: t.to_string(),
-                envelope: env,
-            }) {
-                if let ToCore::Forwarded { envelope, .. } = m {
-                    self.reply(envelope.sender, Status::BufferFull, Vec::new());
-                }
-            }
-            return;
-        }
-        let token = self.next_tag;
-        self.next_tag += 1;
-        let Some(tx) = self.to_cores.get(usize::from(to_core)) else {
-            return self.reply(env.sender, Status::BufferFull, b"no such core".to_vec());
-        };
-        let orig = env.sender.clone();
-        let fwd = Envelope {
-            deadline: env.deadline,
-            entity: env.entity,
-            shard: env.shard,
-            sender: ReplyTo::Core {
-                core: self.index,
-                token,
-            },
-            payload: env.payload,
-        };
-        match tx.send(ToCore::Forwarded {
-            type_name: t.to_string(),
-            envelope: fwd,
-        }) {
-            Ok(()) => {
-                self.local_pending.insert(token, orig);
-            }
-            Err(_) => self.reply(orig, Status::BufferFull, b"core ring full".to_vec()),
+        if !touched.is_empty() {
+            self.run_effects();
         }
     }
 
@@ -1527,7 +1230,10 @@ impl Core {
         let mut entity = f(id);
         let mut epoch = 0;
         let mut hosted_max = 0;
-        for (s, g, _) in h.region.hosted_shards() {
+        let Some(ty) = self.plane.type_index(t) else {
+            return false;
+        };
+        for (s, g, _) in self.plane.region(ty).hosted_shards() {
             hosted_max = hosted_max.max(g.0);
             if s == shard {
                 epoch = g.0;
@@ -1559,6 +1265,7 @@ impl Core {
         true
     }
 
+    /// Hands what a handler asked of its timers to the plane.
     fn apply_timers(
         &mut self,
         t: &str,
@@ -1566,21 +1273,45 @@ impl Core {
         inc: u64,
         timers: Vec<(u64, Option<Duration>)>,
     ) {
-        let now = self.now();
-        for (key, delay) in timers {
-            // Cancellation: entries are matched on fire; a cancelled key is
-            // re-armed with `None` by dropping older entries for it.
-            self.timers
-                .retain(|e| !(e.entity == id.as_str() && e.type_name == t && e.key == key));
-            if let Some(d) = delay {
-                self.timers.push(TimerEntry {
-                    due: std::cmp::Reverse(now + d),
-                    type_name: t.to_string(),
-                    entity: id.as_str().to_string(),
-                    key,
-                    incarnation: inc,
-                });
-            }
+        if timers.is_empty() {
+            return;
+        }
+        if let Some(ty) = self.plane.type_index(t) {
+            let now = self.now();
+            self.plane.handle_entity_timers(now, ty, id, inc, timers);
+        }
+    }
+
+    /// Runs an entity's timer `key` if incarnation `inc` still lives.
+    fn fire_timer(&mut self, t: &str, id: &EntityId, key: u64, inc: u64) {
+        let Some(h) = self.types.get_mut(t) else {
+            return;
+        };
+        let Some(live) = h.entities.get_mut(id) else {
+            return;
+        };
+        if live.incarnation != inc {
+            return;
+        }
+        let shard = live.shard;
+        let mut ctx = EntityContext::new(id).with_type(t, live.epoch);
+        live.entity.on_timer(&mut ctx, key);
+        let out = ctx.take_outgoing();
+        let timers = ctx.take_timers();
+        let passivate = ctx.wants_passivation();
+        let wants_durable = ctx.wants_durable();
+        let watches = ctx.take_watches();
+        let failed = ctx.wants_failed_stop();
+        drop(ctx);
+        self.apply_watches(t, id, watches, failed);
+        self.apply_timers(t, id, inc, timers);
+        self.send_outgoing(out, &mut None, None);
+        if wants_durable {
+            self.durable.wait(t, id, inc);
+        }
+        self.drain_completions();
+        if passivate {
+            self.passivate(t, shard, id);
         }
     }
 
@@ -1628,7 +1359,7 @@ impl Core {
         match res {
             Ok(()) => {
                 if deferred {
-                    self.durable.defer(token, inc, sender);
+                    self.plane.handle_reply_deferred(token, inc, sender);
                     self.drain_completions();
                 } else {
                     self.reply(sender, Status::Ok, reply);
@@ -1640,10 +1371,7 @@ impl Core {
                     self.apply_timers(t, &env.entity, inc, timers);
                 }
                 if passivate {
-                    let now = self.now();
-                    if let Some(h) = self.types.get_mut(t) {
-                        h.region.handle_passivate(now, env.shard, &env.entity, None);
-                    }
+                    self.passivate(t, env.shard, &env.entity);
                 }
             }
             Err(e) => {
@@ -1655,33 +1383,7 @@ impl Core {
                     }
                 }
                 self.fail_deferred(inc);
-                let now = self.now();
-                if let Some(h) = self.types.get_mut(t) {
-                    h.region.handle_entity_stopped(now, env.shard, &env.entity);
-                }
-            }
-        }
-    }
-
-    fn check_registered(&mut self) {
-        let all = !self.types.is_empty() && self.types.values().all(|h| h.region.is_registered());
-        if all != self.reported_registered {
-            self.reported_registered = all;
-            let _ = self.to_control.send(ToControl::Registered {
-                core: self.index,
-                all,
-            });
-        }
-        if self.shutting_down && !self.reported_shutdown {
-            let done = self
-                .types
-                .values()
-                .all(|h| h.region.is_proxy() || h.region.is_shutdown_complete());
-            if done {
-                self.reported_shutdown = true;
-                let _ = self
-                    .to_control
-                    .send(ToControl::ShutdownComplete { core: self.index });
+                self.entity_stopped(t, env.shard, &env.entity);
             }
         }
     }
@@ -1693,56 +1395,11 @@ impl Core {
         if self.drain_until.is_some_and(|d| now >= d) {
             self.finish_drain();
         }
-        let types: Vec<String> = self
-            .types
-            .iter()
-            .filter(|(_, h)| h.region.poll_timeout().is_some_and(|d| d <= now))
-            .map(|(t, _)| t.clone())
-            .collect();
-        for t in types {
-            if let Some(h) = self.types.get_mut(&t) {
-                h.region.handle_timeout(now);
-            }
-            self.run_effects(&t);
-        }
-        // Entity timers.
-        while self.timers.peek().is_some_and(|e| e.due.0 <= now) {
-            let Some(e) = self.timers.pop() else { break };
-            let Some(h) = self.types.get_mut(&e.type_name) else {
-                continue;
-            };
-            let Ok(id) = EntityId::new(e.entity.clone()) else {
-                continue;
-            };
-            let Some(live) = h.entities.get_mut(&id) else {
-                continue;
-            };
-            if live.incarnation != e.incarnation {
-                continue;
-            }
-            let shard = live.shard;
-            let mut ctx = EntityContext::new(&id).with_type(&e.type_name, live.epoch);
-            live.entity.on_timer(&mut ctx, e.key);
-            let out = ctx.take_outgoing();
-            let timers = ctx.take_timers();
-            let passivate = ctx.wants_passivation();
-            let wants_durable = ctx.wants_durable();
-            let watches = ctx.take_watches();
-            let failed = ctx.wants_failed_stop();
-            drop(ctx);
-            self.apply_watches(&e.type_name, &id, watches, failed);
-            self.apply_timers(&e.type_name, &id, e.incarnation, timers);
-            self.send_outgoing(out, &mut None, None);
-            if wants_durable {
-                self.durable.wait(&e.type_name, &id, e.incarnation);
-            }
-            self.drain_completions();
-            if passivate {
-                if let Some(h) = self.types.get_mut(&e.type_name) {
-                    h.region.handle_passivate(now, shard, &id, None);
-                }
-                self.run_effects(&e.type_name);
-            }
+        // The regions' and the entities' timers, the deadlines of
+        // forwarded messages.
+        if self.plane.poll_timeout().is_some_and(|d| d <= now) {
+            self.plane.handle_timeout(now);
+            self.run_effects();
         }
         self.workers_tick(now);
         // Embedding-API asks past their wait: answered `None` (timed out).
@@ -1773,30 +1430,12 @@ impl Core {
         if self.remember_reads.iter().any(|r| r.ticket.is_none()) {
             self.poll_remember_reads();
         }
-        // Forwarded messages without a reply.
-        if !self.pending.is_empty() {
-            let late: Vec<u64> = self
-                .pending
-                .iter()
-                .filter(|(_, p)| p.deadline <= now)
-                .map(|(t, _)| *t)
-                .collect();
-            for t in late {
-                if let Some(p) = self.pending.remove(&t) {
-                    self.reply(
-                        p.reply_to,
-                        Status::TimedOut,
-                        b"no reply from the home node".to_vec(),
-                    );
-                }
-            }
-        }
         self.flush_system();
     }
 
     // ----- ring messages -----
 
-    fn on_inbox(core: &CoreRef, m: ToCore) {
+    fn on_inbox(core: &DataExecutorRef, m: ToCore) {
         let mut c = core.borrow_mut();
         let now = c.now();
         match m {
@@ -1805,11 +1444,11 @@ impl Core {
                 factory,
                 settings,
             } => {
-                if c.types.contains_key(&type_name) {
+                if c.plane.type_index(&type_name).is_some() {
                     tracing::warn!(type_name, "entity type already started; ignored");
                     return;
                 }
-                let rs = region_settings(&settings);
+                let rs = DataPlane::region_settings(&settings);
                 let worker = match (&settings.stateless_worker, &factory) {
                     (Some(w), Some(_)) => Some(workers::WorkerHost::new(
                         w,
@@ -1819,17 +1458,12 @@ impl Core {
                     )),
                     _ => None,
                 };
-                let id = c.region_id();
-                let mut region = if factory.is_some() {
-                    ShardRegion::new(id, rs, Box::new(LruPolicy::new()), now)
-                } else {
-                    ShardRegion::new_proxy(id, rs, now)
-                };
-                region.set_passive_filter(|e| matches!(e.sender, ReplyTo::System(_)));
+                let hosts = factory.is_some();
+                c.plane
+                    .handle_register_type(now, &type_name, rs, hosts, worker.is_some());
                 c.types.insert(
-                    type_name.clone(),
+                    &type_name,
                     TypeHost {
-                        region,
                         factory,
                         entities: FastMap::default(),
                         delivered: 0,
@@ -1837,59 +1471,30 @@ impl Core {
                         worker,
                     },
                 );
-                c.reported_registered = true; // force a report of the new state
-                c.run_effects(&type_name);
+                c.run_effects();
             }
             ToCore::Region { type_name, msg } => {
-                if let Some(h) = c.types.get_mut(&type_name) {
-                    h.region.handle_region_msg(now, msg);
-                    c.run_effects(&type_name);
-                }
+                c.plane.handle_region_msg(now, &type_name, msg);
+                c.run_effects();
             }
             ToCore::Membership(ev) => {
                 if let shardline_core::sharding::MembershipEvent::MemberRemoved(m) = &ev {
                     // Before the regions forget the homes on it.
                     c.watches_member_removed(m);
-                    // A removed member is never connected to again: its
-                    // links close and forwards to it fail at once.
-                    c.removed.insert(m.clone());
-                    let gone: Vec<RegionId> =
-                        c.links.keys().filter(|r| r.member == *m).cloned().collect();
-                    for r in gone {
-                        if let Some(l) = c.links.remove(&r) {
-                            l.outbox.close();
-                        }
-                    }
                 }
-                let types: Vec<String> = c.types.keys().cloned().collect();
-                for t in types {
-                    if let Some(h) = c.types.get_mut(&t) {
-                        h.region.handle_membership(now, &ev);
-                    }
-                    c.run_effects(&t);
-                }
+                // A removed member's lanes close, forwards to it fail.
+                c.plane.handle_membership(now, &ev);
+                c.run_effects();
             }
             ToCore::CoordinatorMoved => {
-                let types: Vec<String> = c.types.keys().cloned().collect();
-                for t in types {
-                    if let Some(h) = c.types.get_mut(&t) {
-                        h.region.handle_coordinator_moved(now);
-                    }
-                    c.run_effects(&t);
-                }
+                c.plane.handle_coordinator_moved(now);
+                c.run_effects();
             }
             ToCore::Available(a) => c.available = a,
             ToCore::GracefulShutdown => {
-                c.shutting_down = true;
                 c.workers_flush(now);
-                let types: Vec<String> = c.types.keys().cloned().collect();
-                for t in types {
-                    if let Some(h) = c.types.get_mut(&t) {
-                        h.region.start_graceful_shutdown(now);
-                    }
-                    c.run_effects(&t);
-                }
-                c.check_registered();
+                c.plane.handle_graceful_shutdown(now);
+                c.run_effects();
             }
             ToCore::InboundData { fd, peer } => {
                 // SAFETY: the control executor handed over ownership of this
@@ -1959,9 +1564,8 @@ impl Core {
                 status,
                 payload,
             } => {
-                if let Some(to) = c.local_pending.remove(&token) {
-                    c.reply(to, status, payload);
-                }
+                c.plane.handle_local_reply(token, status, payload);
+                c.run_effects();
             }
             ToCore::Stop => c.stop_node(),
             ToCore::Shutdown => c.shutdown = true,
@@ -1975,19 +1579,13 @@ impl Core {
     /// ([`STOP_DRAIN`]): requests that still arrive are answered
     /// `ShuttingDown`, then the connections close.
     fn stop_node(&mut self) {
-        if self.stopped {
+        if self.plane.is_stopped() {
             return;
         }
-        self.stopped = true;
         let now = self.now();
-        let mut answered = 0usize;
-        let types: Vec<String> = self.types.keys().cloned().collect();
-        for t in &types {
-            if let Some(h) = self.types.get_mut(t) {
-                answered += h.region.fail_all_buffered(FailureReason::ShuttingDown);
-            }
-            self.run_effects(t);
-        }
+        let answered = self.plane.handle_stop();
+        self.run_effects();
+        let types: Vec<Rc<str>> = self.types.keys().cloned().collect();
         for t in types {
             let live: Vec<(EntityId, Live)> = match self.types.get_mut(&t) {
                 Some(h) => h.entities.drain().collect(),
@@ -2033,23 +1631,8 @@ impl Core {
                 self.end_stop(st);
             }
         }
-        let pending: Vec<Pending> = self.pending.drain().map(|(_, p)| p).collect();
-        let local: Vec<ReplyTo> = self.local_pending.drain().map(|(_, r)| r).collect();
-        let unanswered = pending.len() + local.len();
-        for p in pending {
-            self.reply(
-                p.reply_to,
-                Status::TimedOut,
-                b"node stopped before the home node answered".to_vec(),
-            );
-        }
-        for r in local {
-            self.reply(
-                r,
-                Status::TimedOut,
-                b"node stopped before the home core answered".to_vec(),
-            );
-        }
+        let unanswered = self.plane.handle_drain_end();
+        self.run_effects();
         if unanswered > 0 {
             tracing::warn!(
                 core = self.index,
@@ -2074,14 +1657,17 @@ impl Core {
             .or_else(|| self.remember_error.clone());
         let mut v: Vec<RegionStatusView> = self
             .types
+            .entries
             .iter()
-            .map(|(t, h)| {
-                let st = h.region.shard_region_state();
+            .enumerate()
+            .map(|(i, (t, h))| {
+                let region = self.plane.region(TypeIdx(i));
+                let st = region.shard_region_state();
                 RegionStatusView {
-                    type_name: t.clone(),
+                    type_name: t.to_string(),
                     core: self.index,
-                    proxy: h.region.is_proxy(),
-                    registered: h.region.is_registered(),
+                    proxy: region.is_proxy(),
+                    registered: region.is_registered(),
                     entities: h.entities.len(),
                     shards: st
                         .shards
@@ -2095,18 +1681,17 @@ impl Core {
                         .collect(),
                     messages_delivered: h.delivered,
                     entities_activated: h.activated,
-                    dead_letters: h.region.dead_letters(),
+                    dead_letters: region.dead_letters(),
                     journal_error: journal_error.clone(),
-                    dead_letter_reasons: h
-                        .region
+                    dead_letter_reasons: region
                         .dead_letters_by_reason()
                         .into_iter()
                         .filter(|(_, n)| *n > 0)
                         .map(|(r, n)| (r.label().to_string(), n))
                         .collect(),
-                    buffered: h.region.buffered(),
-                    hand_offs_begun: h.region.hand_offs_begun(),
-                    hand_offs_completed: h.region.hand_offs_completed(),
+                    buffered: region.buffered(),
+                    hand_offs_begun: region.hand_offs_begun(),
+                    hand_offs_completed: region.hand_offs_completed(),
                     worker: h.worker.as_ref().map(|w| w.status()),
                 }
             })
@@ -2118,13 +1703,16 @@ impl Core {
     /// The homes of `shard` this core's regions have cached from the
     /// coordinator, per entity type: `(type, member address, core)`.
     pub(crate) fn cached_homes(&self, shard: ShardId) -> Vec<crate::gateway::http::CachedHome> {
-        let mut out: Vec<_> = self
-            .types
-            .iter()
-            .filter_map(|(t, h)| {
-                h.region
-                    .home_of(shard)
-                    .map(|(r, _)| (t.clone(), r.member.address.0.clone(), r.core))
+        let mut out: Vec<_> = (0..self.plane.type_count())
+            .filter_map(|i| {
+                let ty = TypeIdx(i);
+                self.plane.region(ty).home_of(shard).map(|(r, _)| {
+                    (
+                        self.plane.type_name(ty).to_string(),
+                        r.member.address.0.clone(),
+                        r.core,
+                    )
+                })
             })
             .collect();
         out.sort();
@@ -2158,22 +1746,9 @@ impl Core {
     }
 }
 
-fn region_settings(s: &EntitySettings) -> RegionSettings {
-    RegionSettings {
-        buffer_size: s.buffer_size,
-        passivation: PassivationSettings {
-            idle_timeout: s.idle_timeout,
-            active_entity_limit: s.active_entity_limit,
-        },
-        remember_entities: s.remember_entities,
-        remember_entities_pace: s.remember_entities_pace,
-        ..RegionSettings::default()
-    }
-}
-
 /// An outbound data lane to a remote region: connect, handshake, then write
 /// batched `Forward`s and read `Reply`s until it fails.
-async fn run_link(core: CoreRef, to: RegionId, outbox: Rc<Outbox>) {
+async fn run_link(core: DataExecutorRef, to: RegionId, outbox: Rc<Outbox>) {
     let (hello, addr) = {
         let c = core.borrow();
         let hello = c.fp.hello(
@@ -2225,7 +1800,11 @@ async fn run_link(core: CoreRef, to: RegionId, outbox: Rc<Outbox>) {
 }
 
 /// An inbound data lane: read `Forward`s, route them, write `Reply`s.
-async fn serve_data_lane(core: CoreRef, stream: monoio::net::TcpStream, peer: UniqueAddress) {
+async fn serve_data_lane(
+    core: DataExecutorRef,
+    stream: monoio::net::TcpStream,
+    peer: UniqueAddress,
+) {
     let outbox = Rc::new(Outbox::default());
     let conn = core.borrow_mut().add_conn(outbox.clone());
     let (mut r, mut w) = stream.into_split();
@@ -2266,7 +1845,7 @@ async fn serve_data_lane(core: CoreRef, stream: monoio::net::TcpStream, peer: Un
 }
 
 /// The data plane's side of the port to the fronts of this executor.
-impl DataPort for CoreRef {
+impl DataPort for DataExecutorRef {
     fn open_conn(&self, signal: Rc<Outbox>) -> ConnId {
         self.borrow_mut().add_conn(signal)
     }

@@ -209,7 +209,7 @@ impl Node {
         let epoch = Instant::now();
         let metrics_board = Arc::new(crate::gateway::MetricsBoard::default());
         for (i, rx) in core_rxs.into_iter().enumerate() {
-            let ctx = core::CoreInit {
+            let ctx = core::DataExecutorInit {
                 index: i as u16,
                 config: config.clone(),
                 uid,

@@ -770,55 +770,26 @@ pub fn appended() -> Lsn {
     Lsn(APPENDED.with(|a| a.get()))
 }
 
-/// Deferred replies and entities awaiting durability on one core: the
-/// part of the durable-entity protocol the core keeps. `S` is the core's
-/// reply address.
-pub struct Hooks<S> {
-    deferred: std::collections::HashMap<u64, (u64, S)>,
+/// Entities awaiting durability on one core and the core's durability
+/// wake: the part of the durable-entity protocol the data executor keeps
+/// (the replies held until durable are the data plane's,
+/// `node::plane::data`).
+pub struct Hooks {
     waiting: Vec<(String, shardline_core::ids::EntityId, u64)>,
     /// The core's durability wake.
     pub wake: Arc<DurableWake>,
 }
 
-impl<S> Default for Hooks<S> {
+impl Default for Hooks {
     fn default() -> Self {
         Hooks {
-            deferred: std::collections::HashMap::new(),
             waiting: Vec::new(),
             wake: Arc::new(DurableWake::default()),
         }
     }
 }
 
-impl<S> Hooks<S> {
-    /// Remembers where the deferred reply `token` of incarnation `inc` goes.
-    pub fn defer(&mut self, token: u64, inc: u64, sender: S) {
-        self.deferred.insert(token, (inc, sender));
-    }
-
-    /// Where the answered `token` goes (removing it).
-    pub fn take(&mut self, token: u64) -> Option<S> {
-        self.deferred.remove(&token).map(|(_, s)| s)
-    }
-
-    /// The reply addresses still waiting on incarnation `inc` (it stopped;
-    /// the caller answers them with a failure).
-    pub fn drop_incarnation(&mut self, inc: u64) -> Vec<S> {
-        if self.deferred.is_empty() {
-            return Vec::new();
-        }
-        let tokens: Vec<u64> = self
-            .deferred
-            .iter()
-            .filter(|(_, (i, _))| *i == inc)
-            .map(|(t, _)| *t)
-            .collect();
-        tokens
-            .into_iter()
-            .filter_map(|t| self.deferred.remove(&t).map(|(_, s)| s))
-            .collect()
-    }
-
+impl Hooks {
     /// Adds an entity to the ones that get [`crate::entity::Entity::on_durable`].
     pub fn wait(&mut self, type_name: &str, id: &shardline_core::ids::EntityId, inc: u64) {
         if !self

@@ -8,7 +8,7 @@ use std::time::Duration;
 use shardline_core::ids::EntityId;
 use shardline_core::sharding::{shard_id_of, Envelope};
 
-use super::{Core, FastMap, ReplyTo, ToCore, UserEnvelope};
+use super::{DataExecutor, FastMap, ReplyTo, ToCore, UserEnvelope};
 use crate::entity::worker::{core_share, Admit, WorkerPool, WorkerSettings};
 use crate::entity::{Entity, EntityContext, EntityFactory, Outgoing};
 use crate::envelope::Status;
@@ -83,19 +83,14 @@ fn apply_timers(a: &mut Activation, now: Duration, timers: Vec<(u64, Option<Dura
     }
 }
 
-impl Core {
-    /// Whether `t` is a stateless worker type on this core.
-    pub(super) fn is_worker(&self, t: &str) -> bool {
-        self.types.get(t).is_some_and(|h| h.worker.is_some())
-    }
-
+impl DataExecutor {
     /// Runs a request for worker type `t` here: on an idle or new
     /// activation, or queued; a full queue answers `BufferFull`. Once the
     /// node leaves, requests are answered `ShuttingDown` (retry on another
     /// node): the activations flushed what they held when the leave began,
     /// and nothing they would accept afterwards could be flushed for sure.
     pub(super) fn worker_route(&mut self, t: &str, env: UserEnvelope) {
-        if self.shutting_down {
+        if self.plane.is_shutting_down() {
             return self.reply(
                 env.sender,
                 Status::ShuttingDown,
@@ -113,7 +108,10 @@ impl Core {
         };
         let Some(w) = h.worker.as_mut() else { return };
         if let Some(to) = w.forward_to {
-            return self.forward_local(t, to, env);
+            let Some(ty) = self.plane.type_index(t) else {
+                return;
+            };
+            return self.plane.handle_worker_forward(ty, to, env);
         }
         let mut created = false;
         let admit = w.pool.submit(now, env, || {
@@ -171,7 +169,7 @@ impl Core {
             match res {
                 Ok(()) if deferred => {
                     if let Some(s) = sender {
-                        self.durable.defer(token, inc, s);
+                        self.plane.handle_reply_deferred(token, inc, s);
                     }
                     if let Some(w) = self.types.get_mut(t).and_then(|h| h.worker.as_mut()) {
                         w.deferred.insert(token, slot);
@@ -249,8 +247,9 @@ impl Core {
     /// idle past the idle timeout (firing their pending timers first, so an
     /// `aggregate` activation sends its partial sums before it goes).
     pub(super) fn workers_tick(&mut self, now: Duration) {
-        let types: Vec<String> = self
+        let types: Vec<std::rc::Rc<str>> = self
             .types
+            .entries
             .iter()
             .filter(|(_, h)| h.worker.is_some())
             .map(|(t, _)| t.clone())
@@ -337,7 +336,7 @@ impl Core {
             let mut deadline = None;
             let to = if let Some(a) = &o.ask {
                 // An ask between entities: its answer comes back to the
-                // asking incarnation (`Core::answer_entity_ask`).
+                // asking incarnation (`DataExecutor::answer_entity_ask`).
                 let inc = self
                     .types
                     .get(&a.from_type)

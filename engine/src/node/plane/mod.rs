@@ -4,3 +4,4 @@
 //! `node/` are their drivers.
 
 pub mod control;
+pub mod data;
