@@ -1376,6 +1376,27 @@ fn run_append(
 /// writer epoch, payload or snapshot bytes)`.
 pub(crate) type AppendRow<'a> = (&'a str, u64, u64, &'a [u8]);
 
+/// [`AppendRow`]s as the four array parameters of the journal's
+/// statements (`$1::text[], $2::int8[], $3::int8[], $4::bytea[]`).
+pub(crate) struct AppendColumns<'a> {
+    pub(crate) pids: Vec<&'a str>,
+    pub(crate) seqs: Vec<i64>,
+    pub(crate) epochs: Vec<i64>,
+    pub(crate) data: Vec<&'a [u8]>,
+}
+
+impl<'a> AppendColumns<'a> {
+    /// The columns of `rows`, in their order.
+    pub(crate) fn of(rows: &[AppendRow<'a>]) -> AppendColumns<'a> {
+        AppendColumns {
+            pids: rows.iter().map(|r| r.0).collect(),
+            seqs: rows.iter().map(|r| r.1 as i64).collect(),
+            epochs: rows.iter().map(|r| r.2 as i64).collect(),
+            data: rows.iter().map(|r| r.3).collect(),
+        }
+    }
+}
+
 /// Runs `both` ([`APPEND_SQL`]) for `rows` and `snaps`, or `events_only`
 /// ([`APPEND_EVENTS_SQL`]) when there are no snapshots; both sorted by
 /// id and sequence number. The entities' writers pass their prepared
@@ -1395,21 +1416,15 @@ pub(crate) fn execute_append<T>(
 where
     T: postgres::ToStatement + ?Sized,
 {
-    let e_pid: Vec<&str> = rows.iter().map(|r| r.0).collect();
-    let e_seq: Vec<i64> = rows.iter().map(|r| r.1 as i64).collect();
-    let e_ep: Vec<i64> = rows.iter().map(|r| r.2 as i64).collect();
-    let e_data: Vec<&[u8]> = rows.iter().map(|r| r.3).collect();
+    let e = AppendColumns::of(rows);
     let r = if snaps.is_empty() {
-        c.execute(events_only, &[&e_pid, &e_seq, &e_ep, &e_data])
+        c.execute(events_only, &[&e.pids, &e.seqs, &e.epochs, &e.data])
     } else {
-        let s_pid: Vec<&str> = snaps.iter().map(|s| s.0).collect();
-        let s_seq: Vec<i64> = snaps.iter().map(|s| s.1 as i64).collect();
-        let s_ep: Vec<i64> = snaps.iter().map(|s| s.2 as i64).collect();
-        let s_data: Vec<&[u8]> = snaps.iter().map(|s| s.3).collect();
+        let s = AppendColumns::of(snaps);
         c.execute(
             both,
             &[
-                &e_pid, &e_seq, &e_ep, &e_data, &s_pid, &s_seq, &s_ep, &s_data,
+                &e.pids, &e.seqs, &e.epochs, &e.data, &s.pids, &s.seqs, &s.epochs, &s.data,
             ],
         )
     };

@@ -48,8 +48,8 @@ use super::coordinator::{
     CoordinatorJournalError, CoordinatorRecord, RecoveredCoordinator, SNAPSHOT_EVERY_EVENTS,
 };
 use super::pg::{
-    claim_and_read, connect, execute_append, AppendRow, PgError, PgSettings, APPEND_EVENTS_SQL,
-    APPEND_SQL,
+    claim_and_read, connect, execute_append, AppendColumns, AppendRow, PgError, PgSettings,
+    APPEND_EVENTS_SQL, APPEND_SQL,
 };
 use super::DurableWake;
 
@@ -734,15 +734,19 @@ fn append_once(c: &mut Client, rows: &[&Row], snaps: &[&Row]) -> Result<(), PgEr
     }
 }
 
+/// `rows` as the statements' [`AppendRow`]s.
+fn append_rows<'a>(rows: &[&'a Row]) -> Vec<AppendRow<'a>> {
+    rows.iter()
+        .map(|r| (r.pid.as_str(), r.seq, r.epoch, r.data.as_slice()))
+        .collect()
+}
+
 /// Whether every row of `rows` is stored as is (see [`append_once`]).
 fn rows_already_committed(c: &mut Client, rows: &[&Row]) -> Result<bool, PgError> {
     if rows.is_empty() {
         return Ok(false);
     }
-    let pids: Vec<&str> = rows.iter().map(|r| r.pid.as_str()).collect();
-    let seqs: Vec<i64> = rows.iter().map(|r| r.seq as i64).collect();
-    let epochs: Vec<i64> = rows.iter().map(|r| r.epoch as i64).collect();
-    let data: Vec<&[u8]> = rows.iter().map(|r| r.data.as_slice()).collect();
+    let mine = AppendColumns::of(&append_rows(rows));
     let row = c
         .query_one(
             "SELECT count(*) FROM shardline_events e
@@ -751,7 +755,7 @@ fn rows_already_committed(c: &mut Client, rows: &[&Row]) -> Result<bool, PgError
                ON e.persistence_id = mine.pid AND e.sequence_nr = mine.seq
              WHERE NOT e.claim AND e.writer_epoch = mine.epoch
                AND e.payload = mine.payload",
-            &[&pids, &seqs, &epochs, &data],
+            &[&mine.pids, &mine.seqs, &mine.epochs, &mine.data],
         )
         .map_err(|e| PgError::classify(&e))?;
     let n: i64 = row.get(0);
@@ -765,17 +769,12 @@ fn rows_already_committed(c: &mut Client, rows: &[&Row]) -> Result<bool, PgError
 /// As [`execute_append`]: [`PgError::Fenced`] when an event's sequence
 /// number is taken (a newer incarnation claimed the id).
 fn append(c: &mut Client, rows: &[&Row], snaps: &[&Row]) -> Result<(), PgError> {
-    fn arrays<'a>(rs: &[&'a Row]) -> Vec<AppendRow<'a>> {
-        rs.iter()
-            .map(|r| (r.pid.as_str(), r.seq, r.epoch, r.data.as_slice()))
-            .collect()
-    }
     execute_append(
         c,
         APPEND_SQL,
         APPEND_EVENTS_SQL,
-        &arrays(rows),
-        &arrays(snaps),
+        &append_rows(rows),
+        &append_rows(snaps),
     )
 }
 
