@@ -626,6 +626,17 @@ fn closed_loop(
     .join()
 }
 
+/// The adds both clients send: `counter add 1` to counters drawn
+/// uniformly from `--entities`.
+fn adds(args: &DurableArgs) -> Result<(Workload, OpMix)> {
+    let workload = Workload::Synthetic {
+        entities: args.entities,
+        dist: KeyDist::Uniform,
+    };
+    let op = OpMix::parse("counter-add").map_err(anyhow::Error::msg)?;
+    Ok((workload, op))
+}
+
 /// One closed-loop run of counter adds, `warmup` then `duration` measured,
 /// with one thread per connection that sends, waits for a reply and sends
 /// the next add itself (`depth` adds in flight in all, split evenly over
@@ -647,11 +658,7 @@ fn drive(
 ) -> Result<Driven> {
     let conns = depth.min(args.connections).max(1);
     let n = conns as u64;
-    let workload = Workload::Synthetic {
-        entities: args.entities,
-        dist: KeyDist::Uniform,
-    };
-    let op = OpMix::parse("counter-add").map_err(anyhow::Error::msg)?;
+    let (workload, op) = adds(args)?;
     let start = Instant::now();
     let measure_from = start + warmup;
     let end = measure_from + duration;
@@ -753,11 +760,7 @@ fn drive_threads(
 ) -> Result<Driven> {
     let conns = depth.min(args.connections).max(1);
     let n = conns as u64;
-    let workload = Workload::Synthetic {
-        entities: args.entities,
-        dist: KeyDist::Uniform,
-    };
-    let op = OpMix::parse("counter-add").map_err(anyhow::Error::msg)?;
+    let (workload, op) = adds(args)?;
     let mut sources: Vec<Box<dyn Iterator<Item = Result<Request>> + Send>> = Vec::new();
     for c in 0..n {
         sources.push(Box::new(RequestSource::new(&workload, &op, 1, c, n)?));
