@@ -19,7 +19,7 @@ use crate::format::{
     Snapshot, SNAPSHOT_SUFFIX, TMP_SUFFIX,
 };
 use crate::ids::{Lsn, PersistenceId, SequenceNr, WriterEpoch};
-use crate::recovery::{recover, PidState, RecoveryReport, SealedSegment, SegmentIndex};
+use crate::recovery::{recover, PidMap, PidState, RecoveryReport, SealedSegment, SegmentIndex};
 use crate::storage::{MmapStorage, SegmentFile, Storage};
 use crate::sync::{self, DurabilityError, DurabilityWatcher, PendingSnapshots, Shared, SyncMsg};
 
@@ -140,7 +140,7 @@ fn now_ms() -> u64 {
 struct Catalog {
     storage: Arc<dyn Storage>,
     sealed: BTreeMap<Lsn, SealedSegment>,
-    pids: HashMap<PersistenceId, PidState>,
+    pids: PidMap<PidState>,
     /// Sorted, so that the files of one id hash are a range (a journal may
     /// hold a snapshot per entity: hundreds of thousands).
     snapshot_files: std::collections::BTreeSet<String>,
@@ -342,8 +342,8 @@ pub struct Journal {
     next_lsn: Lsn,
     removed_up_to: Lsn,
     max_segment_epoch: WriterEpoch,
-    checkpoint_state: HashMap<PersistenceId, PidCheckpoint>,
-    snapshot_seqs: HashMap<PersistenceId, SequenceNr>,
+    checkpoint_state: PidMap<PidCheckpoint>,
+    snapshot_seqs: PidMap<SequenceNr>,
     shared: Arc<Shared>,
     tx: Sender<SyncMsg>,
     sync_thread: Option<JoinHandle<()>>,
@@ -506,7 +506,7 @@ impl Journal {
             next_lsn,
             removed_up_to: rec.removed_up_to,
             checkpoint_state: rec.checkpoint_state,
-            snapshot_seqs: HashMap::new(),
+            snapshot_seqs: PidMap::default(),
             shared,
             tx,
             sync_thread: Some(thread),
@@ -943,9 +943,11 @@ impl Journal {
     }
 
     /// Saves `data` as the latest snapshot of `pid` at `sequence_nr`,
-    /// replacing any older one. The caller's thread only writes a
-    /// temporary file (no `fsync`); the journal's meta thread then makes it
-    /// durable (`fsync`), renames it into place and syncs the directory.
+    /// replacing any older one. The caller's thread only encodes it (no
+    /// file I/O: on a data core a file's creation and write cost more than
+    /// the events it covers); the journal's meta thread writes it to a
+    /// temporary file, makes it durable (`fsync`), renames it into place and
+    /// syncs the directory.
     /// Until then the previous snapshot file and every event stay on disk:
     /// segments that the new snapshot makes obsolete are removed only after
     /// it is durable (the removal is queued behind it), so a crash at any
@@ -953,13 +955,15 @@ impl Journal {
     /// snapshot at once ([`Journal::recover`]); readers of the directory
     /// see it once it is durable. A failure to make it durable poisons the
     /// journal, reported like a failed flush: every later append fails and
-    /// every durability wait gets [`DurabilityError::Poisoned`].
+    /// every durability wait gets [`DurabilityError::Poisoned`] (so does a
+    /// failure to write the temporary file: the segments it made obsolete
+    /// are then kept).
     ///
     /// # Errors
     /// [`SnapshotError::Fenced`] for a stale epoch;
     /// [`SnapshotError::BadSequenceNr`] when `sequence_nr` is above the id's
-    /// last event or below the saved snapshot's; [`SnapshotError::Poisoned`];
-    /// [`SnapshotError::Io`] when the temporary file cannot be written.
+    /// last event or below the saved snapshot's; [`SnapshotError::Poisoned`]
+    /// when the journal is poisoned or its sync thread stopped.
     pub fn save_snapshot(
         &mut self,
         pid: &PersistenceId,
@@ -1032,13 +1036,6 @@ impl Journal {
         // may still be waiting for the meta thread.
         self.snapshot_serial += 1;
         let tmp = format!("{name}.{}{TMP_SUFFIX}", self.snapshot_serial);
-        self.catalog
-            .storage
-            .write_file(&tmp, &bytes)
-            .map_err(|source| SnapshotError::Io {
-                op: format!("writing {tmp}"),
-                source,
-            })?;
         self.catalog
             .pending_snapshots
             .lock()

@@ -2,6 +2,11 @@
 //! id state, following the decision table in FORMAT.md ("Recovery").
 
 use std::collections::{BTreeSet, HashMap};
+
+/// A map keyed by persistence id, hashed with foldhash (per-process random
+/// seed): the journal looks an id up two or three times per record, where
+/// SipHash cost more than the record's copy into the segment.
+pub(crate) type PidMap<V> = HashMap<PersistenceId, V, foldhash::fast::RandomState>;
 use std::sync::OnceLock;
 
 use crate::error::{CorruptionKind, RecoveryError};
@@ -23,7 +28,7 @@ pub struct SegmentIndex {
     pub(crate) end_offset: u64,
     pub(crate) last_lsn: Lsn,
     pub(crate) records: u64,
-    pub(crate) pids: HashMap<PersistenceId, IndexEntry>,
+    pub(crate) pids: PidMap<IndexEntry>,
 }
 
 impl SegmentIndex {
@@ -34,7 +39,7 @@ impl SegmentIndex {
             end_offset: format::SEGMENT_HEADER_LEN_BYTES as u64,
             last_lsn: Lsn(id.0.saturating_sub(1)),
             records: 0,
-            pids: HashMap::new(),
+            pids: PidMap::default(),
         }
     }
 
@@ -205,10 +210,10 @@ pub struct RecoveryReport {
 
 pub(crate) struct Recovered {
     pub(crate) segments: Vec<SealedSegment>,
-    pub(crate) pids: HashMap<PersistenceId, PidState>,
+    pub(crate) pids: PidMap<PidState>,
     /// Merge of the checkpoint and every sealed segment (no deletions
     /// beyond those).
-    pub(crate) checkpoint_state: HashMap<PersistenceId, PidCheckpoint>,
+    pub(crate) checkpoint_state: PidMap<PidCheckpoint>,
     pub(crate) next_lsn: Lsn,
     pub(crate) max_segment_epoch: WriterEpoch,
     pub(crate) removed_up_to: Lsn,
@@ -560,7 +565,7 @@ pub(crate) fn recover(
         break;
     }
 
-    let mut pids: HashMap<PersistenceId, PidState> = HashMap::new();
+    let mut pids: PidMap<PidState> = PidMap::default();
     for (p, c) in &checkpoint.pids {
         pids.entry(p.clone()).or_default().merge_checkpoint(c);
     }

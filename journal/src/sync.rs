@@ -176,8 +176,9 @@ pub(crate) enum SyncMsg {
         checkpoint: Vec<u8>,
         names: Vec<String>,
     },
-    /// The writer wrote a snapshot to `tmp` (not durable yet): make it
-    /// durable as `name`, then drop `bytes` from `pending`.
+    /// The writer saved a snapshot (readable from `pending` until then):
+    /// write `bytes` to `tmp`, make it durable as `name`, then drop `bytes`
+    /// from `pending`.
     Snapshot {
         tmp: String,
         name: String,
@@ -269,7 +270,8 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
                 bytes,
                 pending,
             }) => storage
-                .sync_file(&tmp)
+                .write_file(&tmp, &bytes)
+                .and_then(|()| storage.sync_file(&tmp))
                 .and_then(|()| storage.rename(&tmp, &name))
                 .map_err(|e| format!("making snapshot {name} durable failed: {e}"))
                 .map(|()| {

@@ -1701,17 +1701,17 @@ impl DataExecutor {
     }
 
     /// The homes of `shard` this core's regions have cached from the
-    /// coordinator, per entity type: `(type, member address, core)`.
+    /// coordinator, per entity type, in type name order.
     pub(crate) fn cached_homes(&self, shard: ShardId) -> Vec<crate::gateway::http::CachedHome> {
         let mut out: Vec<_> = (0..self.plane.type_count())
             .filter_map(|i| {
                 let ty = TypeIdx(i);
                 self.plane.region(ty).home_of(shard).map(|(r, _)| {
-                    (
-                        self.plane.type_name(ty).to_string(),
-                        r.member.address.0.clone(),
-                        r.core,
-                    )
+                    crate::gateway::http::CachedHome {
+                        type_name: self.plane.type_name(ty).to_string(),
+                        node: r.member.address.0.clone(),
+                        core: r.core,
+                    }
                 })
             })
             .collect();

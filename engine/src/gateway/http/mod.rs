@@ -195,9 +195,16 @@ struct HomeJson<'a> {
     core: u16,
 }
 
-/// A shard home this node's region learned from the coordinator:
-/// `(entity type, member address, data core)`.
-pub type CachedHome = (String, String, u16);
+/// A shard home this node's region learned from the coordinator.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct CachedHome {
+    /// The entity type whose region cached the home.
+    pub type_name: String,
+    /// The cluster address (`host:port`) of the member that hosts the shard.
+    pub node: String,
+    /// The data core (index) of that member whose region hosts the shard.
+    pub core: u16,
+}
 
 /// `GET /v1/sharding/shard-of/{id}[?shards=N]`: the shard of `entity_id`
 /// (xxh3-64 seed 0 modulo N, N = `number_of_shards` when not given) and,
@@ -229,12 +236,12 @@ pub fn shard_of_response(
                 });
             }
         }
-        for (t, node, core) in cached {
-            if !homes.iter().any(|h| h.type_name == t) {
+        for c in cached {
+            if !homes.iter().any(|h| h.type_name == c.type_name) {
                 homes.push(HomeJson {
-                    type_name: t,
-                    node,
-                    core: *core,
+                    type_name: &c.type_name,
+                    node: &c.node,
+                    core: c.core,
                 });
             }
         }
