@@ -527,9 +527,14 @@ mod tests {
             .map(|i| EntityId::new(format!("e{i}")).unwrap())
             .find(|e| shard_id_of(e.as_str(), 100).0 == 3)
             .unwrap();
+        let home = |t: &str, node: &str, core| CachedHome {
+            type_name: t.to_string(),
+            node: node.to_string(),
+            core,
+        };
         let cached = vec![
-            ("counter".to_string(), "127.0.0.1:7102".to_string(), 1),
-            ("other".to_string(), "127.0.0.1:7103".to_string(), 0),
+            home("counter", "127.0.0.1:7102", 1),
+            home("other", "127.0.0.1:7103", 0),
         ];
         let r = shard_of_response(&id, None, 100, &st, &cached);
         let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
