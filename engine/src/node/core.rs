@@ -1,14 +1,17 @@
 //! A data executor: the driver of one core's data plane
 //! ([`DataPlane`], `node/plane/data.rs`, which owns the regions and makes
-//! the routing decisions), the entities it hosts, the data lanes to other
-//! nodes, and the fronts (`crate::gateway`) it starts and serves through
-//! [`DataPort`] (implemented here for [`DataExecutorRef`]), answering them
-//! through their reply sink ([`Fronts::reply`]).
+//! the routing decisions) and of its entity host ([`EntityHost`],
+//! `node/plane/host.rs`, which runs the entities), of the data lanes to
+//! other nodes (`core/lanes.rs`), and of the fronts (`crate::gateway`) it
+//! starts and serves through `DataPort` (`core/port.rs`), answering them
+//! through their reply sink ([`Fronts::reply`]). It keeps the sockets, the
+//! spawns, the tick, the rings, the journal handles and the embedding
+//! API's waiting asks, and decides nothing about sharding.
 //!
 //! Everything here runs on one thread; the state is one
 //! `Rc<RefCell<DataExecutor>>` borrowed for the length of one input (a
 //! frame, a ring message, a tick), never across an await. Each input is
-//! fed to the plane, then the plane's outputs are carried out
+//! fed to the plane (or the host), then their outputs are carried out
 //! ([`DataExecutor::run_effects`]); entities run to completion inside that
 //! borrow.
 
@@ -19,21 +22,23 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use monoio::io::Splitable;
-use shardline_core::ids::{Address, MemberUid, RegionId, ShardId, UniqueAddress};
+use shardline_core::ids::{Address, MemberUid, RegionId, UniqueAddress};
 use shardline_core::sharding::{shard_id_of, Envelope};
 
 use super::msg::{ReplyTo, ToControl, ToCore, UserEnvelope};
 use super::plane::data::{DataOutput, DataPlane, DataPlaneConfig, Transmit, TypeIdx};
 use super::plane::host::{EntityHost, HostConfig, HostOutput, SYSTEM_ROUNDS};
-use super::{RegionStatusView, Shared};
+use super::Shared;
 use crate::config::NodeConfig;
-use crate::envelope::{encode_frame, FrameError, Status, MAX_FRAME_SIZE_BYTES};
-use crate::envelope::{DataFrame, Lane};
-use crate::gateway::port::{ConnId, DataPort};
+use crate::envelope::{encode_frame, DataFrame, Status};
 use crate::gateway::{Fronts, MetricsBoard};
 use crate::runtime::{RingReceiver, RingSender};
-use crate::transport::{self, FrameReader, Outbox, OUTBOX_HIGH_WATER_BYTES};
+use crate::transport::{self, Outbox};
+
+mod lanes;
+mod port;
+
+use lanes::{run_link, serve_data_lane};
 
 /// Everything a data executor starts with.
 pub(crate) struct DataExecutorInit {
@@ -431,70 +436,6 @@ impl DataExecutor {
         self.run_effects();
     }
 
-    // ----- data lanes -----
-
-    /// A frame on an inbound data lane. `Err` closes the connection.
-    pub(crate) fn on_data_frame(&mut self, conn: u64, body: &[u8]) -> Result<(), FrameError> {
-        let now = self.now();
-        let r = self.plane.handle_data_frame(now, conn, body);
-        self.run_effects();
-        r
-    }
-
-    /// A reply on an outbound data lane.
-    pub(crate) fn on_link_frame(&mut self, body: &[u8]) -> Result<(), FrameError> {
-        let r = self.plane.handle_link_frame(body);
-        self.run_effects();
-        r
-    }
-
-    /// The data lane to `to` closed (`connected`: its handshake had
-    /// completed); the plane answers what waited on it.
-    fn link_failed(&mut self, to: &RegionId, outbox: &Rc<Outbox>, connected: bool) {
-        let current = self
-            .links
-            .get(to)
-            .is_some_and(|l| Rc::ptr_eq(&l.outbox, outbox));
-        if current {
-            self.links.remove(to);
-        }
-        let now = self.now();
-        self.plane.handle_link_closed(now, to, connected, current);
-        self.run_effects();
-    }
-
-    /// Writes a frame on the data lane the plane opened for it; a lane
-    /// over its high-water mark or a frame that does not encode is handed
-    /// back to the plane, which answers the sender.
-    fn transmit(&mut self, t: Transmit) {
-        let Some(link) = self.links.get(&t.to) else {
-            return self
-                .plane
-                .handle_transmit_refused(t, Status::Unavailable, b"no link".to_vec());
-        };
-        let outbox = link.outbox.clone();
-        if outbox.buf.borrow().len() > OUTBOX_HIGH_WATER_BYTES {
-            return self.plane.handle_transmit_refused(
-                t,
-                Status::BufferFull,
-                b"link to the home node is full".to_vec(),
-            );
-        }
-        let encoded = encode_frame(&t.frame, &mut outbox.buf.borrow_mut());
-        if let Err(e) = encoded {
-            // The fronts refuse messages over the limit; this is a message
-            // from an entity or the embedding API.
-            let status = match t.frame {
-                DataFrame::System { .. } => Status::BufferFull,
-                _ => Status::TooLarge,
-            };
-            return self
-                .plane
-                .handle_transmit_refused(t, status, e.to_string().into_bytes());
-        }
-        outbox.flush();
-    }
-
     // ----- effects -----
 
     /// Carries out the plane's and the host's outputs until neither has any
@@ -868,75 +809,6 @@ impl DataExecutor {
             l.outbox.close();
         }
     }
-    pub(crate) fn status(&self) -> Vec<RegionStatusView> {
-        // A journal that did not open, or a database that is unavailable.
-        let journal_error = self
-            .journal_error
-            .clone()
-            .or_else(|| crate::persistence::with_log(|l| l.health()).ok().flatten())
-            .or_else(|| self.host.remember_error().map(str::to_string));
-        let mut v: Vec<RegionStatusView> = (0..self.plane.type_count())
-            .map(|i| {
-                let ty = TypeIdx(i);
-                let region = self.plane.region(ty);
-                let st = region.shard_region_state();
-                let figures = self.host.figures(ty).unwrap_or_default();
-                RegionStatusView {
-                    type_name: self.plane.type_name(ty).to_string(),
-                    core: self.index,
-                    proxy: region.is_proxy(),
-                    registered: region.is_registered(),
-                    entities: figures.entities,
-                    shards: st
-                        .shards
-                        .into_iter()
-                        .map(|(s, ids)| {
-                            (
-                                s.0,
-                                ids.into_iter().map(|i| i.as_str().to_string()).collect(),
-                            )
-                        })
-                        .collect(),
-                    messages_delivered: figures.delivered,
-                    entities_activated: figures.activated,
-                    dead_letters: region.dead_letters(),
-                    journal_error: journal_error.clone(),
-                    dead_letter_reasons: region
-                        .dead_letters_by_reason()
-                        .into_iter()
-                        .filter(|(_, n)| *n > 0)
-                        .map(|(r, n)| (r.label().to_string(), n))
-                        .collect(),
-                    buffered: region.buffered(),
-                    hand_offs_begun: region.hand_offs_begun(),
-                    hand_offs_completed: region.hand_offs_completed(),
-                    worker: figures.worker,
-                }
-            })
-            .collect();
-        v.sort_by(|a, b| a.type_name.cmp(&b.type_name));
-        v
-    }
-
-    /// The homes of `shard` this core's regions have cached from the
-    /// coordinator, per entity type: `(type, member address, core)`.
-    pub(crate) fn cached_homes(&self, shard: ShardId) -> Vec<crate::gateway::http::CachedHome> {
-        let mut out: Vec<_> = (0..self.plane.type_count())
-            .filter_map(|i| {
-                let ty = TypeIdx(i);
-                self.plane.region(ty).home_of(shard).map(|(r, _)| {
-                    (
-                        self.plane.type_name(ty).to_string(),
-                        r.member.address.0.clone(),
-                        r.core,
-                    )
-                })
-            })
-            .collect();
-        out.sort();
-        out
-    }
-
     pub(crate) fn index(&self) -> u16 {
         self.index
     }
@@ -961,154 +833,5 @@ impl DataExecutor {
 
     pub(crate) fn client_address(&self) -> String {
         self.config.client_address.to_string()
-    }
-}
-
-/// An outbound data lane to a remote region: connect, handshake, then write
-/// batched `Forward`s and read `Reply`s until it fails.
-async fn run_link(core: DataExecutorRef, to: RegionId, outbox: Rc<Outbox>) {
-    let (hello, addr) = {
-        let c = core.borrow();
-        let hello = c.fp.hello(
-            (&c.me.address.0, c.me.uid.0),
-            Lane::Data,
-            to.core,
-            c.scope.cluster_id(),
-        );
-        (hello, to.member.address.0.parse::<std::net::SocketAddr>())
-    };
-    let connected = std::cell::Cell::new(false);
-    let result: Result<(), crate::transport::TransportError> = async {
-        let addr = addr.map_err(|e| {
-            crate::transport::TransportError::Refused(format!("bad member address: {e}"))
-        })?;
-        let mut stream = transport::connect(addr, Duration::from_secs(2)).await?;
-        let mut reader = FrameReader::new(MAX_FRAME_SIZE_BYTES);
-        let ack = transport::client_handshake(&mut stream, &mut reader, &hello).await?;
-        if ack.uid != to.member.uid.0 {
-            return Err(crate::transport::TransportError::Refused(format!(
-                "{} is incarnation {}, not {}",
-                ack.address, ack.uid, to.member.uid.0
-            )));
-        }
-        connected.set(true);
-        let (mut r, mut w) = stream.into_split();
-        let wb = outbox.clone();
-        let writer = monoio::spawn(async move { transport::write_loop(&mut w, wb).await });
-        loop {
-            let range = reader.read_frame(&mut r).await?;
-            core.borrow_mut().on_link_frame(reader.body(range))?;
-            while let Some(range) = reader.next_frame()? {
-                core.borrow_mut().on_link_frame(reader.body(range))?;
-            }
-            if outbox.closed.get() {
-                break;
-            }
-        }
-        outbox.close();
-        let _ = writer.await;
-        Ok(())
-    }
-    .await;
-    if let Err(e) = &result {
-        tracing::debug!(to = %to.member, core = to.core, error = %e, "data lane failed");
-    }
-    outbox.close();
-    core.borrow_mut().link_failed(&to, &outbox, connected.get());
-}
-
-/// An inbound data lane: read `Forward`s, route them, write `Reply`s.
-async fn serve_data_lane(
-    core: DataExecutorRef,
-    stream: monoio::net::TcpStream,
-    peer: UniqueAddress,
-) {
-    let outbox = Rc::new(Outbox::default());
-    let conn = core.borrow_mut().add_conn(outbox.clone());
-    let (mut r, mut w) = stream.into_split();
-    let wb = outbox.clone();
-    monoio::spawn(async move {
-        let _ = transport::write_loop(&mut w, wb).await;
-    });
-    let mut reader = FrameReader::new(MAX_FRAME_SIZE_BYTES);
-    let why: String = loop {
-        match reader.fill(&mut r).await {
-            Ok(0) => break "closed".into(),
-            Ok(_) => {}
-            Err(e) => break e.to_string(),
-        }
-        let mut err = None;
-        loop {
-            match reader.next_frame() {
-                Ok(Some(range)) => {
-                    if let Err(e) = core.borrow_mut().on_data_frame(conn, reader.body(range)) {
-                        err = Some(e.to_string());
-                        break;
-                    }
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    err = Some(e.to_string());
-                    break;
-                }
-            }
-        }
-        if let Some(e) = err {
-            tracing::warn!(peer = %peer, error = %e, "protocol error on data lane; closing it");
-            break e;
-        }
-    };
-    tracing::debug!(peer = %peer, why, "data lane closed");
-    core.borrow_mut().remove_conn(conn);
-}
-
-/// The data plane's side of the port to the fronts of this executor.
-impl DataPort for DataExecutorRef {
-    fn open_conn(&self, signal: Rc<Outbox>) -> ConnId {
-        self.borrow_mut().add_conn(signal)
-    }
-
-    fn close_conn(&self, conn: ConnId) {
-        self.borrow_mut().remove_conn(conn);
-    }
-
-    fn max_request_frame_bytes(&self) -> usize {
-        self.borrow().max_request_frame_bytes()
-    }
-
-    fn client_request(
-        &self,
-        conn: ConnId,
-        request_id: u64,
-        type_name: &[u8],
-        entity_id: &[u8],
-        payload: Vec<u8>,
-    ) {
-        self.borrow_mut()
-            .client_request(conn, request_id, type_name, entity_id, payload);
-    }
-
-    fn cached_homes(&self, shard: ShardId) -> Vec<crate::gateway::http::CachedHome> {
-        self.borrow().cached_homes(shard)
-    }
-
-    fn node_status(&self) -> impl std::future::Future<Output = Option<super::NodeStatus>> {
-        super::admin::collect_status(self)
-    }
-
-    fn coordinator_admin(
-        &self,
-        cmd: crate::status::CoordinatorCommand,
-    ) -> impl std::future::Future<Output = crate::status::AdminAnswer> {
-        super::admin::coordinator_admin(self, cmd)
-    }
-
-    fn cluster_stats(
-        &self,
-        type_name: &str,
-        local: &super::NodeStatus,
-        wait: Duration,
-    ) -> impl std::future::Future<Output = Option<crate::status::ClusterShardingStats>> {
-        super::admin::collect_cluster_stats(self, type_name, local, wait)
     }
 }
