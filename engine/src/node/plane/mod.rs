@@ -5,3 +5,4 @@
 
 pub mod control;
 pub mod data;
+pub mod host;

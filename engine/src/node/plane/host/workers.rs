@@ -1,17 +1,16 @@
 //! Stateless worker types on a data core (semantics in
 //! [`crate::entity::worker`]): the core's pool of each worker type, run
-//! without the type's region, and the messages entities send
-//! ([`crate::entity::EntityContext::tell`] / `forward`).
+//! by the [`EntityHost`] without the type's region.
 
 use std::time::Duration;
 
 use shardline_core::ids::EntityId;
-use shardline_core::sharding::{shard_id_of, Envelope};
 
-use super::{DataExecutor, FastMap, ReplyTo, ToCore, UserEnvelope};
+use super::{EntityHost, FastMap, ReplyToken, UserEnvelope};
 use crate::entity::worker::{core_share, Admit, WorkerPool, WorkerSettings};
 use crate::entity::{Entity, EntityContext, EntityFactory, Outgoing};
 use crate::envelope::Status;
+use crate::node::plane::data::{DataPlane, TypeIdx};
 use crate::status::WorkerPoolStatus;
 
 /// One activation of a worker type.
@@ -35,7 +34,7 @@ pub(super) struct WorkerHost {
     /// The node's limit (count).
     max_local_workers: usize,
     /// Deferred replies of busy activations: reply token -> slot.
-    deferred: FastMap<u64, u64>,
+    deferred: FastMap<ReplyToken, u64>,
 }
 
 impl WorkerHost {
@@ -83,24 +82,29 @@ fn apply_timers(a: &mut Activation, now: Duration, timers: Vec<(u64, Option<Dura
     }
 }
 
-impl DataExecutor {
-    /// Runs a request for worker type `t` here: on an idle or new
+impl EntityHost {
+    /// Runs a request for worker type `ty` here: on an idle or new
     /// activation, or queued; a full queue answers `BufferFull`. Once the
     /// node leaves, requests are answered `ShuttingDown` (retry on another
     /// node): the activations flushed what they held when the leave began,
     /// and nothing they would accept afterwards could be flushed for sure.
-    pub(super) fn worker_route(&mut self, t: &str, env: UserEnvelope) {
-        if self.plane.is_shutting_down() {
+    pub(super) fn worker_route(
+        &mut self,
+        now: Duration,
+        plane: &mut DataPlane,
+        ty: TypeIdx,
+        env: UserEnvelope,
+    ) {
+        if plane.is_shutting_down() {
             return self.reply(
                 env.sender,
                 Status::ShuttingDown,
                 b"node is leaving: stateless workers take no new requests".to_vec(),
             );
         }
-        let now = self.now();
         let inc = self.next_incarnation;
-        let core = self.index;
-        let Some(h) = self.types.get_mut(t) else {
+        let core = self.config.core;
+        let Some(h) = self.types.get_mut(ty.0) else {
             return;
         };
         let Some(factory) = h.factory.as_ref() else {
@@ -108,24 +112,20 @@ impl DataExecutor {
         };
         let Some(w) = h.worker.as_mut() else { return };
         if let Some(to) = w.forward_to {
-            let Some(ty) = self.plane.type_index(t) else {
-                return;
-            };
-            return self.plane.handle_worker_forward(ty, to, env);
+            return plane.handle_worker_forward(ty, to, env);
         }
         let mut created = false;
+        let t = &h.name;
         let admit = w.pool.submit(now, env, || {
             created = true;
             make_activation(factory, t, core, inc, now)
         });
         if created {
             self.next_incarnation += 1;
-            if let Some(h) = self.types.get_mut(t) {
-                h.activated += 1;
-            }
+            h.activated += 1;
         }
         match admit {
-            Admit::Run(slot, env) => self.worker_run(t, slot, env),
+            Admit::Run(slot, env) => self.worker_run(now, plane, ty, slot, env),
             Admit::Queued => {}
             Admit::Full(env) => self.reply(
                 env.sender,
@@ -137,16 +137,22 @@ impl DataExecutor {
 
     /// Runs `env` on activation `slot`, then the queued requests it takes
     /// while it stays busy.
-    fn worker_run(&mut self, t: &str, slot: u64, env: UserEnvelope) {
+    fn worker_run(
+        &mut self,
+        now: Duration,
+        plane: &mut DataPlane,
+        ty: TypeIdx,
+        slot: u64,
+        env: UserEnvelope,
+    ) {
         let mut next = Some((slot, env));
         while let Some((slot, env)) = next.take() {
-            let now = self.now();
-            let token = self.next_tag;
-            self.next_tag += 1;
-            let Some(h) = self.types.get_mut(t) else {
+            let token = self.next_reply_token();
+            let Some(h) = self.types.get_mut(ty.0) else {
                 return;
             };
             h.delivered += 1;
+            let name = h.name.clone();
             let Some(w) = h.worker.as_mut() else {
                 return;
             };
@@ -154,8 +160,8 @@ impl DataExecutor {
                 return;
             };
             let mut ctx = EntityContext::new(&env.entity)
-                .with_type(t, 0)
-                .with_reply_token(token);
+                .with_type(&name, 0)
+                .with_reply_token(token.0);
             let res = a.entity.handle(&mut ctx, &env.payload);
             let inc = a.incarnation;
             apply_timers(a, now, ctx.take_timers());
@@ -165,17 +171,17 @@ impl DataExecutor {
             let deferred = ctx.reply_deferred();
             drop(ctx);
             let mut sender = Some(env.sender);
-            self.send_outgoing(out, &mut sender, env.deadline);
+            self.send_outgoing(now, out, &mut sender, env.deadline);
             match res {
                 Ok(()) if deferred => {
                     if let Some(s) = sender {
-                        self.plane.handle_reply_deferred(token, inc, s);
+                        plane.handle_reply_deferred(token.0, inc, s);
                     }
-                    if let Some(w) = self.types.get_mut(t).and_then(|h| h.worker.as_mut()) {
+                    if let Some(w) = self.types.get_mut(ty.0).and_then(|h| h.worker.as_mut()) {
                         w.deferred.insert(token, slot);
                     }
                     // Answered already? Then this frees the activation.
-                    self.drain_completions();
+                    self.drain_completions(now, plane);
                 }
                 Ok(()) => {
                     if let Some(s) = sender {
@@ -183,7 +189,7 @@ impl DataExecutor {
                     }
                     next = self
                         .types
-                        .get_mut(t)
+                        .get_mut(ty.0)
                         .and_then(|h| h.worker.as_mut())
                         .and_then(|w| w.pool.finish(now, slot))
                         .map(|e| (slot, e));
@@ -192,71 +198,74 @@ impl DataExecutor {
                     if let Some(s) = sender {
                         self.reply(s, Status::EntityFailed, e.to_string().into_bytes());
                     }
-                    next = self.worker_remove(t, slot);
+                    next = self.worker_remove(now, plane, ty, slot);
                 }
             }
         }
     }
 
-    /// Drops activation `slot` of `t` (its handler failed); returns the next
-    /// queued request with the new activation that runs it.
-    fn worker_remove(&mut self, t: &str, slot: u64) -> Option<(u64, UserEnvelope)> {
-        let now = self.now();
+    /// Drops activation `slot` of `ty` (its handler failed); returns the
+    /// next queued request with the new activation that runs it.
+    fn worker_remove(
+        &mut self,
+        now: Duration,
+        plane: &mut DataPlane,
+        ty: TypeIdx,
+        slot: u64,
+    ) -> Option<(u64, UserEnvelope)> {
         let inc = self.next_incarnation;
-        let core = self.index;
-        let h = self.types.get_mut(t)?;
+        let core = self.config.core;
+        let h = self.types.get_mut(ty.0)?;
         let factory = h.factory.as_ref()?;
         let w = h.worker.as_mut()?;
         let mut created = false;
+        let t = &h.name;
         let (gone, next) = w.pool.remove(slot, || {
             created = true;
             make_activation(factory, t, core, inc, now)
         });
         if created {
             self.next_incarnation += 1;
-            if let Some(h) = self.types.get_mut(t) {
-                h.activated += 1;
-            }
+            h.activated += 1;
         }
         if let Some(mut a) = gone {
             a.entity.on_stop();
-            self.fail_deferred(a.incarnation);
+            self.fail_deferred(now, plane, a.incarnation);
         }
         next
     }
 
     /// A deferred reply with `token` was sent: frees its activation, which
     /// takes the next queued request.
-    pub(super) fn worker_completed(&mut self, token: u64) {
-        let now = self.now();
+    pub(super) fn worker_completed(
+        &mut self,
+        now: Duration,
+        plane: &mut DataPlane,
+        token: ReplyToken,
+    ) {
         let mut found = None;
-        for (t, h) in self.types.entries.iter_mut() {
+        for (i, h) in self.types.iter_mut().enumerate() {
             if let Some(w) = h.worker.as_mut() {
                 if let Some(slot) = w.deferred.remove(&token) {
-                    found = Some((t.clone(), w.pool.finish(now, slot).map(|e| (slot, e))));
+                    found = Some((TypeIdx(i), w.pool.finish(now, slot).map(|e| (slot, e))));
                     break;
                 }
             }
         }
-        if let Some((t, Some((slot, env)))) = found {
-            self.worker_run(&t, slot, env);
+        if let Some((ty, Some((slot, env)))) = found {
+            self.worker_run(now, plane, ty, slot, env);
         }
     }
 
     /// Fires the due timers of idle activations and collects the activations
     /// idle past the idle timeout (firing their pending timers first, so an
     /// `aggregate` activation sends its partial sums before it goes).
-    pub(super) fn workers_tick(&mut self, now: Duration) {
-        let types: Vec<std::rc::Rc<str>> = self
-            .types
-            .entries
-            .iter()
-            .filter(|(_, h)| h.worker.is_some())
-            .map(|(t, _)| t.clone())
-            .collect();
-        for t in types {
+    pub(super) fn workers_tick(&mut self, now: Duration, plane: &mut DataPlane) {
+        for i in 0..self.types.len() {
             let mut out = Vec::new();
-            let Some(w) = self.types.get_mut(&t).and_then(|h| h.worker.as_mut()) else {
+            let h = &mut self.types[i];
+            let name = h.name.clone();
+            let Some(w) = h.worker.as_mut() else {
                 continue;
             };
             for (_, busy, a) in w.pool.iter_mut() {
@@ -265,29 +274,29 @@ impl DataExecutor {
                 }
                 while let Some(i) = a.timers.iter().position(|(_, due)| *due <= now) {
                     let (key, _) = a.timers.remove(i);
-                    fire(a, &t, key, now, &mut out);
+                    fire(a, &name, key, now, &mut out);
                 }
             }
             for mut a in w.pool.collect_idle(now) {
                 while let Some((key, _)) = a.timers.first().copied() {
                     a.timers.remove(0);
-                    fire(&mut a, &t, key, now, &mut out);
+                    fire(&mut a, &name, key, now, &mut out);
                 }
                 out.append(&mut a.pending_out);
                 a.entity.on_stop();
             }
-            self.send_outgoing(out, &mut None, None);
+            self.send_outgoing(now, out, &mut None, None);
         }
         // Deferred replies completed by timers.
-        self.drain_completions();
+        self.drain_completions(now, plane);
     }
 
     /// The node starts leaving: the pending timers of every idle activation
     /// fire now (an `aggregate` activation sends its partial sums while the
     /// cluster can still route them).
-    pub(super) fn workers_flush(&mut self, now: Duration) {
+    pub(crate) fn handle_graceful_shutdown(&mut self, now: Duration, plane: &mut DataPlane) {
         let mut out = Vec::new();
-        for (t, h) in self.types.entries.iter_mut() {
+        for h in self.types.iter_mut() {
             let Some(w) = h.worker.as_mut() else { continue };
             for (_, busy, a) in w.pool.iter_mut() {
                 if busy {
@@ -295,19 +304,19 @@ impl DataExecutor {
                 }
                 while let Some((key, _)) = a.timers.first().copied() {
                     a.timers.remove(0);
-                    fire(a, t, key, now, &mut out);
+                    fire(a, &h.name, key, now, &mut out);
                 }
             }
         }
-        self.send_outgoing(out, &mut None, None);
-        self.drain_completions();
+        self.send_outgoing(now, out, &mut None, None);
+        self.drain_completions(now, plane);
     }
 
     /// The core stops: every activation is stopped; waiting requests are
     /// answered `ShuttingDown`.
     pub(super) fn workers_stop(&mut self) {
         let mut waiting = Vec::new();
-        for h in self.types.entries.iter_mut().map(|(_, h)| h) {
+        for h in self.types.iter_mut() {
             if let Some(w) = h.worker.as_mut() {
                 let (acts, queued) = w.pool.drain();
                 for mut a in acts {
@@ -318,85 +327,6 @@ impl DataExecutor {
         }
         for env in waiting {
             self.reply(env.sender, Status::ShuttingDown, b"node stopped".to_vec());
-        }
-    }
-
-    /// Routes the messages a handler sent, through this core's own inbox (so
-    /// a handler never runs inside another's). A forward takes `sender` and
-    /// `deadline`, the ask deadline of the message being handled: the
-    /// original sender stops waiting then, so a forward still buffered at
-    /// that time is answered `Unavailable` and never delivered later.
-    pub(super) fn send_outgoing(
-        &mut self,
-        out: Vec<Outgoing>,
-        sender: &mut Option<ReplyTo>,
-        handled_deadline: Option<Duration>,
-    ) {
-        for o in out {
-            let mut deadline = None;
-            let to = if let Some(a) = &o.ask {
-                // An ask between entities: its answer comes back to the
-                // asking incarnation (`DataExecutor::answer_entity_ask`).
-                let inc = self
-                    .types
-                    .get(&a.from_type)
-                    .and_then(|h| h.entities.get(&a.from_id))
-                    .map(|l| l.incarnation);
-                let Some(incarnation) = inc else {
-                    tracing::warn!(
-                        entity = %a.from_id,
-                        "ask dropped: only sharded entities can ask"
-                    );
-                    continue;
-                };
-                let now = self.now();
-                self.entity_asks.insert(
-                    a.id.0,
-                    super::EntityAskWait {
-                        type_name: a.from_type.clone(),
-                        entity: a.from_id.clone(),
-                        incarnation,
-                        due: now.saturating_add(a.timeout),
-                    },
-                );
-                self.entity_ask_expiry
-                    .push(std::cmp::Reverse((now.saturating_add(a.timeout), a.id.0)));
-                deadline = Some(now + a.timeout.min(self.config.requests.ask_timeout()));
-                ReplyTo::EntityAsk { id: a.id.0 }
-            } else if o.forward {
-                deadline = handled_deadline;
-                sender.take().unwrap_or(ReplyTo::Nobody)
-            } else {
-                ReplyTo::Nobody
-            };
-            let envelope = Envelope {
-                deadline,
-                shard: shard_id_of(o.entity_id.as_str(), self.config.number_of_shards),
-                entity: o.entity_id,
-                sender: to,
-                payload: o.payload,
-            };
-            let Some(tx) = self.to_cores.get(usize::from(self.index)) else {
-                continue;
-            };
-            if let Err(e) = tx.send(ToCore::Forwarded {
-                type_name: o.type_name,
-                envelope,
-            }) {
-                tracing::warn!(
-                    core = self.index,
-                    "message between entities dropped: inbox full or closed"
-                );
-                let (crate::runtime::RingSendError::Full(m)
-                | crate::runtime::RingSendError::Closed(m)) = e;
-                if let ToCore::Forwarded { envelope, .. } = m {
-                    self.reply(
-                        envelope.sender,
-                        Status::BufferFull,
-                        b"core inbox full".to_vec(),
-                    );
-                }
-            }
         }
     }
 }
