@@ -81,12 +81,12 @@ pub struct TypeIdx(pub usize);
 
 /// The tag of a message forwarded to another node, matched by the `Reply`
 /// frame that answers it (one id space per core).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ForwardTag(pub u64);
 
 /// The token under which a message forwarded to another core of this node
 /// waits for that core's answer (`ReplyTo::Core`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct LocalToken(pub u64);
 
 /// What a [`DataPlane`] is built from.
@@ -636,12 +636,14 @@ impl DataPlane {
                 delay: next,
             },
         );
-        let dead: Vec<ForwardTag> = self
+        let mut dead: Vec<ForwardTag> = self
             .forwards
             .iter()
             .filter(|(_, p)| p.link == *to)
             .map(|(t, _)| *t)
             .collect();
+        // In the order they were sent, not the map's (seeded) order.
+        dead.sort_unstable();
         for t in dead {
             if let Some(p) = self.forwards.remove(&t) {
                 if connected {
@@ -796,8 +798,15 @@ impl DataPlane {
     /// without a reply yet are answered `TimedOut` (they may have reached
     /// their entity). Returns how many (count).
     pub fn handle_drain_end(&mut self) -> usize {
-        let pending: Vec<PendingForward> = self.forwards.drain().map(|(_, p)| p).collect();
-        let local: Vec<ReplyTo> = self.local_forwards.drain().map(|(_, r)| r).collect();
+        // In the order they were sent, not the maps' (seeded) order.
+        let mut pending: Vec<(ForwardTag, PendingForward)> = self.forwards.drain().collect();
+        pending.sort_unstable_by_key(|(t, _)| *t);
+        let mut local: Vec<(LocalToken, ReplyTo)> = self.local_forwards.drain().collect();
+        local.sort_unstable_by_key(|(t, _)| *t);
+        let (pending, local): (Vec<PendingForward>, Vec<ReplyTo>) = (
+            pending.into_iter().map(|(_, p)| p).collect(),
+            local.into_iter().map(|(_, r)| r).collect(),
+        );
         let n = pending.len() + local.len();
         for p in pending {
             self.reply(
@@ -977,12 +986,13 @@ impl DataPlane {
             }
         }
         if !self.forwards.is_empty() {
-            let late: Vec<ForwardTag> = self
+            let mut late: Vec<ForwardTag> = self
                 .forwards
                 .iter()
                 .filter(|(_, p)| p.deadline <= now)
                 .map(|(t, _)| *t)
                 .collect();
+            late.sort_unstable();
             for t in late {
                 if let Some(p) = self.forwards.remove(&t) {
                     self.reply(
@@ -1537,6 +1547,43 @@ mod tests {
         p.handle_link_closed(later, &remote(), true, true);
         let out = drain(&mut p, later);
         assert_eq!(client_replies(&out)[0].2, Status::TimedOut);
+    }
+
+    #[test]
+    fn forwards_failed_together_are_answered_in_the_order_they_were_sent() {
+        // The forwards wait in a map with a per-process random seed: a
+        // lane that breaks, deadlines that pass together and the stop
+        // drain answer them in the order they were sent, not the map's.
+        let ids: Vec<u64> = (0..32).collect();
+        let send = |p: &mut DataPlane, now: Duration, first: u64| {
+            for i in &ids {
+                p.handle_client_request(now, 7, first + i, T.as_bytes(), b"b", Vec::new());
+            }
+            drain(p, now)
+        };
+        let answered = |out: &[DataOutput]| -> Vec<u64> {
+            client_replies(out)
+                .into_iter()
+                .map(|(_, r, _, _)| r)
+                .collect()
+        };
+        let (mut p, _) = plane(None);
+        let now = secs(1);
+        home(&mut p, now, "b", remote());
+        send(&mut p, now, 0);
+        p.handle_link_closed(now, &remote(), true, true);
+        assert_eq!(answered(&drain(&mut p, now)), ids, "a broken lane");
+        // After the backoff: a new lane; the deadlines pass together.
+        let later = now + secs(3);
+        send(&mut p, later, 100);
+        let late = later + secs(10);
+        p.handle_timeout(late);
+        let want: Vec<u64> = ids.iter().map(|i| 100 + i).collect();
+        assert_eq!(answered(&drain(&mut p, late)), want, "deadlines");
+        send(&mut p, late, 200);
+        p.handle_drain_end();
+        let want: Vec<u64> = ids.iter().map(|i| 200 + i).collect();
+        assert_eq!(answered(&drain(&mut p, late)), want, "the stop drain");
     }
 
     #[test]
