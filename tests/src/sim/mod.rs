@@ -118,14 +118,15 @@ mod tests {
     #[test]
     fn a_lost_message_is_a_violation() {
         // The drained check fails when a message is neither processed nor
-        // failed: stop the run before the world has drained.
+        // failed: stop the run while one is on its way.
         let cfg = SimConfig::default();
         let sc = SCENARIOS
             .iter()
             .find(|s| s.name == "steady")
             .expect("steady");
         let mut w = World::new(sc, 1, &cfg, false);
-        w.run_until(std::time::Duration::from_secs(5));
+        w.cut_with_a_message_pending_after(std::time::Duration::from_secs(5));
+        w.run();
         let o = w.outcome();
         assert_eq!(o.violation.map(|v| v.invariant), Some("drained"));
     }
