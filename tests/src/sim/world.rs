@@ -915,7 +915,7 @@ impl World {
                     "sender {} to {entity}: seq {seq} processed after seq {last}",
                     key.0
                 );
-                return self.violate("order", d);
+                self.violate("order", d);
             }
         }
     }
