@@ -65,7 +65,8 @@ pub struct RunStats {
     pub delivered: u64,
     /// Messages answered with BufferFull (count).
     pub buffer_full: u64,
-    /// Messages lost with a crashed or removed node (sender told) (count).
+    /// Messages whose sender lost its node (crashed or stopped) before
+    /// the answer: in doubt (count).
     pub lost_with_node: u64,
     /// Shard allocations (count).
     pub allocations: u64,

@@ -321,7 +321,7 @@ impl World {
     /// Carries out everything `slot`'s plane handed out, until its queues
     /// are empty (the order of calls of the plane's module doc).
     pub(super) fn drive_plane(&mut self, slot: usize) {
-        // Re-entrant calls (a region effect that feeds the plane while its
+        // Re-entrant calls (a data plane output that feeds the plane while its
         // outputs are carried out) queue on the plane; the outer loop
         // drains them.
         if self.nodes[slot].driving {
