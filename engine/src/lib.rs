@@ -52,6 +52,18 @@ pub mod plane {
         next_epoch, CoordinatorConfig as JournalConfig, RecoveredCoordinator,
     };
     pub use crate::status::{AdminAnswer, CoordinatorCommand};
+
+    /// The node's sans-IO data plane (one per data core) and the types of
+    /// its inputs and outputs, for drivers other than the node's own data
+    /// executor (the deterministic simulation in `shardline-tests`).
+    pub mod data {
+        pub use crate::envelope::{
+            encode_frame, DataFrame, FrameError, Status, FRAME_HEADER_BYTES,
+        };
+        pub use crate::node::msg::{ReplyTo, ToControl, UserEnvelope};
+        pub use crate::node::plane::data::*;
+        pub use crate::node::watch::{EntityKey, SystemMsg};
+    }
 }
 pub(crate) mod runtime;
 pub mod status;

@@ -16,11 +16,11 @@
 pub(crate) mod admin;
 mod control;
 pub(crate) mod core;
-mod msg;
+pub(crate) mod msg;
 pub(crate) mod plane;
 #[doc(hidden)]
 pub use msg::{ClusterView, StatsEvent};
-mod watch;
+pub(crate) mod watch;
 
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};

@@ -12,20 +12,41 @@ use crate::envelope::Status;
 
 /// Who gets the answer to a user message (the `S` of the region's envelopes).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum ReplyTo {
+pub enum ReplyTo {
     /// Nobody (a tell).
     Nobody,
     /// A client connection on this core.
-    Client { conn: u64, request_id: u64 },
+    Client {
+        /// The front's connection id.
+        conn: u64,
+        /// The request's id on that connection (echoed in the answer).
+        request_id: u64,
+    },
     /// An inbound data-lane connection on this core (a forwarded message).
-    Remote { conn: u64, tag: u64 },
+    Remote {
+        /// The inbound lane's connection id.
+        conn: u64,
+        /// The forwarding core's tag (echoed in the `Reply` frame).
+        tag: u64,
+    },
     /// Another core of this node, which keeps the original sender under `token`.
-    Core { core: u16, token: u64 },
+    Core {
+        /// The forwarding core's index.
+        core: u16,
+        /// The forwarding core's token for the original sender.
+        token: u64,
+    },
     /// An embedding-API ask waiting on this core.
-    Api { id: u64 },
+    Api {
+        /// The ask's id on this core.
+        id: u64,
+    },
     /// An ask of an entity of this core ([`crate::entity::EntityContext::ask`]):
     /// the answer goes back to it through this core's inbox.
-    EntityAsk { id: u64 },
+    EntityAsk {
+        /// The ask's id on this core.
+        id: u64,
+    },
     /// Nobody: the envelope is a lifecycle system message for the runtime
     /// of the entity's home (see `node::watch`); a failure to deliver it
     /// is handled by the watch book.
@@ -43,7 +64,7 @@ pub(crate) struct ApiReply {
 }
 
 /// A user message: payload bytes and who to answer.
-pub(crate) type UserEnvelope = Envelope<Vec<u8>, ReplyTo>;
+pub type UserEnvelope = Envelope<Vec<u8>, ReplyTo>;
 
 /// The cluster part of a status answer.
 #[derive(Debug, Clone)]
@@ -140,52 +161,74 @@ pub(crate) enum ToCore {
 }
 
 /// To the control executor.
-pub(crate) enum ToControl {
+pub enum ToControl {
     /// A region's message for its type's coordinator.
     ToCoordinator {
+        /// The entity type.
         type_name: String,
+        /// The message.
         msg: CoordinatorMsg,
     },
     /// A region's control message for another region.
     ToRegion {
+        /// The entity type.
         type_name: String,
+        /// The region it is for.
         to: RegionId,
+        /// The message.
         msg: RegionMsg,
     },
     /// An entity type was started (the coordinator must know it).
     RegisterType {
+        /// The entity type.
         type_name: String,
         /// The type remembers its entities: its coordinator allocates
         /// shards that lost their home again at once.
         remember_entities: bool,
     },
     /// A core's regions' registration state changed.
-    Registered { core: u16, all: bool },
+    Registered {
+        /// The core's index.
+        core: u16,
+        /// Whether every region of the core is registered.
+        all: bool,
+    },
     /// A core finished its graceful hand-off.
-    ShutdownComplete { core: u16 },
+    ShutdownComplete {
+        /// The core's index.
+        core: u16,
+    },
     /// Cluster part of a status request.
     Status {
+        /// Where the answer goes.
         reply: crossbeam_channel::Sender<ClusterView>,
     },
     /// Cluster-wide sharding stats of `type_name`: ask every other Up
     /// member; report on `reply` ([`StatsEvent`]) for `wait`.
     ShardingStats {
+        /// The entity type.
         type_name: String,
+        /// How long the answers are waited for.
         wait: Duration,
+        /// Where the answers go.
         reply: crossbeam_channel::Sender<StatsEvent>,
     },
     /// A coordinator admin command (the allocation table, a rebalance
     /// round), answered here when the coordinators run here, else forwarded
     /// to the oldest member; one answer on `reply`.
     CoordinatorAdmin {
+        /// The command.
         cmd: super::admin::CoordinatorCommand,
+        /// Where the answer goes.
         reply: crossbeam_channel::Sender<super::admin::AdminAnswer>,
     },
     /// A new subscriber was added to the shared list.
     Subscribe,
     /// Leave gracefully.
     Leave {
+        /// How long the leave may take.
         timeout: Duration,
+        /// Told once the leave is over.
         done: crossbeam_channel::Sender<()>,
     },
     /// Stop the executor.

@@ -32,25 +32,34 @@ use crate::entity::{TerminatedReason, WatchCommand};
 
 /// An entity anywhere in the cluster: its type and id.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub(crate) struct EntityKey {
+pub struct EntityKey {
+    /// The entity type's name.
     pub type_name: String,
+    /// The entity's id.
     pub id: EntityId,
 }
 
 /// A lifecycle system message, carried as the sender of an envelope
 /// (`ReplyTo::System`) to the entity named by the envelope.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum SystemMsg {
+pub enum SystemMsg {
     /// To `target`: `watcher` watches you.
     Watch {
+        /// The entity that watches.
         watcher: EntityKey,
+        /// The entity watched.
         target: EntityKey,
     },
     /// To the target: `watcher` no longer watches you.
-    Unwatch { watcher: EntityKey },
+    Unwatch {
+        /// The entity that watched.
+        watcher: EntityKey,
+    },
     /// To a watcher: `of` stopped.
     Terminated {
+        /// The entity that stopped.
         of: EntityKey,
+        /// Why it stopped.
         reason: TerminatedReason,
     },
 }

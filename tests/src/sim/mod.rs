@@ -2,29 +2,37 @@
 //!
 //! ```text
 //!   scenario script ──> World ──(virtual clock, one seeded RNG)──> events
-//!                        │ nodes × cores: ShardRegion + entities (actors)
 //!                        │ per node: the node's ControlPlane (ClusterNode,
 //!                        │   the ShardCoordinator where the singleton runs)
-//!                        │ network: FIFO links, random latency, partitions
+//!                        │ per data core: the node's DataPlane (its
+//!                        │   ShardRegion, forwarding, lanes, reports) and
+//!                        │   the world's test entities (mailboxes)
+//!                        │ network: FIFO links, random latency, partitions;
+//!                        │   data lanes carry the planes' encoded frames
 //!                        └─ invariants after every step
 //! ```
 //!
-//! A world of N nodes × C cores runs the real state machines of
-//! `shardline_core::sharding` (every region and the entities' mailboxes)
-//! and, on every node, the node's own control plane
-//! (`shardline::plane::ControlPlane`: membership, the coordinator's hosting
-//! and recovery, its journal barrier, the graceful leave). The network keeps each directed node-to-node link
-//! FIFO (like TCP) with a random latency per packet, so packets on different
-//! links reorder; a partition holds packets until it heals (TCP retransmits);
-//! a crash loses everything in flight to or from the node and everything it
-//! held. The script starts, crashes, restarts, partitions, pauses nodes
-//! and asks them to leave; membership itself is the real
-//! `shardline_core::cluster::ClusterNode` in every plane, whose gossip goes
-//! over the same links, and whose events, singleton placement and stop
-//! drive the regions and the coordinator (see `world/clustered.rs`; there
-//! is no interpreter of coordinator effects in the world). Everything random comes from one
-//! `ChaCha8Rng` seeded from the run's seed and scenario, so a run replays
-//! exactly.
+//! A world of N nodes × C cores runs, on every node, the node's own planes:
+//! the control plane (`shardline::plane::ControlPlane`: membership, the
+//! coordinator's hosting and recovery, its journal barrier, the graceful
+//! leave) and one data plane per core (`shardline::plane::data::DataPlane`:
+//! the core's `ShardRegion` of `shardline_core::sharding`, the forwarding
+//! bookkeeping and its deadlines, the data lanes and their backoff, the
+//! registration and hand-off reports, the stop). The world hosts the
+//! entities (mailboxes processed one message at a time) and carries the
+//! planes' outputs (see `world/clustered.rs` and `world/data.rs`; there is
+//! no interpreter of region, coordinator or membership effects in the
+//! world). The network keeps each directed node-to-node link FIFO (like
+//! TCP) with a random latency per packet, so packets on different links
+//! reorder; a partition holds packets until it heals (TCP retransmits); a
+//! crash loses everything in flight to or from the node and everything it
+//! held, and breaks the other nodes' data lanes to it. The script starts,
+//! crashes, restarts, partitions, pauses nodes and asks them to leave;
+//! membership itself is the real `shardline_core::cluster::ClusterNode` in
+//! every control plane, whose gossip goes over the same links, and whose
+//! events, singleton placement and stop drive the data planes and the
+//! coordinator. Everything random comes from one `ChaCha8Rng` seeded from
+//! the run's seed and scenario, so a run replays exactly.
 //!
 //! Invariants (checked after every step, or at the end where stated):
 //! - **single incarnation**: at most one live incarnation of each entity in
@@ -33,7 +41,10 @@
 //!   shard only while the journal's latest allocation names it (no region
 //!   acting on an older generation);
 //! - **exactly once**: no message is processed twice, none after its sender
-//!   got a failure, none is left in a mailbox behind its entity's stop;
+//!   got a failure (other than `TimedOut`, which says it may be processed),
+//!   none is left in a mailbox behind its entity's stop, none answered Ok
+//!   unprocessed or a failure once processed;
+//! - **one answer**: every sender is answered at most once;
 //! - **order**: per (sender, entity), processed sequence numbers increase;
 //! - **drained** (end of run, after faults stopped): every accepted message
 //!   was processed or its sender got a failure with a reason; every buffer is
@@ -118,14 +129,15 @@ mod tests {
     #[test]
     fn a_lost_message_is_a_violation() {
         // The drained check fails when a message is neither processed nor
-        // failed: stop the run before the world has drained.
+        // failed: stop the run while one is on its way.
         let cfg = SimConfig::default();
         let sc = SCENARIOS
             .iter()
             .find(|s| s.name == "steady")
             .expect("steady");
         let mut w = World::new(sc, 1, &cfg, false);
-        w.run_until(std::time::Duration::from_secs(5));
+        w.cut_with_a_message_pending_after(std::time::Duration::from_secs(5));
+        w.run();
         let o = w.outcome();
         assert_eq!(o.violation.map(|v| v.invariant), Some("drained"));
     }

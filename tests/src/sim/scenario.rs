@@ -67,11 +67,6 @@ pub(crate) struct Params {
     pub skewed: bool,
     /// Node 0 also runs a proxy region (routes, hosts nothing) with a sender.
     pub proxy: bool,
-    /// Always true: membership by the real `ClusterNode` in every node's
-    /// control plane (gossip, failure detection, split-brain resolver,
-    /// singleton placement). Read by the region-effect arms that have a
-    /// second way for a world without planes (there is none any more).
-    pub clustered: bool,
     /// Nodes at the start when the scenario fixes it (else the config's).
     pub nodes: Option<usize>,
     /// Exactly these slots run at the end (`None`: the script decides at
@@ -129,7 +124,6 @@ impl Params {
             dup_shard_stopped: false,
             skewed: false,
             proxy: false,
-            clustered: true,
             nodes: None,
             expect_survivors: Some((0..cfg.nodes).collect()),
             journal_ack: (Duration::from_micros(100), ms(2)),

@@ -7,16 +7,15 @@ use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use shardline::plane::data::{DataPlane, ReplyTo, Status, UserEnvelope};
 use shardline_core::det::{DetHashMap as HashMap, DetHashSet as HashSet};
 use shardline_core::ids::{Address, EntityId, MemberUid, RegionId, ShardId, UniqueAddress};
-use shardline_core::sharding::{
-    shard_id_of, CoordinatorEvent, CoordinatorMsg, Envelope, FailureReason, Generation, LruPolicy,
-    RegionEffect, RegionMsg, ShardEvent, ShardRegion,
-};
+use shardline_core::sharding::{shard_id_of, CoordinatorEvent, CoordinatorMsg, Generation};
 
 use super::scenario::{Action, Params, Scenario};
 
 mod clustered;
+mod data;
 
 /// The size of the simulated world.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,7 +65,8 @@ pub struct RunStats {
     pub delivered: u64,
     /// Messages answered with BufferFull (count).
     pub buffer_full: u64,
-    /// Messages lost with a crashed or removed node (sender told) (count).
+    /// Messages whose sender lost its node (crashed or stopped) before
+    /// the answer: in doubt (count).
     pub lost_with_node: u64,
     /// Shard allocations (count).
     pub allocations: u64,
@@ -91,6 +91,9 @@ pub struct RunStats {
     /// Graceful leaves given up at their deadline (the
     /// process stopped while still a member) (count).
     pub leaves_given_up: u64,
+    /// Messages answered `TimedOut` by their node's data plane (the
+    /// sender does not know whether they were processed) (count).
+    pub timed_out: u64,
 }
 
 /// The result of one run.
@@ -111,17 +114,6 @@ pub struct RunOutcome {
     pub trace_digest: (u64, u64),
 }
 
-/// The user payload in the simulation: the id of the message in the ledger.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SimMsg(pub u64);
-
-/// The sender token: which simulated client sent the message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SimSender(pub u32);
-
-type Region = ShardRegion<SimMsg, SimSender>;
-type Env = Envelope<SimMsg, SimSender>;
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Loc {
     Region(usize),
@@ -135,6 +127,9 @@ enum Outcome {
     Pending,
     Delivered,
     Failed(&'static str),
+    /// The sender was told it may or may not have been processed
+    /// (`TimedOut`, or its node went away): it may still be, once.
+    InDoubt(&'static str),
 }
 
 #[derive(Debug)]
@@ -144,11 +139,16 @@ struct Rec {
     seq: u64,
     loc: Loc,
     outcome: Outcome,
+    /// The node the sender sent it to (its answer comes from there).
+    origin: usize,
+    /// The sender got its answer.
+    answered: bool,
 }
 
 #[derive(Debug)]
 enum Item {
-    Msg(u64),
+    /// A message (its ledger id) and who its entity answers.
+    Msg(u64, ReplyTo),
     Stop(ShardId),
 }
 
@@ -167,8 +167,15 @@ struct Node {
     leaving: Option<Duration>,
     /// Left gracefully: what it sent before still arrives.
     left: bool,
+    /// Stopped cleanly (left or downed): what it sent before it stopped
+    /// still arrives.
+    flushed: bool,
     sender_base: u32,
-    regions: Vec<Region>,
+    /// The node's data planes, one per data core (the last one a proxy
+    /// when the scenario runs one on this node).
+    data: Vec<DataPlane>,
+    /// A data plane's outputs are being carried out.
+    driving_core: Vec<bool>,
     actors: Vec<HashMap<EntityId, Actor>>,
     /// The node's control plane (membership, coordinator hosting, the
     /// durability barrier, the leave).
@@ -202,8 +209,30 @@ impl Node {
 
 #[derive(Debug)]
 enum Body {
-    Ctl(RegionId, RegionMsg),
-    User(RegionId, Env),
+    /// A frame on an inbound data lane of `core` (a `Forward`; `msg`: its
+    /// ledger id, for the ledger's location only).
+    Data {
+        core: usize,
+        conn: u64,
+        msg: Option<u64>,
+        bytes: Vec<u8>,
+    },
+    /// A `Reply` frame on an outbound data lane of `core`.
+    LaneReply { core: usize, bytes: Vec<u8> },
+    /// A message for another core of the node (its ring).
+    ToCore {
+        core: usize,
+        type_name: String,
+        envelope: UserEnvelope,
+    },
+    /// The answer of another core of the node to a message `core`
+    /// forwarded to it.
+    CoreReply {
+        core: usize,
+        token: u64,
+        status: Status,
+        payload: Vec<u8>,
+    },
     /// A control frame of a node's plane.
     Frame(Box<shardline::plane::ControlFrame>),
 }
@@ -253,6 +282,15 @@ enum Ev {
     },
     /// A graceful leave must be over by now.
     LeaveDeadline(usize, MemberUid),
+    /// A data lane of a core closed (`connected`: it had connected).
+    LaneClosed {
+        slot: usize,
+        uid: MemberUid,
+        core: usize,
+        to: RegionId,
+        generation: u64,
+        connected: bool,
+    },
 }
 
 struct Scheduled {
@@ -300,6 +338,11 @@ pub struct World {
     remembered: HashMap<ShardId, std::collections::BTreeSet<EntityId>>,
     isolated: HashSet<usize>,
     held: BTreeMap<(usize, usize), VecDeque<Packet>>,
+    /// The data lanes open (or connecting), by (node, core, remote region).
+    lanes: HashMap<(usize, usize, RegionId), data::Lane>,
+    /// The connection ids of the lanes: the lane's (node, uid, core).
+    inbound: HashMap<u64, (usize, MemberUid, usize)>,
+    next_lane: u64,
     link_last: HashMap<(usize, usize), Duration>,
     ledger: Vec<Rec>,
     entity_ids: Vec<EntityId>,
@@ -319,6 +362,10 @@ pub struct World {
     /// after this one whose next two queued events are entities'
     /// processing steps, they run in the opposite order.
     swap_at: Option<u64>,
+    /// A cut (tests of the drained check): the run stops at the first
+    /// step at or after this time when the last message sent has no
+    /// outcome yet, and the end-of-run checks run then.
+    cut_at: Option<Duration>,
 }
 
 const TRACE_LINES: usize = 60;
@@ -357,6 +404,9 @@ impl World {
             remembered: HashMap::default(),
             isolated: HashSet::default(),
             held: BTreeMap::new(),
+            lanes: HashMap::default(),
+            inbound: HashMap::default(),
+            next_lane: 0,
             link_last: HashMap::default(),
             ledger: Vec::new(),
             entity_ids,
@@ -372,6 +422,7 @@ impl World {
             trace: trace.then(VecDeque::new),
             trace_digest: (0xcbf2_9ce4_8422_2325, 0),
             swap_at: None,
+            cut_at: None,
         };
         for i in 0..w.script.len() {
             let at = w.script[i].0;
@@ -408,6 +459,12 @@ impl World {
     #[cfg(test)]
     pub(crate) fn swap_processing_at(&mut self, step: u64) {
         self.swap_at = Some(step);
+    }
+
+    /// Cuts the run (tests of the drained check): see `cut_at`.
+    #[cfg(test)]
+    pub(crate) fn cut_with_a_message_pending_after(&mut self, at: Duration) {
+        self.cut_at = Some(at);
     }
 
     /// Whether the perturbation of [`Self::swap_processing_at`] happened.
@@ -456,8 +513,10 @@ impl World {
             alive: true,
             leaving: None,
             left: false,
+            flushed: false,
             sender_base,
-            regions: Vec::new(),
+            data: Vec::new(),
+            driving_core: Vec::new(),
             actors: (0..=self.cfg.cores).map(|_| HashMap::default()).collect(),
             plane: None,
             driving: false,
@@ -477,25 +536,20 @@ impl World {
         let member = self.nodes[slot].member();
         self.log(|| format!("node {slot} up as {member}"));
         for core in 0..self.cfg.cores {
-            let id = self.region_id(slot, core);
-            let r = Region::new(
-                id,
-                self.p.region.clone(),
-                Box::new(LruPolicy::new()),
-                self.now,
-            );
-            self.nodes[slot].regions.push(r);
-            self.drain_region(slot, core);
+            let d = self.new_data_plane(slot, core, false);
+            self.nodes[slot].data.push(d);
         }
         if self.p.proxy && slot == 0 {
             // A proxy after the data cores: routes, hosts nothing.
-            let core = self.cfg.cores;
-            let id = self.region_id(slot, core);
-            let r = Region::new_proxy(id, self.p.region.clone(), self.now);
-            self.nodes[slot].regions.push(r);
-            self.drain_region(slot, core);
+            let d = self.new_data_plane(slot, self.cfg.cores, true);
+            self.nodes[slot].data.push(d);
         }
+        let cores = self.nodes[slot].data.len();
+        self.nodes[slot].driving_core = vec![false; cores];
         self.start_cluster_node(slot);
+        for core in 0..cores {
+            self.drive_core(slot, core);
+        }
     }
 
     fn crash(&mut self, slot: usize) {
@@ -515,33 +569,22 @@ impl World {
 
     /// Everything held by or in flight to or from `slot` is lost; the
     /// senders are told (the runtime's ask times out).
+    ///
+    /// The senders that sent to this node lose their connection: what
+    /// they still wait for is in doubt (it may be processed elsewhere,
+    /// once). The others learn it from their data planes, whose lanes
+    /// to this node break.
     fn lose_everything_at(&mut self, slot: usize, why: &'static str) {
-        let mut lost_in_leave = 0;
-        // A node that leaves gracefully flushes what it sent before it exits
-        // (also when its hand-offs timed out: it still left the cluster).
-        let graceful = why == "node left" || why == "leave timed out";
+        // A node that stops (leaves, or is downed) flushes what it sent
+        // before it exits (also when its hand-offs timed out).
+        let graceful = self.nodes[slot].flushed;
         for r in &mut self.ledger {
-            if r.outcome != Outcome::Pending {
-                continue;
-            }
-            let here = match r.loc {
-                Loc::Region(s) | Loc::Mailbox(s) => s == slot,
-                Loc::Link(a, b) => (a == slot && !graceful) || b == slot,
-                Loc::Done => false,
-            };
-            if here {
-                r.outcome = Outcome::Failed(why);
-                r.loc = Loc::Done;
+            if r.outcome == Outcome::Pending && r.origin == slot {
+                r.outcome = Outcome::InDoubt(why);
                 self.stats.lost_with_node += 1;
-                lost_in_leave += 1;
             }
         }
-        if why == "node left" && lost_in_leave > 0 {
-            self.violate(
-                "exactly once",
-                format!("{lost_in_leave} messages lost when node {slot} left gracefully"),
-            );
-        }
+        self.break_lanes_of(slot);
         for core in 0..self.nodes[slot].actors.len() {
             for (e, a) in self.nodes[slot].actors[core].drain() {
                 if self.live.get(&e).is_some_and(|l| l.2 == a.incarnation) {
@@ -665,37 +708,17 @@ impl World {
     }
 
     fn arrive(&mut self, p: Packet) {
-        let from_ok = (self.nodes[p.from].alive || self.nodes[p.from].left)
+        let from_ok = (self.nodes[p.from].alive || self.nodes[p.from].flushed)
             && self.nodes[p.from].uid == p.from_uid;
         let to_ok = self.nodes[p.to].alive && self.nodes[p.to].uid == p.to_uid;
         if !from_ok || !to_ok {
-            if let Body::User(_, env) = &p.body {
-                let r = &mut self.ledger[env.payload.0 as usize];
-                if r.outcome == Outcome::Pending {
-                    r.outcome = Outcome::Failed("node crashed");
-                    r.loc = Loc::Done;
-                    self.stats.lost_with_node += 1;
-                }
-            }
+            // The lane broke: its plane learns it (`break_lanes_of`).
             return;
         }
         let slot = p.to;
         match p.body {
             Body::Frame(f) => self.frame_arrive(slot, *f),
-            Body::Ctl(rid, msg) => {
-                let core = rid.core as usize;
-                let now = self.now;
-                self.nodes[slot].regions[core].handle_region_msg(now, msg);
-                self.drain_region(slot, core);
-            }
-            Body::User(rid, env) => {
-                let core = rid.core as usize;
-                self.check_may_act(slot, "handled a user message");
-                self.ledger[env.payload.0 as usize].loc = Loc::Region(slot);
-                let now = self.now;
-                self.nodes[slot].regions[core].handle_message(now, env);
-                self.drain_region(slot, core);
-            }
+            body => self.data_arrive(slot, body),
         }
     }
 
@@ -718,105 +741,6 @@ impl World {
                 self.latest_alloc[shard.0 as usize] = None;
             }
             _ => {}
-        }
-    }
-
-    fn drain_region(&mut self, slot: usize, core: usize) {
-        self.drain_region_effects(slot, core);
-        if self.nodes[slot].leaving.is_some() {
-            self.check_shutdown_complete(slot, core);
-        }
-    }
-
-    fn drain_region_effects(&mut self, slot: usize, core: usize) {
-        while let Some(e) = self.nodes[slot].regions[core].poll_effect() {
-            self.log(|| format!("region {slot}/{core} -> {e:?}"));
-            match e {
-                RegionEffect::SendToCoordinator(m) if self.p.clustered => {
-                    self.plane_to_coordinator(slot, m)
-                }
-                RegionEffect::SendToCoordinator(m) => self.send_to_coordinator(slot, m),
-                RegionEffect::SendToRegion { to, msg } if self.p.clustered => {
-                    self.plane_to_region(slot, to, msg)
-                }
-                RegionEffect::SendToRegion { to, msg } => {
-                    if let Some(&ts) = self.slot_of.get(&to.member.address) {
-                        self.send(slot, ts, to.member.uid, Body::Ctl(to, msg));
-                    }
-                }
-                RegionEffect::Forward { to, envelope } => {
-                    let id = envelope.payload.0 as usize;
-                    match self.slot_of.get(&to.member.address) {
-                        Some(&ts) => {
-                            self.ledger[id].loc = Loc::Link(slot, ts);
-                            self.send(slot, ts, to.member.uid, Body::User(to, envelope));
-                        }
-                        None => self.violate(
-                            "exactly once",
-                            format!("message {id} forwarded to unknown region {to}"),
-                        ),
-                    }
-                }
-                RegionEffect::Deliver {
-                    envelope,
-                    new_incarnation,
-                } => self.deliver(slot, core, envelope, new_incarnation),
-                RegionEffect::StartEntity { shard: _, entity } => {
-                    if !self.nodes[slot].actors[core].contains_key(&entity) {
-                        self.create_actor(slot, core, &entity);
-                    }
-                }
-                RegionEffect::StopEntity { shard, entity, .. } => {
-                    match self.nodes[slot].actors[core].get_mut(&entity) {
-                        Some(a) if !a.stop_queued => {
-                            self.stats.stops += 1;
-                            a.stop_queued = true;
-                            a.mailbox.push_back(Item::Stop(shard));
-                            self.kick(slot, core, &entity);
-                        }
-                        _ => self.violate(
-                            "single incarnation",
-                            format!(
-                                "stop for entity {entity} that is not running on {slot}/{core}"
-                            ),
-                        ),
-                    }
-                }
-                RegionEffect::Persist(ev) => match ev {
-                    ShardEvent::EntityStarted { shard, entity } => {
-                        self.remembered.entry(shard).or_default().insert(entity);
-                    }
-                    ShardEvent::EntityStopped { shard, entity } => {
-                        self.remembered.entry(shard).or_default().remove(&entity);
-                    }
-                },
-                RegionEffect::RecoverRememberedEntities { shard } => {
-                    let ids: Vec<EntityId> = self
-                        .remembered
-                        .get(&shard)
-                        .map(|s| s.iter().cloned().collect())
-                        .unwrap_or_default();
-                    let now = self.now;
-                    self.nodes[slot].regions[core].handle_remembered_entities(now, shard, ids);
-                }
-                RegionEffect::NotActive { envelope } => self.violate(
-                    "no passive messages",
-                    format!("passive message {} came back", envelope.payload.0),
-                ),
-                RegionEffect::Fail { envelope, reason } => {
-                    let r = &mut self.ledger[envelope.payload.0 as usize];
-                    if r.outcome == Outcome::Pending {
-                        r.outcome = Outcome::Failed(match reason {
-                            FailureReason::BufferFull => "buffer full",
-                            _ => "other",
-                        });
-                        r.loc = Loc::Done;
-                    }
-                    if reason == FailureReason::BufferFull {
-                        self.stats.buffer_full += 1;
-                    }
-                }
-            }
         }
     }
 
@@ -845,32 +769,24 @@ impl World {
         );
     }
 
-    fn deliver(&mut self, slot: usize, core: usize, env: Env, new_incarnation: bool) {
-        let id = env.payload.0;
+    /// A message for an entity of core `core` of `slot` (started first
+    /// when it does not run).
+    fn deliver(&mut self, slot: usize, core: usize, env: UserEnvelope) {
+        let Some(id) = data::msg_id(&env.payload) else {
+            return self.violate(
+                "harness",
+                format!("a message without a ledger id on {slot}/{core}"),
+            );
+        };
         let entity = env.entity;
-        if self.nodes[slot].regions[core].is_proxy() {
+        if self.nodes[slot].data[core].region(data::TY).is_proxy() {
             let d = format!("proxy {slot}/{core} delivered message {id} to {entity} locally");
             return self.violate("one home", d);
         }
         match self.nodes[slot].actors[core].get(&entity) {
-            None => {
-                if !new_incarnation {
-                    self.violate(
-                        "single incarnation",
-                        format!("message {id} delivered to {entity}, which is not running on {slot}/{core}"),
-                    );
-                }
-                self.create_actor(slot, core, &entity);
-            }
+            None => self.create_actor(slot, core, &entity),
             Some(a) => {
-                let stop_queued = a.stop_queued;
-                if new_incarnation {
-                    self.violate(
-                        "single incarnation",
-                        format!("second local incarnation of {entity} on {slot}/{core}"),
-                    );
-                }
-                if stop_queued {
+                if a.stop_queued {
                     self.violate(
                         "exactly once",
                         format!("message {id} queued behind the stop message of {entity} on {slot}/{core}: it would be lost"),
@@ -882,7 +798,7 @@ impl World {
         let a = self.nodes[slot].actors[core]
             .get_mut(&entity)
             .expect("created above");
-        a.mailbox.push_back(Item::Msg(id));
+        a.mailbox.push_back(Item::Msg(id, env.sender));
         self.kick(slot, core, &entity);
     }
 
@@ -928,10 +844,19 @@ impl World {
         };
         self.check_may_act(slot, "processed an entity message");
         match item {
-            Item::Msg(id) => {
+            Item::Msg(id, sender) => {
                 self.digest(|| format!("{slot}/{core} {entity} processes {id}"), &[]);
-                self.process_msg(slot, core, &entity, id);
-                if self.nodes[slot].actors[core].contains_key(&entity) {
+                self.process_msg(&entity, id);
+                if !self.nodes[slot].alive {
+                    return;
+                }
+                // The entity answers its sender.
+                self.reply(slot, core, sender, Status::Ok, Vec::new());
+                if self.p.p_passivate > 0.0 && self.rng.gen_bool(self.p.p_passivate) {
+                    let shard = shard_id_of(entity.as_str(), self.cfg.shards);
+                    self.passivate(slot, core, shard, &entity);
+                }
+                if self.nodes[slot].alive && self.nodes[slot].actors[core].contains_key(&entity) {
                     self.kick(slot, core, &entity);
                 }
             }
@@ -952,14 +877,12 @@ impl World {
                         ),
                     );
                 }
-                let now = self.now;
-                self.nodes[slot].regions[core].handle_entity_stopped(now, shard, &entity);
-                self.drain_region(slot, core);
+                self.entity_stopped(slot, core, shard, &entity);
             }
         }
     }
 
-    fn process_msg(&mut self, slot: usize, core: usize, entity: &EntityId, id: u64) {
+    fn process_msg(&mut self, entity: &EntityId, id: u64) {
         let r = &mut self.ledger[id as usize];
         match r.outcome {
             Outcome::Pending => {}
@@ -972,6 +895,7 @@ impl World {
                     format!("message {id} to {entity} processed after its sender was told: {why}");
                 return self.violate("exactly once", d);
             }
+            Outcome::InDoubt(_) => {}
         }
         r.outcome = Outcome::Delivered;
         r.loc = Loc::Done;
@@ -992,14 +916,8 @@ impl World {
                     "sender {} to {entity}: seq {seq} processed after seq {last}",
                     key.0
                 );
-                return self.violate("order", d);
+                self.violate("order", d);
             }
-        }
-        if self.p.p_passivate > 0.0 && self.rng.gen_bool(self.p.p_passivate) {
-            let shard = shard_id_of(entity.as_str(), self.cfg.shards);
-            let now = self.now;
-            self.nodes[slot].regions[core].handle_passivate(now, shard, entity, None);
-            self.drain_region(slot, core);
         }
     }
 
@@ -1021,7 +939,7 @@ impl World {
             return;
         }
         let slot = cands[self.rng.gen_range(0..cands.len())];
-        let core = self.rng.gen_range(0..self.nodes[slot].regions.len());
+        let core = self.rng.gen_range(0..self.nodes[slot].data.len());
         let n = self.entity_ids.len();
         let e = if self.p.skewed && self.rng.gen_bool(0.8) {
             self.rng.gen_range(0..(n / 10).max(1))
@@ -1072,19 +990,12 @@ impl World {
             seq,
             loc: Loc::Region(slot),
             outcome: Outcome::Pending,
+            origin: slot,
+            answered: false,
         });
         self.stats.sent += 1;
         let entity = self.entity_ids[e as usize].clone();
-        let env = Envelope {
-            deadline: None,
-            shard: shard_id_of(entity.as_str(), self.cfg.shards),
-            entity,
-            sender: SimSender(sender),
-            payload: SimMsg(id),
-        };
-        let now = self.now;
-        self.nodes[slot].regions[core].handle_message(now, env);
-        self.drain_region(slot, core);
+        self.client_send(slot, core, sender, id, entity);
     }
 
     // ---- invariants ------------------------------------------------------
@@ -1100,7 +1011,8 @@ impl World {
             if !n.alive || self.frozen(slot) {
                 continue;
             }
-            for (core, r) in n.regions.iter().enumerate() {
+            for (core, d) in n.data.iter().enumerate() {
+                let r = d.region(data::TY);
                 for (s, g, stopping) in r.hosted_shards() {
                     if let Some((os, oc)) = hosts[s.0 as usize].replace((slot, core)) {
                         bad = Some((
@@ -1212,7 +1124,8 @@ impl World {
             if !self.nodes[slot].alive {
                 continue;
             }
-            for (core, r) in self.nodes[slot].regions.iter().enumerate() {
+            for (core, d) in self.nodes[slot].data.iter().enumerate() {
+                let r = d.region(data::TY);
                 if r.buffered() > 0 {
                     let d = format!("region {slot}/{core} still buffers {}", r.buffered());
                     return self.violate("drained", d);
@@ -1234,8 +1147,8 @@ impl World {
             if self.frozen(slot) {
                 continue;
             }
-            for r in &n.regions {
-                t = min_opt(t, r.poll_timeout());
+            for d in &n.data {
+                t = min_opt(t, d.poll_timeout());
             }
         }
         t
@@ -1251,13 +1164,16 @@ impl World {
             if !self.nodes[slot].alive || self.frozen(slot) {
                 continue;
             }
-            for core in 0..self.nodes[slot].regions.len() {
-                if self.nodes[slot].regions[core]
+            for core in 0..self.nodes[slot].data.len() {
+                if !self.nodes[slot].alive {
+                    break;
+                }
+                if self.nodes[slot].data[core]
                     .poll_timeout()
                     .is_some_and(|t| t <= now)
                 {
-                    self.nodes[slot].regions[core].handle_timeout(now);
-                    self.drain_region(slot, core);
+                    self.nodes[slot].data[core].handle_timeout(now);
+                    self.drive_core(slot, core);
                 }
             }
         }
@@ -1304,6 +1220,14 @@ impl World {
             }
             self.check_homes();
             self.check_one_coordinator();
+            if self.cut_at.is_some_and(|t| self.now >= t)
+                && self
+                    .ledger
+                    .last()
+                    .is_some_and(|r| r.outcome == Outcome::Pending)
+            {
+                break;
+            }
         }
         if self.violation.is_none() {
             self.now = end;
@@ -1357,6 +1281,14 @@ impl World {
             Ev::JournalDurable { slot, uid, seq } => self.journal_durable(slot, uid, seq),
             Ev::Recovered { slot, uid } => self.recovered(slot, uid),
             Ev::LeaveDeadline(slot, uid) => self.leave_deadline(slot, uid),
+            Ev::LaneClosed {
+                slot,
+                uid,
+                core,
+                to,
+                generation,
+                connected,
+            } => self.lane_closed(slot, uid, core, to, generation, connected),
         }
     }
 

@@ -55,15 +55,15 @@ use crate::node::EntitySettings;
 
 /// How long a forwarded message without an ask deadline may wait for its
 /// reply before the sender is answered `TimedOut`.
-pub(crate) const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
+pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long past its ask deadline a forwarded message waits for the home
 /// node's answer (which is `Unavailable` when it was still buffered there)
 /// before the sender is answered `TimedOut`.
-pub(crate) const FORWARD_GRACE: Duration = Duration::from_millis(500);
+pub const FORWARD_GRACE: Duration = Duration::from_millis(500);
 /// First and largest reconnect backoff of a data lane.
-pub(crate) const BACKOFF_MIN: Duration = Duration::from_millis(100);
+pub const BACKOFF_MIN: Duration = Duration::from_millis(100);
 /// Largest reconnect backoff of a data lane.
-pub(crate) const BACKOFF_MAX: Duration = Duration::from_secs(2);
+pub const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 /// A hash map with foldhash's per-process random seed: fast, and not
 /// predictable by a client choosing entity ids.
@@ -71,27 +71,27 @@ type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// The region type of a data core: user payload bytes, answered to a
 /// [`ReplyTo`].
-pub(crate) type UserRegion = ShardRegion<Vec<u8>, ReplyTo>;
+pub type UserRegion = ShardRegion<Vec<u8>, ReplyTo>;
 
 /// The index of an entity type on one core, in the order the types were
 /// registered ([`DataPlane::handle_register_type`]); the driver keeps its
 /// per-type state in the same order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub(crate) struct TypeIdx(pub usize);
+pub struct TypeIdx(pub usize);
 
 /// The tag of a message forwarded to another node, matched by the `Reply`
 /// frame that answers it (one id space per core).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) struct ForwardTag(pub u64);
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ForwardTag(pub u64);
 
 /// The token under which a message forwarded to another core of this node
 /// waits for that core's answer (`ReplyTo::Core`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) struct LocalToken(pub u64);
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LocalToken(pub u64);
 
 /// What a [`DataPlane`] is built from.
 #[derive(Debug, Clone)]
-pub(crate) struct DataPlaneConfig {
+pub struct DataPlaneConfig {
     /// This core's region id (member and core index).
     pub me: RegionId,
     /// `number_of_shards` of the cluster (count, at least 1).
@@ -105,7 +105,7 @@ pub(crate) struct DataPlaneConfig {
 
 impl DataPlaneConfig {
     /// The plane's settings from a node's configuration.
-    pub(crate) fn from_node_config(
+    pub fn from_node_config(
         config: &crate::config::NodeConfig,
         me: UniqueAddress,
         core: u16,
@@ -121,7 +121,7 @@ impl DataPlaneConfig {
 
 /// A data frame for the data lane to another node's region.
 #[derive(Debug)]
-pub(crate) struct Transmit {
+pub struct Transmit {
     /// The region whose lane carries it (member and core).
     pub to: RegionId,
     /// The frame (`Forward` or `System`).
@@ -129,7 +129,7 @@ pub(crate) struct Transmit {
 }
 
 /// What the driver carries out for the plane ([`DataPlane::poll_output`]).
-pub(crate) enum DataOutput {
+pub enum DataOutput {
     /// Answer a message's sender (a front's connection, an inbound data
     /// lane, another core, an API ask, an entity's ask, or the watch book
     /// for a system message that could not be delivered).
@@ -237,7 +237,7 @@ pub(crate) enum DataOutput {
 
 /// A reply released by the durability barrier ([`DataPlane::poll_reply`]).
 #[derive(Debug)]
-pub(crate) struct ReleasedReply {
+pub struct ReleasedReply {
     /// Who is answered.
     pub to: ReplyTo,
     /// The answer's status.
@@ -289,7 +289,7 @@ struct Backoff {
 }
 
 /// The sans-IO data plane of one data core (see the module doc).
-pub(crate) struct DataPlane {
+pub struct DataPlane {
     config: DataPlaneConfig,
     types: Vec<RegionHost>,
     /// Outputs made by inputs (replies to refused requests, lane changes),
@@ -323,7 +323,7 @@ pub(crate) struct DataPlane {
 
 impl DataPlane {
     /// A plane with no entity types.
-    pub(crate) fn new(config: DataPlaneConfig) -> Self {
+    pub fn new(config: DataPlaneConfig) -> Self {
         DataPlane {
             config,
             types: Vec::new(),
@@ -348,42 +348,42 @@ impl DataPlane {
     }
 
     /// The index of entity type `t`, if this core runs it.
-    pub(crate) fn type_index(&self, t: &str) -> Option<TypeIdx> {
+    pub fn type_index(&self, t: &str) -> Option<TypeIdx> {
         self.types.iter().position(|h| h.name == t).map(TypeIdx)
     }
 
     /// The name of entity type `ty`.
-    pub(crate) fn type_name(&self, ty: TypeIdx) -> &str {
+    pub fn type_name(&self, ty: TypeIdx) -> &str {
         &self.types[ty.0].name
     }
 
     /// The number of entity types (count).
-    pub(crate) fn type_count(&self) -> usize {
+    pub fn type_count(&self) -> usize {
         self.types.len()
     }
 
     /// The region of entity type `ty` (read only: status, journal keys).
-    pub(crate) fn region(&self, ty: TypeIdx) -> &UserRegion {
+    pub fn region(&self, ty: TypeIdx) -> &UserRegion {
         &self.types[ty.0].region
     }
 
     /// Whether the node stopped ([`DataPlane::handle_stop`]).
-    pub(crate) fn is_stopped(&self) -> bool {
+    pub fn is_stopped(&self) -> bool {
         self.stopped
     }
 
     /// Whether the graceful hand-off began.
-    pub(crate) fn is_shutting_down(&self) -> bool {
+    pub fn is_shutting_down(&self) -> bool {
         self.shutting_down
     }
 
     /// The shard of `entity`.
-    pub(crate) fn shard_of(&self, entity: &EntityId) -> ShardId {
+    pub fn shard_of(&self, entity: &EntityId) -> ShardId {
         shard_id_of(entity.as_str(), self.config.number_of_shards)
     }
 
     /// The region settings of an entity type's settings.
-    pub(crate) fn region_settings(s: &EntitySettings) -> RegionSettings {
+    pub fn region_settings(s: &EntitySettings) -> RegionSettings {
         RegionSettings {
             buffer_size: s.buffer_size,
             passivation: PassivationSettings {
@@ -401,7 +401,7 @@ impl DataPlane {
     /// Starts the region of entity type `name` (`hosts_entities` false: a
     /// proxy; `worker`: a stateless worker type, whose messages go to
     /// [`DataOutput::ToWorker`]). `None` when the type already runs here.
-    pub(crate) fn handle_register_type(
+    pub fn handle_register_type(
         &mut self,
         now: Duration,
         name: &str,
@@ -434,7 +434,7 @@ impl DataPlane {
     /// typed answer (type name not UTF-8 or unknown, bad entity id, node
     /// stopped, payload over `max_message_size_bytes`), else routed with
     /// the ask deadline `now + ask_timeout`.
-    pub(crate) fn handle_client_request(
+    pub fn handle_client_request(
         &mut self,
         now: Duration,
         conn: u64,
@@ -483,7 +483,7 @@ impl DataPlane {
     /// A user message for entity type `t` (from the embedding API, another
     /// core, an entity, or the watch book): routed by its region, or
     /// answered `UnknownEntityType` / `ShuttingDown`.
-    pub(crate) fn handle_message(&mut self, now: Duration, t: &str, env: UserEnvelope) {
+    pub fn handle_message(&mut self, now: Duration, t: &str, env: UserEnvelope) {
         if self.stopped {
             // Its entities are gone: nothing is delivered any more.
             return self.reply(env.sender, Status::ShuttingDown, b"node stopped".to_vec());
@@ -519,7 +519,7 @@ impl DataPlane {
     /// which the answers of its `Forward`s go to). `Err` (the frame does
     /// not decode, a bad entity id, a frame that belongs on an outbound
     /// lane): the driver closes the lane; the plane is unchanged.
-    pub(crate) fn handle_data_frame(
+    pub fn handle_data_frame(
         &mut self,
         now: Duration,
         conn: u64,
@@ -588,7 +588,7 @@ impl DataPlane {
     /// A frame on an outbound data lane: the reply to a forwarded message
     /// (a reply whose message is no longer waiting is dropped). `Err`: the
     /// frame does not decode or is not a reply; the driver closes the lane.
-    pub(crate) fn handle_link_frame(&mut self, body: &[u8]) -> Result<(), FrameError> {
+    pub fn handle_link_frame(&mut self, body: &[u8]) -> Result<(), FrameError> {
         match access::<DataFrame>(body)? {
             ArchivedDataFrame::Reply {
                 tag,
@@ -614,7 +614,7 @@ impl DataPlane {
     /// have reached their entity), `Unavailable` when it never did (connect
     /// or handshake failed: nothing was written). The next lane waits for
     /// a backoff (100 ms doubling to 2 s).
-    pub(crate) fn handle_link_closed(
+    pub fn handle_link_closed(
         &mut self,
         now: Duration,
         to: &RegionId,
@@ -636,12 +636,14 @@ impl DataPlane {
                 delay: next,
             },
         );
-        let dead: Vec<ForwardTag> = self
+        let mut dead: Vec<ForwardTag> = self
             .forwards
             .iter()
             .filter(|(_, p)| p.link == *to)
             .map(|(t, _)| *t)
             .collect();
+        // In the order they were sent, not the map's (seeded) order.
+        dead.sort_unstable();
         for t in dead {
             if let Some(p) = self.forwards.remove(&t) {
                 if connected {
@@ -664,7 +666,7 @@ impl DataPlane {
     /// A [`Transmit`] the driver could not write (`status`: `BufferFull`
     /// for a lane over its high-water mark, `TooLarge` for a frame that
     /// does not encode; `why`: the reason for the sender).
-    pub(crate) fn handle_transmit_refused(&mut self, t: Transmit, status: Status, why: Vec<u8>) {
+    pub fn handle_transmit_refused(&mut self, t: Transmit, status: Status, why: Vec<u8>) {
         match t.frame {
             DataFrame::Forward { tag, .. } => {
                 if let Some(p) = self.forwards.remove(&ForwardTag(tag)) {
@@ -698,7 +700,7 @@ impl DataPlane {
 
     /// A [`DataOutput::ToCore`] whose ring was full or closed: its sender
     /// is answered `BufferFull`.
-    pub(crate) fn handle_core_refused(&mut self, envelope: UserEnvelope) {
+    pub fn handle_core_refused(&mut self, envelope: UserEnvelope) {
         match envelope.sender {
             ReplyTo::Core { core, token } if core == self.config.me.core => {
                 if let Some(orig) = self.local_forwards.remove(&LocalToken(token)) {
@@ -711,7 +713,7 @@ impl DataPlane {
 
     /// The answer of another core to a message this core forwarded to it
     /// ([`LocalToken`]); dropped when nobody waits any more.
-    pub(crate) fn handle_local_reply(&mut self, token: u64, status: Status, payload: Vec<u8>) {
+    pub fn handle_local_reply(&mut self, token: u64, status: Status, payload: Vec<u8>) {
         if let Some(to) = self.local_forwards.remove(&LocalToken(token)) {
             self.reply(to, status, payload);
         }
@@ -719,14 +721,14 @@ impl DataPlane {
 
     /// Forwards a message for worker type `ty` to the worker's pool on
     /// core `to_core` (a worker type that runs on other cores).
-    pub(crate) fn handle_worker_forward(&mut self, ty: TypeIdx, to_core: u16, env: UserEnvelope) {
+    pub fn handle_worker_forward(&mut self, ty: TypeIdx, to_core: u16, env: UserEnvelope) {
         let t = self.types[ty.0].name.clone();
         self.forward_local(&t, to_core, env);
     }
 
     /// A control message for this core's region of `t` (unknown types are
     /// ignored).
-    pub(crate) fn handle_region_msg(&mut self, now: Duration, t: &str, msg: RegionMsg) {
+    pub fn handle_region_msg(&mut self, now: Duration, t: &str, msg: RegionMsg) {
         if let Some(ty) = self.type_index(t) {
             self.types[ty.0].region.handle_region_msg(now, msg);
             self.check_due = true;
@@ -736,7 +738,7 @@ impl DataPlane {
     /// A membership change: every region learns it. A removed member is
     /// never connected to again: its lanes close
     /// ([`DataOutput::CloseLink`]) and forwards to it fail at once.
-    pub(crate) fn handle_membership(&mut self, now: Duration, ev: &MembershipEvent) {
+    pub fn handle_membership(&mut self, now: Duration, ev: &MembershipEvent) {
         if let MembershipEvent::MemberRemoved(m) = ev {
             self.removed.insert(m.clone());
             let mut gone: Vec<RegionId> = self
@@ -758,7 +760,7 @@ impl DataPlane {
     }
 
     /// The coordinator moved: every region registers again.
-    pub(crate) fn handle_coordinator_moved(&mut self, now: Duration) {
+    pub fn handle_coordinator_moved(&mut self, now: Duration) {
         for h in &mut self.types {
             h.region.handle_coordinator_moved(now);
         }
@@ -768,7 +770,7 @@ impl DataPlane {
     /// The graceful hand-off of every region begins; once every region
     /// that hosts shards handed them off, `ToControl::ShutdownComplete` is
     /// given out.
-    pub(crate) fn handle_graceful_shutdown(&mut self, now: Duration) {
+    pub fn handle_graceful_shutdown(&mut self, now: Duration) {
         self.shutting_down = true;
         for h in &mut self.types {
             h.region.start_graceful_shutdown(now);
@@ -780,7 +782,7 @@ impl DataPlane {
     /// still buffer is answered `ShuttingDown` (a dead letter), and from
     /// now on every message is. Returns how many were answered (count);
     /// the driver stops the entities. Idempotent (0 the second time).
-    pub(crate) fn handle_stop(&mut self) -> usize {
+    pub fn handle_stop(&mut self) -> usize {
         if self.stopped {
             return 0;
         }
@@ -795,9 +797,16 @@ impl DataPlane {
     /// The stop drain ended: messages forwarded to other nodes or cores
     /// without a reply yet are answered `TimedOut` (they may have reached
     /// their entity). Returns how many (count).
-    pub(crate) fn handle_drain_end(&mut self) -> usize {
-        let pending: Vec<PendingForward> = self.forwards.drain().map(|(_, p)| p).collect();
-        let local: Vec<ReplyTo> = self.local_forwards.drain().map(|(_, r)| r).collect();
+    pub fn handle_drain_end(&mut self) -> usize {
+        // In the order they were sent, not the maps' (seeded) order.
+        let mut pending: Vec<(ForwardTag, PendingForward)> = self.forwards.drain().collect();
+        pending.sort_unstable_by_key(|(t, _)| *t);
+        let mut local: Vec<(LocalToken, ReplyTo)> = self.local_forwards.drain().collect();
+        local.sort_unstable_by_key(|(t, _)| *t);
+        let (pending, local): (Vec<PendingForward>, Vec<ReplyTo>) = (
+            pending.into_iter().map(|(_, p)| p).collect(),
+            local.into_iter().map(|(_, r)| r).collect(),
+        );
         let n = pending.len() + local.len();
         for p in pending {
             self.reply(
@@ -818,7 +827,7 @@ impl DataPlane {
 
     /// Entity `entity` of `ty` asked to passivate (its region stops it
     /// after its queued messages: a [`DataOutput::StopEntity`] follows).
-    pub(crate) fn handle_passivate(
+    pub fn handle_passivate(
         &mut self,
         now: Duration,
         ty: TypeIdx,
@@ -833,7 +842,7 @@ impl DataPlane {
 
     /// Entity `entity` of `ty` stopped (after a [`DataOutput::StopEntity`],
     /// or because it failed).
-    pub(crate) fn handle_entity_stopped(
+    pub fn handle_entity_stopped(
         &mut self,
         now: Duration,
         ty: TypeIdx,
@@ -847,7 +856,7 @@ impl DataPlane {
     }
 
     /// The remembered entities of `shard` of `ty` were read.
-    pub(crate) fn handle_remembered_entities(
+    pub fn handle_remembered_entities(
         &mut self,
         now: Duration,
         ty: TypeIdx,
@@ -866,7 +875,7 @@ impl DataPlane {
     /// arms (or re-arms) timer `key` to fire `delay` after `now`,
     /// `(key, None)` cancels it. A timer fires as
     /// [`DataOutput::TimerFired`] with the incarnation that armed it.
-    pub(crate) fn handle_entity_timers(
+    pub fn handle_entity_timers(
         &mut self,
         now: Duration,
         ty: TypeIdx,
@@ -896,7 +905,7 @@ impl DataPlane {
     /// waits until the events it persisted are durable: the reply to `to`
     /// is held under the entity's reply `token` until
     /// [`DataPlane::handle_reply_durable`] (or the incarnation stops).
-    pub(crate) fn handle_reply_deferred(&mut self, token: u64, incarnation: u64, to: ReplyTo) {
+    pub fn handle_reply_deferred(&mut self, token: u64, incarnation: u64, to: ReplyTo) {
         self.deferred
             .insert(token, DeferredReply { incarnation, to });
     }
@@ -905,12 +914,7 @@ impl DataPlane {
     /// and the entity answered it: the reply is released to
     /// [`DataPlane::poll_reply`]. Returns whether a reply was held under
     /// `token`.
-    pub(crate) fn handle_reply_durable(
-        &mut self,
-        token: u64,
-        status: Status,
-        payload: Vec<u8>,
-    ) -> bool {
+    pub fn handle_reply_durable(&mut self, token: u64, status: Status, payload: Vec<u8>) -> bool {
         match self.deferred.remove(&token) {
             Some(d) => {
                 self.released.push_back(ReleasedReply {
@@ -926,7 +930,7 @@ impl DataPlane {
 
     /// Incarnation `incarnation` stopped: the replies it still held are
     /// released as `EntityFailed` (their events may not be durable).
-    pub(crate) fn handle_incarnation_stopped(&mut self, incarnation: u64) {
+    pub fn handle_incarnation_stopped(&mut self, incarnation: u64) {
         if self.deferred.is_empty() {
             return;
         }
@@ -951,14 +955,14 @@ impl DataPlane {
     /// The next reply the durability barrier released (drain after
     /// [`DataPlane::handle_reply_durable`] and
     /// [`DataPlane::handle_incarnation_stopped`]).
-    pub(crate) fn poll_reply(&mut self) -> Option<ReleasedReply> {
+    pub fn poll_reply(&mut self) -> Option<ReleasedReply> {
         self.released.pop_front()
     }
 
     /// When [`DataPlane::handle_timeout`] is due next (core clock): the
     /// regions' timers (passivation, retries, hand-off), the entities'
     /// timers and the deadlines of messages forwarded to other nodes.
-    pub(crate) fn poll_timeout(&self) -> Option<Duration> {
+    pub fn poll_timeout(&self) -> Option<Duration> {
         let regions = self.types.iter().filter_map(|h| h.region.poll_timeout());
         let forwards = self.forwards.values().map(|p| p.deadline);
         let timers = self.timers.peek().map(|e| e.due.0);
@@ -969,7 +973,7 @@ impl DataPlane {
     /// that are due fire (after the regions' effects), and messages
     /// forwarded to other nodes past their deadline are answered
     /// `TimedOut`.
-    pub(crate) fn handle_timeout(&mut self, now: Duration) {
+    pub fn handle_timeout(&mut self, now: Duration) {
         for h in &mut self.types {
             if h.region.poll_timeout().is_some_and(|d| d <= now) {
                 h.region.handle_timeout(now);
@@ -982,12 +986,13 @@ impl DataPlane {
             }
         }
         if !self.forwards.is_empty() {
-            let late: Vec<ForwardTag> = self
+            let mut late: Vec<ForwardTag> = self
                 .forwards
                 .iter()
                 .filter(|(_, p)| p.deadline <= now)
                 .map(|(t, _)| *t)
                 .collect();
+            late.sort_unstable();
             for t in late {
                 if let Some(p) = self.forwards.remove(&t) {
                     self.reply(
@@ -1005,7 +1010,7 @@ impl DataPlane {
     /// The next output, or `None` when there is nothing to do (see the
     /// module doc for the order). `now` is the time the outputs are carried
     /// out at (a forward's deadline is checked against it).
-    pub(crate) fn poll_output(&mut self, now: Duration) -> Option<DataOutput> {
+    pub fn poll_output(&mut self, now: Duration) -> Option<DataOutput> {
         loop {
             if let Some(o) = self.out.pop_front() {
                 return Some(o);
@@ -1542,6 +1547,43 @@ mod tests {
         p.handle_link_closed(later, &remote(), true, true);
         let out = drain(&mut p, later);
         assert_eq!(client_replies(&out)[0].2, Status::TimedOut);
+    }
+
+    #[test]
+    fn forwards_failed_together_are_answered_in_the_order_they_were_sent() {
+        // The forwards wait in a map with a per-process random seed: a
+        // lane that breaks, deadlines that pass together and the stop
+        // drain answer them in the order they were sent, not the map's.
+        let ids: Vec<u64> = (0..32).collect();
+        let send = |p: &mut DataPlane, now: Duration, first: u64| {
+            for i in &ids {
+                p.handle_client_request(now, 7, first + i, T.as_bytes(), b"b", Vec::new());
+            }
+            drain(p, now)
+        };
+        let answered = |out: &[DataOutput]| -> Vec<u64> {
+            client_replies(out)
+                .into_iter()
+                .map(|(_, r, _, _)| r)
+                .collect()
+        };
+        let (mut p, _) = plane(None);
+        let now = secs(1);
+        home(&mut p, now, "b", remote());
+        send(&mut p, now, 0);
+        p.handle_link_closed(now, &remote(), true, true);
+        assert_eq!(answered(&drain(&mut p, now)), ids, "a broken lane");
+        // After the backoff: a new lane; the deadlines pass together.
+        let later = now + secs(3);
+        send(&mut p, later, 100);
+        let late = later + secs(10);
+        p.handle_timeout(late);
+        let want: Vec<u64> = ids.iter().map(|i| 100 + i).collect();
+        assert_eq!(answered(&drain(&mut p, late)), want, "deadlines");
+        send(&mut p, late, 200);
+        p.handle_drain_end();
+        let want: Vec<u64> = ids.iter().map(|i| 200 + i).collect();
+        assert_eq!(answered(&drain(&mut p, late)), want, "the stop drain");
     }
 
     #[test]

@@ -42,7 +42,7 @@ use shardline_core::sharding::{
 };
 use shardline_journal::WriterEpoch;
 
-use super::{Body, Ev, World};
+use super::{Body, Ev, Loc, Outcome, World};
 
 /// `stable_after` of the split-brain resolver in clustered runs (the
 /// membership simulation uses the same).
@@ -96,7 +96,7 @@ impl World {
             me,
             cluster,
             alone: false,
-            data_cores: self.nodes[slot].regions.len(),
+            data_cores: self.nodes[slot].data.len(),
             journal: JournalConfig {
                 number_of_shards: self.cfg.shards,
                 hash_name: SHARD_ID_HASH_NAME.to_string(),
@@ -136,7 +136,9 @@ impl World {
                 }
                 p.to
             }
-            Ev::Process { slot, uid, .. } | Ev::Burst { slot, uid, .. } => {
+            Ev::Process { slot, uid, .. }
+            | Ev::Burst { slot, uid, .. }
+            | Ev::LaneClosed { slot, uid, .. } => {
                 if self.nodes[*slot].uid != *uid {
                     return Some(ev);
                 }
@@ -242,12 +244,6 @@ impl World {
         }
     }
 
-    /// A region of `slot` sends its coordinator `msg` (the region-effect
-    /// arm for a world without planes; every world runs them now).
-    pub(super) fn send_to_coordinator(&mut self, slot: usize, msg: CoordinatorMsg) {
-        self.plane_to_coordinator(slot, msg);
-    }
-
     /// A region of `slot` sends its coordinator `msg` (through its plane).
     /// With `dup_shard_stopped`, a `ShardStopped` reaches the coordinator
     /// once more, 3-20 s later.
@@ -322,29 +318,10 @@ impl World {
         }
     }
 
-    /// Reports a core whose regions finished their graceful hand-off.
-    pub(super) fn check_shutdown_complete(&mut self, slot: usize, core: usize) {
-        let n = &self.nodes[slot];
-        if n.leaving.is_none() || n.plane.is_none() || n.handed_off.get(core) != Some(&false) {
-            return;
-        }
-        let r = &n.regions[core];
-        if !(r.is_proxy() || r.is_shutdown_complete()) {
-            return;
-        }
-        self.nodes[slot].handed_off[core] = true;
-        self.log(|| format!("region {slot}/{core} handed off every shard"));
-        let now = self.now;
-        if let Some(p) = self.nodes[slot].plane.as_mut() {
-            p.handle_shutdown_complete(now, core as u16);
-        }
-        self.drive_plane(slot);
-    }
-
     /// Carries out everything `slot`'s plane handed out, until its queues
     /// are empty (the order of calls of the plane's module doc).
     pub(super) fn drive_plane(&mut self, slot: usize) {
-        // Re-entrant calls (a region effect that feeds the plane while its
+        // Re-entrant calls (a data plane output that feeds the plane while its
         // outputs are carried out) queue on the plane; the outer loop
         // drains them.
         if self.nodes[slot].driving {
@@ -434,36 +411,42 @@ impl World {
         match c {
             ToCores::Region { core, msg, .. } => {
                 let core = usize::from(core);
-                if core >= self.nodes[slot].regions.len() {
+                if core >= self.nodes[slot].data.len() {
                     return;
                 }
                 self.check_durable(slot, core, &msg);
                 self.log(|| format!("plane {slot} -> region {slot}/{core}: {msg:?}"));
-                self.nodes[slot].regions[core].handle_region_msg(now, msg);
-                self.drain_region(slot, core);
+                self.nodes[slot].data[core].handle_region_msg(now, TYPE, msg);
+                self.drive_core(slot, core);
             }
             ToCores::All(CoreCommand::Membership(ev)) => {
                 self.log(|| format!("node {slot} membership: {ev:?}"));
-                for core in 0..self.nodes[slot].regions.len() {
-                    self.nodes[slot].regions[core].handle_membership(now, &ev);
-                    self.drain_region(slot, core);
+                for core in 0..self.nodes[slot].data.len() {
+                    if !self.nodes[slot].alive {
+                        break;
+                    }
+                    self.nodes[slot].data[core].handle_membership(now, &ev);
+                    self.drive_core(slot, core);
                 }
             }
             ToCores::All(CoreCommand::CoordinatorMoved) => {
-                for core in 0..self.nodes[slot].regions.len() {
-                    self.nodes[slot].regions[core].handle_coordinator_moved(now);
-                    self.drain_region(slot, core);
+                for core in 0..self.nodes[slot].data.len() {
+                    if !self.nodes[slot].alive {
+                        break;
+                    }
+                    self.nodes[slot].data[core].handle_coordinator_moved(now);
+                    self.drive_core(slot, core);
                 }
             }
             ToCores::All(CoreCommand::GracefulShutdown) => {
-                let n = self.nodes[slot].regions.len();
+                let n = self.nodes[slot].data.len();
                 self.nodes[slot].handed_off = vec![false; n];
                 for core in 0..n {
-                    self.nodes[slot].regions[core].start_graceful_shutdown(now);
-                    self.drain_region(slot, core);
-                }
-                for core in 0..n {
-                    self.check_shutdown_complete(slot, core);
+                    if !self.nodes[slot].alive {
+                        break;
+                    }
+                    self.nodes[slot].data[core].handle_graceful_shutdown(now);
+                    self.drive_core(slot, core);
                 }
             }
             ToCores::All(CoreCommand::Stop) => self.plane_stop(slot, 2),
@@ -729,11 +712,33 @@ impl World {
             return;
         }
         let graceful = code == 1 && self.nodes[slot].leaving.is_some();
+        let all_handed_off = self.nodes[slot].handed_off.iter().all(|d| *d);
+        if graceful && all_handed_off {
+            // Every shard was handed off: no message may be left here.
+            let here = self
+                .ledger
+                .iter()
+                .filter(|r| r.outcome == Outcome::Pending)
+                .filter(|r| match r.loc {
+                    Loc::Region(s) | Loc::Mailbox(s) | Loc::Link(_, s) => s == slot,
+                    Loc::Done => false,
+                })
+                .count();
+            if here > 0 {
+                self.violate(
+                    "exactly once",
+                    format!("{here} messages lost when node {slot} left gracefully"),
+                );
+            }
+        }
+        // The data cores answer what they still hold (the stop drain);
+        // what they send before the process exits still arrives.
+        self.stop_cores(slot);
         let n = &mut self.nodes[slot];
         n.alive = false;
+        n.flushed = true;
         n.deferred.clear();
         n.paused = None;
-        let all_handed_off = n.handed_off.iter().all(|d| *d);
         if graceful {
             n.left = true;
             // A leave whose hand-offs timed out loses what its entities
