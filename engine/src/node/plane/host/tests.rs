@@ -276,8 +276,8 @@ impl Rig {
             .region(self.ty)
             .shard_region_state()
             .shards
-            .into_iter()
-            .flat_map(|(_, ids)| ids.into_iter().map(|i| i.as_str().to_string()))
+            .into_values()
+            .flat_map(|ids| ids.into_iter().map(|i| i.as_str().to_string()))
             .collect()
     }
 }
