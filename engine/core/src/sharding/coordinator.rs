@@ -195,7 +195,31 @@ pub struct CoordinatorSettings {
     /// it and restarts its remembered entities (Akka's
     /// `allocateShardHomesForRememberEntities`). Default false.
     pub remember_entities: bool,
+    /// The entity type's `number_of_shards` (count) for warm allocation;
+    /// 0 (the default) turns it off (shards are allocated on demand only).
+    ///
+    /// When set, the coordinator allocates every shard of `0..number_of_shards`
+    /// that has no home in one batch, through the allocation strategy, as
+    /// soon as its registered regions have settled (no region registered
+    /// and no member became Up for [`Self::warm_settle`], and a recovered
+    /// coordinator's regions all registered again), records the batch as
+    /// consecutive `ShardHomeAllocated` events (one durability round for the
+    /// runtime) and tells every registered region and proxy the homes
+    /// ([`RegionMsg::ShardHomes`], at most [`WARM_HOMES_PER_MESSAGE`] per
+    /// message). A region that registers gets every known home. Shards
+    /// that lose their home later (their region terminated, a hand-off
+    /// finished) are allocated again the same way. Shards the batch could
+    /// not place (no eligible region) are still allocated on demand.
+    pub number_of_shards: u32,
+    /// How long the registered regions must stay unchanged before a warm
+    /// batch runs (see [`Self::number_of_shards`]), so that the regions of
+    /// every core of a member that just started share it. Default 200 ms.
+    pub warm_settle: Duration,
 }
+
+/// Most (shard, home, generation) triples in one [`RegionMsg::ShardHomes`]
+/// a coordinator sends (count), so a control frame stays small.
+pub const WARM_HOMES_PER_MESSAGE: usize = 4096;
 
 impl Default for CoordinatorSettings {
     fn default() -> Self {
@@ -206,6 +230,8 @@ impl Default for CoordinatorSettings {
             min_generation: Generation(0),
             reregister_timeout: Duration::from_secs(10),
             remember_entities: false,
+            number_of_shards: 0,
+            warm_settle: Duration::from_millis(200),
         }
     }
 }
@@ -355,6 +381,13 @@ pub struct ShardCoordinator {
     /// Recovered regions and proxies that have not registered again yet.
     unconfirmed: BTreeSet<RegionId>,
     reregister_deadline: Duration,
+    /// When the next warm batch runs (see
+    /// [`CoordinatorSettings::number_of_shards`]); `None`: nothing to do
+    /// until a region registers, a member becomes Up or a shard loses its
+    /// home.
+    warm_at: Option<Duration>,
+    /// Warm batches run so far (count).
+    warm_batches: u64,
 }
 
 impl std::fmt::Debug for ShardCoordinator {
@@ -413,6 +446,7 @@ impl ShardCoordinator {
             .cloned()
             .collect();
         let reregister_deadline = now + settings.reregister_timeout;
+        let warm_at = (settings.number_of_shards > 0).then_some(now + settings.warm_settle);
         Self {
             settings,
             strategy,
@@ -428,7 +462,15 @@ impl ShardCoordinator {
             abandoned: VecDeque::new(),
             unconfirmed,
             reregister_deadline,
+            warm_at,
+            warm_batches: 0,
         }
+    }
+
+    /// How many warm batches ran (count; see
+    /// [`CoordinatorSettings::number_of_shards`]).
+    pub fn warm_batches(&self) -> u64 {
+        self.warm_batches
     }
 
     /// Recovered regions and proxies that have not registered again yet
@@ -477,6 +519,7 @@ impl ShardCoordinator {
     pub fn rebalance_now(&mut self, now: Duration) -> RebalanceRound {
         let round = self.rebalance_round(now);
         self.allocate_unallocated();
+        self.warm(now);
         round
     }
 
@@ -513,6 +556,10 @@ impl ShardCoordinator {
         let t = match d {
             Some(d) => d.min(self.next_rebalance_at),
             None => self.next_rebalance_at,
+        };
+        let t = match self.warm_at {
+            Some(w) => t.min(w),
+            None => t,
         };
         Some(if self.unconfirmed.is_empty() {
             t
@@ -556,10 +603,10 @@ impl ShardCoordinator {
     pub fn handle_membership(&mut self, now: Duration, event: MembershipEvent) {
         self.membership_inner(now, event);
         self.allocate_unallocated();
+        self.warm(now);
     }
 
     fn membership_inner(&mut self, now: Duration, event: MembershipEvent) {
-        let _ = now;
         match event {
             MembershipEvent::CurrentMembers(list) => {
                 self.members = list.into_iter().collect();
@@ -578,6 +625,7 @@ impl ShardCoordinator {
             MembershipEvent::MemberUp(m) => {
                 if !self.removed.contains(&m) {
                     self.members.insert(m, MemberStatus::Up);
+                    self.warm_later(now);
                 }
             }
             MembershipEvent::MemberLeaving(m) => {
@@ -647,6 +695,7 @@ impl ShardCoordinator {
     pub fn handle_message(&mut self, now: Duration, msg: CoordinatorMsg) {
         self.message_inner(now, msg);
         self.allocate_unallocated();
+        self.warm(now);
     }
 
     fn message_inner(&mut self, now: Duration, msg: CoordinatorMsg) {
@@ -675,14 +724,32 @@ impl ShardCoordinator {
                         );
                     }
                 }
-                let homes: Vec<(ShardId, RegionId, Generation)> = self.state.regions[&region]
-                    .iter()
-                    .filter(|s| !self.rebalance.contains_key(s))
-                    .map(|s| (*s, region.clone(), self.state.shards[s].1))
-                    .collect();
-                if !homes.is_empty() {
-                    self.send(region, RegionMsg::ShardHomes { homes });
+                let homes: Vec<(ShardId, RegionId, Generation)> =
+                    if self.settings.number_of_shards > 0 {
+                        // Warm routing: every known home, so the region
+                        // routes without asking.
+                        self.state
+                            .shards
+                            .iter()
+                            .filter(|(s, _)| !self.rebalance.contains_key(s))
+                            .map(|(s, (r, g))| (*s, r.clone(), *g))
+                            .collect()
+                    } else {
+                        self.state.regions[&region]
+                            .iter()
+                            .filter(|s| !self.rebalance.contains_key(s))
+                            .map(|s| (*s, region.clone(), self.state.shards[s].1))
+                            .collect()
+                    };
+                for chunk in homes.chunks(WARM_HOMES_PER_MESSAGE) {
+                    self.send(
+                        region.clone(),
+                        RegionMsg::ShardHomes {
+                            homes: chunk.to_vec(),
+                        },
+                    );
                 }
+                self.warm_later(now);
             }
             CoordinatorMsg::RegisterProxy { proxy } => {
                 if self.removed.contains(&proxy.member) {
@@ -910,11 +977,134 @@ impl ShardCoordinator {
         }
     }
 
+    /// Pushes the next warm batch back by `warm_settle` (a region
+    /// registered or a member became Up: more may follow).
+    fn warm_later(&mut self, now: Duration) {
+        if self.settings.number_of_shards > 0 {
+            self.warm_at = Some(now + self.settings.warm_settle);
+        }
+    }
+
+    /// Runs the warm batch when it is due (see
+    /// [`CoordinatorSettings::number_of_shards`]); arms it when shards
+    /// lack a home.
+    fn warm(&mut self, now: Duration) {
+        let n = self.settings.number_of_shards as usize;
+        if n == 0 {
+            return;
+        }
+        if self.state.shards.len() >= n {
+            self.warm_at = None;
+            return;
+        }
+        match self.warm_at {
+            None => {
+                self.warm_at = Some(now + self.settings.warm_settle);
+                return;
+            }
+            Some(t) if now < t => return,
+            Some(_) => {}
+        }
+        if !self.unconfirmed.is_empty() {
+            // A recovered coordinator waits for its regions to register
+            // again (or for the re-register deadline).
+            self.warm_at = Some(now + self.settings.warm_settle);
+            return;
+        }
+        // Tried once; armed again by the next input if shards still lack
+        // a home (at most one try per `warm_settle` while no region is
+        // eligible).
+        self.warm_at = None;
+        self.warm_batch();
+    }
+
+    /// Allocates every shard of `0..number_of_shards` that has no home
+    /// (and is not handing off), one strategy call each against the loads
+    /// with the batch's earlier allocations applied, then tells every
+    /// registered region and proxy the new homes.
+    fn warm_batch(&mut self) {
+        if self.up_count() < self.settings.min_nr_of_members.max(1) {
+            return;
+        }
+        let mut current = self.eligible();
+        if current.is_empty() {
+            return;
+        }
+        let todo: Vec<ShardId> = (0..self.settings.number_of_shards)
+            .map(ShardId)
+            .filter(|s| !self.state.shards.contains_key(s) && !self.rebalance.contains_key(s))
+            .collect();
+        let mut homes: Vec<(ShardId, RegionId, Generation)> = Vec::with_capacity(todo.len());
+        for s in todo {
+            // The requester: the least-loaded eligible region (there is no
+            // asking region; strategies allocate by load).
+            let Some(requester) = current
+                .iter()
+                .min_by_key(|(r, v)| (v.len(), *r))
+                .map(|(r, _)| r.clone())
+            else {
+                break;
+            };
+            let view = &current;
+            let chosen = catch_unwind(AssertUnwindSafe(|| {
+                self.strategy.allocate_shard(&requester, s, view)
+            }));
+            let home = match chosen {
+                Ok(Ok(r)) if current.contains_key(&r) => r,
+                _ => {
+                    self.strategy_errors += 1;
+                    break;
+                }
+            };
+            let generation = Generation(self.state.last_generation.0 + 1);
+            self.persist(CoordinatorEvent::ShardHomeAllocated {
+                shard: s,
+                region: home.clone(),
+                generation,
+            });
+            if let Some(v) = current.get_mut(&home) {
+                let at = v.binary_search(&s).unwrap_or_else(|i| i);
+                v.insert(at, s);
+            }
+            homes.push((s, home, generation));
+        }
+        if homes.is_empty() {
+            return;
+        }
+        self.warm_batches += 1;
+        let to: Vec<RegionId> = self
+            .state
+            .regions
+            .keys()
+            .chain(self.state.proxies.iter())
+            .filter(|r| !self.removed.contains(&r.member))
+            .cloned()
+            .collect();
+        for r in to {
+            for chunk in homes.chunks(WARM_HOMES_PER_MESSAGE) {
+                self.send(
+                    r.clone(),
+                    RegionMsg::ShardHomes {
+                        homes: chunk.to_vec(),
+                    },
+                );
+            }
+        }
+        // Askers that are not registered regions (or asked before the
+        // batch) get their answer too.
+        for (s, _, _) in &homes {
+            if self.deferred.contains_key(s) {
+                self.answer_deferred(*s);
+            }
+        }
+    }
+
     /// Runs the timers that are due: the re-register deadline of a
     /// recovered coordinator, abandoned hand-offs, and the rebalance round.
     pub fn handle_timeout(&mut self, now: Duration) {
         self.timeout_inner(now);
         self.allocate_unallocated();
+        self.warm(now);
     }
 
     fn timeout_inner(&mut self, now: Duration) {
