@@ -366,3 +366,103 @@ fn warm_allocation_is_off_without_a_number_of_shards() {
     assert!(drain(&mut c).allocated.is_empty());
     assert_eq!(c.warm_batches(), 0);
 }
+
+/// Answers every `BeginHandOff` with the region's ack and every `HandOff`
+/// with `ShardStopped` (regions whose shards have no entities); returns the
+/// allocations seen and the most hand-offs begun for one round.
+fn answer_hand_offs(c: &mut ShardCoordinator, now: Duration, d: Drained) -> Drained {
+    let mut all = d;
+    loop {
+        let mut inputs = Vec::new();
+        for (to, msgs) in std::mem::take(&mut all.sent) {
+            for m in msgs {
+                match m {
+                    RegionMsg::BeginHandOff {
+                        shard, generation, ..
+                    } => inputs.push(CoordinatorMsg::BeginHandOffAck {
+                        shard,
+                        generation,
+                        region: to.clone(),
+                    }),
+                    RegionMsg::HandOff { shard, generation } => {
+                        inputs.push(CoordinatorMsg::ShardStopped {
+                            shard,
+                            generation,
+                            region: to.clone(),
+                        })
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if inputs.is_empty() {
+            return all;
+        }
+        for m in inputs {
+            c.handle_message(now, m);
+        }
+        let d = drain(c);
+        all.allocated.extend(d.allocated);
+        all.sent = d.sent;
+    }
+}
+
+#[test]
+fn a_member_joining_a_warm_cluster_gets_its_share_in_fast_rounds() {
+    let t0 = Duration::ZERO;
+    let mut c = ShardCoordinator::new(
+        settings(SHARDS),
+        Box::new(LeastShardAllocationStrategy::default()),
+        t0,
+    );
+    c.handle_membership(t0, up(&[1]));
+    register(&mut c, t0, rid(1, 0));
+    c.handle_timeout(t0 + SETTLE);
+    assert_eq!(drain(&mut c).allocated.len(), SHARDS as usize);
+    // Member 2 joins; its region registers.
+    let t1 = Duration::from_secs(3);
+    c.handle_membership(t1, MembershipEvent::MemberUp(member(2)));
+    register(&mut c, t1, rid(2, 0));
+    drain(&mut c);
+    let mut now = t1;
+    let mut most_per_round = 0;
+    let balanced_at = loop {
+        now += SETTLE;
+        assert!(now < t1 + Duration::from_secs(10), "not balanced in time");
+        c.handle_timeout(now);
+        let d = drain(&mut c);
+        let begun: BTreeSet<ShardId> = d
+            .sent
+            .values()
+            .flatten()
+            .filter_map(|m| match m {
+                RegionMsg::HandOff { shard, .. } => Some(*shard),
+                _ => None,
+            })
+            .collect();
+        most_per_round = most_per_round.max(begun.len());
+        answer_hand_offs(&mut c, now, d);
+        let on: BTreeMap<RegionId, usize> = c
+            .state()
+            .regions
+            .iter()
+            .map(|(r, s)| (r.clone(), s.len()))
+            .collect();
+        if on.get(&rid(2, 0)) == Some(&(SHARDS as usize / 2)) {
+            break now;
+        }
+    };
+    // Each round kept the limits (10 % of 60 = 6 shards), every shard has
+    // a home again, and the join was balanced within seconds, not the
+    // five 10 s rounds of the rebalance interval.
+    assert!(
+        most_per_round <= 6,
+        "{most_per_round} hand-offs in one round"
+    );
+    assert_eq!(c.state().shards.len(), SHARDS as usize);
+    assert!(
+        balanced_at - t1 < Duration::from_secs(5),
+        "{:?}",
+        balanced_at - t1
+    );
+}

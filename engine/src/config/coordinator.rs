@@ -31,6 +31,19 @@ pub struct CoordinatorConfig {
     /// recovered state to register again, in milliseconds. Default 10000;
     /// 100..=3600000.
     pub reregister_timeout_ms: u64,
+    /// Warm routing: once its regions have settled, the coordinator
+    /// allocates every shard without a home in one batch (one group of
+    /// journal events, one durability round) and tells every region all
+    /// the homes; a node reports ready only once its regions know every
+    /// shard's home (bounded by [`Self::ready_warm_timeout_ms`]). When
+    /// false, shards are allocated on their first message only. Default
+    /// true.
+    pub warm_allocation: bool,
+    /// With [`Self::warm_allocation`]: how long a node that is Up with its
+    /// regions registered waits for them to know every shard's home before
+    /// it reports ready anyway (logging which cores lack homes), in
+    /// milliseconds. Default 10000; 0..=3600000 (0: do not wait).
+    pub ready_warm_timeout_ms: u64,
 }
 
 impl Default for CoordinatorConfig {
@@ -41,6 +54,8 @@ impl Default for CoordinatorConfig {
             rebalance_absolute_limit: 20,
             rebalance_relative_limit: 0.1,
             reregister_timeout_ms: 10_000,
+            warm_allocation: true,
+            ready_warm_timeout_ms: 10_000,
         }
     }
 }
@@ -57,6 +72,11 @@ impl CoordinatorConfig {
     /// [`Self::reregister_timeout_ms`] as a Duration.
     pub fn reregister_timeout(&self) -> Duration {
         Duration::from_millis(self.reregister_timeout_ms)
+    }
+
+    /// [`Self::ready_warm_timeout_ms`] as a Duration.
+    pub fn ready_warm_timeout(&self) -> Duration {
+        Duration::from_millis(self.ready_warm_timeout_ms)
     }
 
     /// Checks value ranges; `bad(key, reason)` builds the error.
@@ -78,6 +98,12 @@ impl CoordinatorConfig {
             if !(100..=3_600_000).contains(&v) {
                 return Err(bad(key, format!("{v} is not in 100..=3600000")));
             }
+        }
+        if self.ready_warm_timeout_ms > 3_600_000 {
+            return Err(bad(
+                "coordinator.ready_warm_timeout_ms",
+                format!("{} is not in 0..=3600000", self.ready_warm_timeout_ms),
+            ));
         }
         if self.rebalance_absolute_limit == 0 {
             return Err(bad(

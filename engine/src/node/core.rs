@@ -216,7 +216,8 @@ pub(crate) struct Core {
     available: bool,
     stopped: bool,
     shutting_down: bool,
-    reported_registered: bool,
+    /// Last reported (every region registered, every region warm).
+    reported_registered: (bool, bool),
     reported_shutdown: bool,
     shutdown: bool,
     /// [`ToCore::Shutdown`] arrived: exit once the stop drain is over.
@@ -308,7 +309,7 @@ pub(crate) async fn run(init: CoreInit) {
             available: false,
             stopped: false,
             shutting_down: false,
-            reported_registered: false,
+            reported_registered: (false, true),
             reported_shutdown: false,
             shutdown: false,
             exit_requested: false,
@@ -1665,11 +1666,15 @@ impl Core {
 
     fn check_registered(&mut self) {
         let all = !self.types.is_empty() && self.types.values().all(|h| h.region.is_registered());
-        if all != self.reported_registered {
-            self.reported_registered = all;
+        let n = self.config.number_of_shards as usize;
+        let warm = !self.config.coordinator.warm_allocation
+            || self.types.values().all(|h| h.region.known_homes() >= n);
+        if (all, warm) != self.reported_registered {
+            self.reported_registered = (all, warm);
             let _ = self.to_control.send(ToControl::Registered {
                 core: self.index,
                 all,
+                warm,
             });
         }
         if self.shutting_down && !self.reported_shutdown {
@@ -1837,7 +1842,7 @@ impl Core {
                         worker,
                     },
                 );
-                c.reported_registered = true; // force a report of the new state
+                c.reported_registered = (true, true); // force a report of the new state
                 c.run_effects(&type_name);
             }
             ToCore::Region { type_name, msg } => {
@@ -2082,6 +2087,7 @@ impl Core {
                     core: self.index,
                     proxy: h.region.is_proxy(),
                     registered: h.region.is_registered(),
+                    homes_known: h.region.known_homes(),
                     entities: h.entities.len(),
                     shards: st
                         .shards

@@ -388,6 +388,12 @@ pub struct ShardCoordinator {
     warm_at: Option<Duration>,
     /// Warm batches run so far (count).
     warm_batches: u64,
+    /// After a member joined a warm cluster: until then, rebalance rounds
+    /// follow each other every `warm_settle` while they find shards to
+    /// move (each round within the strategy's limits), so the joiner gets
+    /// its share of the (mostly still unused) shards in seconds instead of
+    /// one round per `rebalance_interval`.
+    fast_rebalance_until: Option<Duration>,
 }
 
 impl std::fmt::Debug for ShardCoordinator {
@@ -464,6 +470,7 @@ impl ShardCoordinator {
             reregister_deadline,
             warm_at,
             warm_batches: 0,
+            fast_rebalance_until: None,
         }
     }
 
@@ -706,6 +713,16 @@ impl ShardCoordinator {
                 }
                 self.unconfirmed.remove(&region);
                 if !self.state.regions.contains_key(&region) {
+                    let joined = self.settings.number_of_shards > 0
+                        && !self.state.shards.is_empty()
+                        && !self.state.regions.keys().any(|r| r.member == region.member);
+                    if joined {
+                        // A member joined a warm cluster: rebalance at once
+                        // and round after round while shards move.
+                        self.fast_rebalance_until = Some(now + self.settings.rebalance_interval);
+                        self.next_rebalance_at =
+                            self.next_rebalance_at.min(now + self.settings.warm_settle);
+                    }
                     self.persist(CoordinatorEvent::ShardRegionRegistered {
                         region: region.clone(),
                     });
@@ -809,6 +826,11 @@ impl ShardCoordinator {
                         self.persist(CoordinatorEvent::ShardUnallocated { shard });
                     }
                     self.answer_deferred(shard);
+                    if self.settings.number_of_shards > 0 {
+                        // Warm routing: the moved shard gets its new home
+                        // now (the batch of this input), not on demand.
+                        self.warm_at = Some(now);
+                    }
                 }
             }
             CoordinatorMsg::GracefulShutdownReq { region } => {
@@ -1235,6 +1257,13 @@ impl ShardCoordinator {
             }
         }
         round.in_progress = self.rebalance.len();
+        if let Some(until) = self.fast_rebalance_until {
+            if now < until && (!round.started.is_empty() || round.in_progress > 0) {
+                self.next_rebalance_at = now + self.settings.warm_settle;
+            } else {
+                self.fast_rebalance_until = None;
+            }
+        }
         round
     }
 

@@ -292,7 +292,9 @@ pub fn admin_response(
                 }) {
                     Some(why) => why,
                     None => {
-                        "not ready: the member is not Up or its regions are not registered".into()
+                        "not ready: the member is not Up, its regions are not registered, or they do not \
+                         know every shard's home yet"
+                            .into()
                     }
                 };
                 let mut r = Response::text(503, why);
