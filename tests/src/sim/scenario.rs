@@ -93,6 +93,8 @@ impl Params {
                 min_nr_of_members: 1,
                 rebalance_interval: s(2),
                 handoff_timeout: s(10),
+                // Warm allocation on, as the engine runs it.
+                number_of_shards: cfg.shards,
                 ..CoordinatorSettings::default()
             },
             region: RegionSettings {

@@ -492,6 +492,7 @@ mod tests {
                 core: 0,
                 proxy: false,
                 registered,
+                homes_known: 16,
                 shards: [(3u32, vec!["a".to_string()])].into_iter().collect(),
                 entities: 1,
                 messages_delivered: 5,
