@@ -466,3 +466,25 @@ fn a_member_joining_a_warm_cluster_gets_its_share_in_fast_rounds() {
         balanced_at - t1
     );
 }
+
+#[test]
+fn a_registering_proxy_gets_every_home() {
+    let t0 = Duration::ZERO;
+    let (mut c, _, _) = three_members(t0);
+    c.handle_timeout(t0 + SETTLE);
+    let batch = drain(&mut c);
+    let proxy = rid(9, 0);
+    c.handle_membership(t0, MembershipEvent::MemberUp(member(9)));
+    c.handle_message(
+        t0 + SETTLE,
+        CoordinatorMsg::RegisterProxy {
+            proxy: proxy.clone(),
+        },
+    );
+    let d = drain(&mut c);
+    let told = d.homes_told(&proxy);
+    assert_eq!(told.len(), SHARDS as usize);
+    for (s, h) in told {
+        assert_eq!(batch.allocated[&s].0, h);
+    }
+}

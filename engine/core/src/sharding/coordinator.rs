@@ -778,7 +778,25 @@ impl ShardCoordinator {
                         proxy: proxy.clone(),
                     });
                 }
-                self.send(proxy, RegionMsg::RegisterAck);
+                self.send(proxy.clone(), RegionMsg::RegisterAck);
+                if self.settings.number_of_shards > 0 {
+                    // Warm routing: a proxy routes without asking too.
+                    let homes: Vec<(ShardId, RegionId, Generation)> = self
+                        .state
+                        .shards
+                        .iter()
+                        .filter(|(s, _)| !self.rebalance.contains_key(s))
+                        .map(|(s, (r, g))| (*s, r.clone(), *g))
+                        .collect();
+                    for chunk in homes.chunks(WARM_HOMES_PER_MESSAGE) {
+                        self.send(
+                            proxy.clone(),
+                            RegionMsg::ShardHomes {
+                                homes: chunk.to_vec(),
+                            },
+                        );
+                    }
+                }
             }
             CoordinatorMsg::GetShardHome { region, shard } => {
                 if self.removed.contains(&region.member) {
