@@ -132,8 +132,23 @@ pub fn node_config(
         text.push_str(&spec.extra_toml);
         text.push('\n');
     }
+    // A/B runs of one build with another node setting (e.g.
+    // `[coordinator]` `warm_allocation = false`): TOML appended to every
+    // spawned node's config.
+    if let Ok(extra) = std::env::var(NODE_TOML_ENV) {
+        if !extra.is_empty() {
+            text.push('\n');
+            text.push_str(&extra);
+            text.push('\n');
+        }
+    }
     text
 }
+
+/// The environment variable whose value (TOML) is appended to the config
+/// of every node the harness spawns (demo and `run --spawn`), for A/B
+/// runs of one build with another node setting.
+pub const NODE_TOML_ENV: &str = "SHARDLINE_BENCH_NODE_TOML";
 
 /// `count` distinct loopback addresses whose ports were free a moment ago.
 ///

@@ -1668,6 +1668,7 @@ impl DataExecutor {
                     core: self.index,
                     proxy: region.is_proxy(),
                     registered: region.is_registered(),
+                    homes_known: region.known_homes(),
                     entities: h.entities.len(),
                     shards: st
                         .shards

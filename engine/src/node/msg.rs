@@ -159,8 +159,10 @@ pub(crate) enum ToControl {
         /// shards that lost their home again at once.
         remember_entities: bool,
     },
-    /// A core's regions' registration state changed.
-    Registered { core: u16, all: bool },
+    /// A core's regions' registration state changed: `all` registered,
+    /// `warm` every region knows every shard's home (always true without
+    /// warm allocation).
+    Registered { core: u16, all: bool, warm: bool },
     /// A core finished its graceful hand-off.
     ShutdownComplete { core: u16 },
     /// Cluster part of a status request.
