@@ -215,7 +215,7 @@ fn wait_balanced(addrs: &[SocketAddr]) {
     let mut last: Option<Layout> = None;
     loop {
         let now = layout();
-        if now.as_ref().is_some_and(|l| balanced(l)) && now == last {
+        if now.as_ref().is_some_and(&balanced) && now == last {
             return;
         }
         assert!(
