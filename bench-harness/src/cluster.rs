@@ -132,8 +132,23 @@ pub fn node_config(
         text.push_str(&spec.extra_toml);
         text.push('\n');
     }
+    // A/B runs of one build with another node setting (e.g.
+    // `[coordinator]` `warm_allocation = false`): TOML appended to every
+    // spawned node's config.
+    if let Ok(extra) = std::env::var(NODE_TOML_ENV) {
+        if !extra.is_empty() {
+            text.push('\n');
+            text.push_str(&extra);
+            text.push('\n');
+        }
+    }
     text
 }
+
+/// The environment variable whose value (TOML) is appended to the config
+/// of every node the harness spawns (demo and `run --spawn`), for A/B
+/// runs of one build with another node setting.
+pub const NODE_TOML_ENV: &str = "SHARDLINE_BENCH_NODE_TOML";
 
 /// `count` distinct loopback addresses whose ports were free a moment ago.
 ///
@@ -385,6 +400,59 @@ impl LocalCluster {
         Ok(())
     }
 
+    /// Waits until the shards of every entity type are spread over the
+    /// running initial nodes' regions as the coordinator's allocation
+    /// strategy leaves them: the hosting regions differ by at most one shard
+    /// (the default strategy's rebalance threshold), every shard the
+    /// coordinator allocated is hosted (none is handing off), and the
+    /// layout did not change between two polls [`BALANCE_POLL`] apart.
+    /// Returns how long that took.
+    ///
+    /// [`LocalCluster::start_initial`] starts the first seed alone, so with
+    /// warm allocation it gets every shard and the joiners get theirs by
+    /// rebalance hand-offs; waiting here keeps those hand-offs out of the
+    /// measured load. With on-demand allocation (nothing allocated before
+    /// traffic) the layout is empty and this returns after one poll
+    /// interval.
+    ///
+    /// # Errors
+    /// When a node's status cannot be read, or the layout is not balanced
+    /// within `timeout` (the message holds the last layout).
+    pub fn wait_balanced(&self, connector: &dyn Connector, timeout: Duration) -> Result<Duration> {
+        let started = Instant::now();
+        let mut last: Option<ShardLayout> = None;
+        loop {
+            let layout = self.shard_layout(connector)?;
+            if layout.balanced() && last.as_ref() == Some(&layout) {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() > timeout {
+                bail!(
+                    "the shards were not balanced within {timeout:?}: {}",
+                    layout.describe()
+                );
+            }
+            last = Some(layout);
+            std::thread::sleep(BALANCE_POLL);
+        }
+    }
+
+    /// Every running initial node's hosted shards per entity type and
+    /// region, and the coordinators' allocated counts.
+    fn shard_layout(&self, connector: &dyn Connector) -> Result<ShardLayout> {
+        let mut layout = ShardLayout::default();
+        for node in self.nodes[..self.initial]
+            .iter()
+            .filter(|n| n.child.is_some())
+        {
+            let status = connector
+                .node_status(node.client_address, Duration::from_secs(5))
+                .with_context(|| format!("status of {}", node.name))?;
+            layout.add(&node.name, &status);
+        }
+        Ok(layout)
+    }
+
     /// Kills node `i` with SIGKILL and reaps it.
     pub fn kill(&mut self, i: usize) {
         if let Some(mut child) = self.nodes[i].child.take() {
@@ -445,6 +513,90 @@ impl Drop for LocalCluster {
                 path.display()
             );
         }
+    }
+}
+
+/// How often [`LocalCluster::wait_balanced`] reads the nodes' status, and
+/// how long the layout must stay unchanged: longer than the coordinator's
+/// warm settle time (200 ms), after which a handed-off shard gets its new
+/// home.
+pub const BALANCE_POLL: Duration = Duration::from_millis(400);
+
+/// Hosted shards per entity type and (node, core) region, and the shards
+/// each type's coordinator has allocated, from the nodes' status.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct ShardLayout {
+    hosted: std::collections::BTreeMap<String, std::collections::BTreeMap<(String, u64), Vec<u64>>>,
+    allocated: std::collections::BTreeMap<String, u64>,
+}
+
+impl ShardLayout {
+    /// Adds one node's status (`NodeStatus` as JSON).
+    fn add(&mut self, node: &str, status: &serde_json::Value) {
+        let regions = status.get("regions").and_then(|r| r.as_array());
+        for r in regions.into_iter().flatten() {
+            if r.get("proxy").and_then(|p| p.as_bool()) == Some(true) {
+                continue;
+            }
+            let Some(t) = r.get("type_name").and_then(|t| t.as_str()) else {
+                continue;
+            };
+            let core = r.get("core").and_then(|c| c.as_u64()).unwrap_or(0);
+            let shards: Vec<u64> = r
+                .get("shards")
+                .and_then(|s| s.as_object())
+                .map(|m| m.keys().filter_map(|k| k.parse().ok()).collect())
+                .unwrap_or_default();
+            self.hosted
+                .entry(t.to_string())
+                .or_default()
+                .insert((node.to_string(), core), shards);
+        }
+        if status.get("coordinator_here").and_then(|c| c.as_bool()) == Some(true) {
+            let coordinators = status.get("coordinators").and_then(|c| c.as_array());
+            for c in coordinators.into_iter().flatten() {
+                if let (Some(t), Some(n)) = (
+                    c.get("type_name").and_then(|t| t.as_str()),
+                    c.get("shards").and_then(|n| n.as_u64()),
+                ) {
+                    self.allocated.insert(t.to_string(), n);
+                }
+            }
+        }
+    }
+
+    /// Every type's regions differ by at most one hosted shard, and every
+    /// shard its coordinator allocated is hosted.
+    fn balanced(&self) -> bool {
+        self.hosted.iter().all(|(t, regions)| {
+            let counts: Vec<usize> = regions.values().map(Vec::len).collect();
+            let (min, max) = (
+                counts.iter().copied().min().unwrap_or(0),
+                counts.iter().copied().max().unwrap_or(0),
+            );
+            let hosted: usize = counts.iter().sum();
+            max <= min + 1 && self.allocated.get(t).is_none_or(|n| *n as usize == hosted)
+        })
+    }
+
+    /// Shards per region of every type, for an error message.
+    fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        for (t, regions) in &self.hosted {
+            let counts: Vec<String> = regions
+                .iter()
+                .map(|((node, core), s)| format!("{node}/{core}: {}", s.len()))
+                .collect();
+            parts.push(format!(
+                "{t}: {} (allocated {})",
+                counts.join(", "),
+                self.allocated
+                    .get(t)
+                    .map(|n| n.to_string())
+                    .unwrap_or_else(|| "?".into())
+            ));
+        }
+        parts.join("; ")
     }
 }
 
@@ -510,6 +662,40 @@ mod tests {
             assert!(text.contains(key), "missing `{key}` in\n{text}");
         }
         assert_eq!(text.matches("[[entity_types]]").count(), 2);
+    }
+
+    #[test]
+    fn a_layout_is_balanced_only_when_regions_differ_by_one_and_nothing_hands_off() {
+        let node = |shards: &[u32], here: Option<u64>| {
+            let map: serde_json::Map<String, serde_json::Value> = shards
+                .iter()
+                .map(|s| (s.to_string(), serde_json::json!([])))
+                .collect();
+            let mut v = serde_json::json!({
+                "regions": [
+                    {"type_name": "counter", "core": 0, "proxy": false, "shards": map},
+                    {"type_name": "counter", "core": 1, "proxy": true, "shards": {}}
+                ],
+                "coordinator_here": here.is_some(),
+                "coordinators": []
+            });
+            if let Some(n) = here {
+                v["coordinators"] = serde_json::json!([{"type_name": "counter", "shards": n}]);
+            }
+            v
+        };
+        let layout = |a: &[u32], b: &[u32], allocated: u64| {
+            let mut l = ShardLayout::default();
+            l.add("node-1", &node(a, Some(allocated)));
+            l.add("node-2", &node(b, None));
+            l
+        };
+        assert!(layout(&[0, 1], &[2], 3).balanced());
+        assert!(!layout(&[0, 1, 2], &[], 3).balanced(), "two apart");
+        assert!(!layout(&[0], &[2], 3).balanced(), "shard 1 is handing off");
+        assert!(layout(&[], &[], 0).balanced(), "on-demand allocation");
+        assert_eq!(layout(&[0, 1], &[2], 3), layout(&[0, 1], &[2], 3));
+        assert!(layout(&[0, 1], &[2], 3).describe().contains("node-1/0: 2"));
     }
 
     #[test]

@@ -459,6 +459,17 @@ pub fn run(args: RunArgs, connector: Arc<dyn Connector>, command: &str) -> Resul
             }
         };
         eprintln!("cluster ready in {:.1} s", started.elapsed().as_secs_f64());
+        // The first seed started alone and got every shard: the joiners'
+        // share moves by rebalance hand-offs, which must not fall into the
+        // measured load.
+        match c.wait_balanced(connector.as_ref(), CLUSTER_FORMATION_TIMEOUT) {
+            Ok(took) => eprintln!("shards balanced after {:.1} s more", took.as_secs_f64()),
+            Err(error) => {
+                let mut c = c;
+                c.keep_files();
+                return Err(error);
+            }
+        }
         for node in &c.nodes[..nodes] {
             eprintln!(
                 "  {}: cluster {} client {}",

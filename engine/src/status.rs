@@ -32,6 +32,11 @@ pub struct RegionStatusView {
     pub proxy: bool,
     /// Whether the coordinator acknowledged its registration.
     pub registered: bool,
+    /// Shards whose home the region has cached (count; equal to
+    /// `number_of_shards` once routing is warm, see
+    /// `coordinator.warm_allocation`).
+    #[serde(default)]
+    pub homes_known: usize,
     /// Hosted shards → ids of their live entities.
     pub shards: std::collections::BTreeMap<u32, Vec<String>>,
     /// Live entities (count).

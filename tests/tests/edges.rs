@@ -113,7 +113,9 @@ fn requests_buffered_past_their_deadline_are_answered_503_and_never_applied() {
         ports,
         3,
         1,
-        "\n[requests]\nask_timeout_ms = 1500\n[cluster]\nrefusals_to_down = 0",
+        // On-demand allocation: the shards get no home before the
+        // coordinator's crash, so the requests wait in buffers for one.
+        "\n[requests]\nask_timeout_ms = 1500\n[cluster]\nrefusals_to_down = 0\n[coordinator]\nwarm_allocation = false",
     );
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -264,7 +266,8 @@ fn sigterm_answers_every_buffered_request_503_before_exiting() {
         dir.path(),
         ports,
         5,
-        "\n[cluster]\nrefusals_to_down = 0",
+        // On-demand allocation, so the adds' shards have no home yet.
+        "\n[cluster]\nrefusals_to_down = 0\n[coordinator]\nwarm_allocation = false",
         4_000,
     );
     wait_cluster(ports.client(1), 5, Some(ports.cluster(0).to_string()));
@@ -797,7 +800,9 @@ fn a_rebalance_round_runs_on_request_only() {
     let _one = serial();
     let dir = tempfile::tempdir().expect("tempdir");
     let ports = Ports { base: 29_200 };
-    let extra = "\n[coordinator]\nrebalance_interval_ms = 3600000";
+    // On-demand allocation: warm allocation's rebalance rounds after a join
+    // would move shards before the operator asks.
+    let extra = "\n[coordinator]\nrebalance_interval_ms = 3600000\nwarm_allocation = false";
     let ids = one_id_per_shard();
     let _n0 = start_one(dir.path(), ports, 0, 2, extra);
     touch_every_shard(ports.http(0), &ids);
@@ -938,7 +943,9 @@ fn a_frozen_member_stalls_only_the_hand_offs_that_need_it() {
     let _one = serial();
     let dir = tempfile::tempdir().expect("tempdir");
     let ports = Ports { base: 29_400 };
-    let extra = "\n[coordinator]\nrebalance_interval_ms = 3600000\nhandoff_timeout_ms = 60000";
+    // On-demand allocation, as the hand-offs this test stalls are started
+    // by the operator only.
+    let extra = "\n[coordinator]\nrebalance_interval_ms = 3600000\nhandoff_timeout_ms = 60000\nwarm_allocation = false";
     let spawn = |i: usize, n: usize| {
         let seeds_of = if i == 0 { 1 } else { n };
         let cfg = dir.path().join(format!("node-{i}.toml"));

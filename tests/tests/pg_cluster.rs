@@ -180,6 +180,51 @@ fn wait_up(addrs: &[SocketAddr], n: usize) {
         assert!(Instant::now() < deadline, "{n} members never Up");
         std::thread::sleep(Duration::from_millis(100));
     }
+    wait_balanced(addrs);
+}
+
+/// Waits until every entity type's 40 shards are hosted by the regions of
+/// `addrs`, at most one apart, and the layout held for 400 ms (longer than
+/// the coordinator's warm settle time). Warm allocation places every shard
+/// on the regions registered when it runs; a member that joins later gets
+/// its share by rebalance hand-offs, and a hand-off stops an entity whose
+/// recovery read is in flight, failing the commands it stashed ("entity
+/// stopped"): the tests load the cluster after those hand-offs.
+fn wait_balanced(addrs: &[SocketAddr]) {
+    type Layout = std::collections::BTreeMap<String, Vec<Vec<u32>>>;
+    let layout = || -> Option<Layout> {
+        let mut l = Layout::new();
+        for a in addrs {
+            for r in status(*a)?.regions.into_iter().filter(|r| !r.proxy) {
+                l.entry(r.type_name)
+                    .or_default()
+                    .push(r.shards.keys().copied().collect());
+            }
+        }
+        Some(l)
+    };
+    let balanced = |l: &Layout| {
+        l.values().all(|regions| {
+            let counts: Vec<usize> = regions.iter().map(Vec::len).collect();
+            let min = counts.iter().copied().min().unwrap_or(0);
+            let max = counts.iter().copied().max().unwrap_or(0);
+            counts.iter().sum::<usize>() == 40 && max <= min + 1
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last: Option<Layout> = None;
+    loop {
+        let now = layout();
+        if now.as_ref().is_some_and(&balanced) && now == last {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "shards never balanced over {addrs:?}: {now:?}"
+        );
+        last = now;
+        std::thread::sleep(Duration::from_millis(400));
+    }
 }
 
 /// `get` of every counter through `addr`, retried (bounded) until all

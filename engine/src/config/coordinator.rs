@@ -38,6 +38,19 @@ pub struct CoordinatorConfig {
     /// every shard on the first member and move them away again.
     /// Default 1; at least 1.
     pub min_nr_of_members: usize,
+    /// Warm routing: once its regions have settled, the coordinator
+    /// allocates every shard without a home in one batch (one group of
+    /// journal events, one durability round) and tells every region all
+    /// the homes; a node reports ready only once its regions know every
+    /// shard's home (bounded by [`Self::ready_warm_timeout_ms`]). When
+    /// false, shards are allocated on their first message only. Default
+    /// true.
+    pub warm_allocation: bool,
+    /// With [`Self::warm_allocation`]: how long a node that is Up with its
+    /// regions registered waits for them to know every shard's home before
+    /// it reports ready anyway (logging which cores lack homes), in
+    /// milliseconds. Default 10000; 0..=3600000 (0: do not wait).
+    pub ready_warm_timeout_ms: u64,
 }
 
 impl Default for CoordinatorConfig {
@@ -49,6 +62,8 @@ impl Default for CoordinatorConfig {
             rebalance_relative_limit: 0.1,
             reregister_timeout_ms: 10_000,
             min_nr_of_members: 1,
+            warm_allocation: true,
+            ready_warm_timeout_ms: 10_000,
         }
     }
 }
@@ -65,6 +80,11 @@ impl CoordinatorConfig {
     /// [`Self::reregister_timeout_ms`] as a Duration.
     pub fn reregister_timeout(&self) -> Duration {
         Duration::from_millis(self.reregister_timeout_ms)
+    }
+
+    /// [`Self::ready_warm_timeout_ms`] as a Duration.
+    pub fn ready_warm_timeout(&self) -> Duration {
+        Duration::from_millis(self.ready_warm_timeout_ms)
     }
 
     /// Checks value ranges; `bad(key, reason)` builds the error.
@@ -91,6 +111,12 @@ impl CoordinatorConfig {
             return Err(bad(
                 "coordinator.min_nr_of_members",
                 "must be at least 1".into(),
+            ));
+        }
+        if self.ready_warm_timeout_ms > 3_600_000 {
+            return Err(bad(
+                "coordinator.ready_warm_timeout_ms",
+                format!("{} is not in 0..=3600000", self.ready_warm_timeout_ms),
             ));
         }
         if self.rebalance_absolute_limit == 0 {

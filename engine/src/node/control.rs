@@ -620,7 +620,9 @@ impl Control {
             } => self
                 .plane
                 .handle_register_type(now, &type_name, remember_entities),
-            ToControl::Registered { core, all } => self.plane.handle_registered(now, core, all),
+            ToControl::Registered { core, all, warm } => {
+                self.plane.handle_registered(now, core, all, warm)
+            }
             ToControl::ShutdownComplete { core } => self.plane.handle_shutdown_complete(now, core),
             ToControl::Status { reply } => {
                 let _ = reply.send(self.view());

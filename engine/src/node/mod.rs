@@ -296,8 +296,10 @@ impl Node {
         self.uid
     }
 
-    /// Blocks until this member is Up and every region is registered with
-    /// the coordinator.
+    /// Blocks until this member is Up, every region is registered with
+    /// the coordinator and knows the home of every shard (warm routing;
+    /// bounded by `coordinator.ready_warm_timeout_ms`, after which the node
+    /// is ready anyway, see `docs/interfaces.md`).
     ///
     /// # Errors
     /// [`NodeError::NotReady`] after `timeout`, [`NodeError::Refused`] when it

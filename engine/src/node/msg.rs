@@ -192,6 +192,9 @@ pub enum ToControl {
         core: u16,
         /// Whether every region of the core is registered.
         all: bool,
+        /// Whether every region knows every shard's home (always true
+        /// without warm allocation).
+        warm: bool,
     },
     /// A core finished its graceful hand-off.
     ShutdownComplete {

@@ -93,6 +93,24 @@ fn kill_and_recover(base_port: u16, victim_index: usize) {
     let mut cluster = Cluster::start(base_port, 3);
     cluster.wait_ready(Duration::from_secs(60));
     cluster.wait_members_up(3, Duration::from_secs(30));
+    // Warm allocation places every shard on the members whose regions had
+    // registered when it ran; the later joiners get theirs through the
+    // rebalance rounds that follow a join. Wait until every node hosts
+    // echo shards, so the victim hosts entities after the warm-up.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !(0..3).all(|i| {
+        status(cluster.ports.client(i)).is_some_and(|s| {
+            s.regions
+                .iter()
+                .any(|r| r.type_name == "echo" && !r.shards.is_empty())
+        })
+    }) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "echo shards never reached every node"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let survivors: Vec<usize> = (0..3).filter(|i| *i != victim_index).collect();
     if victim_index == 0 {
         let st = status(cluster.ports.client(1)).expect("status");

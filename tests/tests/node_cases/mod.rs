@@ -9,3 +9,4 @@ mod leave;
 mod multicore;
 mod restart;
 pub mod support;
+mod warm;

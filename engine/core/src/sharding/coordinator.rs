@@ -205,7 +205,31 @@ pub struct CoordinatorSettings {
     /// it and restarts its remembered entities (Akka's
     /// `allocateShardHomesForRememberEntities`). Default false.
     pub remember_entities: bool,
+    /// The entity type's `number_of_shards` (count) for warm allocation;
+    /// 0 (the default) turns it off (shards are allocated on demand only).
+    ///
+    /// When set, the coordinator allocates every shard of `0..number_of_shards`
+    /// that has no home in one batch, through the allocation strategy, as
+    /// soon as its registered regions have settled (no region registered
+    /// and no member became Up for [`Self::warm_settle`], and a recovered
+    /// coordinator's regions all registered again), records the batch as
+    /// consecutive `ShardHomeAllocated` events (one durability round for the
+    /// runtime) and tells every registered region and proxy the homes
+    /// ([`RegionMsg::ShardHomes`], at most [`WARM_HOMES_PER_MESSAGE`] per
+    /// message). A region that registers gets every known home. Shards
+    /// that lose their home later (their region terminated, a hand-off
+    /// finished) are allocated again the same way. Shards the batch could
+    /// not place (no eligible region) are still allocated on demand.
+    pub number_of_shards: u32,
+    /// How long the registered regions must stay unchanged before a warm
+    /// batch runs (see [`Self::number_of_shards`]), so that the regions of
+    /// every core of a member that just started share it. Default 200 ms.
+    pub warm_settle: Duration,
 }
+
+/// Most (shard, home, generation) triples in one [`RegionMsg::ShardHomes`]
+/// a coordinator sends (count), so a control frame stays small.
+pub const WARM_HOMES_PER_MESSAGE: usize = 4096;
 
 impl Default for CoordinatorSettings {
     fn default() -> Self {
@@ -216,6 +240,8 @@ impl Default for CoordinatorSettings {
             min_generation: Generation(0),
             reregister_timeout: Duration::from_secs(10),
             remember_entities: false,
+            number_of_shards: 0,
+            warm_settle: Duration::from_millis(200),
         }
     }
 }
@@ -365,6 +391,19 @@ pub struct ShardCoordinator {
     /// Recovered regions and proxies that have not registered again yet.
     unconfirmed: BTreeSet<RegionId>,
     reregister_deadline: Duration,
+    /// When the next warm batch runs (see
+    /// [`CoordinatorSettings::number_of_shards`]); `None`: nothing to do
+    /// until a region registers, a member becomes Up or a shard loses its
+    /// home.
+    warm_at: Option<Duration>,
+    /// Warm batches run so far (count).
+    warm_batches: u64,
+    /// After a member joined a warm cluster: until then, rebalance rounds
+    /// follow each other every `warm_settle` while they find shards to
+    /// move (each round within the strategy's limits), so the joiner gets
+    /// its share of the (mostly still unused) shards in seconds instead of
+    /// one round per `rebalance_interval`.
+    fast_rebalance_until: Option<Duration>,
 }
 
 impl std::fmt::Debug for ShardCoordinator {
@@ -423,6 +462,7 @@ impl ShardCoordinator {
             .cloned()
             .collect();
         let reregister_deadline = now + settings.reregister_timeout;
+        let warm_at = (settings.number_of_shards > 0).then_some(now + settings.warm_settle);
         Self {
             settings,
             strategy,
@@ -438,7 +478,16 @@ impl ShardCoordinator {
             abandoned: VecDeque::new(),
             unconfirmed,
             reregister_deadline,
+            warm_at,
+            warm_batches: 0,
+            fast_rebalance_until: None,
         }
+    }
+
+    /// How many warm batches ran (count; see
+    /// [`CoordinatorSettings::number_of_shards`]).
+    pub fn warm_batches(&self) -> u64 {
+        self.warm_batches
     }
 
     /// Recovered regions and proxies that have not registered again yet
@@ -487,6 +536,7 @@ impl ShardCoordinator {
     pub fn rebalance_now(&mut self, now: Duration) -> RebalanceRound {
         let round = self.rebalance_round(now);
         self.allocate_unallocated();
+        self.warm(now);
         round
     }
 
@@ -523,6 +573,10 @@ impl ShardCoordinator {
         let t = match d {
             Some(d) => d.min(self.next_rebalance_at),
             None => self.next_rebalance_at,
+        };
+        let t = match self.warm_at {
+            Some(w) => t.min(w),
+            None => t,
         };
         Some(if self.unconfirmed.is_empty() {
             t
@@ -566,10 +620,10 @@ impl ShardCoordinator {
     pub fn handle_membership(&mut self, now: Duration, event: MembershipEvent) {
         self.membership_inner(now, event);
         self.allocate_unallocated();
+        self.warm(now);
     }
 
     fn membership_inner(&mut self, now: Duration, event: MembershipEvent) {
-        let _ = now;
         match event {
             MembershipEvent::CurrentMembers(list) => {
                 self.members = list.into_iter().collect();
@@ -588,6 +642,7 @@ impl ShardCoordinator {
             MembershipEvent::MemberUp(m) => {
                 if !self.removed.contains(&m) {
                     self.members.insert(m, MemberStatus::Up);
+                    self.warm_later(now);
                 }
             }
             MembershipEvent::MemberLeaving(m) => {
@@ -657,6 +712,7 @@ impl ShardCoordinator {
     pub fn handle_message(&mut self, now: Duration, msg: CoordinatorMsg) {
         self.message_inner(now, msg);
         self.allocate_unallocated();
+        self.warm(now);
     }
 
     fn message_inner(&mut self, now: Duration, msg: CoordinatorMsg) {
@@ -671,6 +727,16 @@ impl ShardCoordinator {
                 }
                 let was_unconfirmed = self.unconfirmed.remove(&region);
                 if !self.state.regions.contains_key(&region) {
+                    let joined = self.settings.number_of_shards > 0
+                        && !self.state.shards.is_empty()
+                        && !self.state.regions.keys().any(|r| r.member == region.member);
+                    if joined {
+                        // A member joined a warm cluster: rebalance at once
+                        // and round after round while shards move.
+                        self.fast_rebalance_until = Some(now + self.settings.rebalance_interval);
+                        self.next_rebalance_at =
+                            self.next_rebalance_at.min(now + self.settings.warm_settle);
+                    }
                     self.persist(CoordinatorEvent::ShardRegionRegistered {
                         region: region.clone(),
                     });
@@ -713,18 +779,32 @@ impl ShardCoordinator {
                         );
                     }
                 }
-                let homes: Vec<(ShardId, RegionId, Generation)> = self.state.regions[&region]
-                    .iter()
-                    .filter(|s| !self.rebalance.contains_key(s))
-                    .map(|s| (*s, region.clone(), self.state.shards[s].1))
-                    .collect();
-                if !homes.is_empty() {
-                    self.send(region.clone(), RegionMsg::ShardHomes { homes });
+                let homes: Vec<(ShardId, RegionId, Generation)> =
+                    if self.settings.number_of_shards > 0 {
+                        // Warm routing: every known home, so the region
+                        // routes without asking.
+                        self.confirmed_homes()
+                    } else {
+                        self.state.regions[&region]
+                            .iter()
+                            .filter(|s| !self.rebalance.contains_key(s))
+                            .map(|s| (*s, region.clone(), self.state.shards[s].1))
+                            .collect()
+                    };
+                for chunk in homes.chunks(WARM_HOMES_PER_MESSAGE) {
+                    self.send(
+                        region.clone(),
+                        RegionMsg::ShardHomes {
+                            homes: chunk.to_vec(),
+                        },
+                    );
                 }
                 if was_unconfirmed {
                     // `GetShardHome`s for its shards waited for this.
                     self.answer_deferred_of(&region);
+                    self.push_homes_of(&region);
                 }
+                self.warm_later(now);
             }
             CoordinatorMsg::RegisterProxy { proxy } => {
                 if self.removed.contains(&proxy.member) {
@@ -736,7 +816,19 @@ impl ShardCoordinator {
                         proxy: proxy.clone(),
                     });
                 }
-                self.send(proxy, RegionMsg::RegisterAck);
+                self.send(proxy.clone(), RegionMsg::RegisterAck);
+                if self.settings.number_of_shards > 0 {
+                    // Warm routing: a proxy routes without asking too.
+                    let homes = self.confirmed_homes();
+                    for chunk in homes.chunks(WARM_HOMES_PER_MESSAGE) {
+                        self.send(
+                            proxy.clone(),
+                            RegionMsg::ShardHomes {
+                                homes: chunk.to_vec(),
+                            },
+                        );
+                    }
+                }
             }
             CoordinatorMsg::GetShardHome { region, shard } => {
                 if self.removed.contains(&region.member) {
@@ -787,6 +879,11 @@ impl ShardCoordinator {
                         self.persist(CoordinatorEvent::ShardUnallocated { shard });
                     }
                     self.answer_deferred(shard);
+                    if self.settings.number_of_shards > 0 {
+                        // Warm routing: the moved shard gets its new home
+                        // now (the batch of this input), not on demand.
+                        self.warm_at = Some(now);
+                    }
                 }
             }
             CoordinatorMsg::GracefulShutdownReq { region } => {
@@ -858,6 +955,62 @@ impl ShardCoordinator {
             .shards
             .get(&shard)
             .is_some_and(|(home, _)| self.unconfirmed.contains(home))
+    }
+
+    /// Every home a region may route to without asking: the allocated
+    /// shards that are not handing off and whose home is not a recovered
+    /// region that has yet to register again (its `Register` may say it is
+    /// still stopping them; naming it would send messages into its stopping
+    /// buffer, behind which newer ones could reach the next home first).
+    fn confirmed_homes(&self) -> Vec<(ShardId, RegionId, Generation)> {
+        self.state
+            .shards
+            .iter()
+            .filter(|(s, (r, _))| !self.rebalance.contains_key(s) && !self.unconfirmed.contains(r))
+            .map(|(s, (r, g))| (*s, r.clone(), *g))
+            .collect()
+    }
+
+    /// Warm routing: tells every other registered region and proxy the
+    /// homes at `region`, which was a recovered region and is now
+    /// confirmed (it registered again, or was kept at the re-register
+    /// deadline); [`Self::confirmed_homes`] left them out until then.
+    fn push_homes_of(&mut self, region: &RegionId) {
+        if self.settings.number_of_shards == 0 {
+            return;
+        }
+        let homes: Vec<(ShardId, RegionId, Generation)> = self
+            .state
+            .regions
+            .get(region)
+            .into_iter()
+            .flatten()
+            .filter(|s| !self.rebalance.contains_key(s))
+            .map(|s| (*s, region.clone(), self.state.shards[s].1))
+            .collect();
+        if homes.is_empty() {
+            return;
+        }
+        let to: Vec<RegionId> = self
+            .state
+            .regions
+            .keys()
+            .chain(self.state.proxies.iter())
+            .filter(|r| {
+                *r != region && !self.removed.contains(&r.member) && !self.unconfirmed.contains(*r)
+            })
+            .cloned()
+            .collect();
+        for r in to {
+            for chunk in homes.chunks(WARM_HOMES_PER_MESSAGE) {
+                self.send(
+                    r.clone(),
+                    RegionMsg::ShardHomes {
+                        homes: chunk.to_vec(),
+                    },
+                );
+            }
+        }
     }
 
     /// Answers the deferred `GetShardHome`s of the shards homed at `region`
@@ -989,11 +1142,134 @@ impl ShardCoordinator {
         }
     }
 
+    /// Pushes the next warm batch back by `warm_settle` (a region
+    /// registered or a member became Up: more may follow).
+    fn warm_later(&mut self, now: Duration) {
+        if self.settings.number_of_shards > 0 {
+            self.warm_at = Some(now + self.settings.warm_settle);
+        }
+    }
+
+    /// Runs the warm batch when it is due (see
+    /// [`CoordinatorSettings::number_of_shards`]); arms it when shards
+    /// lack a home.
+    fn warm(&mut self, now: Duration) {
+        let n = self.settings.number_of_shards as usize;
+        if n == 0 {
+            return;
+        }
+        if self.state.shards.len() >= n {
+            self.warm_at = None;
+            return;
+        }
+        match self.warm_at {
+            None => {
+                self.warm_at = Some(now + self.settings.warm_settle);
+                return;
+            }
+            Some(t) if now < t => return,
+            Some(_) => {}
+        }
+        if !self.unconfirmed.is_empty() {
+            // A recovered coordinator waits for its regions to register
+            // again (or for the re-register deadline).
+            self.warm_at = Some(now + self.settings.warm_settle);
+            return;
+        }
+        // Tried once; armed again by the next input if shards still lack
+        // a home (at most one try per `warm_settle` while no region is
+        // eligible).
+        self.warm_at = None;
+        self.warm_batch();
+    }
+
+    /// Allocates every shard of `0..number_of_shards` that has no home
+    /// (and is not handing off), one strategy call each against the loads
+    /// with the batch's earlier allocations applied, then tells every
+    /// registered region and proxy the new homes.
+    fn warm_batch(&mut self) {
+        if self.up_count() < self.settings.min_nr_of_members.max(1) {
+            return;
+        }
+        let mut current = self.eligible();
+        if current.is_empty() {
+            return;
+        }
+        let todo: Vec<ShardId> = (0..self.settings.number_of_shards)
+            .map(ShardId)
+            .filter(|s| !self.state.shards.contains_key(s) && !self.rebalance.contains_key(s))
+            .collect();
+        let mut homes: Vec<(ShardId, RegionId, Generation)> = Vec::with_capacity(todo.len());
+        for s in todo {
+            // The requester: the least-loaded eligible region (there is no
+            // asking region; strategies allocate by load).
+            let Some(requester) = current
+                .iter()
+                .min_by_key(|(r, v)| (v.len(), *r))
+                .map(|(r, _)| r.clone())
+            else {
+                break;
+            };
+            let view = &current;
+            let chosen = catch_unwind(AssertUnwindSafe(|| {
+                self.strategy.allocate_shard(&requester, s, view)
+            }));
+            let home = match chosen {
+                Ok(Ok(r)) if current.contains_key(&r) => r,
+                _ => {
+                    self.strategy_errors += 1;
+                    break;
+                }
+            };
+            let generation = Generation(self.state.last_generation.0 + 1);
+            self.persist(CoordinatorEvent::ShardHomeAllocated {
+                shard: s,
+                region: home.clone(),
+                generation,
+            });
+            if let Some(v) = current.get_mut(&home) {
+                let at = v.binary_search(&s).unwrap_or_else(|i| i);
+                v.insert(at, s);
+            }
+            homes.push((s, home, generation));
+        }
+        if homes.is_empty() {
+            return;
+        }
+        self.warm_batches += 1;
+        let to: Vec<RegionId> = self
+            .state
+            .regions
+            .keys()
+            .chain(self.state.proxies.iter())
+            .filter(|r| !self.removed.contains(&r.member))
+            .cloned()
+            .collect();
+        for r in to {
+            for chunk in homes.chunks(WARM_HOMES_PER_MESSAGE) {
+                self.send(
+                    r.clone(),
+                    RegionMsg::ShardHomes {
+                        homes: chunk.to_vec(),
+                    },
+                );
+            }
+        }
+        // Askers that are not registered regions (or asked before the
+        // batch) get their answer too.
+        for (s, _, _) in &homes {
+            if self.deferred.contains_key(s) {
+                self.answer_deferred(*s);
+            }
+        }
+    }
+
     /// Runs the timers that are due: the re-register deadline of a
     /// recovered coordinator, abandoned hand-offs, and the rebalance round.
     pub fn handle_timeout(&mut self, now: Duration) {
         self.timeout_inner(now);
         self.allocate_unallocated();
+        self.warm(now);
     }
 
     fn timeout_inner(&mut self, now: Duration) {
@@ -1011,6 +1287,7 @@ impl ShardCoordinator {
             }
             for r in kept {
                 self.answer_deferred_of(&r);
+                self.push_homes_of(&r);
             }
         }
         let expired: Vec<ShardId> = self
@@ -1127,6 +1404,13 @@ impl ShardCoordinator {
             }
         }
         round.in_progress = self.rebalance.len();
+        if let Some(until) = self.fast_rebalance_until {
+            if now < until && (!round.started.is_empty() || round.in_progress > 0) {
+                self.next_rebalance_at = now + self.settings.warm_settle;
+            } else {
+                self.fast_rebalance_until = None;
+            }
+        }
         round
     }
 

@@ -434,6 +434,14 @@ impl<M, S> ShardRegion<M, S> {
         &self.id
     }
 
+    /// How many shards' homes this region has cached (count): a region
+    /// whose count equals the type's `number_of_shards` routes every
+    /// message without asking the coordinator (warm routing, see
+    /// `CoordinatorSettings::number_of_shards`).
+    pub fn known_homes(&self) -> usize {
+        self.homes.len()
+    }
+
     /// Whether this region is a proxy.
     pub fn is_proxy(&self) -> bool {
         self.proxy

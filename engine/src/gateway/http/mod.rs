@@ -299,7 +299,9 @@ pub fn admin_response(
                 }) {
                     Some(why) => why,
                     None => {
-                        "not ready: the member is not Up or its regions are not registered".into()
+                        "not ready: the member is not Up, its regions are not registered, or they do not \
+                         know every shard's home yet"
+                            .into()
                     }
                 };
                 let mut r = Response::text(503, why);
@@ -497,6 +499,7 @@ mod tests {
                 core: 0,
                 proxy: false,
                 registered,
+                homes_known: 16,
                 shards: [(3u32, vec!["a".to_string()])].into_iter().collect(),
                 entities: 1,
                 messages_delivered: 5,

@@ -30,6 +30,7 @@ impl DataExecutor {
                     core: self.index,
                     proxy: region.is_proxy(),
                     registered: region.is_registered(),
+                    homes_known: region.known_homes(),
                     entities: figures.entities,
                     shards: st
                         .shards

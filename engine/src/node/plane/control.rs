@@ -68,6 +68,10 @@ use crate::status::CoordinatorStatusView;
 /// read is under way (count; regions register again on their own).
 pub const WAITING_MAX: usize = 4096;
 
+/// Most coordinator events replicated to the other members in one
+/// `CoordinatorEvents` frame (count).
+const REPLICATE_EVENTS_PER_FRAME: usize = 4096;
+
 /// What a [`ControlPlane`] is built from.
 #[derive(Debug, Clone)]
 pub struct ControlPlaneConfig {
@@ -251,8 +255,10 @@ pub enum ControlEvent {
     /// A membership event, for the node's subscribers (the initial
     /// `CurrentClusterState` is not sent: see [`ControlPlane::current_state`]).
     Cluster(ClusterEvent),
-    /// Whether the node is ready (Up, every core's regions registered, not
-    /// stopped); sent on every change.
+    /// Whether the node is ready (Up, every core's regions registered,
+    /// their routing warm — every region knows every shard's home, or
+    /// `coordinator.ready_warm_timeout_ms` passed since the rest held —
+    /// and not stopped); sent on every change.
     Ready(bool),
     /// The member stops: 1 left, 2 downed, 4 refused to join (with the
     /// reason).
@@ -354,9 +360,20 @@ pub struct ControlPlane {
     waiting: BTreeMap<String, VecDeque<CoordinatorMsg>>,
     coord_status: BTreeMap<String, CoordinatorStatusView>,
     coordinator_settings: crate::config::CoordinatorConfig,
+    /// Every type's `number_of_shards` (count; warm allocation's range).
+    number_of_shards: u32,
     on_join_refused: crate::config::OnJoinRefused,
     singleton: bool,
     registered: Vec<bool>,
+    /// Per data core: every region knows every shard's home.
+    warm: Vec<bool>,
+    /// Routing was warm (or its wait ran out) once since the node started:
+    /// readiness no longer waits for it (a hand-off that empties a cache
+    /// entry does not make the node unready).
+    warmed: bool,
+    /// When readiness stops waiting for warm routing (armed once the node
+    /// is Up with every region registered).
+    warm_deadline: Option<Duration>,
     handed_off: Vec<bool>,
     leave: Option<LeaveState>,
     last_oldest: Option<UniqueAddress>,
@@ -399,9 +416,13 @@ impl ControlPlane {
             waiting: BTreeMap::new(),
             coord_status: BTreeMap::new(),
             coordinator_settings: config.coordinator,
+            number_of_shards: config.journal.number_of_shards,
             on_join_refused: config.on_join_refused,
             singleton: false,
             registered: vec![false; n],
+            warm: vec![false; n],
+            warmed: false,
+            warm_deadline: None,
             handed_off: vec![false; n],
             leave: None,
             last_oldest: None,
@@ -467,6 +488,9 @@ impl ControlPlane {
             if let LeavePhase::HandingOff { until } = l.phase {
                 at(Some(until));
             }
+        }
+        if !self.warmed {
+            at(self.warm_deadline);
         }
         at(self.stats_waiters.values().min().copied());
         at(self.admin_waiters.values().map(|(_, d)| *d).min());
@@ -769,10 +793,14 @@ impl ControlPlane {
     }
 
     /// Data core `core`'s regions are (`all`) or are no longer all
-    /// registered with their coordinators.
-    pub fn handle_registered(&mut self, now: Duration, core: u16, all: bool) {
+    /// registered with their coordinators, and do (`warm`) or do not all
+    /// know every shard's home.
+    pub fn handle_registered(&mut self, now: Duration, core: u16, all: bool, warm: bool) {
         if let Some(r) = self.registered.get_mut(usize::from(core)) {
             *r = all;
+        }
+        if let Some(w) = self.warm.get_mut(usize::from(core)) {
+            *w = warm;
         }
         self.drive(now);
     }
@@ -1108,7 +1136,30 @@ impl ControlPlane {
             self.available = avail;
             self.tell_all_cores(CoreCommand::Available(avail));
         }
-        let ready = self.is_up() && self.registered.iter().all(|r| *r) && !self.stopped;
+        let base = self.is_up() && self.registered.iter().all(|r| *r) && !self.stopped;
+        if base && !self.warmed {
+            if self.warm.iter().all(|w| *w) {
+                self.warmed = true;
+                tracing::info!("routing is warm: every region knows every shard's home");
+            } else {
+                let deadline = *self
+                    .warm_deadline
+                    .get_or_insert(now + self.coordinator_settings.ready_warm_timeout());
+                if now >= deadline {
+                    self.warmed = true;
+                    let cold: Vec<usize> =
+                        (0..self.warm.len()).filter(|c| !self.warm[*c]).collect();
+                    tracing::warn!(
+                        cores = ?cold,
+                        timeout_ms = self.coordinator_settings.ready_warm_timeout_ms,
+                        "ready without warm routing: these cores' regions do not know every shard's home \
+                         within coordinator.ready_warm_timeout_ms (is the coordinator slow or unreachable?); \
+                         their first requests ask the coordinator"
+                    );
+                }
+            }
+        }
+        let ready = base && self.warmed;
         if ready != self.ready {
             self.ready = ready;
             self.events.push_back(ControlEvent::Ready(ready));
@@ -1352,6 +1403,12 @@ impl ControlPlane {
             handoff_timeout: cc.handoff_timeout(),
             reregister_timeout: cc.reregister_timeout(),
             min_nr_of_members: cc.min_nr_of_members,
+            number_of_shards: if cc.warm_allocation {
+                self.number_of_shards
+            } else {
+                0
+            },
+            warm_settle: CoordinatorSettings::default().warm_settle,
         };
         let strategy = LeastShardAllocationStrategy {
             rebalance_absolute_limit: cc.rebalance_absolute_limit,
@@ -1419,16 +1476,24 @@ impl ControlPlane {
     /// until every event before it is durable.
     fn drain_coordinator(&mut self, t: &str) -> bool {
         let mut any = false;
+        // Consecutive events go to the other members in one frame (a warm
+        // batch is one frame, not one per shard).
+        let mut replicate: Vec<crate::envelope::WireCoordinatorEvent> = Vec::new();
         loop {
             let Some(c) = self.coordinators.get_mut(t) else {
+                self.replicate(t, &mut replicate);
                 return any;
             };
             let Some(e) = c.poll_effect() else {
+                self.replicate(t, &mut replicate);
                 if self.hosting.get(t).is_some_and(|h| !h.held.is_empty()) {
                     self.arm_durable();
                 }
                 return any;
             };
+            if matches!(e, CoordinatorEffect::Send { .. }) {
+                self.replicate(t, &mut replicate);
+            }
             any = true;
             let durable = self.durable;
             let h = self.hosting.entry(t.to_string()).or_default();
@@ -1462,16 +1527,28 @@ impl ControlPlane {
                         .entry(t.to_string())
                         .or_default()
                         .apply(&ev);
-                    let f = ControlFrame::CoordinatorEvents {
-                        type_name: t.to_string(),
-                        reset: false,
-                        events: vec![(&ev).into()],
-                    };
-                    for addr in self.other_members() {
-                        self.send_control(&addr, f.clone());
+                    replicate.push((&ev).into());
+                    if replicate.len() >= REPLICATE_EVENTS_PER_FRAME {
+                        self.replicate(t, &mut replicate);
                     }
                 }
             }
+        }
+    }
+
+    /// Sends `events` (emptied) of `t`'s coordinator to every other member
+    /// in one frame.
+    fn replicate(&mut self, t: &str, events: &mut Vec<crate::envelope::WireCoordinatorEvent>) {
+        if events.is_empty() {
+            return;
+        }
+        let f = ControlFrame::CoordinatorEvents {
+            type_name: t.to_string(),
+            reset: false,
+            events: std::mem::take(events),
+        };
+        for addr in self.other_members() {
+            self.send_control(&addr, f.clone());
         }
     }
 
@@ -1899,6 +1976,118 @@ mod tests {
                     )
                 )),
             "{sent:?}"
+        );
+    }
+
+    #[test]
+    fn a_warm_batch_is_one_durability_round_and_ready_waits_for_warm_regions() {
+        let (mut p, mut now) = until_recover(2);
+        p.handle_recovered(
+            now,
+            1_000,
+            TYPE,
+            Recovery::Read(RecoveredCoordinator::default()),
+        );
+        drain(&mut p);
+        register(&mut p, now, 0);
+        register(&mut p, now, 1);
+        p.handle_registered(now, 0, true, false);
+        p.handle_registered(now, 1, true, false);
+        assert!(
+            !drain(&mut p)
+                .events
+                .iter()
+                .any(|e| matches!(e, ControlEvent::Ready(true))),
+            "ready before the regions know the homes"
+        );
+        // After the settle time the coordinator allocates all 16 shards at
+        // once: 16 appends, one wait for durability, nothing sent before.
+        let o = run_until(&mut p, &mut now, Duration::from_secs(2), |_, o| {
+            o.journal.iter().any(|j| {
+                matches!(
+                    j,
+                    JournalOp::Append {
+                        event: CoordinatorEvent::ShardHomeAllocated { .. },
+                        ..
+                    }
+                )
+            })
+        });
+        let allocs: Vec<JournalSeq> = o
+            .appends()
+            .into_iter()
+            .filter(|(e, _)| matches!(e, CoordinatorEvent::ShardHomeAllocated { .. }))
+            .map(|(_, s)| s)
+            .collect();
+        assert_eq!(allocs.len(), 16);
+        let last = *allocs.last().expect("allocations");
+        let waits: Vec<JournalSeq> = o
+            .journal
+            .iter()
+            .filter_map(|j| match j {
+                JournalOp::NotifyDurable { seq } if *seq >= allocs[0] => Some(*seq),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(waits, vec![last], "one durability round for the batch");
+        assert!(!o
+            .region_msgs()
+            .iter()
+            .any(|(_, m)| matches!(m, RegionMsg::ShardHomes { .. })));
+        p.handle_journal_durable(now, last);
+        let sent = drain(&mut p).region_msgs();
+        for core in 0..2 {
+            let homes: usize = sent
+                .iter()
+                .filter(|(c, _)| *c == core)
+                .map(|(_, m)| match m {
+                    RegionMsg::ShardHomes { homes } => homes.len(),
+                    _ => 0,
+                })
+                .sum();
+            assert_eq!(homes, 16, "core {core}: {sent:?}");
+        }
+        // Ready once every core reports its regions warm.
+        p.handle_registered(now, 0, true, true);
+        assert!(!drain(&mut p)
+            .events
+            .iter()
+            .any(|e| matches!(e, ControlEvent::Ready(true))));
+        p.handle_registered(now, 1, true, true);
+        assert!(drain(&mut p)
+            .events
+            .iter()
+            .any(|e| matches!(e, ControlEvent::Ready(true))));
+        // Later cache changes (a hand-off) do not make it unready.
+        p.handle_registered(now, 1, true, false);
+        assert!(!drain(&mut p)
+            .events
+            .iter()
+            .any(|e| matches!(e, ControlEvent::Ready(false))));
+    }
+
+    #[test]
+    fn ready_does_not_wait_for_warm_routing_beyond_its_timeout() {
+        let (mut p, mut now) = until_recover(1);
+        p.handle_recovered(
+            now,
+            1_000,
+            TYPE,
+            Recovery::Read(RecoveredCoordinator::default()),
+        );
+        drain(&mut p);
+        p.handle_registered(now, 0, true, false);
+        let start = now;
+        run_until(&mut p, &mut now, Duration::from_secs(30), |_, o| {
+            o.events
+                .iter()
+                .any(|e| matches!(e, ControlEvent::Ready(true)))
+        });
+        let waited = now - start;
+        let timeout = crate::config::CoordinatorConfig::default().ready_warm_timeout();
+        assert!(
+            waited >= timeout && waited < timeout + Duration::from_secs(1),
+            "ready after {waited:?}"
         );
     }
 

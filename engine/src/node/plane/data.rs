@@ -101,6 +101,9 @@ pub struct DataPlaneConfig {
     /// `requests.max_message_size_bytes`: the largest request payload a
     /// front may hand in (bytes).
     pub max_message_size_bytes: u64,
+    /// `coordinator.warm_allocation`: the registration report also says
+    /// whether every region knows the home of every shard.
+    pub warm_allocation: bool,
 }
 
 impl DataPlaneConfig {
@@ -115,6 +118,7 @@ impl DataPlaneConfig {
             number_of_shards: config.number_of_shards,
             ask_timeout: config.requests.ask_timeout(),
             max_message_size_bytes: config.requests.max_message_size_bytes,
+            warm_allocation: config.coordinator.warm_allocation,
         }
     }
 }
@@ -304,7 +308,8 @@ pub struct DataPlane {
     next_forward: u64,
     local_forwards: FastMap<LocalToken, ReplyTo>,
     next_local: u64,
-    reported_registered: bool,
+    /// Last reported (every region registered, every region warm).
+    reported_registered: (bool, bool),
     reported_shutdown: bool,
     shutting_down: bool,
     stopped: bool,
@@ -335,7 +340,7 @@ impl DataPlane {
             next_forward: 1,
             local_forwards: FastMap::default(),
             next_local: 1,
-            reported_registered: false,
+            reported_registered: (false, true),
             reported_shutdown: false,
             shutting_down: false,
             stopped: false,
@@ -425,7 +430,7 @@ impl DataPlane {
             worker,
         });
         // Force a report of the new state.
-        self.reported_registered = true;
+        self.reported_registered = (true, true);
         self.check_due = true;
         Some(TypeIdx(self.types.len() - 1))
     }
@@ -1126,15 +1131,21 @@ impl DataPlane {
         });
     }
 
-    /// The registration and hand-off reports for the control executor.
+    /// The registration and hand-off reports for the control executor:
+    /// whether every region is registered and (with warm allocation)
+    /// whether every region knows the home of every shard.
     fn check_registered(&mut self) {
         let all = !self.types.is_empty() && self.types.iter().all(|h| h.region.is_registered());
-        if all != self.reported_registered {
-            self.reported_registered = all;
+        let n = self.config.number_of_shards as usize;
+        let warm =
+            !self.config.warm_allocation || self.types.iter().all(|h| h.region.known_homes() >= n);
+        if (all, warm) != self.reported_registered {
+            self.reported_registered = (all, warm);
             self.out
                 .push_back(DataOutput::ToControl(ToControl::Registered {
                     core: self.config.me.core,
                     all,
+                    warm,
                 }));
         }
         if self.shutting_down && !self.reported_shutdown {
@@ -1303,6 +1314,7 @@ mod tests {
             number_of_shards: 16,
             ask_timeout: secs(5),
             max_message_size_bytes: 1024,
+            warm_allocation: false,
         });
         let settings = RegionSettings {
             passivation: PassivationSettings {
@@ -1319,7 +1331,7 @@ mod tests {
             .is_none());
         let registered = |out: &[DataOutput], all: bool| {
             out.iter().any(|o| {
-                matches!(o, DataOutput::ToControl(ToControl::Registered { core: 0, all: a }) if *a == all)
+                matches!(o, DataOutput::ToControl(ToControl::Registered { core: 0, all: a, .. }) if *a == all)
             })
         };
         let out = drain(&mut p, Duration::ZERO);

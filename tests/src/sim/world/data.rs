@@ -70,6 +70,7 @@ impl World {
             number_of_shards: self.cfg.shards,
             ask_timeout: Duration::from_secs(5),
             max_message_size_bytes: 1024,
+            warm_allocation: true,
         });
         p.handle_register_type(self.now, TYPE, self.p.region.clone(), !proxy, false);
         p
@@ -200,9 +201,9 @@ impl World {
         match m {
             ToControl::ToCoordinator { msg, .. } => self.plane_to_coordinator(slot, msg),
             ToControl::ToRegion { to, msg, .. } => self.plane_to_region(slot, to, msg),
-            ToControl::Registered { core: c, all } => {
+            ToControl::Registered { core: c, all, warm } => {
                 if let Some(p) = self.nodes[slot].plane.as_mut() {
-                    p.handle_registered(now, c, all);
+                    p.handle_registered(now, c, all, warm);
                     self.drive_plane(slot);
                 }
             }
@@ -564,7 +565,9 @@ fn describe(o: &DataOutput) -> String {
         DataOutput::ToControl(m) => match m {
             ToControl::ToCoordinator { msg, .. } => format!("to the coordinator: {msg:?}"),
             ToControl::ToRegion { to, msg, .. } => format!("to region {to}: {msg:?}"),
-            ToControl::Registered { core, all } => format!("core {core} registered: {all}"),
+            ToControl::Registered { core, all, warm } => {
+                format!("core {core} registered: {all}, warm: {warm}")
+            }
             ToControl::ShutdownComplete { core } => format!("core {core} handed off"),
             _ => "to the control plane".to_string(),
         },

@@ -124,6 +124,7 @@ impl Rig {
             number_of_shards: 1,
             ask_timeout: secs(30),
             max_message_size_bytes: 1024,
+            warm_allocation: false,
         });
         let mut host = EntityHost::new(HostConfig {
             core: 0,
