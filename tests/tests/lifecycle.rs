@@ -122,6 +122,10 @@ data_dir = "{dir}"
 number_of_shards = 16
 downing_stable_after_ms = 1000
 heartbeat_pause_ms = 1000
+# These tests place entities by on-demand allocation (a shard goes to the
+# region with the fewest shards when first used), not by a warm batch.
+[coordinator]
+warm_allocation = false
 "#,
         client = port + 100,
         dir = dir.join(port.to_string()).display(),
