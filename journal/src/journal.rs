@@ -1032,8 +1032,9 @@ impl Journal {
             data: data.to_vec(),
         };
         let bytes = Arc::new(snap.encode());
-        // A fresh temporary name per save: an earlier save of the same id
-        // may still be waiting for the meta thread.
+        // A fresh temporary name per save. The meta thread writes and renames
+        // saves in order, so this is no longer needed for correctness (it was
+        // when this thread wrote the file while an earlier save waited).
         self.snapshot_serial += 1;
         let tmp = format!("{name}.{}{TMP_SUFFIX}", self.snapshot_serial);
         self.catalog
