@@ -287,15 +287,6 @@ impl Persistent {
             return Err(EntityError::Failed(why));
         }
         self.needs_recovery = true;
-        if self.stopping {
-            // No recovery while stopping: the stashed commands were not
-            // applied; they get the journal's status (retry later).
-            for (_, t) in self.stashed.drain(..) {
-                if let Some(t) = t {
-                    persistence::complete(t, e.status(), e.message.as_bytes().to_vec());
-                }
-            }
-        }
         if !self.stashed.is_empty() && !self.stopping {
             self.needs_recovery = false;
             self.start_recovery(ctx)?;
@@ -557,39 +548,17 @@ impl Entity for Persistent {
     }
 
     fn on_stopping(&mut self) -> bool {
-        // Akka's `handOffStopMessage` semantics: the incarnation handles
-        // what it holds before it stops. The runtime keeps it (no new
-        // message reaches it: the region buffers them for the new
-        // incarnation or the new home) while
-        // - a recovery read is in flight: the commands stashed meanwhile
-        //   run once it finished (`on_durable` polls it), in arrival order,
-        //   so a hand-off or a passivation never fails them;
-        // - events are in flight: `on_durable` runs their handlers and
-        //   answers their commands; stashed commands run then too.
-        // A hand-off completes (`ShardStopped`) only after all of that, so
-        // the new home recovers every event of them, and later messages
-        // (buffered) follow them: order per entity holds, nothing is lost
-        // or applied twice. Stashed commands imply one of the two (a
-        // journal refusal while stopping answers them, `on_rejected`).
+        // Events in flight are in the journal: the runtime keeps this
+        // incarnation until they have an outcome (`on_durable` runs their
+        // handlers and answers their commands; stashed commands run then
+        // too), so their commands are answered truthfully and a hand-off
+        // completes only after they are durable. A recovery in flight is
+        // dropped by `on_stop` (no state to answer from).
         self.stopping = true;
-        self.recovering.is_some() || !self.in_flight.is_empty()
+        self.recovering.is_none() && !self.in_flight.is_empty()
     }
 
     fn on_stop(&mut self) {
-        if self.stopping {
-            // Stopped while still kept (the node's stop drain ended): the
-            // stashed commands never reached the command handler.
-            for (_, t) in self.stashed.drain(..) {
-                if let Some(t) = t {
-                    persistence::complete(
-                        t,
-                        Status::ShuttingDown,
-                        b"the node stopped before the entity handled this command; not applied"
-                            .to_vec(),
-                    );
-                }
-            }
-        }
         self.stopping = true;
         if let Some(t) = self.recovering.take() {
             let _ = persistence::with_log(|l| l.recover_forget(t));
