@@ -15,7 +15,7 @@ use pg_support::TempPg;
 use shardline::persistence::coordinator::{
     CoordinatorConfig, CoordinatorJournalError, RecoveredCoordinator,
 };
-use shardline::persistence::pg::{self, PgError, PgLog, PgSettings};
+use shardline::persistence::pg::{self, PgError, PgJournal, PgLog, PgSettings};
 use shardline::persistence::pg_control::{self, PgControlJournal};
 use shardline::persistence::{DurableWake, EventLog, LogErrorKind};
 use shardline_journal::{PersistenceId, SequenceNr, WriterEpoch};
@@ -132,7 +132,7 @@ fn identity_is_the_system_identifier_and_database() {
 fn one_turn_is_one_transaction_split_at_the_batch_limit() {
     let pg = TempPg::start();
     let mut s = settings(&pg);
-    let mut log = PgLog::open(&s, 0);
+    let mut log = PgLog::open(&PgJournal::new(&s), 0);
     // A flush wake nobody polls: appends wait for `flush`, as on a core
     // where the flush task runs at the end of the turn.
     log.set_flush_wake(std::sync::Arc::new(DurableWake::default()));
@@ -155,7 +155,7 @@ fn one_turn_is_one_transaction_split_at_the_batch_limit() {
     );
     drop(log);
     s.batch_max_rows = 30;
-    let mut log = PgLog::open(&s, 0);
+    let mut log = PgLog::open(&PgJournal::new(&s), 0);
     log.set_flush_wake(std::sync::Arc::new(DurableWake::default()));
     for i in 0..100 {
         last = log
@@ -198,7 +198,7 @@ fn two_writers_racing_on_one_persistence_id_the_older_epoch_is_fenced() {
     let s2 = s.clone();
     let p2 = p.clone();
     let old = std::thread::spawn(move || {
-        let mut a = PgLog::open(&s2, 0);
+        let mut a = PgLog::open(&PgJournal::new(&s2), 0);
         let rec = a.recover(&p2, WriterEpoch(1)).expect("recover old");
         assert!(rec.events.is_empty());
         assert_eq!(
@@ -227,7 +227,7 @@ fn two_writers_racing_on_one_persistence_id_the_older_epoch_is_fenced() {
         assert!(t0.elapsed() < Duration::from_secs(20), "old writer idle");
         std::thread::sleep(Duration::from_millis(5));
     }
-    let mut b = PgLog::open(&s, 1);
+    let mut b = PgLog::open(&PgJournal::new(&s), 1);
     let rec = b.recover(&p, WriterEpoch(2)).expect("recover new");
     let recovered = rec.events.len() as u64;
     for (i, e) in rec.events.iter().enumerate() {
@@ -289,7 +289,7 @@ fn two_writers_racing_on_one_persistence_id_the_older_epoch_is_fenced() {
 fn an_outage_refuses_appends_then_resumes_without_a_restart() {
     let mut pg = TempPg::start();
     let s = settings(&pg);
-    let mut log = PgLog::open(&s, 0);
+    let mut log = PgLog::open(&PgJournal::new(&s), 0);
     let p = pid("counter|out");
     let c = log.recover(&p, WriterEpoch(1)).expect("recover").highest;
     assert_eq!(c, pg::CLAIM_ROWS, "the claim rows");
@@ -520,8 +520,8 @@ fn a_newer_claim_racing_in_flight_appends_of_the_older_epoch_commits_none_after_
     let pg = TempPg::start();
     let s = settings(&pg);
     pg::connect(&s).expect("schema");
-    let mut claimer = PgLog::open(&s, 1);
-    let mut old = PgLog::open(&s, 0);
+    let mut claimer = PgLog::open(&PgJournal::new(&s), 1);
+    let mut old = PgLog::open(&PgJournal::new(&s), 0);
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut claims_without_progress = 0usize;
     for round in 0..ROUNDS {
@@ -673,7 +673,7 @@ fn two_writers_appending_to_the_same_ids_in_opposite_orders_never_deadlock() {
             let s = s.clone();
             let barrier = barrier.clone();
             std::thread::spawn(move || {
-                let mut log = PgLog::open(&s, w as u16);
+                let mut log = PgLog::open(&PgJournal::new(&s), w as u16);
                 // Appends wait for `flush`: one statement per round.
                 log.set_flush_wake(Arc::new(DurableWake::default()));
                 let mut order: Vec<u64> = (0..IDS).collect();
@@ -736,10 +736,10 @@ fn an_append_without_a_claim_is_fenced_by_the_next_claim() {
     let pg = TempPg::start();
     let s = settings(&pg);
     let p = pid("counter|noclaim");
-    let mut a = PgLog::open(&s, 0);
+    let mut a = PgLog::open(&PgJournal::new(&s), 0);
     append_one(&mut a, &p, 1, 5, b"1").expect("first append, no claim");
     append_one(&mut a, &p, 2, 5, b"2").expect("second append, no claim");
-    let mut b = PgLog::open(&s, 1);
+    let mut b = PgLog::open(&PgJournal::new(&s), 1);
     let rec = b.recover(&p, WriterEpoch(6)).expect("claim");
     assert_eq!(rec.events, vec![(1, b"1".to_vec()), (2, b"2".to_vec())]);
     assert_eq!(
@@ -754,7 +754,7 @@ fn an_append_without_a_claim_is_fenced_by_the_next_claim() {
     );
     append_one(&mut b, &p, rec.highest + 1, 6, b"4")
         .expect("the claimer appends after its claim rows");
-    let mut c = PgLog::open(&s, 2);
+    let mut c = PgLog::open(&PgJournal::new(&s), 2);
     match c.recover(&p, WriterEpoch(5)) {
         Err(e) => assert!(e.contains("fenced"), "{e}"),
         Ok(r) => panic!("an older epoch's claim must be refused: {r:?}"),
@@ -787,11 +787,11 @@ fn an_older_incarnations_turn_split_over_statements_commits_nothing_after_the_cl
     let mut s = settings(&pg);
     s.batch_max_rows = 1;
     let p = pid("counter|split");
-    let mut old = PgLog::open(&s, 0);
+    let mut old = PgLog::open(&PgJournal::new(&s), 0);
     const C: u64 = pg::CLAIM_ROWS;
     assert_eq!(old.recover(&p, WriterEpoch(1)).expect("claim").highest, C);
     append_one(&mut old, &p, C + 1, 1, b"2").expect("durable before the claim");
-    let mut new = PgLog::open(&s, 1);
+    let mut new = PgLog::open(&PgJournal::new(&s), 1);
     let rec = new.recover(&p, WriterEpoch(2)).expect("newer claim");
     assert_eq!(
         rec.highest,
@@ -845,7 +845,7 @@ fn a_version_2_database_with_data_is_migrated_and_recovers_its_events() {
          INSERT INTO shardline_snapshots VALUES ('counter|v2', 2, 3, 'snap2')",
     );
     let p = pid("counter|v2");
-    let mut log = PgLog::open(&s, 0);
+    let mut log = PgLog::open(&PgJournal::new(&s), 0);
     match log.recover(&p, WriterEpoch(2)) {
         Err(e) => assert!(e.contains("fenced"), "{e}"),
         Ok(r) => panic!("the epoch recorded before the upgrade fences an older one: {r:?}"),
@@ -867,7 +867,7 @@ fn a_version_2_database_with_data_is_migrated_and_recovers_its_events() {
         5 + pg::CLAIM_ROWS,
         "the claim rows follow the version 2 events"
     );
-    let mut old = PgLog::open(&s, 1);
+    let mut old = PgLog::open(&PgJournal::new(&s), 1);
     assert_eq!(
         append_one(&mut old, &p, 6, 3, b"old"),
         Err(LogErrorKind::Fenced),
@@ -905,7 +905,7 @@ fn the_urls_options_are_kept_a_search_path_places_the_tables() {
         "the tables are in the url's search_path"
     );
     let p = pid("counter|opts");
-    let mut log = PgLog::open(&s, 0);
+    let mut log = PgLog::open(&PgJournal::new(&s), 0);
     let c = log.recover(&p, WriterEpoch(1)).expect("claim").highest;
     assert_eq!(c, pg::CLAIM_ROWS);
     append_one(&mut log, &p, c + 1, 1, b"2").expect("append");

@@ -256,10 +256,10 @@ impl Entity for Release {
         let held = HELD.with(|h| std::mem::take(&mut *h.borrow_mut()));
         let n = held.len();
         for (token, payload) in held {
-            shardline::persistence::complete(token, Status::Ok, payload);
+            ctx.complete(token, Status::Ok, payload);
         }
         if let Some(me) = ctx.defer_reply() {
-            shardline::persistence::complete(me, Status::Ok, n.to_string().into_bytes());
+            ctx.complete(me, Status::Ok, n.to_string().into_bytes());
         }
         Ok(())
     }

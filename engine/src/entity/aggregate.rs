@@ -150,7 +150,8 @@ mod tests {
 
     fn send(a: &mut Aggregate, msg: &str) -> (String, Vec<super::super::Outgoing>) {
         let id = EntityId::new("w").unwrap();
-        let mut ctx = EntityContext::new(&id).with_reply_token(1);
+        let mut services = crate::entity::EntityServices::default();
+        let mut ctx = EntityContext::new(&id, &mut services).with_reply_token(1);
         a.handle(&mut ctx, msg.as_bytes()).unwrap();
         let reply = ctx
             .take_reply()
@@ -163,7 +164,8 @@ mod tests {
     fn sums_locally_and_flushes_on_the_timer() {
         let mut a = Aggregate::new("totals".into(), Duration::from_millis(50));
         let id = EntityId::new("w").unwrap();
-        let mut ctx = EntityContext::new(&id).with_reply_token(1);
+        let mut services = crate::entity::EntityServices::default();
+        let mut ctx = EntityContext::new(&id, &mut services).with_reply_token(1);
         a.handle(&mut ctx, b"add k1 5").unwrap();
         // The first add arms the flush timer.
         assert_eq!(
@@ -172,7 +174,7 @@ mod tests {
         );
         assert_eq!(send(&mut a, "add k1 -2").0, "ok");
         assert_eq!(send(&mut a, "add k2 7").1, vec![]);
-        let mut ctx = EntityContext::new(&id);
+        let mut ctx = EntityContext::new(&id, &mut services);
         a.on_timer(&mut ctx, FLUSH_TIMER);
         let out = ctx.take_outgoing();
         let sent: Vec<(String, String, bool)> = out

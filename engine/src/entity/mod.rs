@@ -98,11 +98,90 @@ impl TerminatedReason {
     }
 }
 
-/// A watch command of a handler: `(watch?, type_name, entity_id)`.
-pub(crate) type WatchCommand = (bool, String, EntityId);
+/// A watch command of a handler ([`EntityContext::watch`],
+/// [`EntityContext::unwatch`]), in the order it asked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum WatchCommand {
+    /// Start watching the entity `id` of type `type_name`.
+    Watch {
+        /// The watched entity's type.
+        type_name: String,
+        /// The watched entity's id.
+        id: EntityId,
+    },
+    /// Stop watching it.
+    Unwatch {
+        /// The watched entity's type.
+        type_name: String,
+        /// The watched entity's id.
+        id: EntityId,
+    },
+}
+
+/// The ids of the asks between entities of one data core
+/// ([`EntityContext::ask`]): core `c`'s ids start at `(c + 1) << 48`, so
+/// they are unique in the node without a counter shared by its cores.
+#[derive(Debug, Clone)]
+pub(crate) struct AskIds {
+    next: u64,
+}
+
+impl AskIds {
+    /// The ask ids of data core `core`.
+    pub(crate) fn for_core(core: u16) -> AskIds {
+        AskIds {
+            next: ((u64::from(core) + 1) << 48) | 1,
+        }
+    }
+
+    /// The next id.
+    fn take(&mut self) -> AskId {
+        let id = AskId(self.next);
+        self.next += 1;
+        id
+    }
+}
+
+impl Default for AskIds {
+    fn default() -> Self {
+        AskIds::for_core(0)
+    }
+}
+
+/// What a data core's entity host lends every call of an entity's code
+/// ([`EntityContext`]): the core's journal, the core's ask ids, and the
+/// deferred replies answered during calls ([`EntityContext::complete`]),
+/// which the host sends after the call returns. Owned by the host; one per
+/// core, never shared.
+#[derive(Default)]
+pub(crate) struct EntityServices {
+    /// The core's journal.
+    pub journal: crate::persistence::CoreJournal,
+    /// The core's ask ids.
+    pub asks: AskIds,
+    /// Deferred replies answered, not yet sent.
+    pub completions: Vec<crate::persistence::Completion>,
+}
+
+impl EntityServices {
+    /// Services for data core `core` with `journal`.
+    pub(crate) fn new(core: u16, journal: crate::persistence::CoreJournal) -> EntityServices {
+        EntityServices {
+            journal,
+            asks: AskIds::for_core(core),
+            completions: Vec::new(),
+        }
+    }
+
+    /// Takes the deferred replies answered since the last call.
+    pub(crate) fn take_completions(&mut self) -> Vec<crate::persistence::Completion> {
+        std::mem::take(&mut self.completions)
+    }
+}
 
 /// What a handler may ask of the runtime.
 pub struct EntityContext<'a> {
+    services: &'a mut EntityServices,
     id: &'a EntityId,
     type_name: &'a str,
     writer_epoch: u64,
@@ -175,12 +254,12 @@ pub enum EntityAskError {
     TimedOut,
 }
 
-static NEXT_ASK_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-
 impl<'a> EntityContext<'a> {
-    /// A context for entity `id` (made by the runtime for each call).
-    pub(crate) fn new(id: &'a EntityId) -> Self {
+    /// A context for entity `id` on the core whose host lends `services`
+    /// (made by the runtime for each call).
+    pub(crate) fn new(id: &'a EntityId, services: &'a mut EntityServices) -> Self {
         EntityContext {
+            services,
             id,
             type_name: "",
             writer_epoch: 0,
@@ -229,8 +308,8 @@ impl<'a> EntityContext<'a> {
 
     /// Takes over the reply of the message being handled: the runtime
     /// sends nothing when the handler returns; the entity answers later
-    /// with [`crate::persistence::complete`] and the returned token.
-    /// `None` outside a message (timers, start).
+    /// (in this or a later call) with [`Self::complete`] and the returned
+    /// token. `None` outside a message (timers, start).
     pub fn defer_reply(&mut self) -> Option<u64> {
         let t = self.reply_token?;
         self.reply_deferred = true;
@@ -240,6 +319,39 @@ impl<'a> EntityContext<'a> {
     /// Whether the handler deferred its reply.
     pub(crate) fn reply_deferred(&self) -> bool {
         self.reply_deferred
+    }
+
+    /// Answers the deferred reply `token` (from [`Self::defer_reply`] of
+    /// this or an earlier call on the same core) with `status` and
+    /// `payload`; the runtime sends it after this call returns (after the
+    /// journal made durable what the reply waited for, if the handler's
+    /// reply was held). A token answered twice, or after its incarnation
+    /// stopped, is dropped.
+    pub fn complete(&mut self, token: u64, status: crate::envelope::Status, payload: Vec<u8>) {
+        self.services
+            .completions
+            .push(crate::persistence::Completion {
+                token,
+                status,
+                payload,
+            });
+    }
+
+    /// This data core's journal (its [`crate::persistence::EventLog`]):
+    /// what durable entities append to and recover from.
+    ///
+    /// # Errors
+    /// `"no journal on this core"` when the core has none (it could not
+    /// be opened; durable entities fail then).
+    pub fn journal(&mut self) -> Result<&mut dyn crate::persistence::EventLog, String> {
+        self.services.journal.log()
+    }
+
+    /// Records that this call appended `lsn` to the core's journal, so
+    /// that [`Entity::on_durable`] comes once it is durable (with
+    /// [`Self::await_durable`]).
+    pub fn note_appended(&mut self, lsn: shardline_journal::Lsn) {
+        self.services.journal.note_appended(lsn);
     }
 
     /// Asks for [`Entity::on_durable`] calls while this entity has journal
@@ -286,15 +398,19 @@ impl<'a> EntityContext<'a> {
     /// ignored. The watch ends with the notice, with [`Self::unwatch`], or
     /// when this incarnation stops. Works across cores and nodes.
     pub fn watch(&mut self, type_name: &str, entity_id: &EntityId) {
-        self.watches
-            .push((true, type_name.to_string(), entity_id.clone()));
+        self.watches.push(WatchCommand::Watch {
+            type_name: type_name.to_string(),
+            id: entity_id.clone(),
+        });
     }
 
     /// Ends a watch (Akka's `context.unwatch`): no `Terminated` notice for
     /// it is delivered afterwards, even one already on its way.
     pub fn unwatch(&mut self, type_name: &str, entity_id: &EntityId) {
-        self.watches
-            .push((false, type_name.to_string(), entity_id.clone()));
+        self.watches.push(WatchCommand::Unwatch {
+            type_name: type_name.to_string(),
+            id: entity_id.clone(),
+        });
     }
 
     /// Takes the watch commands of the handler, in order.
@@ -360,7 +476,7 @@ impl<'a> EntityContext<'a> {
         payload: impl Into<Vec<u8>>,
         timeout: Duration,
     ) -> AskId {
-        let id = AskId(NEXT_ASK_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let id = self.services.asks.take();
         self.outgoing.push(Outgoing {
             type_name: type_name.to_string(),
             entity_id: entity_id.clone(),
@@ -457,8 +573,11 @@ pub trait Entity: 'static {
         false
     }
 
-    /// Called once when the incarnation stops (passivation, hand-off, leave).
-    fn on_stop(&mut self) {}
+    /// Called once when the incarnation stops (passivation, hand-off,
+    /// leave). The context has no reply target; deferred replies can still
+    /// be answered ([`EntityContext::complete`]) and the journal reached,
+    /// but what else it asks (messages, timers, watches) is dropped.
+    fn on_stop(&mut self, _ctx: &mut EntityContext<'_>) {}
 
     /// The answer to an ask this incarnation made with
     /// [`EntityContext::ask`] (`ask` is the id it returned): the target's
@@ -665,7 +784,8 @@ mod tests {
 
     fn run(e: &mut dyn Entity, msg: &str) -> String {
         let id = EntityId::new("x").unwrap();
-        let mut ctx = EntityContext::new(&id);
+        let mut services = EntityServices::default();
+        let mut ctx = EntityContext::new(&id, &mut services);
         e.handle(&mut ctx, msg.as_bytes()).unwrap();
         String::from_utf8(ctx.take_reply().unwrap()).unwrap()
     }
@@ -673,38 +793,42 @@ mod tests {
     /// A durable counter on an in-memory journal with "none" semantics.
     struct Durable {
         host: persistent::Persistent,
+        services: EntityServices,
         id: EntityId,
         token: u64,
     }
 
     impl Durable {
         fn start(log: crate::persistence::CoreLog) -> Self {
-            crate::persistence::install(Box::new(log));
+            let mut services = EntityServices::new(
+                0,
+                crate::persistence::CoreJournal::with_log_installed(Box::new(log)),
+            );
             let id = EntityId::new("x").unwrap();
             let mut host = persistent::Persistent::new(Box::<Counter>::default(), 3);
-            host.on_start(&mut EntityContext::new(&id).with_type("counter", 1));
-            Durable { host, id, token: 0 }
+            host.on_start(&mut EntityContext::new(&id, &mut services).with_type("counter", 1));
+            Durable {
+                host,
+                services,
+                id,
+                token: 0,
+            }
         }
-    }
 
-    impl Entity for Durable {
-        fn handle(&mut self, _: &mut EntityContext<'_>, msg: &[u8]) -> Result<(), EntityError> {
+        fn run(&mut self, msg: &str) -> String {
             self.token += 1;
-            let mut ctx = EntityContext::new(&self.id)
+            let mut ctx = EntityContext::new(&self.id, &mut self.services)
                 .with_type("counter", 1)
                 .with_reply_token(self.token);
-            self.host.handle(&mut ctx, msg)?;
-            Ok(())
+            self.host.handle(&mut ctx, msg.as_bytes()).unwrap();
+            let mut c = self.services.take_completions();
+            assert_eq!(c.len(), 1, "{msg}");
+            String::from_utf8(c.remove(0).payload).unwrap()
         }
     }
 
     fn run_durable(e: &mut Durable, msg: &str) -> String {
-        let id = EntityId::new("x").unwrap();
-        let mut ctx = EntityContext::new(&id);
-        e.handle(&mut ctx, msg.as_bytes()).unwrap();
-        let mut c = crate::persistence::take_completions();
-        assert_eq!(c.len(), 1, "{msg}");
-        String::from_utf8(c.remove(0).2).unwrap()
+        e.run(msg)
     }
 
     #[test]
@@ -721,14 +845,23 @@ mod tests {
         assert_eq!(run_durable(&mut c, "get"), "3");
         assert!(run_durable(&mut c, "mul 2").starts_with("error: "));
         drop(c);
-        drop(crate::persistence::uninstall());
         let log = crate::persistence::CoreLog::open(&dir.path().join("node-a"), 0, &none).unwrap();
         let mut c = Durable::start(log);
         // 7 events, snapshot every 3: the snapshot holds 6, one event replays.
         assert_eq!(c.host.recovered_events(), 1);
         assert_eq!(run_durable(&mut c, "get"), "3");
         drop(c);
-        drop(crate::persistence::uninstall());
+    }
+
+    #[test]
+    fn ask_ids_of_two_cores_never_meet() {
+        let mut a = AskIds::for_core(0);
+        let mut b = AskIds::for_core(1);
+        let xa: Vec<AskId> = (0..3).map(|_| a.take()).collect();
+        let xb: Vec<AskId> = (0..3).map(|_| b.take()).collect();
+        assert!(xa.windows(2).all(|w| w[0] < w[1]), "increasing");
+        assert!(xa.iter().all(|x| !xb.contains(x)), "{xa:?} {xb:?}");
+        assert_eq!(xb[0].0 >> 48, 2);
     }
 
     #[test]

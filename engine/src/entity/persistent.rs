@@ -27,7 +27,7 @@ use shardline_journal::{Lsn, PersistenceId, SequenceNr, WriterEpoch};
 
 use super::{Entity, EntityContext, EntityError};
 use crate::envelope::Status;
-use crate::persistence::{self, LogError, LogErrorKind, RecoverStart, Recovered};
+use crate::persistence::{LogError, LogErrorKind, RecoverStart, Recovered};
 
 /// How an event was persisted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -203,11 +203,13 @@ impl Persistent {
             return Err(EntityError::Failed("no persistence id".into()));
         };
         let after = self.seq;
-        let start = persistence::with_log(|l| l.recover_start(&pid, self.epoch, after))
+        let start = ctx
+            .journal()
+            .map(|l| l.recover_start(&pid, self.epoch, after))
             .map_err(|e| EntityError::Failed(format!("recovery of {}: {e}", pid.as_str())))?;
         match start {
             RecoverStart::Ready(Ok(rec)) => self.apply_recovered(rec),
-            RecoverStart::Ready(Err(e)) => self.recovery_failed(e),
+            RecoverStart::Ready(Err(e)) => self.recovery_failed(ctx, e),
             RecoverStart::Pending(ticket) => {
                 self.recovering = Some(ticket);
                 ctx.await_durable();
@@ -248,14 +250,18 @@ impl Persistent {
     /// A recovery read failed: the stashed commands get its status; an
     /// unavailable journal leaves the entity waiting to recover on its
     /// next command, anything else fails the incarnation.
-    fn recovery_failed(&mut self, e: LogError) -> Result<(), EntityError> {
+    fn recovery_failed(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        e: LogError,
+    ) -> Result<(), EntityError> {
         let why = match &self.pid {
             Some(p) => format!("recovery of {}: {e}", p.as_str()),
             None => e.to_string(),
         };
         for (_, t) in self.stashed.drain(..) {
             if let Some(t) = t {
-                persistence::complete(t, e.status(), why.as_bytes().to_vec());
+                ctx.complete(t, e.status(), why.as_bytes().to_vec());
             }
         }
         if e.kind == LogErrorKind::Unavailable {
@@ -278,12 +284,12 @@ impl Persistent {
         self.stashing = 0;
         for c in self.commands.drain(..) {
             if let Some(t) = c.token {
-                persistence::complete(t, e.status(), e.message.as_bytes().to_vec());
+                ctx.complete(t, e.status(), e.message.as_bytes().to_vec());
             }
         }
         if e.kind != LogErrorKind::Unavailable {
             let why = e.message.clone();
-            self.recovery_failed(e)?;
+            self.recovery_failed(ctx, e)?;
             return Err(EntityError::Failed(why));
         }
         self.needs_recovery = true;
@@ -307,7 +313,7 @@ impl Persistent {
         }
         if pc.events.is_empty() {
             if let Some(t) = token {
-                persistence::complete(t, Status::Ok, pc.reply.unwrap_or_default());
+                ctx.complete(t, Status::Ok, pc.reply.unwrap_or_default());
             }
             return Ok(());
         }
@@ -319,12 +325,13 @@ impl Persistent {
         let n = pc.events.len();
         for (event, mode) in pc.events {
             let seq = self.seq + 1;
-            let lsn =
-                persistence::with_log(|l| l.append(&pid, SequenceNr(seq), self.epoch, &event))
-                    .and_then(|r| r)
-                    .map_err(|e| EntityError::Failed(format!("journal: {e}")))?;
+            let lsn = ctx
+                .journal()
+                .map(|l| l.append(&pid, SequenceNr(seq), self.epoch, &event))
+                .and_then(|r| r)
+                .map_err(|e| EntityError::Failed(format!("journal: {e}")))?;
             self.seq = seq;
-            persistence::note_appended(lsn);
+            ctx.note_appended(lsn);
             if mode == PersistMode::Stash {
                 self.stashing += 1;
             }
@@ -352,10 +359,7 @@ impl Persistent {
             while self.in_flight.front().is_some_and(|f| f.lsn <= durable) {
                 if let Some(pid) = &self.pid {
                     let lsn = self.in_flight.front().map_or(Lsn(0), |f| f.lsn);
-                    if let Some(e) = persistence::with_log(|l| l.rejected(pid, lsn))
-                        .ok()
-                        .flatten()
-                    {
+                    if let Some(e) = ctx.journal().map(|l| l.rejected(pid, lsn)).ok().flatten() {
                         return self.on_rejected(ctx, e);
                     }
                 }
@@ -379,12 +383,12 @@ impl Persistent {
                 while self.commands.front().is_some_and(|c| c.remaining == 0) {
                     if let Some(c) = self.commands.pop_front() {
                         if let Some(t) = c.token {
-                            persistence::complete(t, Status::Ok, c.reply.unwrap_or_default());
+                            ctx.complete(t, Status::Ok, c.reply.unwrap_or_default());
                         }
                     }
                 }
                 self.since_snapshot += 1;
-                self.maybe_snapshot();
+                self.maybe_snapshot(ctx);
             }
             if self.stashing > 0 || self.stashed.is_empty() || self.recovering.is_some() {
                 break;
@@ -405,12 +409,12 @@ impl Persistent {
                 };
                 if let Err(e) = self.run_command(ctx, &cmd, token) {
                     if let Some(t) = token {
-                        persistence::complete(t, Status::EntityFailed, e.to_string().into_bytes());
+                        ctx.complete(t, Status::EntityFailed, e.to_string().into_bytes());
                     }
                 }
             }
             // Under "none" the new appends are durable already.
-            let d = persistence::with_log(|l| l.durable_lsn()).unwrap_or(durable);
+            let d = ctx.journal().map(|l| l.durable_lsn()).unwrap_or(durable);
             if self.in_flight.front().is_none_or(|f| f.lsn > d) {
                 break;
             }
@@ -427,7 +431,7 @@ impl Persistent {
         Ok(())
     }
 
-    fn maybe_snapshot(&mut self) {
+    fn maybe_snapshot(&mut self, ctx: &mut EntityContext<'_>) {
         if self.snapshot_every == 0 || self.since_snapshot < self.snapshot_every {
             return;
         }
@@ -435,7 +439,9 @@ impl Persistent {
         let seq = self.seq - self.in_flight.len() as u64;
         let Some(pid) = self.pid.clone() else { return };
         let data = self.inner.snapshot();
-        match persistence::with_log(|l| l.save_snapshot(&pid, SequenceNr(seq), self.epoch, &data))
+        match ctx
+            .journal()
+            .map(|l| l.save_snapshot(&pid, SequenceNr(seq), self.epoch, &data))
             .and_then(|r| r)
         {
             Ok(()) => self.since_snapshot = 0,
@@ -443,15 +449,15 @@ impl Persistent {
         }
     }
 
-    fn fail_pending(&mut self, why: &str) {
+    fn fail_pending(&mut self, ctx: &mut EntityContext<'_>, why: &str) {
         for c in self.commands.drain(..) {
             if let Some(t) = c.token {
-                persistence::complete(t, Status::EntityFailed, why.as_bytes().to_vec());
+                ctx.complete(t, Status::EntityFailed, why.as_bytes().to_vec());
             }
         }
         for (_, t) in self.stashed.drain(..) {
             if let Some(t) = t {
-                persistence::complete(t, Status::EntityFailed, why.as_bytes().to_vec());
+                ctx.complete(t, Status::EntityFailed, why.as_bytes().to_vec());
             }
         }
         self.in_flight.clear();
@@ -493,7 +499,7 @@ impl Entity for Persistent {
             self.needs_recovery = false;
             self.start_recovery(ctx)?;
             if self.recovering.is_none() && !self.needs_recovery {
-                let d = persistence::with_log(|l| l.durable_lsn()).unwrap_or(Lsn(0));
+                let d = ctx.journal().map(|l| l.durable_lsn()).unwrap_or(Lsn(0));
                 self.advance(ctx, d)?;
             }
             return Ok(());
@@ -501,7 +507,7 @@ impl Entity for Persistent {
         self.run_command(ctx, message, token)?;
         // Under "none" (or a durable LSN already past), run handlers now.
         if !self.in_flight.is_empty() {
-            let d = persistence::with_log(|l| l.durable_lsn()).unwrap_or(Lsn(0));
+            let d = ctx.journal().map(|l| l.durable_lsn()).unwrap_or(Lsn(0));
             if self.in_flight.front().is_some_and(|f| f.lsn <= d) {
                 self.advance(ctx, d)?;
             }
@@ -515,7 +521,7 @@ impl Entity for Persistent {
         durable_lsn: u64,
     ) -> Result<(), EntityError> {
         if let (Some(ticket), Some(pid)) = (self.recovering, self.pid.clone()) {
-            match persistence::with_log(|l| l.recover_poll(&pid, ticket)) {
+            match ctx.journal().map(|l| l.recover_poll(&pid, ticket)) {
                 Ok(None) => {
                     ctx.await_durable();
                     return Ok(());
@@ -524,16 +530,16 @@ impl Entity for Persistent {
                     self.recovering = None;
                     let res = match res {
                         Ok(rec) => self.apply_recovered(rec),
-                        Err(e) => self.recovery_failed(e),
+                        Err(e) => self.recovery_failed(ctx, e),
                     };
                     if let Err(e) = res {
-                        self.fail_pending(&e.to_string());
+                        self.fail_pending(ctx, &e.to_string());
                         return Err(e);
                     }
                 }
                 Err(e) => {
                     self.recovering = None;
-                    self.fail_pending(&e);
+                    self.fail_pending(ctx, &e);
                     return Err(EntityError::Failed(e));
                 }
             }
@@ -541,7 +547,7 @@ impl Entity for Persistent {
         match self.advance(ctx, Lsn(durable_lsn)) {
             Ok(()) => Ok(()),
             Err(e) => {
-                self.fail_pending(&e.to_string());
+                self.fail_pending(ctx, &e.to_string());
                 Err(e)
             }
         }
@@ -558,12 +564,14 @@ impl Entity for Persistent {
         self.recovering.is_none() && !self.in_flight.is_empty()
     }
 
-    fn on_stop(&mut self) {
+    fn on_stop(&mut self, ctx: &mut EntityContext<'_>) {
         self.stopping = true;
         if let Some(t) = self.recovering.take() {
-            let _ = persistence::with_log(|l| l.recover_forget(t));
+            if let Ok(l) = ctx.journal() {
+                l.recover_forget(t);
+            }
         }
-        self.fail_pending("entity stopped");
+        self.fail_pending(ctx, "entity stopped");
     }
 }
 
@@ -678,6 +686,7 @@ mod tests {
 
     struct Harness {
         host: Persistent,
+        services: crate::entity::EntityServices,
         id: EntityId,
         log: std::rc::Rc<std::cell::RefCell<Vec<String>>>,
         durable: std::rc::Rc<std::cell::Cell<u64>>,
@@ -688,16 +697,20 @@ mod tests {
         fn new() -> Self {
             let mem = MemLog::default();
             let durable = mem.durable.clone();
-            persistence::install(Box::new(mem));
+            let mut services = crate::entity::EntityServices::new(
+                0,
+                crate::persistence::CoreJournal::with_log_installed(Box::new(mem)),
+            );
             let log = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
             let inner = Recorder { log: log.clone() };
             let mut host = Persistent::new(Box::new(inner), 0);
             let id = EntityId::new("e1").unwrap();
-            let mut ctx = EntityContext::new(&id).with_type("rec", 1);
+            let mut ctx = EntityContext::new(&id, &mut services).with_type("rec", 1);
             host.on_start(&mut ctx);
-            let _ = persistence::take_completions();
+            let _ = services.take_completions();
             Harness {
                 host,
+                services,
                 id,
                 log,
                 durable,
@@ -707,7 +720,7 @@ mod tests {
         fn send(&mut self, cmd: &str) -> u64 {
             let t = self.next_token;
             self.next_token += 1;
-            let mut ctx = EntityContext::new(&self.id)
+            let mut ctx = EntityContext::new(&self.id, &mut self.services)
                 .with_type("rec", 1)
                 .with_reply_token(t);
             self.host.handle(&mut ctx, cmd.as_bytes()).unwrap();
@@ -716,13 +729,18 @@ mod tests {
         }
         fn make_durable(&mut self, lsn: u64) {
             self.durable.set(lsn);
-            let mut ctx = EntityContext::new(&self.id).with_type("rec", 1);
+            let mut ctx = EntityContext::new(&self.id, &mut self.services).with_type("rec", 1);
             self.host.on_durable(&mut ctx, lsn).unwrap();
         }
-        fn replies(&self) -> Vec<(u64, String)> {
-            persistence::take_completions()
+        fn stop(&mut self) {
+            let mut ctx = EntityContext::new(&self.id, &mut self.services).with_type("rec", 1);
+            self.host.on_stop(&mut ctx);
+        }
+        fn replies(&mut self) -> Vec<(u64, String)> {
+            self.services
+                .take_completions()
                 .into_iter()
-                .map(|(t, _, p)| (t, String::from_utf8(p).unwrap()))
+                .map(|c| (c.token, String::from_utf8(c.payload).unwrap()))
                 .collect()
         }
         fn trace(&self) -> Vec<String> {
@@ -809,12 +827,12 @@ mod tests {
         assert_eq!(h.replies(), vec![(b, "done e2".to_string())]);
         // Nothing in flight: it may stop; `on_stop` answers nothing more.
         assert!(!h.host.on_stopping());
-        h.host.on_stop();
+        h.stop();
         assert!(h.replies().is_empty());
         // `on_stop` without `on_stopping` (a failed incarnation) waits for
         // nothing: its command in flight fails.
         let c = h.send("s:e3");
-        h.host.on_stop();
+        h.stop();
         assert_eq!(h.replies(), vec![(c, "entity stopped".to_string())]);
     }
 }

@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 
 use super::{Entity, EntityContext, EntityError, EntityFactory};
 use crate::envelope::Status;
-use crate::persistence;
 
 /// The timer key the supervisor reserves for its restarts.
 pub const RESTART_TIMER_KEY: u64 = u64::MAX;
@@ -151,7 +150,7 @@ impl Supervisor {
         let _ = ctx.take_reply();
         let _ = ctx.take_timers();
         if let Some(mut c) = self.child.take() {
-            if catch_unwind(AssertUnwindSafe(|| c.on_stop())).is_err() {
+            if catch_unwind(AssertUnwindSafe(|| c.on_stop(ctx))).is_err() {
                 tracing::warn!(entity = %ctx.self_id(), "on_stop panicked");
             }
         }
@@ -206,7 +205,7 @@ impl Supervisor {
 
     fn reject(ctx: &mut EntityContext<'_>, why: &str) {
         if let Some(t) = ctx.defer_reply() {
-            persistence::complete(t, Status::EntityFailed, why.as_bytes().to_vec());
+            ctx.complete(t, Status::EntityFailed, why.as_bytes().to_vec());
         }
     }
 }
@@ -320,9 +319,9 @@ impl Entity for Supervisor {
         catch_unwind(AssertUnwindSafe(|| c.on_stopping())).unwrap_or(false)
     }
 
-    fn on_stop(&mut self) {
+    fn on_stop(&mut self, ctx: &mut EntityContext<'_>) {
         if let Some(mut c) = self.child.take() {
-            let _ = catch_unwind(AssertUnwindSafe(|| c.on_stop()));
+            let _ = catch_unwind(AssertUnwindSafe(|| c.on_stop(ctx)));
         }
     }
 }
@@ -363,12 +362,13 @@ mod tests {
     }
 
     fn send(e: &mut dyn Entity, id: &EntityId, m: &str) -> (Status, String) {
-        let mut ctx = EntityContext::new(id).with_reply_token(7);
+        let mut services = crate::entity::EntityServices::default();
+        let mut ctx = EntityContext::new(id, &mut services).with_reply_token(7);
         e.handle(&mut ctx, m.as_bytes()).unwrap();
         if ctx.reply_deferred() {
-            let mut c = persistence::take_completions();
-            let (_, s, p) = c.remove(0);
-            (s, String::from_utf8(p).unwrap())
+            drop(ctx);
+            let c = services.take_completions().remove(0);
+            (c.status, String::from_utf8(c.payload).unwrap())
         } else {
             let p = ctx.take_reply().unwrap_or_default();
             (Status::Ok, String::from_utf8(p).unwrap())
@@ -380,7 +380,10 @@ mod tests {
         let f = supervised(Arc::new(|_| Box::new(Fragile { n: 0 })), settings(5));
         let id = EntityId::new("a").unwrap();
         let mut e = f(&id);
-        e.on_start(&mut EntityContext::new(&id));
+        e.on_start(&mut EntityContext::new(
+            &id,
+            &mut crate::entity::EntityServices::default(),
+        ));
         assert_eq!(send(e.as_mut(), &id, "x"), (Status::Ok, "1".into()));
         let (s, why) = send(e.as_mut(), &id, "boom");
         assert_eq!(s, Status::EntityFailed);
@@ -401,10 +404,10 @@ mod tests {
             assert_eq!(send(e.as_mut(), &id, "boom").0, Status::EntityFailed);
             assert_eq!(send(e.as_mut(), &id, "x").0, Status::Ok);
         }
-        let mut ctx = EntityContext::new(&id).with_reply_token(1);
+        let mut services = crate::entity::EntityServices::default();
+        let mut ctx = EntityContext::new(&id, &mut services).with_reply_token(1);
         e.handle(&mut ctx, b"boom").unwrap();
         assert!(ctx.wants_passivation(), "third failure stops it");
-        let _ = persistence::take_completions();
         let (s, why) = send(e.as_mut(), &id, "x");
         assert_eq!(s, Status::EntityFailed);
         assert!(why.contains("too many"), "{why}");

@@ -82,9 +82,26 @@ struct Published {
 #[derive(Default)]
 pub(crate) struct MetricsBoard {
     cores: Mutex<Vec<(u16, Arc<Mutex<Published>>)>>,
+    /// The `fdatasync` latency of each data executor's local journal, by
+    /// executor index (registered when the journal opens).
+    journal_flush: Mutex<Vec<(u16, shardline_journal::FlushLatency)>>,
 }
 
 impl MetricsBoard {
+    /// The `fdatasync` latency histograms (microseconds) of the data
+    /// executors' local journals, by executor index (none for a
+    /// PostgreSQL journal).
+    fn journal_flush_micros(&self) -> Vec<(u16, hdrhistogram::Histogram<u64>)> {
+        let v: Vec<(u16, shardline_journal::FlushLatency)> = self
+            .journal_flush
+            .lock()
+            .map(|v| v.clone())
+            .unwrap_or_default();
+        v.into_iter()
+            .map(|(c, h)| (c, h.snapshot_micros()))
+            .collect()
+    }
+
     /// A copy of every executor's published counters, by executor index.
     fn snapshot(&self) -> Vec<(u16, Published)> {
         let slots: Vec<(u16, Arc<Mutex<Published>>)> =
@@ -136,6 +153,23 @@ impl Fronts {
 
     fn state(&self) -> RefMut<'_, FrontState> {
         self.0.borrow_mut()
+    }
+
+    /// Registers the `fdatasync` latency of data executor `core`'s local
+    /// journal on the node's board (`/metrics` shows it).
+    pub(crate) fn set_journal_flush_latency(
+        &self,
+        core: u16,
+        latency: shardline_journal::FlushLatency,
+    ) {
+        let board = self.state().board.clone();
+        let mut v = match board.journal_flush.lock() {
+            Ok(v) => v,
+            Err(p) => p.into_inner(),
+        };
+        v.retain(|(c, _)| *c != core);
+        v.push((core, latency));
+        v.sort_by_key(|(c, _)| *c);
     }
 
     /// The reply sink: hands an answer of the data plane to the front

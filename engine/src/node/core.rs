@@ -51,6 +51,9 @@ pub(crate) struct DataExecutorInit {
     pub to_cores: Vec<RingSender<ToCore>>,
     pub shared: Arc<Shared>,
     pub scope: Arc<crate::persistence::DataScope>,
+    /// The node's PostgreSQL journal backend, when `journal.backend =
+    /// "postgres"` (one per node, shared by its cores' logs).
+    pub pg_journal: Option<Arc<crate::persistence::pg::PgJournal>>,
     /// The node's board of the fronts' counters (`/metrics`).
     pub metrics_board: Arc<MetricsBoard>,
 }
@@ -185,34 +188,48 @@ pub(crate) async fn run(init: DataExecutorInit) {
     drop(init.shared);
     {
         let mut c = core.borrow_mut();
-        if let Some(pg) = crate::persistence::pg::PgSettings::from_config(&c.config.journal) {
+        if let Some(pg) = init.pg_journal.as_ref() {
             // Each turn's appends go to the core's writer thread in one
             // batch: this task runs after the turn's other ready tasks.
             let flush = Arc::new(crate::persistence::DurableWake::default());
-            crate::persistence::open_postgres_for_core(
-                &pg,
+            let journal = crate::persistence::CoreJournal::open_postgres(
+                pg,
                 c.index,
                 &c.host.durable_wake(),
                 &flush,
             );
+            c.host.set_journal(journal);
             let flush_core = core.clone();
             monoio::spawn(async move {
                 loop {
                     flush.wait().await;
-                    let _ = crate::persistence::with_log(|l| l.flush());
-                    if flush_core.borrow().shutdown {
+                    let mut fc = flush_core.borrow_mut();
+                    if let Ok(l) = fc.host.journal_mut().log() {
+                        l.flush();
+                    }
+                    if fc.shutdown {
                         return;
                     }
                 }
             });
-        } else if let Err(e) = crate::persistence::open_for_core(
-            &c.config.data_dir,
-            c.index,
-            &c.config.durability,
-            Some(c.scope.clone()),
-        ) {
-            tracing::error!(core = c.index, error = %e, "cannot open the core's journal; durable entities fail");
-            c.journal_error = Some(e.to_string());
+        } else {
+            match crate::persistence::CoreJournal::open_local(
+                &c.config.data_dir,
+                c.index,
+                &c.config.durability,
+                Some(c.scope.clone()),
+            ) {
+                Ok(journal) => {
+                    if let Some(h) = journal.flush_latency() {
+                        c.fronts.set_journal_flush_latency(c.index, h);
+                    }
+                    c.host.set_journal(journal);
+                }
+                Err(e) => {
+                    tracing::error!(core = c.index, error = %e, "cannot open the core's journal; durable entities fail");
+                    c.journal_error = Some(e.to_string());
+                }
+            }
         }
     }
     let durable_core = core.clone();
@@ -308,9 +325,8 @@ pub(crate) async fn run(init: DataExecutorInit) {
     if let Some((stop, task)) = http_accept {
         crate::runtime::stop_accepting(&stop, task).await;
     }
-    if let Some(log) = crate::persistence::uninstall() {
-        drop(log); // syncs and closes the core's journal
-    }
+    let journal = core.borrow_mut().host.journal_mut().take();
+    drop(journal); // syncs and closes the core's journal
 }
 
 impl DataExecutor {
@@ -579,8 +595,9 @@ impl DataExecutor {
     /// The journal's durable LSN advanced: the host's entities with events
     /// in flight run their handlers and answer.
     fn on_durable_advance(&mut self) {
-        crate::persistence::disarm_if_reached();
-        let Ok(durable) = crate::persistence::with_log(|l| l.durable_lsn().0) else {
+        let journal = self.host.journal_mut();
+        journal.disarm_if_reached();
+        let Some(durable) = journal.log_ref().map(|l| l.durable_lsn().0) else {
             return;
         };
         let now = self.now();

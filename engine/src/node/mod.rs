@@ -157,10 +157,11 @@ impl Node {
         let lock = crate::persistence::DataDirLock::acquire(&config.data_dir)?;
         let mut scope =
             crate::persistence::DataScope::open(&config.data_dir, &config.cluster_name)?;
-        if let Some(pg) = crate::persistence::pg::PgSettings::from_config(&config.journal) {
+        let pg_settings = crate::persistence::pg::PgSettings::from_config(&config.journal);
+        if let Some(pg) = pg_settings.as_ref() {
             // On the caller's thread, before any executor runs: the database's
             // identity joins the handshake's fingerprint.
-            let id = crate::persistence::pg::identity(&pg).map_err(NodeError::Journal)?;
+            let id = crate::persistence::pg::identity(pg).map_err(NodeError::Journal)?;
             scope.use_shared_journal(id);
             // The database holds the cluster's identity: a fresh data_dir
             // adopts the id recorded for the cluster's name.
@@ -168,7 +169,7 @@ impl Node {
                 .recorded_cluster_id()
                 .map_or_else(crate::persistence::identity::random_id, str::to_string);
             let cluster_id =
-                crate::persistence::pg_control::cluster_id(&pg, &config.cluster_name, &proposed)
+                crate::persistence::pg_control::cluster_id(pg, &config.cluster_name, &proposed)
                     .map_err(NodeError::Journal)?;
             scope.use_database_cluster_id(&cluster_id)?;
         }
@@ -208,6 +209,10 @@ impl Node {
         let mut threads = Vec::new();
         let epoch = Instant::now();
         let metrics_board = Arc::new(crate::gateway::MetricsBoard::default());
+        // One backend per node: its reader pool and health serve every core.
+        let pg_journal = pg_settings
+            .as_ref()
+            .map(crate::persistence::pg::PgJournal::new);
         for (i, rx) in core_rxs.into_iter().enumerate() {
             let ctx = core::DataExecutorInit {
                 index: i as u16,
@@ -219,6 +224,7 @@ impl Node {
                 to_cores: to_cores.clone(),
                 shared: shared.clone(),
                 scope: scope.clone(),
+                pg_journal: pg_journal.clone(),
                 metrics_board: metrics_board.clone(),
             };
             let pin = (config.pin_cores && ncpu > 1).then_some(i % ncpu);

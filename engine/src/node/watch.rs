@@ -121,8 +121,11 @@ pub(crate) struct WatchBook {
 impl WatchBook {
     /// Applies a handler's watch commands for `me`.
     pub fn commands(&mut self, me: &EntityKey, cmds: Vec<WatchCommand>) {
-        for (watch, type_name, id) in cmds {
-            let target = EntityKey { type_name, id };
+        for cmd in cmds {
+            let (watch, target) = match cmd {
+                WatchCommand::Watch { type_name, id } => (true, EntityKey { type_name, id }),
+                WatchCommand::Unwatch { type_name, id } => (false, EntityKey { type_name, id }),
+            };
             if target == *me {
                 continue;
             }
@@ -305,8 +308,20 @@ mod tests {
     fn watch_stop_terminated_once_and_state_is_dropped() {
         let (a, b) = (key("t", "a"), key("t", "b"));
         let mut book = WatchBook::default();
-        book.commands(&a, vec![(true, "t".into(), b.id.clone())]);
-        book.commands(&a, vec![(true, "t".into(), b.id.clone())]);
+        book.commands(
+            &a,
+            vec![WatchCommand::Watch {
+                type_name: "t".into(),
+                id: b.id.clone(),
+            }],
+        );
+        book.commands(
+            &a,
+            vec![WatchCommand::Watch {
+                type_name: "t".into(),
+                id: b.id.clone(),
+            }],
+        );
         let out = book.take_outgoing();
         assert_eq!(out.len(), 1, "watching twice is one watch");
         book.on_watch(b.clone(), a.clone(), true);
@@ -331,12 +346,30 @@ mod tests {
     fn unwatch_and_watcher_stop_drop_watches() {
         let (a, b) = (key("t", "a"), key("u", "b"));
         let mut book = WatchBook::default();
-        book.commands(&a, vec![(true, "u".into(), b.id.clone())]);
-        book.commands(&a, vec![(false, "u".into(), b.id.clone())]);
+        book.commands(
+            &a,
+            vec![WatchCommand::Watch {
+                type_name: "u".into(),
+                id: b.id.clone(),
+            }],
+        );
+        book.commands(
+            &a,
+            vec![WatchCommand::Unwatch {
+                type_name: "u".into(),
+                id: b.id.clone(),
+            }],
+        );
         let out = book.take_outgoing();
         assert!(matches!(out[1].1, SystemMsg::Unwatch { .. }), "{out:?}");
         assert!(!book.take_watch(&a, &b));
-        book.commands(&a, vec![(true, "u".into(), b.id.clone())]);
+        book.commands(
+            &a,
+            vec![WatchCommand::Watch {
+                type_name: "u".into(),
+                id: b.id.clone(),
+            }],
+        );
         let _ = book.take_outgoing();
         book.on_stopped(&a, TerminatedReason::Stopped);
         let out = book.take_outgoing();

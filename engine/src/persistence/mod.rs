@@ -1,12 +1,13 @@
 //! Per-core journal wiring for durable entities.
 //!
 //! Every data core owns one [`shardline_journal::Journal`] in
-//! `{data_dir}/journal/core-{index}`, installed in a thread-local
-//! ([`install`]) because a data core is one thread and its entities run on
-//! it. Entities reach it through [`with_log`] as an [`EventLog`].
+//! `{data_dir}/journal/core-{index}` (or a [`pg::PgLog`] on the shared
+//! database), held in a [`CoreJournal`] that the core's entity host owns
+//! and lends to each entity call; entities reach it as an [`EventLog`]
+//! through [`crate::entity::EntityContext::journal`].
 //!
 //! Durability notices never block the executor: after a turn that
-//! appended, [`arm`] registers a callback on the journal's
+//! appended, [`CoreJournal::arm`] registers a callback on the journal's
 //! [`DurabilityWatcher`](shardline_journal::DurabilityWatcher); the sync
 //! thread runs it, and it sets a flag and wakes the core's waiting task
 //! ([`DurableWake::wait`]) through monoio's cross-thread waker (the same
@@ -31,7 +32,6 @@ pub mod remember;
 
 pub use identity::{DataDirLock, DataScope, IdentityError};
 
-use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -157,6 +157,12 @@ pub trait EventLog {
     fn health(&self) -> Option<String> {
         None
     }
+
+    /// Tells the log the highest shard generation of the type whose
+    /// entity is about to start on this core (the entity host calls it
+    /// before `on_start`), so that one reopening of the other journals
+    /// serves every shard already hosted. Default: nothing.
+    fn set_hosted_generation(&mut self, _generation: u64) {}
 }
 
 /// What kind of refusal a [`LogError`] is.
@@ -260,6 +266,9 @@ pub struct CoreLog {
     foreign_epoch: std::collections::HashMap<String, u64>,
     /// The node's data scope (cluster identity, readable siblings).
     scope: Option<Arc<DataScope>>,
+    /// The highest shard generation of the type whose entity starts next
+    /// ([`EventLog::set_hosted_generation`]).
+    hosted_generation: u64,
 }
 
 impl CoreLog {
@@ -289,6 +298,7 @@ impl CoreLog {
             foreign: Vec::new(),
             foreign_epoch: std::collections::HashMap::new(),
             scope: None,
+            hosted_generation: 0,
         })
     }
 
@@ -364,7 +374,7 @@ impl CoreLog {
                 }
             }
         }
-        let hosted = HOSTED_GENERATION.with(|h| h.get()).max(epoch.0);
+        let hosted = self.hosted_generation.max(epoch.0);
         self.foreign_epoch.insert(type_name.to_string(), hosted);
         Ok(())
     }
@@ -523,48 +533,10 @@ impl EventLog for CoreLog {
         }
         self.journal.wait_durable(lsn).map_err(|e| e.to_string())
     }
-}
 
-thread_local! {
-    static HOSTED_GENERATION: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-/// Tells the journal wiring the highest shard generation of the type whose
-/// entity is about to start on this core (the core calls it before
-/// `on_start`), so that one reopening of the other journals serves every
-/// shard already hosted.
-pub fn set_hosted_generation(generation: u64) {
-    HOSTED_GENERATION.with(|h| h.set(generation));
-}
-
-thread_local! {
-    static LOG: RefCell<Option<Box<dyn EventLog>>> = const { RefCell::new(None) };
-    static ARMED: RefCell<Option<(u64, Arc<DurableWake>)>> = const { RefCell::new(None) };
-}
-
-/// Installs this thread's (this core's) event log, replacing any.
-pub fn install(log: Box<dyn EventLog>) {
-    LOG.with(|l| *l.borrow_mut() = Some(log));
-}
-
-/// Removes this thread's event log (the journal closes when dropped).
-pub fn uninstall() -> Option<Box<dyn EventLog>> {
-    LOG.with(|l| l.borrow_mut().take())
-}
-
-/// Runs `f` with this core's event log.
-///
-/// # Errors
-/// `"no journal on this core"` when none is installed (or `f` is already
-/// running on this thread).
-pub fn with_log<R>(f: impl FnOnce(&mut dyn EventLog) -> R) -> Result<R, String> {
-    LOG.with(|l| match l.try_borrow_mut() {
-        Ok(mut g) => match g.as_mut() {
-            Some(log) => Ok(f(log.as_mut())),
-            None => Err("no journal on this core".to_string()),
-        },
-        Err(_) => Err("journal busy (re-entrant use)".to_string()),
-    })
+    fn set_hosted_generation(&mut self, generation: u64) {
+        self.hosted_generation = generation;
+    }
 }
 
 /// A flag set from the journal's sync thread that wakes one task on the
@@ -607,97 +579,171 @@ impl DurableWake {
     }
 }
 
-/// Makes this core's wake fire once `lsn` is durable (at most one
-/// registration in flight per core; a later `lsn` is registered when the
-/// earlier one fires). Under "none" it fires at once.
-pub fn arm(wake: &Arc<DurableWake>, lsn: Lsn) {
-    // A self-notifying log (PostgreSQL) wakes the core after every
-    // outcome it produces; a waiter registered now is served by the next
-    // one (its appends and reads were handed over in this turn).
-    let watcher = match with_log(|l| (l.durable_lsn(), l.self_notifying())) {
-        Ok((_, true)) => return,
-        Ok((d, _)) if d >= lsn => {
+/// One data core's journal, owned by the core's entity host and lent to
+/// each entity call ([`crate::entity::EntityContext::journal`]): the
+/// [`EventLog`] (none until the driver opens one), the local journal's
+/// durability watcher, the LSN registered with it, the highest LSN
+/// appended, and the sequence numbers of the remembered-entity records
+/// ([`remember`]). Nothing of it is shared with another core or kept in a
+/// thread-local.
+#[derive(Default)]
+pub struct CoreJournal {
+    log: Option<Box<dyn EventLog>>,
+    /// The local journal's watcher (`None` for a self-notifying log).
+    watcher: Option<shardline_journal::DurabilityWatcher>,
+    /// The LSN whose durability is registered with the watcher.
+    armed: Option<u64>,
+    /// The highest LSN appended through this journal.
+    appended: Lsn,
+    /// The local journal's `fdatasync` latency (for `/metrics`).
+    flush_latency: Option<shardline_journal::FlushLatency>,
+    /// Last sequence number per remembered-entity persistence id.
+    pub(crate) remember_seq: std::collections::HashMap<String, u64>,
+}
+
+impl CoreJournal {
+    /// A core journal with no log (durable entities fail with "no journal
+    /// on this core" until one is installed).
+    pub fn new() -> CoreJournal {
+        CoreJournal::default()
+    }
+
+    /// Opens core `index`'s local journal under `data_dir`, with its
+    /// durability watcher; with `scope`, it reads the sibling journals of
+    /// the scope's cluster.
+    ///
+    /// # Errors
+    /// As [`CoreLog::open`].
+    pub fn open_local(
+        data_dir: &Path,
+        index: u16,
+        durability: &crate::config::Durability,
+        scope: Option<Arc<DataScope>>,
+    ) -> Result<CoreJournal, shardline_journal::OpenError> {
+        let mut log = CoreLog::open(data_dir, index, durability)?;
+        if let Some(s) = scope {
+            log.set_scope(s);
+        }
+        Ok(CoreJournal {
+            watcher: Some(log.journal().watcher()),
+            flush_latency: Some(log.journal().flush_latency()),
+            log: Some(Box::new(log)),
+            ..CoreJournal::default()
+        })
+    }
+
+    /// Opens core `index`'s journal on the node's PostgreSQL backend
+    /// `backend`: its writer thread wakes `wake` (the core's durability
+    /// wake) after every commit and every recovery read, and `flush` is
+    /// the wake of the core's task that sends each turn's appends
+    /// ([`EventLog::flush`]).
+    pub fn open_postgres(
+        backend: &Arc<pg::PgJournal>,
+        index: u16,
+        wake: &Arc<DurableWake>,
+        flush: &Arc<DurableWake>,
+    ) -> CoreJournal {
+        let mut log = pg::PgLog::open(backend, index);
+        log.set_core_wake(wake.clone());
+        log.set_flush_wake(flush.clone());
+        CoreJournal::with_log_installed(Box::new(log))
+    }
+
+    /// A core journal on `log` (an in-memory log in tests; no watcher, so
+    /// a wait for durability is served by the next [`Self::arm`] that
+    /// finds the LSN durable, or at once when `log` notifies itself).
+    pub fn with_log_installed(log: Box<dyn EventLog>) -> CoreJournal {
+        CoreJournal {
+            log: Some(log),
+            ..CoreJournal::default()
+        }
+    }
+
+    /// Installs `log`, replacing any (returned); the watcher and the
+    /// registration are dropped.
+    pub fn install(&mut self, log: Box<dyn EventLog>) -> Option<Box<dyn EventLog>> {
+        self.watcher = None;
+        self.armed = None;
+        self.flush_latency = None;
+        self.log.replace(log)
+    }
+
+    /// Removes the log (a local journal syncs and closes when dropped).
+    pub fn take(&mut self) -> Option<Box<dyn EventLog>> {
+        self.watcher = None;
+        self.armed = None;
+        self.log.take()
+    }
+
+    /// The log.
+    ///
+    /// # Errors
+    /// `"no journal on this core"` when none is installed.
+    pub fn log(&mut self) -> Result<&mut dyn EventLog, String> {
+        match self.log.as_mut() {
+            Some(l) => Ok(l.as_mut()),
+            None => Err("no journal on this core".to_string()),
+        }
+    }
+
+    /// The log, read-only (`None` when none is installed).
+    pub fn log_ref(&self) -> Option<&dyn EventLog> {
+        self.log.as_deref()
+    }
+
+    /// The local journal's `fdatasync` latency handle, when it is one.
+    pub fn flush_latency(&self) -> Option<shardline_journal::FlushLatency> {
+        self.flush_latency.clone()
+    }
+
+    /// Records that `lsn` was appended (the core arms its durability wake
+    /// for the highest one).
+    pub fn note_appended(&mut self, lsn: Lsn) {
+        self.appended = self.appended.max(lsn);
+    }
+
+    /// The highest LSN appended.
+    pub fn appended(&self) -> Lsn {
+        self.appended
+    }
+
+    /// Makes `wake` fire once `lsn` is durable (at most one registration
+    /// in flight; a later `lsn` is registered when the earlier one fires,
+    /// [`Self::disarm_if_reached`]). Under "none", or when `lsn` is
+    /// already durable, it fires at once; a self-notifying log (PostgreSQL)
+    /// wakes the core after every outcome it produces, so nothing is
+    /// registered.
+    pub fn arm(&mut self, wake: &Arc<DurableWake>, lsn: Lsn) {
+        let Some(log) = self.log.as_ref() else {
+            return;
+        };
+        if log.self_notifying() {
+            return;
+        }
+        if log.durable_lsn() >= lsn {
             wake.notify();
             return;
         }
-        Ok(_) => LOG.with(|l| {
-            l.borrow()
-                .as_ref()
-                .and_then(|_| CORE_WATCHER.with(|w| w.borrow().clone()))
-        }),
-        Err(_) => return,
-    };
-    let Some(watcher) = watcher else {
-        wake.notify();
-        return;
-    };
-    let already = ARMED.with(|a| a.borrow().as_ref().is_some_and(|(l, _)| *l >= lsn.0));
-    if already {
-        return;
-    }
-    ARMED.with(|a| *a.borrow_mut() = Some((lsn.0, wake.clone())));
-    let w = wake.clone();
-    watcher.on_durable(lsn, move |_| w.notify());
-}
-
-/// Called by the core after its wake fired: clears the registration so
-/// that [`arm`] registers the next LSN.
-pub fn disarm_if_reached() {
-    let durable = with_log(|l| l.durable_lsn()).unwrap_or(Lsn(0));
-    ARMED.with(|a| {
-        let mut g = a.borrow_mut();
-        if g.as_ref().is_some_and(|(l, _)| *l <= durable.0) {
-            *g = None;
+        let Some(watcher) = self.watcher.as_ref() else {
+            wake.notify();
+            return;
+        };
+        if self.armed.is_some_and(|l| l >= lsn.0) {
+            return;
         }
-    });
-}
-
-thread_local! {
-    static CORE_WATCHER: RefCell<Option<shardline_journal::DurabilityWatcher>> =
-        const { RefCell::new(None) };
-}
-
-/// Opens core `index`'s journal under `data_dir` and installs it on this
-/// thread, with its durability watcher; with `scope`, it reads the sibling
-/// journals of the scope's cluster.
-///
-/// # Errors
-/// As [`CoreLog::open`].
-pub fn open_for_core(
-    data_dir: &Path,
-    index: u16,
-    durability: &crate::config::Durability,
-    scope: Option<Arc<DataScope>>,
-) -> Result<(), shardline_journal::OpenError> {
-    let mut log = CoreLog::open(data_dir, index, durability)?;
-    if let Some(s) = scope {
-        log.set_scope(s);
+        self.armed = Some(lsn.0);
+        let w = wake.clone();
+        watcher.on_durable(lsn, move |_| w.notify());
     }
-    if let Ok(mut r) = flush_registry().lock() {
-        r.insert(core_dir(data_dir, index), log.journal().flush_latency());
-    }
-    let watcher = log.journal().watcher();
-    CORE_WATCHER.with(|w| *w.borrow_mut() = Some(watcher));
-    install(Box::new(log));
-    Ok(())
-}
 
-/// Opens core `index`'s journal on PostgreSQL and installs it on this
-/// thread: its writer thread wakes `wake` (the core's durability wake)
-/// after every commit and every recovery read, and `flush` is the wake of
-/// the core's task that sends each turn's appends
-/// ([`EventLog::flush`]).
-pub fn open_postgres_for_core(
-    settings: &pg::PgSettings,
-    index: u16,
-    wake: &Arc<DurableWake>,
-    flush: &Arc<DurableWake>,
-) {
-    let mut log = pg::PgLog::open(settings, index);
-    log.set_core_wake(wake.clone());
-    log.set_flush_wake(flush.clone());
-    CORE_WATCHER.with(|w| *w.borrow_mut() = None);
-    install(Box::new(log));
+    /// Called by the core after its wake fired: clears the registration
+    /// once its LSN is durable, so that [`Self::arm`] registers the next.
+    pub fn disarm_if_reached(&mut self) {
+        let durable = self.log.as_ref().map_or(Lsn(0), |l| l.durable_lsn());
+        if self.armed.is_some_and(|l| l <= durable.0) {
+            self.armed = None;
+        }
+    }
 }
 
 /// The identity of the journal a node's config selects, for the cluster's
@@ -714,68 +760,32 @@ pub fn journal_identity(c: &crate::config::JournalConfig) -> Result<String, pg::
     }
 }
 
-type FlushRegistry =
-    std::sync::Mutex<std::collections::HashMap<PathBuf, shardline_journal::FlushLatency>>;
-
-/// The flush-latency handles of the core journals opened in this process,
-/// by journal directory.
-fn flush_registry() -> &'static FlushRegistry {
-    static R: std::sync::OnceLock<FlushRegistry> = std::sync::OnceLock::new();
-    R.get_or_init(Default::default)
+/// A deferred reply, answered (see
+/// [`crate::entity::EntityContext::complete`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// The reply token [`crate::entity::EntityContext::defer_reply`] gave.
+    pub token: u64,
+    /// The reply's status.
+    pub status: crate::envelope::Status,
+    /// The reply's payload (bytes).
+    pub payload: Vec<u8>,
 }
 
-/// The `fdatasync` latency histogram (microseconds) of core `index`'s
-/// journal under `data_dir`, when that journal was opened in this process
-/// by [`open_for_core`]; `None` otherwise.
-pub fn journal_flush_latency_micros(
-    data_dir: &Path,
-    index: u16,
-) -> Option<hdrhistogram::Histogram<u64>> {
-    let h = flush_registry()
-        .lock()
-        .ok()?
-        .get(&core_dir(data_dir, index))?
-        .clone();
-    Some(h.snapshot_micros())
-}
-
-/// A deferred reply, answered: `(token, status, payload)`.
-pub type Completion = (u64, crate::envelope::Status, Vec<u8>);
-
-thread_local! {
-    static COMPLETIONS: RefCell<Vec<Completion>> = const { RefCell::new(Vec::new()) };
-    static APPENDED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-/// Answers the deferred reply `token` (see
-/// [`crate::entity::EntityContext::defer_reply`]); the core sends it after
-/// the current call returns.
-pub fn complete(token: u64, status: crate::envelope::Status, payload: Vec<u8>) {
-    COMPLETIONS.with(|c| c.borrow_mut().push((token, status, payload)));
-}
-
-/// Takes the answered deferred replies of this thread.
-pub fn take_completions() -> Vec<Completion> {
-    COMPLETIONS.with(|c| std::mem::take(&mut *c.borrow_mut()))
-}
-
-/// Records that `lsn` was appended on this thread (the core arms its
-/// durability wake for the highest one).
-pub fn note_appended(lsn: Lsn) {
-    APPENDED.with(|a| a.set(a.get().max(lsn.0)));
-}
-
-/// The highest LSN appended on this thread.
-pub fn appended() -> Lsn {
-    Lsn(APPENDED.with(|a| a.get()))
+/// One entity awaiting durability: its type, id and incarnation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DurableWaiter {
+    pub type_name: String,
+    pub id: shardline_core::ids::EntityId,
+    pub incarnation: u64,
 }
 
 /// Entities awaiting durability on one core and the core's durability
 /// wake: the part of the durable-entity protocol the data executor keeps
 /// (the replies held until durable are the data plane's,
 /// `node::plane::data`).
-pub struct Hooks {
-    waiting: Vec<(String, shardline_core::ids::EntityId, u64)>,
+pub(crate) struct Hooks {
+    waiting: Vec<DurableWaiter>,
     /// The core's durability wake.
     pub wake: Arc<DurableWake>,
 }
@@ -790,21 +800,91 @@ impl Default for Hooks {
 }
 
 impl Hooks {
-    /// Adds an entity to the ones that get [`crate::entity::Entity::on_durable`].
-    pub fn wait(&mut self, type_name: &str, id: &shardline_core::ids::EntityId, inc: u64) {
+    /// Adds an entity to the ones that get
+    /// [`crate::entity::Entity::on_durable`], and arms the wake for the
+    /// highest LSN `journal` appended.
+    pub fn wait(
+        &mut self,
+        journal: &mut CoreJournal,
+        type_name: &str,
+        id: &shardline_core::ids::EntityId,
+        incarnation: u64,
+    ) {
         if !self
             .waiting
             .iter()
-            .any(|(t, i, n)| *n == inc && i == id && t == type_name)
+            .any(|w| w.incarnation == incarnation && w.id == *id && w.type_name == type_name)
         {
-            self.waiting.push((type_name.to_string(), id.clone(), inc));
+            self.waiting.push(DurableWaiter {
+                type_name: type_name.to_string(),
+                id: id.clone(),
+                incarnation,
+            });
         }
-        arm(&self.wake, appended());
+        let lsn = journal.appended();
+        journal.arm(&self.wake, lsn);
     }
 
     /// Takes the waiting entities (the core calls them, then re-adds those
     /// still waiting).
-    pub fn take_waiting(&mut self) -> Vec<(String, shardline_core::ids::EntityId, u64)> {
+    pub fn take_waiting(&mut self) -> Vec<DurableWaiter> {
         std::mem::take(&mut self.waiting)
+    }
+}
+
+#[cfg(test)]
+mod core_journal_tests {
+    use super::*;
+
+    fn pid(s: &str) -> PersistenceId {
+        PersistenceId::new(s).expect("pid")
+    }
+
+    #[test]
+    fn two_cores_journals_are_separate_values() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let none = crate::config::Durability::Named(crate::config::DurabilityName::None);
+        let mut a = CoreJournal::open_local(dir.path(), 0, &none, None).expect("open 0");
+        let mut b = CoreJournal::open_local(dir.path(), 1, &none, None).expect("open 1");
+        let la = a
+            .log()
+            .expect("log a")
+            .append(&pid("t|1"), SequenceNr(1), WriterEpoch(1), b"x")
+            .expect("append");
+        a.note_appended(la);
+        assert_eq!(a.appended(), la);
+        assert_eq!(b.appended(), Lsn(0), "b appended nothing");
+        assert_eq!(b.log().expect("log b").highest_sequence_nr(&pid("t|1")), 0);
+        assert_eq!(a.log().expect("log a").highest_sequence_nr(&pid("t|1")), 1);
+        assert!(a.flush_latency().is_some());
+        assert!(a.take().is_some());
+        assert_eq!(
+            a.log().err().as_deref(),
+            Some("no journal on this core"),
+            "a taken journal is gone"
+        );
+        assert!(b.log().is_ok(), "the other core's journal stays");
+    }
+
+    #[test]
+    fn arm_fires_at_once_when_the_lsn_is_durable() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let none = crate::config::Durability::Named(crate::config::DurabilityName::None);
+        let mut j = CoreJournal::open_local(dir.path(), 0, &none, None).expect("open");
+        let wake = Arc::new(DurableWake::default());
+        let lsn = j
+            .log()
+            .expect("log")
+            .append(&pid("t|1"), SequenceNr(1), WriterEpoch(1), b"x")
+            .expect("append");
+        j.arm(&wake, lsn);
+        assert!(wake.set.load(Ordering::SeqCst), "durable under none: fired");
+        let mut empty = CoreJournal::new();
+        let w2 = Arc::new(DurableWake::default());
+        empty.arm(&w2, Lsn(5));
+        assert!(
+            !w2.set.load(Ordering::SeqCst),
+            "no log: nothing to wait for"
+        );
     }
 }

@@ -35,7 +35,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use postgres::error::SqlState;
@@ -540,25 +540,13 @@ pub struct PgJournal {
 }
 
 impl PgJournal {
-    /// The backend for `settings`, shared by the cores of this process
-    /// that use the same settings (started on first use: the reader pool
-    /// threads; no connection is made until a read needs one).
-    pub fn shared(settings: &PgSettings) -> Arc<PgJournal> {
-        type Registry = Mutex<Vec<(PgSettings, Weak<PgJournal>)>>;
-        static R: std::sync::OnceLock<Registry> = std::sync::OnceLock::new();
-        let reg = R.get_or_init(Default::default);
-        let mut g = reg.lock().unwrap_or_else(|p| p.into_inner());
-        g.retain(|(_, w)| w.strong_count() > 0);
-        if let Some(j) = g
-            .iter()
-            .find(|(s, _)| s == settings)
-            .and_then(|(_, w)| w.upgrade())
-        {
-            return j;
-        }
-        let j = Arc::new(PgJournal::start(settings.clone()));
-        g.push((settings.clone(), Arc::downgrade(&j)));
-        j
+    /// Starts the backend for `settings`: the reader pool threads
+    /// (`pg-read-{i}`, `settings.pool_size` of them; they exit when the
+    /// last handle is dropped). The node makes one and hands it to each
+    /// core's [`PgLog::open`]. No connection is made until a read needs
+    /// one.
+    pub fn new(settings: &PgSettings) -> Arc<PgJournal> {
+        Arc::new(PgJournal::start(settings.clone()))
     }
 
     fn start(settings: PgSettings) -> PgJournal {
@@ -676,11 +664,12 @@ pub struct PgLog {
 }
 
 impl PgLog {
-    /// A core's log on the backend for `settings`; starts its writer
-    /// thread (named `pg-write-{index}`). No connection is made until the
-    /// first write.
-    pub fn open(settings: &PgSettings, index: u16) -> PgLog {
-        let journal = PgJournal::shared(settings);
+    /// Core `index`'s log on the node's backend `journal` (see
+    /// [`PgJournal::new`]: its reader pool and health are shared by the
+    /// node's cores); starts the core's writer thread (named
+    /// `pg-write-{index}`). No connection is made until the first write.
+    pub fn open(journal: &Arc<PgJournal>, index: u16) -> PgLog {
+        let journal = journal.clone();
         let shared = Arc::new(CoreShared {
             resolved: AtomicU64::new(0),
             rejected: Mutex::new(RejectState::default()),
@@ -690,7 +679,7 @@ impl PgLog {
             cond_lock: Mutex::new(()),
         });
         let (tx, rx) = crossbeam_channel::unbounded::<Batch>();
-        let s = settings.clone();
+        let s = journal.settings.clone();
         let sh = shared.clone();
         let health = journal.health.clone();
         let writer = std::thread::Builder::new()

@@ -15,23 +15,17 @@
 //! are not waited for: a remembered start lost in a crash only means the
 //! entity starts on its next message.
 
-use std::cell::RefCell;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use shardline_core::ids::{EntityId, ShardId};
 use shardline_core::sharding::{RememberEntitiesPace, ShardEvent, ShardRegion};
 use shardline_journal::{PersistenceId, SequenceNr, WriterEpoch};
 
-use super::{with_log, LogError, RecoverStart, Recovered};
+use super::{CoreJournal, LogError, RecoverStart, Recovered};
 
 const STARTED: u8 = 1;
 const STOPPED: u8 = 2;
-
-thread_local! {
-    /// Last sequence number per shard persistence id on this core.
-    static SEQ: RefCell<HashMap<String, u64>> = RefCell::new(HashMap::new());
-}
 
 /// The pace of `remember_entities_per_s` (0 = all at once): batches every
 /// 100 ms.
@@ -57,8 +51,15 @@ fn generation<M, S>(region: &ShardRegion<M, S>, shard: ShardId) -> u64 {
         .map_or(0, |(_, g, _)| g.0)
 }
 
-/// Appends one remember-entities event of type `type_name`.
-pub fn record<M, S>(type_name: &str, region: &ShardRegion<M, S>, ev: &ShardEvent) {
+/// Appends one remember-entities event of type `type_name` to `journal`
+/// (the sequence numbers of the shard's persistence id are the journal's,
+/// [`CoreJournal`]).
+pub fn record<M, S>(
+    journal: &mut CoreJournal,
+    type_name: &str,
+    region: &ShardRegion<M, S>,
+    ev: &ShardEvent,
+) {
     let (kind, shard, entity) = match ev {
         ShardEvent::EntityStarted { shard, entity } => (STARTED, *shard, entity),
         ShardEvent::EntityStopped { shard, entity } => (STOPPED, *shard, entity),
@@ -70,13 +71,18 @@ pub fn record<M, S>(type_name: &str, region: &ShardRegion<M, S>, ev: &ShardEvent
     let mut payload = Vec::with_capacity(1 + entity.as_str().len());
     payload.push(kind);
     payload.extend_from_slice(entity.as_str().as_bytes());
-    let seq = SEQ.with(|s| {
-        let mut s = s.borrow_mut();
-        let e = s.entry(pid.as_str().to_string()).or_insert(0);
+    let seq = {
+        let e = journal
+            .remember_seq
+            .entry(pid.as_str().to_string())
+            .or_insert(0);
         *e += 1;
         *e
-    });
-    if let Err(e) = with_log(|l| l.append(&pid, SequenceNr(seq), epoch, &payload)).and_then(|r| r) {
+    };
+    let res = journal
+        .log()
+        .and_then(|l| l.append(&pid, SequenceNr(seq), epoch, &payload));
+    if let Err(e) = res {
         tracing::warn!(pid = pid.as_str(), error = %e, "remember-entities event not stored");
     }
 }
@@ -104,6 +110,7 @@ pub enum RememberRead {
 /// read (no journal on this core, database unavailable, unreadable
 /// journal). The shard must not start then (it would start empty).
 pub fn recover_start<M, S>(
+    journal: &mut CoreJournal,
     type_name: &str,
     region: &ShardRegion<M, S>,
     shard: ShardId,
@@ -112,9 +119,9 @@ pub fn recover_start<M, S>(
         return RememberRead::Ready(Ok(Vec::new()));
     };
     let epoch = WriterEpoch(generation(region, shard));
-    match with_log(|l| l.recover_start(&pid, epoch, 0)) {
+    match journal.log().map(|l| l.recover_start(&pid, epoch, 0)) {
         Err(e) => RememberRead::Ready(Err(LogError::failed(e))),
-        Ok(RecoverStart::Ready(r)) => RememberRead::Ready(r.map(|r| fold(&pid, &r))),
+        Ok(RecoverStart::Ready(r)) => RememberRead::Ready(r.map(|r| fold(journal, &pid, &r))),
         Ok(RecoverStart::Pending(ticket)) => RememberRead::Pending(ticket),
     }
 }
@@ -125,26 +132,29 @@ pub fn recover_start<M, S>(
 /// # Errors
 /// `Some(Err(_))` as [`recover_start`]'s.
 pub fn recover_poll(
+    journal: &mut CoreJournal,
     type_name: &str,
     shard: ShardId,
     ticket: u64,
 ) -> Option<Result<Vec<EntityId>, LogError>> {
     let pid = pid(type_name, shard)?;
-    match with_log(|l| l.recover_poll(&pid, ticket)) {
+    match journal.log().map(|l| l.recover_poll(&pid, ticket)) {
         Err(e) => Some(Err(LogError::failed(e))),
         Ok(None) => None,
-        Ok(Some(r)) => Some(r.map(|r| fold(&pid, &r))),
+        Ok(Some(r)) => Some(r.map(|r| fold(journal, &pid, &r))),
     }
 }
 
 /// Drops the read `ticket` (its shard stopped or moved meanwhile).
-pub fn recover_forget(ticket: u64) {
-    let _ = with_log(|l| l.recover_forget(ticket));
+pub fn recover_forget(journal: &mut CoreJournal, ticket: u64) {
+    if let Ok(l) = journal.log() {
+        l.recover_forget(ticket);
+    }
 }
 
 /// Folds a shard's remember-entities records into its live set and
 /// continues the shard's sequence numbers on this core after them.
-fn fold(pid: &PersistenceId, rec: &Recovered) -> Vec<EntityId> {
+fn fold(journal: &mut CoreJournal, pid: &PersistenceId, rec: &Recovered) -> Vec<EntityId> {
     let mut live = BTreeSet::new();
     let mut last = rec.snapshot.as_ref().map_or(0, |s| s.0);
     for (seq, p) in &rec.events {
@@ -168,11 +178,10 @@ fn fold(pid: &PersistenceId, rec: &Recovered) -> Vec<EntityId> {
     // Continue the sequence in this core's journal after the recovered one
     // (and after a claim row's number).
     let last = last.max(rec.highest);
-    let own_last = with_log(|l| l.highest_sequence_nr(pid)).unwrap_or(0);
-    SEQ.with(|s| {
-        s.borrow_mut()
-            .insert(pid.as_str().to_string(), last.max(own_last))
-    });
+    let own_last = journal.log().map_or(0, |l| l.highest_sequence_nr(pid));
+    journal
+        .remember_seq
+        .insert(pid.as_str().to_string(), last.max(own_last));
     live.into_iter().collect()
 }
 
@@ -194,8 +203,13 @@ mod tests {
     }
 
     /// The local journal reads at once.
-    fn read(t: &str, r: &ShardRegion<Vec<u8>, ()>, shard: ShardId) -> Vec<EntityId> {
-        match recover_start(t, r, shard) {
+    fn read(
+        j: &mut CoreJournal,
+        t: &str,
+        r: &ShardRegion<Vec<u8>, ()>,
+        shard: ShardId,
+    ) -> Vec<EntityId> {
+        match recover_start(j, t, r, shard) {
             RememberRead::Ready(res) => res.expect("read"),
             RememberRead::Pending(_) => panic!("the local journal reads at once"),
         }
@@ -213,13 +227,14 @@ mod tests {
         let dir = tempfile::tempdir().expect("tmp");
         let none = crate::config::Durability::Named(crate::config::DurabilityName::None);
         let node = dir.path().join("node-a");
-        super::super::open_for_core(&node, 0, &none, None).expect("open");
+        let mut j = CoreJournal::open_local(&node, 0, &none, None).expect("open");
         let r = region();
-        assert!(read("t", &r, ShardId(3)).is_empty());
-        record("t", &r, &started(3, "a"));
-        record("t", &r, &started(3, "b"));
-        record("t", &r, &started(4, "z"));
+        assert!(read(&mut j, "t", &r, ShardId(3)).is_empty());
+        record(&mut j, "t", &r, &started(3, "a"));
+        record(&mut j, "t", &r, &started(3, "b"));
+        record(&mut j, "t", &r, &started(4, "z"));
         record(
+            &mut j,
             "t",
             &r,
             &ShardEvent::EntityStopped {
@@ -227,23 +242,22 @@ mod tests {
                 entity: EntityId::new("a").expect("id"),
             },
         );
-        record("t", &r, &started(3, "c"));
-        drop(super::super::uninstall());
-        SEQ.with(|s| s.borrow_mut().clear());
+        record(&mut j, "t", &r, &started(3, "c"));
+        drop(j);
         // Core 1 of the same node: core 0's journal is read-only to it.
-        super::super::open_for_core(&node, 1, &none, None).expect("open");
-        let ids: Vec<String> = read("t", &r, ShardId(3))
+        let mut j = CoreJournal::open_local(&node, 1, &none, None).expect("open");
+        let ids: Vec<String> = read(&mut j, "t", &r, ShardId(3))
             .into_iter()
             .map(|i| i.as_str().to_string())
             .collect();
         assert_eq!(ids, vec!["b", "c"]);
         // Appends continue the sequence after the other journal's events.
-        record("t", &r, &started(3, "d"));
-        let ids = read("t", &r, ShardId(3));
+        record(&mut j, "t", &r, &started(3, "d"));
+        let ids = read(&mut j, "t", &r, ShardId(3));
         assert_eq!(ids.len(), 3);
-        drop(super::super::uninstall());
+        drop(j.take());
         // Without a journal the read fails: the shard must not start empty.
-        match recover_start("t", &r, ShardId(3)) {
+        match recover_start(&mut j, "t", &r, ShardId(3)) {
             RememberRead::Ready(Err(e)) => assert!(e.message.contains("no journal"), "{e}"),
             other => panic!("expected a failed read, got {other:?}"),
         }

@@ -523,7 +523,7 @@ struct Host<E: Entity> {
 /// entity running.
 fn answer_failed(ctx: &mut EntityContext<'_>, status: Status, payload: Vec<u8>) {
     if let Some(token) = ctx.defer_reply() {
-        crate::persistence::complete(token, status, payload);
+        ctx.complete(token, status, payload);
     }
 }
 
@@ -590,7 +590,7 @@ impl<E: Entity> crate::entity::Entity for Host<E> {
         self.run(raw, command)
     }
 
-    fn on_stop(&mut self) {
+    fn on_stop(&mut self, _ctx: &mut EntityContext<'_>) {
         self.entity.on_stop();
     }
 }

@@ -240,10 +240,6 @@ pub(crate) struct HttpFront {
     idle_timeout: Duration,
     /// Most open connections on this core (count).
     max_conns: usize,
-    /// The node's data directory (its cores' journals, for `/metrics`).
-    data_dir: std::path::PathBuf,
-    /// Data cores of the node (count).
-    data_cores: u16,
 }
 
 /// Binds `http_address` (SO_REUSEPORT) for data core `core`, when the config
@@ -266,8 +262,6 @@ pub(crate) fn bind(config: &NodeConfig, core: u16, fronts: &Fronts) -> Option<Ht
             body_timeout: config.http.body_timeout(),
             idle_timeout: config.http.idle_timeout(),
             max_conns: config.http.max_connections_per_core as usize,
-            data_dir: config.data_dir.clone(),
-            data_cores: config.data_cores,
         }),
         Err(e) => {
             tracing::error!(core, %addr, error = %e, "cannot bind http_address");
@@ -958,11 +952,7 @@ fn node_metrics(front: &HttpFront, status: &NodeStatus) -> MetricsSnapshot {
         })
         .collect();
     region_metrics(&mut m, &status.regions);
-    for core in 0..front.data_cores {
-        if let Some(h) = crate::persistence::journal_flush_latency_micros(&front.data_dir, core) {
-            m.journal_flush_micros.push((core, h));
-        }
-    }
+    m.journal_flush_micros = board.journal_flush_micros();
     m
 }
 

@@ -17,7 +17,7 @@ impl DataExecutor {
         let journal_error = self
             .journal_error
             .clone()
-            .or_else(|| crate::persistence::with_log(|l| l.health()).ok().flatten())
+            .or_else(|| self.host.journal().log_ref().and_then(|l| l.health()))
             .or_else(|| self.host.remember_error().map(str::to_string));
         let mut v: Vec<RegionStatusView> = (0..self.plane.type_count())
             .map(|i| {

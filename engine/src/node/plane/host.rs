@@ -12,10 +12,12 @@
 //! plane (a reply held by the durability barrier, timers, passivation, a
 //! stop) or a [`HostOutput`] for the driver (a reply, a message to another
 //! entity). There is no clock (time comes in as `now`, the core's
-//! monotonic clock), no socket and no thread-local of its own; the
-//! journal is reached through `crate::persistence` as the entities reach
-//! it (remembered-entity reads and records, the durability wait, deferred
-//! replies' completions).
+//! monotonic clock), no socket and no thread-local: the core's journal
+//! ([`crate::persistence::CoreJournal`], which the driver opens and hands
+//! over with [`EntityHost::set_journal`]), the core's ask ids and the
+//! deferred replies' completions are the host's, lent to each entity call
+//! ([`EntityServices`]); the remembered-entity reads and records and the
+//! durability wait use the same journal.
 //!
 //! # Order of calls
 //!
@@ -48,8 +50,8 @@ use shardline_core::sharding::{shard_id_of, Envelope, StopReason};
 use super::data::{DataOutput, DataPlane, TypeIdx};
 use crate::entity::worker::WorkerSettings;
 use crate::entity::{
-    AskId, Entity, EntityAskError, EntityContext, EntityError, EntityFactory, Outgoing,
-    TerminatedReason, WatchCommand,
+    AskId, Entity, EntityAskError, EntityContext, EntityError, EntityFactory, EntityServices,
+    Outgoing, TerminatedReason, WatchCommand,
 };
 use crate::envelope::Status;
 use crate::node::msg::{ReplyTo, UserEnvelope};
@@ -261,6 +263,9 @@ pub(crate) struct EntityHost {
     /// Entities awaiting journal durability (and the core's durability
     /// wake, which the driver waits on).
     durable: crate::persistence::Hooks,
+    /// What every entity call is lent: the core's journal, ask ids and
+    /// answered deferred replies.
+    services: EntityServices,
     /// Incarnations stopping after their appends in flight, by incarnation.
     stopping: FastMap<u64, Stopping>,
     /// Reads of remembered entities in flight or waiting for a retry.
@@ -274,6 +279,7 @@ pub(crate) struct EntityHost {
 impl EntityHost {
     /// A host with no entity types.
     pub(crate) fn new(config: HostConfig) -> Self {
+        let core = config.core;
         EntityHost {
             config,
             types: Vec::new(),
@@ -283,6 +289,7 @@ impl EntityHost {
             ask_expiry: BinaryHeap::new(),
             watches: WatchBook::default(),
             durable: crate::persistence::Hooks::default(),
+            services: EntityServices::new(core, crate::persistence::CoreJournal::new()),
             stopping: FastMap::default(),
             remember_reads: Vec::new(),
             remember_error: None,
@@ -296,6 +303,23 @@ impl EntityHost {
     /// [`EntityHost::handle_durable`] when it fires.
     pub(crate) fn durable_wake(&self) -> std::sync::Arc<crate::persistence::DurableWake> {
         self.durable.wake.clone()
+    }
+
+    /// The core's journal (the driver reads its health and durable LSN).
+    pub(crate) fn journal(&self) -> &crate::persistence::CoreJournal {
+        &self.services.journal
+    }
+
+    /// The core's journal, to flush a turn's appends, clear a fired
+    /// registration, or close it at exit.
+    pub(crate) fn journal_mut(&mut self) -> &mut crate::persistence::CoreJournal {
+        &mut self.services.journal
+    }
+
+    /// Hands the host the core's journal (the driver opens it before the
+    /// first message), replacing the empty one.
+    pub(crate) fn set_journal(&mut self, journal: crate::persistence::CoreJournal) {
+        self.services.journal = journal;
     }
 
     /// Why the last read of remembered entities failed (while a shard waits
@@ -457,7 +481,12 @@ impl EntityHost {
                 None
             }
             DataOutput::Persist { ty, event } => {
-                crate::persistence::remember::record(plane.type_name(ty), plane.region(ty), &event);
+                crate::persistence::remember::record(
+                    &mut self.services.journal,
+                    plane.type_name(ty),
+                    plane.region(ty),
+                    &event,
+                );
                 None
             }
             DataOutput::RecoverRememberedEntities { ty, shard } => {
@@ -503,7 +532,7 @@ impl EntityHost {
             shard: live.shard,
             inc: live.incarnation,
         };
-        let mut ctx = EntityContext::new(&who.id).with_type(&name, live.epoch);
+        let mut ctx = EntityContext::new(&who.id, &mut self.services).with_type(&name, live.epoch);
         let res = live.entity.on_ask_reply(&mut ctx, id, reply);
         let h = Harvest::of(&mut ctx);
         drop(ctx);
@@ -520,7 +549,8 @@ impl EntityHost {
         durable_lsn: u64,
     ) {
         self.poll_remember_reads(now, plane);
-        for (t, id, inc) in self.durable.take_waiting() {
+        for w in self.durable.take_waiting() {
+            let (t, id, inc) = (w.type_name, w.id, w.incarnation);
             if self.stopping.contains_key(&inc) {
                 self.stopping_durable(now, plane, inc, durable_lsn);
                 continue;
@@ -536,7 +566,7 @@ impl EntityHost {
             if live.incarnation != inc {
                 continue;
             }
-            let mut ctx = EntityContext::new(&id).with_type(&name, live.epoch);
+            let mut ctx = EntityContext::new(&id, &mut self.services).with_type(&name, live.epoch);
             let res = live.entity.on_durable(&mut ctx, durable_lsn);
             let h = Harvest::of(&mut ctx);
             drop(ctx);
@@ -587,7 +617,7 @@ impl EntityHost {
         }
         for r in std::mem::take(&mut self.remember_reads) {
             if let Some(ticket) = r.ticket {
-                crate::persistence::remember::recover_forget(ticket);
+                crate::persistence::remember::recover_forget(&mut self.services.journal, ticket);
             }
         }
         self.workers_stop();
@@ -691,11 +721,13 @@ impl EntityHost {
                 epoch = g.0;
             }
         }
-        crate::persistence::set_hosted_generation(hosted_max);
+        if let Ok(log) = self.services.journal.log() {
+            log.set_hosted_generation(hosted_max);
+        }
         let inc = self.next_incarnation;
         self.next_incarnation += 1;
         let name = h.name.clone();
-        let mut ctx = EntityContext::new(id).with_type(&name, epoch);
+        let mut ctx = EntityContext::new(id, &mut self.services).with_type(&name, epoch);
         entity.on_start(&mut ctx);
         let harvest = Harvest::of(&mut ctx);
         drop(ctx);
@@ -741,7 +773,7 @@ impl EntityHost {
             return;
         };
         h.delivered += 1;
-        let mut ctx = EntityContext::new(&env.entity)
+        let mut ctx = EntityContext::new(&env.entity, &mut self.services)
             .with_type(&name, live.epoch)
             .with_reply_token(token.0);
         let res = live.entity.handle(&mut ctx, &env.payload);
@@ -826,7 +858,8 @@ impl EntityHost {
             plane.handle_entity_timers(now, who.ty, &who.id, who.inc, h.timers);
         }
         if h.durable {
-            self.durable.wait(&name, &who.id, who.inc);
+            self.durable
+                .wait(&mut self.services.journal, &name, &who.id, who.inc);
         }
         self.drain_completions(now, plane);
         if h.passivate {
@@ -844,7 +877,10 @@ impl EntityHost {
             .is_some_and(|l| l.incarnation == who.inc);
         if running {
             if let Some(mut l) = h.entities.remove(&who.id) {
-                l.entity.on_stop();
+                let name = h.name.clone();
+                let mut ctx =
+                    EntityContext::new(&who.id, &mut self.services).with_type(&name, l.epoch);
+                l.entity.on_stop(&mut ctx);
                 self.entity_gone(who.ty, &who.id, TerminatedReason::Failed);
             }
         }
@@ -882,7 +918,8 @@ impl EntityHost {
                 let Some(live) = h.entities.get_mut(&me.id) else {
                     return;
                 };
-                let mut ctx = EntityContext::new(&me.id).with_type(&name, live.epoch);
+                let mut ctx =
+                    EntityContext::new(&me.id, &mut self.services).with_type(&name, live.epoch);
                 live.entity
                     .on_terminated(&mut ctx, &of.type_name, &of.id, reason);
                 let harvest = Harvest::of(&mut ctx);
@@ -918,7 +955,7 @@ impl EntityHost {
         if live.incarnation != inc {
             return;
         }
-        let mut ctx = EntityContext::new(id).with_type(&name, live.epoch);
+        let mut ctx = EntityContext::new(id, &mut self.services).with_type(&name, live.epoch);
         live.entity.on_timer(&mut ctx, key);
         let harvest = Harvest::of(&mut ctx);
         drop(ctx);
@@ -943,10 +980,10 @@ impl EntityHost {
     /// Sends the deferred replies entities answered (and frees the worker
     /// activations that waited on them).
     fn drain_completions(&mut self, now: Duration, plane: &mut DataPlane) {
-        for (token, status, payload) in crate::persistence::take_completions() {
-            plane.handle_reply_durable(token, status, payload);
+        for c in self.services.take_completions() {
+            plane.handle_reply_durable(c.token, c.status, c.payload);
             self.release_replies(plane);
-            self.worker_completed(now, plane, ReplyToken(token));
+            self.worker_completed(now, plane, ReplyToken(c.token));
         }
     }
 
@@ -1039,7 +1076,8 @@ impl EntityHost {
         if keep {
             let inc = st.live.incarnation;
             let name = self.types[ty.0].name.clone();
-            self.durable.wait(&name, &st.id, inc);
+            self.durable
+                .wait(&mut self.services.journal, &name, &st.id, inc);
             self.stopping.insert(inc, st);
         } else {
             self.end_stop(now, plane, st);
@@ -1049,7 +1087,10 @@ impl EntityHost {
     /// The last step of a stop: `on_stop`, the incarnation's deferred
     /// replies, its watchers, and (with `tell_region`) the region.
     fn end_stop(&mut self, now: Duration, plane: &mut DataPlane, mut st: Stopping) {
-        st.live.entity.on_stop();
+        let name = self.types[st.ty.0].name.clone();
+        let mut ctx =
+            EntityContext::new(&st.id, &mut self.services).with_type(&name, st.live.epoch);
+        st.live.entity.on_stop(&mut ctx);
         let inc = st.live.incarnation;
         self.fail_deferred(now, plane, inc);
         self.entity_gone(st.ty, &st.id, st.reason);
@@ -1066,14 +1107,16 @@ impl EntityHost {
             return;
         };
         let name = self.types[st.ty.0].name.clone();
-        let mut ctx = EntityContext::new(&st.id).with_type(&name, st.live.epoch);
+        let mut ctx =
+            EntityContext::new(&st.id, &mut self.services).with_type(&name, st.live.epoch);
         let res = st.live.entity.on_durable(&mut ctx, durable);
         drop(ctx);
         let keep = res.is_ok() && st.live.entity.on_stopping();
         let id = st.id.clone();
         self.drain_completions(now, plane);
         if keep {
-            self.durable.wait(&name, &id, inc);
+            self.durable
+                .wait(&mut self.services.journal, &name, &id, inc);
             return;
         }
         let Some(mut st) = self.stopping.remove(&inc) else {
@@ -1107,7 +1150,12 @@ impl EntityHost {
         let Some(generation) = plane.region(ty).recovering_generation(shard) else {
             return;
         };
-        match remember::recover_start(plane.type_name(ty), plane.region(ty), shard) {
+        match remember::recover_start(
+            &mut self.services.journal,
+            plane.type_name(ty),
+            plane.region(ty),
+            shard,
+        ) {
             RememberRead::Ready(Ok(ids)) => {
                 plane.handle_remembered_entities(now, ty, shard, ids);
                 self.remember_read_ok();
@@ -1183,9 +1231,16 @@ impl EntityHost {
                 .recovering_generation(r.shard)
                 .is_some_and(|g| g.0 == r.generation);
             match r.ticket {
-                Some(ticket) if !current => remember::recover_forget(ticket),
+                Some(ticket) if !current => {
+                    remember::recover_forget(&mut self.services.journal, ticket)
+                }
                 Some(ticket) => {
-                    match remember::recover_poll(plane.type_name(r.ty), r.shard, ticket) {
+                    match remember::recover_poll(
+                        &mut self.services.journal,
+                        plane.type_name(r.ty),
+                        r.shard,
+                        ticket,
+                    ) {
                         None => self.remember_reads.push(r),
                         Some(Ok(ids)) => {
                             plane.handle_remembered_entities(now, r.ty, r.shard, ids);

@@ -71,7 +71,7 @@ impl Entity for Probe {
         self.note(format!("{} timer {key}", self.me));
     }
 
-    fn on_stop(&mut self) {
+    fn on_stop(&mut self, _ctx: &mut EntityContext<'_>) {
         self.note(format!("stop {}", self.me));
     }
 

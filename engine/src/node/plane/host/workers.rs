@@ -8,7 +8,7 @@ use shardline_core::ids::EntityId;
 
 use super::{EntityHost, FastMap, ReplyToken, UserEnvelope};
 use crate::entity::worker::{core_share, Admit, WorkerPool, WorkerSettings};
-use crate::entity::{Entity, EntityContext, EntityFactory, Outgoing};
+use crate::entity::{Entity, EntityContext, EntityFactory, EntityServices, Outgoing};
 use crate::envelope::Status;
 use crate::node::plane::data::{DataPlane, TypeIdx};
 use crate::status::WorkerPoolStatus;
@@ -104,6 +104,7 @@ impl EntityHost {
         }
         let inc = self.next_incarnation;
         let core = self.config.core;
+        let services = &mut self.services;
         let Some(h) = self.types.get_mut(ty.0) else {
             return;
         };
@@ -118,7 +119,7 @@ impl EntityHost {
         let t = &h.name;
         let admit = w.pool.submit(now, env, || {
             created = true;
-            make_activation(factory, t, core, inc, now)
+            make_activation(services, factory, t, core, inc, now)
         });
         if created {
             self.next_incarnation += 1;
@@ -159,7 +160,7 @@ impl EntityHost {
             let Some(a) = w.pool.get_mut(slot) else {
                 return;
             };
-            let mut ctx = EntityContext::new(&env.entity)
+            let mut ctx = EntityContext::new(&env.entity, &mut self.services)
                 .with_type(&name, 0)
                 .with_reply_token(token.0);
             let res = a.entity.handle(&mut ctx, &env.payload);
@@ -215,6 +216,7 @@ impl EntityHost {
     ) -> Option<(u64, UserEnvelope)> {
         let inc = self.next_incarnation;
         let core = self.config.core;
+        let services = &mut self.services;
         let h = self.types.get_mut(ty.0)?;
         let factory = h.factory.as_ref()?;
         let w = h.worker.as_mut()?;
@@ -222,14 +224,15 @@ impl EntityHost {
         let t = &h.name;
         let (gone, next) = w.pool.remove(slot, || {
             created = true;
-            make_activation(factory, t, core, inc, now)
+            make_activation(services, factory, t, core, inc, now)
         });
         if created {
             self.next_incarnation += 1;
             h.activated += 1;
         }
         if let Some(mut a) = gone {
-            a.entity.on_stop();
+            let name = h.name.clone();
+            stop_activation(&mut self.services, &mut a, &name);
             self.fail_deferred(now, plane, a.incarnation);
         }
         next
@@ -263,6 +266,7 @@ impl EntityHost {
     pub(super) fn workers_tick(&mut self, now: Duration, plane: &mut DataPlane) {
         for i in 0..self.types.len() {
             let mut out = Vec::new();
+            let services = &mut self.services;
             let h = &mut self.types[i];
             let name = h.name.clone();
             let Some(w) = h.worker.as_mut() else {
@@ -274,16 +278,16 @@ impl EntityHost {
                 }
                 while let Some(i) = a.timers.iter().position(|(_, due)| *due <= now) {
                     let (key, _) = a.timers.remove(i);
-                    fire(a, &name, key, now, &mut out);
+                    fire(services, a, &name, key, now, &mut out);
                 }
             }
             for mut a in w.pool.collect_idle(now) {
                 while let Some((key, _)) = a.timers.first().copied() {
                     a.timers.remove(0);
-                    fire(&mut a, &name, key, now, &mut out);
+                    fire(services, &mut a, &name, key, now, &mut out);
                 }
                 out.append(&mut a.pending_out);
-                a.entity.on_stop();
+                stop_activation(services, &mut a, &name);
             }
             self.send_outgoing(now, out, &mut None, None);
         }
@@ -296,6 +300,7 @@ impl EntityHost {
     /// cluster can still route them).
     pub(crate) fn handle_graceful_shutdown(&mut self, now: Duration, plane: &mut DataPlane) {
         let mut out = Vec::new();
+        let services = &mut self.services;
         for h in self.types.iter_mut() {
             let Some(w) = h.worker.as_mut() else { continue };
             for (_, busy, a) in w.pool.iter_mut() {
@@ -304,7 +309,7 @@ impl EntityHost {
                 }
                 while let Some((key, _)) = a.timers.first().copied() {
                     a.timers.remove(0);
-                    fire(a, &h.name, key, now, &mut out);
+                    fire(services, a, &h.name, key, now, &mut out);
                 }
             }
         }
@@ -316,11 +321,12 @@ impl EntityHost {
     /// answered `ShuttingDown`.
     pub(super) fn workers_stop(&mut self) {
         let mut waiting = Vec::new();
+        let services = &mut self.services;
         for h in self.types.iter_mut() {
             if let Some(w) = h.worker.as_mut() {
                 let (acts, queued) = w.pool.drain();
                 for mut a in acts {
-                    a.entity.on_stop();
+                    stop_activation(services, &mut a, &h.name);
                 }
                 waiting.extend(queued);
             }
@@ -331,8 +337,22 @@ impl EntityHost {
     }
 }
 
-fn fire(a: &mut Activation, t: &str, key: u64, now: Duration, out: &mut Vec<Outgoing>) {
-    let mut ctx = EntityContext::new(&a.id).with_type(t, 0);
+/// Stops activation `a` of worker type `t` (its deferred replies answered
+/// in `on_stop` are sent with the host's next completions).
+fn stop_activation(services: &mut EntityServices, a: &mut Activation, t: &str) {
+    let mut ctx = EntityContext::new(&a.id, services).with_type(t, 0);
+    a.entity.on_stop(&mut ctx);
+}
+
+fn fire(
+    services: &mut EntityServices,
+    a: &mut Activation,
+    t: &str,
+    key: u64,
+    now: Duration,
+    out: &mut Vec<Outgoing>,
+) {
+    let mut ctx = EntityContext::new(&a.id, services).with_type(t, 0);
     a.entity.on_timer(&mut ctx, key);
     let timers = ctx.take_timers();
     out.extend(ctx.take_outgoing());
@@ -341,6 +361,7 @@ fn fire(a: &mut Activation, t: &str, key: u64, now: Duration, out: &mut Vec<Outg
 }
 
 fn make_activation(
+    services: &mut EntityServices,
     factory: &EntityFactory,
     t: &str,
     core: u16,
@@ -351,7 +372,7 @@ fn make_activation(
     let id = EntityId::new(format!("worker-{core}-{inc}"))
         .unwrap_or_else(|e| unreachable!("worker id is valid: {e}"));
     let mut entity = factory(&id);
-    let mut ctx = EntityContext::new(&id).with_type(t, 0);
+    let mut ctx = EntityContext::new(&id, services).with_type(t, 0);
     entity.on_start(&mut ctx);
     let timers = ctx.take_timers();
     let pending_out = ctx.take_outgoing();
