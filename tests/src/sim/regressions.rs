@@ -78,3 +78,21 @@ fn passivation_31003319_order_through_passivation_and_hand_off() {
 fn membership_rolling_restart_31000797_every_leave_completes() {
     membership_seed_passes("membership-rolling-restart", 31_000_797);
 }
+
+/// Heavy loss after a healed 2|3 partition: nodes 0 and 2 each found every
+/// other member indirectly connected and downed them all, keeping itself.
+/// Each answered the other's probes with `Downed`, which the other ignored
+/// because it held the sender Down; so both kept running, removed each
+/// other after the down-removal margin, and both hosted the coordinator.
+/// A member told `Downed` now stops whoever the sender is.
+#[test]
+fn membership_unstable_330_members_that_downed_each_other_stop() {
+    membership_seed_passes("membership-unstable", 330);
+}
+
+/// As above, nodes 1 and 4 on the same side of a 3|2 partition downed each
+/// other; after removing node 1, node 4 saw it still serving (no zombie).
+#[test]
+fn membership_unstable_1762_members_that_downed_each_other_stop() {
+    membership_seed_passes("membership-unstable", 1762);
+}

@@ -86,7 +86,8 @@ pub enum ClusterMessage {
         sequence_nr: u64,
     },
     /// Tells `to` that the sender considers it Down or removed: it must stop
-    /// at once (the equivalent of Akka's quarantine of a removed member).
+    /// at once (the equivalent of Akka's quarantine of a removed member),
+    /// whatever status the sender has in its own view.
     Downed {
         /// Sender.
         from: UniqueAddress,

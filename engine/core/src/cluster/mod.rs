@@ -58,7 +58,9 @@
 //! * The first seed forms a new cluster at once when every other seed
 //!   answered `InitJoinNack` (none is a member of any cluster).
 //! * A member that learns it is Down (from gossip, a `Downed` reply, or its
-//!   own resolver's decision) stops at once ([`StopReason::Downed`]). A node
+//!   own resolver's decision) stops at once ([`StopReason::Downed`]); a
+//!   `Downed` reply counts even from a member this one holds Down or
+//!   removed (two members that downed each other both stop). A node
 //!   that notices a gap of more than `pause_fence_after` between two inputs
 //!   was paused: it stops serving until a member answers a fresh heartbeat.
 //! * The coordinator singleton runs on the oldest Up member (optionally of a

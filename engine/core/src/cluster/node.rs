@@ -684,6 +684,20 @@ impl ClusterNode {
         }
         // A message from this incarnation: it runs, whatever its port said.
         self.refusals.remove(&from);
+        if let ClusterMessage::Downed { to, .. } = &message {
+            // Down is final, whoever says so: a member that another member
+            // holds Down must stop, even when it holds that sender Down or
+            // removed itself. Two members that downed each other took
+            // conflicting decisions (each kept its own side); Akka's gossip
+            // merge then shows each of them Down to itself and both stop.
+            // Ignoring the reply because its sender is Down here would keep
+            // both running as two clusters, each hosting the coordinator.
+            if *to == self.self_ua {
+                self.stop_self();
+            }
+            self.after_input(now);
+            return;
+        }
         let sender_downed = self.gossip.tombstones.contains(&from)
             || self
                 .gossip
@@ -791,11 +805,8 @@ impl ClusterNode {
                     }
                 }
             }
-            ClusterMessage::Downed { to, .. } => {
-                if to == self.self_ua {
-                    self.stop_self();
-                }
-            }
+            // handled above, whatever the sender's status
+            ClusterMessage::Downed { .. } => {}
             ClusterMessage::HandOverToMe { from, to } => {
                 if to == self.self_ua {
                     self.receive_hand_over_to_me(from);

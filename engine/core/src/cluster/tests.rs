@@ -446,6 +446,40 @@ fn paused_member_learns_it_was_downed_and_stops() {
     assert_eq!(net.stops.get(&2), Some(&StopReason::Downed));
 }
 
+/// Two members that downed each other (conflicting decisions taken while
+/// partitioned; the simulation's `membership-unstable` seeds 330 and 1762
+/// got there through the resolver, each member finding every other one
+/// indirectly connected) both stop once they talk again: each answers the
+/// other's probe with `Downed`, and that reply counts although its sender
+/// is Down in the receiver's view. Ignoring it kept both running as two
+/// clusters, each removing the other and hosting the coordinator.
+#[test]
+fn members_that_downed_each_other_both_stop() {
+    let mut net = Net::new(2, Duration::from_secs(5));
+    net.step_until(Duration::from_secs(20));
+    assert!(all_up(&net, &[0, 1]), "{:?}", net.statuses(0));
+    assert_eq!(net.singleton, BTreeSet::from([0]));
+    net.partition(&[0], &[1]);
+    let (u0, u1) = (
+        net.node(0).self_address().clone(),
+        net.node(1).self_address().clone(),
+    );
+    let now = net.now;
+    net.nodes[0].as_mut().unwrap().down(now, &u1);
+    net.nodes[1].as_mut().unwrap().down(now, &u0);
+    net.drain(0);
+    net.drain(1);
+    assert!(!net.node(0).is_stopped() && !net.node(1).is_stopped());
+    net.step_until(Duration::from_secs(21));
+    net.cut.clear();
+    // before the down-removal margin ends (each would then remove the
+    // other and both would host the coordinator: `step_until` panics)
+    net.step_until(Duration::from_secs(60));
+    assert_eq!(net.stops.get(&0), Some(&StopReason::Downed));
+    assert_eq!(net.stops.get(&1), Some(&StopReason::Downed));
+    assert!(net.singleton.is_empty(), "{:?}", net.singleton);
+}
+
 #[test]
 fn member_status_diagram_is_respected_by_events() {
     let mut net = Net::new(3, Duration::from_secs(5));
