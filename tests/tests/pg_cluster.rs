@@ -187,9 +187,8 @@ fn wait_up(addrs: &[SocketAddr], n: usize) {
 /// `addrs`, at most one apart, and the layout held for 400 ms (longer than
 /// the coordinator's warm settle time). Warm allocation places every shard
 /// on the regions registered when it runs; a member that joins later gets
-/// its share by rebalance hand-offs, and a hand-off stops an entity whose
-/// recovery read is in flight, failing the commands it stashed ("entity
-/// stopped"): the tests load the cluster after those hand-offs.
+/// its share by rebalance hand-offs: the tests load the cluster after
+/// those, so that the homes they name (`live_entities`) stay put.
 fn wait_balanced(addrs: &[SocketAddr]) {
     type Layout = std::collections::BTreeMap<String, Vec<Vec<u32>>>;
     let layout = || -> Option<Layout> {

@@ -449,15 +449,28 @@ impl Persistent {
         }
     }
 
+    /// Answers every command not answered yet with `EntityFailed` and
+    /// `why`: those with events in flight and the stashed ones.
     fn fail_pending(&mut self, ctx: &mut EntityContext<'_>, why: &str) {
+        self.answer_pending(ctx, (Status::EntityFailed, why), (Status::EntityFailed, why));
+    }
+
+    /// Answers the commands with events in flight with `in_flight` and the
+    /// stashed ones (never handled) with `stashed` (status, message).
+    fn answer_pending(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        in_flight: (Status, &str),
+        stashed: (Status, &str),
+    ) {
         for c in self.commands.drain(..) {
             if let Some(t) = c.token {
-                ctx.complete(t, Status::EntityFailed, why.as_bytes().to_vec());
+                ctx.complete(t, in_flight.0, in_flight.1.as_bytes().to_vec());
             }
         }
         for (_, t) in self.stashed.drain(..) {
             if let Some(t) = t {
-                ctx.complete(t, Status::EntityFailed, why.as_bytes().to_vec());
+                ctx.complete(t, stashed.0, stashed.1.as_bytes().to_vec());
             }
         }
         self.in_flight.clear();
@@ -558,10 +571,19 @@ impl Entity for Persistent {
         // incarnation until they have an outcome (`on_durable` runs their
         // handlers and answers their commands; stashed commands run then
         // too), so their commands are answered truthfully and a hand-off
-        // completes only after they are durable. A recovery in flight is
-        // dropped by `on_stop` (no state to answer from).
+        // completes only after they are durable. A recovery read in flight
+        // (the database's reader thread) with commands stashed behind it
+        // keeps it too, until the read has an outcome: the commands then
+        // run on the recovered state (and their events are durable before
+        // the hand-off completes), or get the read's error; this is
+        // Akka's hand-off stop message waiting for the entity, without
+        // dropping its stash. A read with nothing stashed is dropped by
+        // `on_stop`.
         self.stopping = true;
-        self.recovering.is_none() && !self.in_flight.is_empty()
+        match self.recovering {
+            Some(_) => !self.stashed.is_empty(),
+            None => !self.in_flight.is_empty(),
+        }
     }
 
     fn on_stop(&mut self, ctx: &mut EntityContext<'_>) {
@@ -571,7 +593,16 @@ impl Entity for Persistent {
                 l.recover_forget(t);
             }
         }
-        self.fail_pending(ctx, "entity stopped");
+        // Stashed commands were never handled: safe to retry (a client
+        // retries them at the shard's new home).
+        self.answer_pending(
+            ctx,
+            (Status::EntityFailed, "entity stopped"),
+            (
+                Status::Unavailable,
+                "entity stopped before it handled the command: not applied, safe to retry",
+            ),
+        );
     }
 }
 
@@ -589,6 +620,11 @@ mod tests {
         snaps: HashMap<String, (u64, Vec<u8>)>,
         next: u64,
         durable: std::rc::Rc<std::cell::Cell<u64>>,
+        /// Reads answer `Pending` and complete once `read_done` is set
+        /// (as the database's reader thread does).
+        async_reads: bool,
+        read_done: std::rc::Rc<std::cell::Cell<bool>>,
+        pending_read: Option<(u64, Recovered)>,
     }
 
     impl EventLog for MemLog {
@@ -644,6 +680,33 @@ mod tests {
             self.durable.set(self.durable.get().max(lsn.0));
             Ok(())
         }
+        fn recover_start(
+            &mut self,
+            pid: &PersistenceId,
+            epoch: WriterEpoch,
+            after_seq: u64,
+        ) -> RecoverStart {
+            let mut rec = match self.recover(pid, epoch) {
+                Ok(r) => r,
+                Err(e) => return RecoverStart::Ready(Err(LogError::failed(e))),
+            };
+            rec.events.retain(|e| e.0 > after_seq);
+            if !self.async_reads {
+                return RecoverStart::Ready(Ok(rec));
+            }
+            self.pending_read = Some((7, rec));
+            RecoverStart::Pending(7)
+        }
+        fn recover_poll(
+            &mut self,
+            _pid: &PersistenceId,
+            ticket: u64,
+        ) -> Option<Result<Recovered, LogError>> {
+            if !self.read_done.get() || self.pending_read.as_ref().is_none_or(|r| r.0 != ticket) {
+                return None;
+            }
+            self.pending_read.take().map(|(_, r)| Ok(r))
+        }
     }
 
     /// Records the order of command and event handlers; `s:X` persists
@@ -695,7 +758,19 @@ mod tests {
 
     impl Harness {
         fn new() -> Self {
-            let mem = MemLog::default();
+            Harness::with_log(MemLog::default())
+        }
+        /// A harness whose journal reads on another thread: recovery
+        /// completes once `read_done` is set.
+        fn reading() -> (Self, std::rc::Rc<std::cell::Cell<bool>>) {
+            let mem = MemLog {
+                async_reads: true,
+                ..MemLog::default()
+            };
+            let done = mem.read_done.clone();
+            (Harness::with_log(mem), done)
+        }
+        fn with_log(mem: MemLog) -> Self {
             let durable = mem.durable.clone();
             let mut services = crate::entity::EntityServices::new(
                 0,
@@ -735,6 +810,13 @@ mod tests {
         fn stop(&mut self) {
             let mut ctx = EntityContext::new(&self.id, &mut self.services).with_type("rec", 1);
             self.host.on_stop(&mut ctx);
+        }
+        fn answers(&mut self) -> Vec<(u64, Status, String)> {
+            self.services
+                .take_completions()
+                .into_iter()
+                .map(|c| (c.token, c.status, String::from_utf8(c.payload).unwrap()))
+                .collect()
         }
         fn replies(&mut self) -> Vec<(u64, String)> {
             self.services
@@ -834,5 +916,55 @@ mod tests {
         let c = h.send("s:e3");
         h.stop();
         assert_eq!(h.replies(), vec![(c, "entity stopped".to_string())]);
+    }
+
+    #[test]
+    fn a_hand_off_during_a_recovery_read_runs_the_stashed_commands_before_the_stop() {
+        let (mut h, read_done) = Harness::reading();
+        // Recovery in flight: the commands are stashed behind it.
+        let a = h.send("s:e1");
+        let b = h.send("r");
+        assert_eq!(h.host.stashed(), 2);
+        // The stop (a hand-off) keeps the incarnation while the read is in
+        // flight with commands stashed; nothing is answered yet.
+        assert!(h.host.on_stopping());
+        assert!(h.answers().is_empty());
+        h.make_durable(0);
+        assert!(h.host.on_stopping(), "the read is still in flight");
+        assert!(h.trace().is_empty());
+        // The read completes: the stashed commands run in order on the
+        // recovered state; A's event is appended (in flight), B waits
+        // behind A's persist.
+        read_done.set(true);
+        h.make_durable(0);
+        assert_eq!(h.trace(), vec!["cmd s:e1"]);
+        assert!(h.host.on_stopping(), "A's event is in flight");
+        h.make_durable(1);
+        assert_eq!(h.trace(), vec!["evt e1", "cmd r"]);
+        assert_eq!(
+            h.answers(),
+            vec![
+                (a, Status::Ok, "done e1".to_string()),
+                (b, Status::Ok, "r r".to_string())
+            ]
+        );
+        assert!(!h.host.on_stopping(), "nothing left: it may stop");
+        h.stop();
+        assert!(h.answers().is_empty());
+    }
+
+    #[test]
+    fn a_stop_during_a_recovery_read_answers_the_stashed_commands_safe_to_retry() {
+        let (mut h, _read_done) = Harness::reading();
+        // Nothing stashed: the read does not keep the incarnation.
+        assert!(!h.host.on_stopping());
+        let a = h.send("s:e1");
+        // A forced stop (the node's drain ended) while the read is in
+        // flight: the stashed command was never handled.
+        h.stop();
+        let got = h.answers();
+        assert_eq!(got.len(), 1);
+        assert_eq!((got[0].0, got[0].1), (a, Status::Unavailable));
+        assert!(Status::Unavailable.not_delivered(), "{got:?}");
     }
 }
