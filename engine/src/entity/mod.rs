@@ -562,14 +562,29 @@ pub trait Entity: 'static {
     }
 
     /// The runtime is about to stop this incarnation (passivation,
-    /// hand-off, node stop). Returning `true` keeps it until the journal
-    /// appends it has in flight have an outcome: meanwhile it gets no
+    /// hand-off, node stop). Returning `true` keeps it until what it waits
+    /// for has an outcome (the journal appends it has in flight, or a
+    /// recovery read with commands stashed behind it): meanwhile it gets no
     /// message (the region buffers them), [`Self::on_durable`] is called as
-    /// the core's durable LSN moves, and this is asked again after each
-    /// call; [`Self::on_stop`] follows once it returns `false`. A hand-off
-    /// reports its shard stopped only after that. Nothing waits on the core
-    /// meanwhile. Default: `false` (stop at once).
+    /// the core's durable LSN moves or a read finishes, and this is asked
+    /// again after each call; [`Self::on_stop`] follows once it returns
+    /// `false`, or once it was kept for [`STOP_WAIT`] and
+    /// [`Self::may_stop_waiting`] says so. A hand-off reports its shard
+    /// stopped only after that. Nothing waits on the core meanwhile.
+    /// Default: `false` (stop at once).
     fn on_stopping(&mut self) -> bool {
+        false
+    }
+
+    /// Asked when the runtime kept this stopping incarnation
+    /// ([`Self::on_stopping`]) for [`STOP_WAIT`] (and every [`STOP_WAIT`]
+    /// after): whether it may stop now although it still waits. `true`
+    /// when what it waits for can be abandoned without breaking a promise
+    /// (a recovery read: the commands stashed behind it were never handled
+    /// and are answered safe to retry); `false` keeps it (appends in flight,
+    /// whose commands must be answered with their outcome; the node's stop
+    /// drain ends the wait). Default: `false`.
+    fn may_stop_waiting(&mut self) -> bool {
         false
     }
 
@@ -610,6 +625,11 @@ pub trait Entity: 'static {
     ) {
     }
 }
+
+/// How long a stopping incarnation is kept before
+/// [`Entity::may_stop_waiting`] is asked (5 s: a few database reads,
+/// well within a hand-off's timeout).
+pub const STOP_WAIT: Duration = Duration::from_secs(5);
 
 /// Creates an entity for an id; shared by every data core of a node.
 pub type EntityFactory = Arc<dyn Fn(&EntityId) -> Box<dyn Entity> + Send + Sync>;

@@ -452,7 +452,11 @@ impl Persistent {
     /// Answers every command not answered yet with `EntityFailed` and
     /// `why`: those with events in flight and the stashed ones.
     fn fail_pending(&mut self, ctx: &mut EntityContext<'_>, why: &str) {
-        self.answer_pending(ctx, (Status::EntityFailed, why), (Status::EntityFailed, why));
+        self.answer_pending(
+            ctx,
+            (Status::EntityFailed, why),
+            (Status::EntityFailed, why),
+        );
     }
 
     /// Answers the commands with events in flight with `in_flight` and the
@@ -584,6 +588,14 @@ impl Entity for Persistent {
             Some(_) => !self.stashed.is_empty(),
             None => !self.in_flight.is_empty(),
         }
+    }
+
+    fn may_stop_waiting(&mut self) -> bool {
+        // A read that takes longer than the stop wait (a queue of reads, a
+        // database that does not answer) does not hold the hand-off: the
+        // stashed commands were never handled (`on_stop` answers them
+        // `Unavailable`). Appends in flight are waited for.
+        self.recovering.is_some() && self.in_flight.is_empty()
     }
 
     fn on_stop(&mut self, ctx: &mut EntityContext<'_>) {

@@ -147,13 +147,15 @@ impl Supervisor {
 
     /// The child failed: drop it, then schedule a restart or stop.
     fn failed(&mut self, ctx: &mut EntityContext<'_>, why: &str) {
-        let _ = ctx.take_reply();
-        let _ = ctx.take_timers();
         if let Some(mut c) = self.child.take() {
             if catch_unwind(AssertUnwindSafe(|| c.on_stop(ctx))).is_err() {
                 tracing::warn!(entity = %ctx.self_id(), "on_stop panicked");
             }
         }
+        // The failed child's reply and timers (also those its `on_stop`
+        // set) are dropped: timers would fire into the restarted child.
+        let _ = ctx.take_reply();
+        let _ = ctx.take_timers();
         let now = Instant::now();
         self.failures.push_back(now);
         while self
@@ -317,6 +319,13 @@ impl Entity for Supervisor {
             return false;
         };
         catch_unwind(AssertUnwindSafe(|| c.on_stopping())).unwrap_or(false)
+    }
+
+    fn may_stop_waiting(&mut self) -> bool {
+        let Some(c) = self.child.as_mut() else {
+            return true;
+        };
+        catch_unwind(AssertUnwindSafe(|| c.may_stop_waiting())).unwrap_or(true)
     }
 
     fn on_stop(&mut self, ctx: &mut EntityContext<'_>) {

@@ -195,8 +195,10 @@ pub enum Status {
     JournalUnavailable = 9,
     /// Not delivered, safe to retry: the shard's home is unreachable (the
     /// link to it is backing off or broke before the message was written),
-    /// the home was removed from the cluster, the node is leaving, or the
-    /// request's ask deadline passed while it waited in a buffer.
+    /// the home was removed from the cluster, the node is leaving, the
+    /// request's ask deadline passed while it waited in a buffer, or its
+    /// durable entity stopped (hand-off, node stop) before it handled the
+    /// message (stashed behind a recovery read that did not finish).
     Unavailable = 7,
     /// The message is larger than the largest message the cluster carries
     /// (`max_message_size_bytes`); a retry can never succeed. Not delivered.

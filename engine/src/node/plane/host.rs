@@ -209,9 +209,11 @@ struct HandlerReply {
     deferred: bool,
 }
 
-/// An incarnation being stopped whose journal appends have no outcome yet
-/// ([`Entity::on_stopping`]): it gets no message, only
-/// [`Entity::on_durable`], until they do; then it stops.
+/// An incarnation being stopped that waits for something to have an
+/// outcome (its journal appends, or a recovery read with commands stashed
+/// behind it; [`Entity::on_stopping`]): it gets no message, only
+/// [`Entity::on_durable`], until it does; then it stops. Past `wait_until`
+/// it is asked [`Entity::may_stop_waiting`].
 struct Stopping {
     ty: TypeIdx,
     id: EntityId,
@@ -219,6 +221,9 @@ struct Stopping {
     reason: TerminatedReason,
     /// Tell the region when it stopped (false when the whole node stops).
     tell_region: bool,
+    /// When to ask it whether it may stop without waiting longer (core
+    /// clock; moves by [`crate::entity::STOP_WAIT`] each time it says no).
+    wait_until: Duration,
 }
 
 /// A read of a shard's remembered entities in flight, or waiting to be
@@ -266,7 +271,8 @@ pub(crate) struct EntityHost {
     /// What every entity call is lent: the core's journal, ask ids and
     /// answered deferred replies.
     services: EntityServices,
-    /// Incarnations stopping after their appends in flight, by incarnation.
+    /// Incarnations stopping after what they wait for (appends in flight,
+    /// a recovery read), by incarnation.
     stopping: FastMap<u64, Stopping>,
     /// Reads of remembered entities in flight or waiting for a retry.
     remember_reads: Vec<RememberPending>,
@@ -357,8 +363,9 @@ impl EntityHost {
     }
 
     /// When [`EntityHost::handle_timeout`] is due next (core clock): the
-    /// earliest timeout of an entity's ask and retry of a remembered-entity
-    /// read. The worker pools' timers are checked on every call.
+    /// earliest timeout of an entity's ask, retry of a remembered-entity
+    /// read, and stop wait of a stopping incarnation. The worker pools'
+    /// timers are checked on every call.
     pub(crate) fn poll_timeout(&self) -> Option<Duration> {
         let asks = self.ask_expiry.peek().map(|Reverse((due, _))| *due);
         let retries = self
@@ -366,7 +373,8 @@ impl EntityHost {
             .iter()
             .filter(|r| r.ticket.is_none())
             .map(|r| r.retry_at);
-        asks.into_iter().chain(retries).min()
+        let stops = self.stopping.values().map(|s| s.wait_until);
+        asks.into_iter().chain(retries).chain(stops).min()
     }
 
     /// The lifecycle messages the watch book queued, as envelopes for
@@ -596,8 +604,9 @@ impl EntityHost {
     }
 
     /// The node stopped (after [`DataPlane::handle_stop`]): every entity
-    /// stops (those with appends in flight once they have an outcome, or at
-    /// [`EntityHost::handle_drain_end`]), reads of remembered entities are
+    /// stops (those waiting for appends in flight or a recovery read once
+    /// those have an outcome, or at [`EntityHost::handle_drain_end`]),
+    /// reads of remembered entities are
     /// dropped, the worker pools stop and their queued requests are
     /// answered `ShuttingDown`.
     pub(crate) fn handle_node_stop(&mut self, now: Duration, plane: &mut DataPlane) {
@@ -637,10 +646,13 @@ impl EntityHost {
     }
 
     /// Time passed: entities' asks past their timeout get `TimedOut`, failed
-    /// remembered-entity reads due for a retry start again, and the worker
-    /// pools fire their due timers and collect idle activations.
+    /// remembered-entity reads due for a retry start again, stopping
+    /// incarnations kept past their stop wait stop if they may
+    /// ([`Entity::may_stop_waiting`]), and the worker pools fire their due
+    /// timers and collect idle activations.
     pub(crate) fn handle_timeout(&mut self, now: Duration, plane: &mut DataPlane) {
         self.workers_tick(now, plane);
+        self.stop_waits(now, plane);
         while self
             .ask_expiry
             .peek()
@@ -1048,9 +1060,11 @@ impl EntityHost {
     }
 
     /// Stops incarnation `l` of `id`: at once, or (when it has journal
-    /// appends without an outcome, [`Entity::on_stopping`]) once they have
-    /// one: it is kept aside, gets [`Entity::on_durable`] as the journal's
-    /// durable LSN moves, and stops then. Only then are its watchers told
+    /// appends without an outcome, or a recovery read in flight with
+    /// commands stashed, [`Entity::on_stopping`]) once they have one: it is
+    /// kept aside, gets [`Entity::on_durable`] as the journal's durable LSN
+    /// moves or the read finishes, and stops then (or after its stop wait,
+    /// if [`Entity::may_stop_waiting`]). Only then are its watchers told
     /// and, with `tell_region`, the region (so a hand-off's `ShardStopped`
     /// leaves after every stopped entity's events are durable).
     #[allow(clippy::too_many_arguments)]
@@ -1072,6 +1086,7 @@ impl EntityHost {
             live: l,
             reason,
             tell_region,
+            wait_until: now + crate::entity::STOP_WAIT,
         };
         if keep {
             let inc = st.live.incarnation;
@@ -1081,6 +1096,32 @@ impl EntityHost {
             self.stopping.insert(inc, st);
         } else {
             self.end_stop(now, plane, st);
+        }
+    }
+
+    /// Stopping incarnations past their stop wait: those that may stop
+    /// without waiting longer stop now; the others are asked again one
+    /// [`crate::entity::STOP_WAIT`] later.
+    fn stop_waits(&mut self, now: Duration, plane: &mut DataPlane) {
+        let mut due: Vec<u64> = self
+            .stopping
+            .iter()
+            .filter(|(_, s)| s.wait_until <= now)
+            .map(|(inc, _)| *inc)
+            .collect();
+        due.sort_unstable();
+        for inc in due {
+            let Some(st) = self.stopping.get_mut(&inc) else {
+                continue;
+            };
+            if !st.live.entity.may_stop_waiting() {
+                st.wait_until = now + crate::entity::STOP_WAIT;
+                continue;
+            }
+            if let Some(st) = self.stopping.remove(&inc) {
+                tracing::debug!(entity = %st.id, "stopping entity stops after its stop wait");
+                self.end_stop(now, plane, st);
+            }
         }
     }
 

@@ -31,6 +31,9 @@ type Log = Arc<Mutex<Vec<String>>>;
 struct Probe {
     me: String,
     log: Log,
+    /// `keep:abandon` / `keep:hold`: a stop keeps it; whether it may stop
+    /// after its stop wait.
+    keep: Option<bool>,
 }
 
 impl Probe {
@@ -55,6 +58,7 @@ impl Entity for Probe {
                 ctx.set_timer(k, secs(s));
             }
             ["passivate"] => ctx.passivate(),
+            ["keep", how] => self.keep = Some(*how == "abandon"),
             ["ask", e, s] => {
                 let _ = ctx.ask(T, &id(e), "hold", secs(s.parse().unwrap_or(1)));
             }
@@ -69,6 +73,15 @@ impl Entity for Probe {
 
     fn on_timer(&mut self, _ctx: &mut EntityContext<'_>, key: u64) {
         self.note(format!("{} timer {key}", self.me));
+    }
+
+    fn on_stopping(&mut self) -> bool {
+        self.keep.is_some()
+    }
+
+    fn may_stop_waiting(&mut self) -> bool {
+        self.note(format!("{} asked to stop waiting", self.me));
+        self.keep == Some(true)
     }
 
     fn on_stop(&mut self, _ctx: &mut EntityContext<'_>) {
@@ -143,6 +156,7 @@ impl Rig {
             Box::new(Probe {
                 me: e.as_str().to_string(),
                 log: l.clone(),
+                keep: None,
             }) as Box<dyn Entity>
         });
         host.handle_register_type(T, Some(factory), None);
@@ -346,6 +360,43 @@ fn passivation_stops_the_entity_and_the_region_is_told() {
     rig.request(secs(3), 3, "a", "echo:y");
     assert_eq!(rig.reply_to(3), Some((Status::Ok, b"y".to_vec())));
     assert_eq!(rig.host.figures(rig.ty).expect("type").activated, 2);
+}
+
+#[test]
+fn a_kept_stopping_entity_stops_after_its_stop_wait_only_if_it_may() {
+    let mut rig = Rig::new(None);
+    rig.request(secs(1), 1, "a", "keep:abandon");
+    rig.request(secs(1), 2, "b", "keep:hold");
+    rig.request(secs(2), 3, "a", "passivate");
+    rig.request(secs(2), 4, "b", "passivate");
+    let stopped = |rig: &Rig, e: &str| rig.log().contains(&format!("stop {e}"));
+    assert!(!stopped(&rig, "a") && !stopped(&rig, "b"), "both kept");
+    assert_eq!(rig.region_entities().len(), 2, "the region waits for both");
+    let due = rig.host.poll_timeout().expect("a stop wait is due");
+    assert_eq!(due, secs(2) + crate::entity::STOP_WAIT);
+    rig.advance(secs(6));
+    assert!(!stopped(&rig, "a"), "not before the stop wait");
+    rig.advance(secs(7));
+    assert!(stopped(&rig, "a"), "a may stop waiting: {:?}", rig.log());
+    assert!(!stopped(&rig, "b"), "b keeps waiting");
+    assert_eq!(rig.region_entities(), vec!["b"], "the region was told of a");
+    // b is asked again one stop wait later, not on every tick.
+    let asked = |rig: &Rig| {
+        rig.log()
+            .iter()
+            .filter(|l| *l == "b asked to stop waiting")
+            .count()
+    };
+    assert_eq!(asked(&rig), 1);
+    rig.advance(secs(8));
+    assert_eq!(asked(&rig), 1);
+    rig.advance(secs(12));
+    assert_eq!(asked(&rig), 2);
+    assert!(!stopped(&rig, "b"));
+    // The node's stop drain ends every wait.
+    rig.host.handle_drain_end(secs(13), &mut rig.plane);
+    rig.run(secs(13));
+    assert!(stopped(&rig, "b"));
 }
 
 #[test]
