@@ -12,6 +12,16 @@ use std::time::Duration;
 
 use support::{bench_binary, run_command};
 
+/// Held by each test of this file for its whole run: a test that copies
+/// the binary holds the copy open for writing while the other may fork to
+/// spawn a child, which inherits that descriptor until it execs; the copy's
+/// own exec then fails with "Text file busy" (ETXTBSY).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// A copy of the bench binary alone in `dir`.
 fn lone_bench(dir: &Path) -> PathBuf {
     let copy = dir.join("bench-copy");
@@ -32,6 +42,7 @@ fn command(program: &Path) -> Command {
 
 #[test]
 fn a_local_cluster_runs_on_the_bench_binary_alone() {
+    let _one = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let bench = lone_bench(dir.path());
     let out = run_command(
@@ -69,6 +80,7 @@ fn a_local_cluster_runs_on_the_bench_binary_alone() {
 /// cannot be read, 2 for a usage error).
 #[test]
 fn the_node_subcommand_fails_as_the_shardline_binary_does() {
+    let _one = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let bench = lone_bench(dir.path());
     let missing = dir.path().join("missing.toml");
