@@ -452,7 +452,11 @@ impl Persistent {
     /// Answers every command not answered yet with `EntityFailed` and
     /// `why`: those with events in flight and the stashed ones.
     fn fail_pending(&mut self, ctx: &mut EntityContext<'_>, why: &str) {
-        self.answer_pending(ctx, (Status::EntityFailed, why), (Status::EntityFailed, why));
+        self.answer_pending(
+            ctx,
+            (Status::EntityFailed, why),
+            (Status::EntityFailed, why),
+        );
     }
 
     /// Answers the commands with events in flight with `in_flight` and the
