@@ -96,3 +96,15 @@ fn membership_unstable_330_members_that_downed_each_other_stop() {
 fn membership_unstable_1762_members_that_downed_each_other_stop() {
     membership_seed_passes("membership-unstable", 1762);
 }
+
+/// The coordinator's member (node 0) leaves; at 13.06 s node 2's cores had
+/// re-registered with the moved coordinator and were not all registered
+/// when its warm-routing wait (armed while they were) ran out. The control
+/// plane kept reporting that deadline as due but ended the wait only while
+/// every region was registered, so the simulation fired the same timer at
+/// the same instant until its step bound. A warm deadline is now a timer
+/// only while the rest of readiness holds.
+#[test]
+fn cluster_leave_coordinator_timeout_602_a_passed_warm_deadline_is_no_timer() {
+    sharding_seed_passes("cluster-leave-coordinator-timeout", 602);
+}

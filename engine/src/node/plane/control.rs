@@ -489,7 +489,10 @@ impl ControlPlane {
                 at(Some(until));
             }
         }
-        if !self.warmed {
+        // The warm wait only ends while the rest of readiness holds (see
+        // `drive`): a deadline that passed while a core's regions were
+        // re-registering waits for their registration, not for a timer.
+        if !self.warmed && self.ready_but_warm() {
             at(self.warm_deadline);
         }
         at(self.stats_waiters.values().min().copied());
@@ -1136,7 +1139,7 @@ impl ControlPlane {
             self.available = avail;
             self.tell_all_cores(CoreCommand::Available(avail));
         }
-        let base = self.is_up() && self.registered.iter().all(|r| *r) && !self.stopped;
+        let base = self.ready_but_warm();
         if base && !self.warmed {
             if self.warm.iter().all(|w| *w) {
                 self.warmed = true;
@@ -1164,6 +1167,12 @@ impl ControlPlane {
             self.ready = ready;
             self.events.push_back(ControlEvent::Ready(ready));
         }
+    }
+
+    /// Readiness but for warm routing: Up, every core's regions registered
+    /// and not stopped.
+    fn ready_but_warm(&self) -> bool {
+        self.is_up() && self.registered.iter().all(|r| *r) && !self.stopped
     }
 
     /// Reports [`ControlEvent::OldestUp`] when this member became the
@@ -2089,6 +2098,50 @@ mod tests {
             waited >= timeout && waited < timeout + Duration::from_secs(1),
             "ready after {waited:?}"
         );
+    }
+
+    #[test]
+    fn a_warm_deadline_that_passes_while_a_core_re_registers_arms_no_timer() {
+        let (mut p, mut now) = until_recover(1);
+        p.handle_recovered(
+            now,
+            1_000,
+            TYPE,
+            Recovery::Read(RecoveredCoordinator::default()),
+        );
+        drain(&mut p);
+        // Registered but not warm: the warm wait is armed.
+        p.handle_registered(now, 0, true, false);
+        drain(&mut p);
+        let timeout = crate::config::CoordinatorConfig::default().ready_warm_timeout();
+        let deadline = now + timeout;
+        // The coordinator moves: the core's regions register again, and
+        // the wait's deadline passes meanwhile.
+        now += Duration::from_millis(100);
+        p.handle_registered(now, 0, false, false);
+        drain(&mut p);
+        now = deadline + Duration::from_millis(1);
+        p.handle_timeout(now);
+        let o = drain(&mut p);
+        assert!(!o
+            .events
+            .iter()
+            .any(|e| matches!(e, ControlEvent::Ready(true))));
+        // Nothing is due any more: a timer still due after its handling
+        // would be fired again at the same instant without end.
+        assert!(
+            p.poll_timeout().is_none_or(|t| t > now),
+            "still due: {:?} at {now:?}",
+            p.poll_timeout()
+        );
+        // Once the regions are registered again the wait, long over, lets
+        // the node be ready at once.
+        p.handle_registered(now, 0, true, false);
+        let o = drain(&mut p);
+        assert!(o
+            .events
+            .iter()
+            .any(|e| matches!(e, ControlEvent::Ready(true))));
     }
 
     #[test]
