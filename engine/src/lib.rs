@@ -28,7 +28,8 @@
 //! - A frame longer than 16 MiB or failing validation closes only the
 //!   connection it came on.
 //! - Every forwarded message is answered: by its entity, by a failure status,
-//!   or `TimedOut` when its link broke or no reply came in 10 s.
+//!   or `TimedOut` when its link broke or no reply came by its ask deadline
+//!   plus 500 ms (10 s for a message without a deadline).
 
 pub mod api;
 pub mod cli;

@@ -588,10 +588,11 @@ pub trait Entity: 'static {
         false
     }
 
-    /// Called once when the incarnation stops (passivation, hand-off,
-    /// leave). The context has no reply target; deferred replies can still
-    /// be answered ([`EntityContext::complete`]) and the journal reached,
-    /// but what else it asks (messages, timers, watches) is dropped.
+    /// Called once when the incarnation stops (passivation, idle timeout,
+    /// hand-off, leave, a handler error of an unsupervised entity). The
+    /// context has no reply target; deferred replies can still be answered
+    /// ([`EntityContext::complete`]) and the journal reached, but what else
+    /// it asks (messages, timers, watches) is dropped.
     fn on_stop(&mut self, _ctx: &mut EntityContext<'_>) {}
 
     /// The answer to an ask this incarnation made with

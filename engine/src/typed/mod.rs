@@ -8,11 +8,11 @@
 //! readable ones, [`Postcard`] for compact ones).
 //!
 //! ```text
-//! let key = EntityTypeKey::<Account>::new("account")?;
-//! node.sharding().start_persistent(&key, |_| Bank, 100, EntitySettings::default())?;
-//! let r = node.typed_ref(&key, "alice")?;            // typed::EntityRef<Account>
+//! let key = EntityTypeKey::<Bank>::new("account")?;  // Bank: the Protocol
+//! node.sharding().start_persistent(&key, |_| Account, 100, EntitySettings::default())?;
+//! let r = node.typed_ref(&key, "alice")?;            // typed::EntityRef<Bank>
 //! let balance = r.ask(Command::Deposit(5)).await?;   // any executor
-//! let balance = r.ask_blocking(Command::Get, timeout)?;
+//! let balance = r.ask_blocking(Command::Balance, timeout)?;
 //! ```
 //!
 //! Handlers: [`Entity`] (state in memory, [`Context::ask`] to other
