@@ -570,8 +570,11 @@ pub trait Entity: 'static {
     /// again after each call; [`Self::on_stop`] follows once it returns
     /// `false`, or once it was kept for [`STOP_WAIT`] and
     /// [`Self::may_stop_waiting`] says so. A hand-off reports its shard
-    /// stopped only after that. Nothing waits on the core meanwhile.
-    /// Default: `false` (stop at once).
+    /// stopped only after that. Nothing waits on the core meanwhile. An
+    /// incarnation kept with no journal append in flight is asked again on
+    /// the core's next durability notice (another entity's), at its stop
+    /// wait, and at the end of the node's stop drain; its timers do not
+    /// fire while it stops. Default: `false` (stop at once).
     fn on_stopping(&mut self) -> bool {
         false
     }

@@ -558,6 +558,12 @@ impl DurableWake {
         }
     }
 
+    /// Whether [`Self::notify`] was called since the last wait or take
+    /// (clearing it).
+    pub fn take_notified(&self) -> bool {
+        self.set.swap(false, Ordering::SeqCst)
+    }
+
     /// Waits until [`Self::notify`] was called since the last wait.
     ///
     /// # Cancel safety
@@ -823,6 +829,37 @@ impl Hooks {
         }
         let lsn = journal.appended();
         journal.arm(&self.wake, lsn);
+    }
+
+    /// Adds a stopping incarnation kept by [`crate::entity::Entity::on_stopping`]:
+    /// like [`Self::wait`], but the wake is armed only when `journal` has
+    /// appends that are not durable yet (or notifies the core itself), never
+    /// fired at once. An incarnation kept with nothing in flight (a user
+    /// entity waiting for something else) is asked again on the core's
+    /// next durability notice, at its stop wait and at the node's stop
+    /// drain, instead of waking the core in a loop.
+    pub fn wait_stopping(
+        &mut self,
+        journal: &mut CoreJournal,
+        type_name: &str,
+        id: &shardline_core::ids::EntityId,
+        incarnation: u64,
+    ) {
+        if !self
+            .waiting
+            .iter()
+            .any(|w| w.incarnation == incarnation && w.id == *id && w.type_name == type_name)
+        {
+            self.waiting.push(DurableWaiter {
+                type_name: type_name.to_string(),
+                id: id.clone(),
+                incarnation,
+            });
+        }
+        let lsn = journal.appended();
+        if journal.log_ref().is_some_and(|l| l.durable_lsn() < lsn) {
+            journal.arm(&self.wake, lsn);
+        }
     }
 
     /// Takes the waiting entities (the core calls them, then re-adds those

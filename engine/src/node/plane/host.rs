@@ -1092,7 +1092,7 @@ impl EntityHost {
             let inc = st.live.incarnation;
             let name = self.types[ty.0].name.clone();
             self.durable
-                .wait(&mut self.services.journal, &name, &st.id, inc);
+                .wait_stopping(&mut self.services.journal, &name, &st.id, inc);
             self.stopping.insert(inc, st);
         } else {
             self.end_stop(now, plane, st);
@@ -1157,7 +1157,7 @@ impl EntityHost {
         self.drain_completions(now, plane);
         if keep {
             self.durable
-                .wait(&mut self.services.journal, &name, &id, inc);
+                .wait_stopping(&mut self.services.journal, &name, &id, inc);
             return;
         }
         let Some(mut st) = self.stopping.remove(&inc) else {

@@ -400,6 +400,38 @@ fn a_kept_stopping_entity_stops_after_its_stop_wait_only_if_it_may() {
 }
 
 #[test]
+fn a_kept_entity_with_nothing_in_flight_does_not_wake_the_core_in_a_loop() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let always = crate::config::Durability::Named(crate::config::DurabilityName::Always);
+    let journal =
+        crate::persistence::CoreJournal::open_local(dir.path(), 0, &always, None).expect("journal");
+    let mut rig = Rig::new(None);
+    rig.host.set_journal(journal);
+    let wake = rig.host.durable_wake();
+    rig.request(secs(1), 1, "b", "keep:hold");
+    rig.request(secs(2), 2, "b", "passivate");
+    // The driver's durability task: one call per notice, as long as the
+    // wake keeps firing (bounded here).
+    let mut notices = 0;
+    while wake.take_notified() && notices < 100 {
+        notices += 1;
+        rig.host.handle_durable(secs(2), &mut rig.plane, 0);
+        rig.run(secs(2));
+    }
+    assert_eq!(notices, 0, "nothing is in flight: no notice to wait for");
+    assert!(!rig.log().contains(&"stop b".to_string()), "b is kept");
+    // Another notice of the core (any entity's) asks it again, once.
+    wake.notify();
+    assert!(wake.take_notified());
+    rig.host.handle_durable(secs(3), &mut rig.plane, 0);
+    rig.run(secs(3));
+    assert!(!wake.take_notified(), "and does not fire the wake again");
+    rig.host.handle_drain_end(secs(4), &mut rig.plane);
+    rig.run(secs(4));
+    assert!(rig.log().contains(&"stop b".to_string()));
+}
+
+#[test]
 fn an_ask_to_another_entity_times_out() {
     let mut rig = Rig::new(None);
     // `a` asks `b`, which holds its reply and never answers.
