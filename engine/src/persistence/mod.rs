@@ -816,17 +816,7 @@ impl Hooks {
         id: &shardline_core::ids::EntityId,
         incarnation: u64,
     ) {
-        if !self
-            .waiting
-            .iter()
-            .any(|w| w.incarnation == incarnation && w.id == *id && w.type_name == type_name)
-        {
-            self.waiting.push(DurableWaiter {
-                type_name: type_name.to_string(),
-                id: id.clone(),
-                incarnation,
-            });
-        }
+        self.add(type_name, id, incarnation);
         let lsn = journal.appended();
         journal.arm(&self.wake, lsn);
     }
@@ -845,6 +835,15 @@ impl Hooks {
         id: &shardline_core::ids::EntityId,
         incarnation: u64,
     ) {
+        self.add(type_name, id, incarnation);
+        let lsn = journal.appended();
+        if journal.log_ref().is_some_and(|l| l.durable_lsn() < lsn) {
+            journal.arm(&self.wake, lsn);
+        }
+    }
+
+    /// Adds a waiting entity once.
+    fn add(&mut self, type_name: &str, id: &shardline_core::ids::EntityId, incarnation: u64) {
         if !self
             .waiting
             .iter()
@@ -855,10 +854,6 @@ impl Hooks {
                 id: id.clone(),
                 incarnation,
             });
-        }
-        let lsn = journal.appended();
-        if journal.log_ref().is_some_and(|l| l.durable_lsn() < lsn) {
-            journal.arm(&self.wake, lsn);
         }
     }
 
