@@ -113,9 +113,9 @@ fn wait_states(stats: SocketAddr, want: &[(&str, &str)], timeout: Duration) {
 /// client connection without a response when the server connection it
 /// used failed before answering (the node was killed with the request in
 /// flight; HAProxy leaves the retry to the client, as the server would
-/// have): the add's outcome is unknown, so the counter is read: `before
-/// + 1` means the add was applied (acknowledged now), `before` that it was
-/// not (sent again). Panics on any other outcome.
+/// have): the add's outcome is unknown, so the counter is read: one more
+/// than `before` means the add was applied (acknowledged now), `before`
+/// that it was not (sent again). Panics on any other outcome.
 fn add(
     conn: &mut Option<Conn>,
     front: SocketAddr,
