@@ -1885,6 +1885,16 @@ mod tests {
         (p, now)
     }
 
+    /// The coordinator's recovery read finds nothing (a new cluster).
+    fn recover_empty(p: &mut ControlPlane, now: Duration) {
+        p.handle_recovered(
+            now,
+            1_000,
+            TYPE,
+            Recovery::Read(RecoveredCoordinator::default()),
+        );
+    }
+
     fn register(p: &mut ControlPlane, now: Duration, core: u16) -> Out {
         p.handle_to_coordinator(
             now,
@@ -1922,12 +1932,7 @@ mod tests {
     #[test]
     fn coordinator_messages_are_held_until_the_journal_acknowledges_their_events() {
         let (mut p, now) = until_recover(1);
-        p.handle_recovered(
-            now,
-            1_000,
-            TYPE,
-            Recovery::Read(RecoveredCoordinator::default()),
-        );
+        recover_empty(&mut p, now);
         let o = drain(&mut p);
         let (_, _, begin) = o.begin().expect("a new incarnation begins");
         assert!(p.coordinator(TYPE).is_some());
@@ -1991,12 +1996,7 @@ mod tests {
     #[test]
     fn a_warm_batch_is_one_durability_round_and_ready_waits_for_warm_regions() {
         let (mut p, mut now) = until_recover(2);
-        p.handle_recovered(
-            now,
-            1_000,
-            TYPE,
-            Recovery::Read(RecoveredCoordinator::default()),
-        );
+        recover_empty(&mut p, now);
         drain(&mut p);
         register(&mut p, now, 0);
         register(&mut p, now, 1);
@@ -2078,12 +2078,7 @@ mod tests {
     #[test]
     fn ready_does_not_wait_for_warm_routing_beyond_its_timeout() {
         let (mut p, mut now) = until_recover(1);
-        p.handle_recovered(
-            now,
-            1_000,
-            TYPE,
-            Recovery::Read(RecoveredCoordinator::default()),
-        );
+        recover_empty(&mut p, now);
         drain(&mut p);
         p.handle_registered(now, 0, true, false);
         let start = now;
@@ -2103,12 +2098,7 @@ mod tests {
     #[test]
     fn a_warm_deadline_that_passes_while_a_core_re_registers_arms_no_timer() {
         let (mut p, mut now) = until_recover(1);
-        p.handle_recovered(
-            now,
-            1_000,
-            TYPE,
-            Recovery::Read(RecoveredCoordinator::default()),
-        );
+        recover_empty(&mut p, now);
         drain(&mut p);
         // Registered but not warm: the warm wait is armed.
         p.handle_registered(now, 0, true, false);
@@ -2147,12 +2137,7 @@ mod tests {
     #[test]
     fn a_refused_append_stops_the_coordinator_and_drops_what_it_held() {
         let (mut p, now) = until_recover(1);
-        p.handle_recovered(
-            now,
-            1_000,
-            TYPE,
-            Recovery::Read(RecoveredCoordinator::default()),
-        );
+        recover_empty(&mut p, now);
         drain(&mut p);
         let o = register(&mut p, now, 0);
         let seq = o.appends()[0].1;
@@ -2210,24 +2195,14 @@ mod tests {
         // No journal holds it: the replicated copy, begun in the journal.
         let (mut p, now) = until_recover(1);
         replicate(&mut p, now);
-        p.handle_recovered(
-            now,
-            1_000,
-            TYPE,
-            Recovery::Read(RecoveredCoordinator::default()),
-        );
+        recover_empty(&mut p, now);
         let (_, state, _) = drain(&mut p).begin().expect("begins");
         assert_eq!(state, replicated);
         assert_eq!(status(&p).recovered_from, "replicated");
 
         // Nothing anywhere: empty.
         let (mut p, now) = until_recover(1);
-        p.handle_recovered(
-            now,
-            1_000,
-            TYPE,
-            Recovery::Read(RecoveredCoordinator::default()),
-        );
+        recover_empty(&mut p, now);
         assert_eq!(
             drain(&mut p).begin().map(|b| b.1),
             Some(CoordinatorState::default())
