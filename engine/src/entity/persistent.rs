@@ -698,11 +698,10 @@ mod tests {
             epoch: WriterEpoch,
             after_seq: u64,
         ) -> RecoverStart {
-            let mut rec = match self.recover(pid, epoch) {
-                Ok(r) => r,
+            let rec = match self.recover(pid, epoch) {
+                Ok(r) => r.after(after_seq),
                 Err(e) => return RecoverStart::Ready(Err(LogError::failed(e))),
             };
-            rec.events.retain(|e| e.0 > after_seq);
             if !self.async_reads {
                 return RecoverStart::Ready(Ok(rec));
             }

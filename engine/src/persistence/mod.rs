@@ -109,14 +109,7 @@ pub trait EventLog {
     ) -> RecoverStart {
         RecoverStart::Ready(
             self.recover(pid, epoch)
-                .map(|mut r| {
-                    if r.snapshot.as_ref().is_some_and(|s| s.0 <= after_seq) {
-                        r.snapshot = None;
-                    }
-                    let from = r.snapshot.as_ref().map_or(after_seq, |s| s.0);
-                    r.events.retain(|e| e.0 > from);
-                    r
-                })
+                .map(|r| r.after(after_seq))
                 .map_err(LogError::failed),
         )
     }
@@ -247,6 +240,20 @@ pub struct Recovered {
     /// journal, the last claim row the recovery wrote (see
     /// [`pg::claim_and_read`]). The incarnation's next event is one more.
     pub highest: u64,
+}
+
+impl Recovered {
+    /// What of this read comes after sequence number `after_seq`: the
+    /// snapshot only if it is newer, then the events after the snapshot
+    /// (or after `after_seq` without one).
+    pub fn after(mut self, after_seq: u64) -> Recovered {
+        if self.snapshot.as_ref().is_some_and(|s| s.0 <= after_seq) {
+            self.snapshot = None;
+        }
+        let from = self.snapshot.as_ref().map_or(after_seq, |s| s.0);
+        self.events.retain(|e| e.0 > from);
+        self
+    }
 }
 
 /// Segment size of a core journal, in bytes (16 MiB: about 250,000
@@ -663,15 +670,6 @@ impl CoreJournal {
             log: Some(log),
             ..CoreJournal::default()
         }
-    }
-
-    /// Installs `log`, replacing any (returned); the watcher and the
-    /// registration are dropped.
-    pub fn install(&mut self, log: Box<dyn EventLog>) -> Option<Box<dyn EventLog>> {
-        self.watcher = None;
-        self.armed = None;
-        self.flush_latency = None;
-        self.log.replace(log)
     }
 
     /// Removes the log (a local journal syncs and closes when dropped).

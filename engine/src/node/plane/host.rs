@@ -889,10 +889,7 @@ impl EntityHost {
             .is_some_and(|l| l.incarnation == who.inc);
         if running {
             if let Some(mut l) = h.entities.remove(&who.id) {
-                let name = h.name.clone();
-                let mut ctx =
-                    EntityContext::new(&who.id, &mut self.services).with_type(&name, l.epoch);
-                l.entity.on_stop(&mut ctx);
+                self.call_on_stop(who.ty, &who.id, &mut l);
                 self.entity_gone(who.ty, &who.id, TerminatedReason::Failed);
             }
         }
@@ -1125,13 +1122,18 @@ impl EntityHost {
         }
     }
 
+    /// Runs `on_stop` of incarnation `live` of `id` (deferred replies it
+    /// answers there go out with the next completions).
+    fn call_on_stop(&mut self, ty: TypeIdx, id: &EntityId, live: &mut Live) {
+        let name = self.types[ty.0].name.clone();
+        let mut ctx = EntityContext::new(id, &mut self.services).with_type(&name, live.epoch);
+        live.entity.on_stop(&mut ctx);
+    }
+
     /// The last step of a stop: `on_stop`, the incarnation's deferred
     /// replies, its watchers, and (with `tell_region`) the region.
     fn end_stop(&mut self, now: Duration, plane: &mut DataPlane, mut st: Stopping) {
-        let name = self.types[st.ty.0].name.clone();
-        let mut ctx =
-            EntityContext::new(&st.id, &mut self.services).with_type(&name, st.live.epoch);
-        st.live.entity.on_stop(&mut ctx);
+        self.call_on_stop(st.ty, &st.id, &mut st.live);
         let inc = st.live.incarnation;
         self.fail_deferred(now, plane, inc);
         self.entity_gone(st.ty, &st.id, st.reason);
