@@ -20,7 +20,9 @@
 //!   trip.
 //!
 //! Run: `cargo bench -p shardline --bench native_path` (`NATIVE_BENCH_N`
-//! requests per row, default 20000, after 2000 warm-up requests).
+//! requests per row, default 20000, after 2000 warm-up requests;
+//! `NATIVE_BENCH_TRACE=K` also prints, per row, the engine's frames of
+//! each allocation made during `K` more requests).
 //! Targets (the data-path issue): 0 allocations per local `counter get`,
 //! at most 2 per forwarded request.
 
@@ -43,7 +45,15 @@ static ALLOCS: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     static EXCLUDED: Cell<bool> = const { Cell::new(false) };
+    /// Set while this thread records a backtrace (its own allocations are
+    /// not traced).
+    static IN_TRACE: Cell<bool> = const { Cell::new(false) };
 }
+
+/// While set, every counted allocation records its backtrace in [`TRACES`]
+/// (`NATIVE_BENCH_TRACE`).
+static TRACING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static TRACES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
 
 /// Marks this thread's allocations as not counted (the client's).
 fn not_counted() {
@@ -53,6 +63,63 @@ fn not_counted() {
 fn count() {
     if !EXCLUDED.try_with(Cell::get).unwrap_or(false) {
         ALLOCS.fetch_add(1, Ordering::Relaxed);
+        if TRACING.load(Ordering::Relaxed) {
+            trace();
+        }
+    }
+}
+
+/// Records the calling allocation's backtrace (once per thread at a time).
+fn trace() {
+    if IN_TRACE.try_with(|t| t.replace(true)).unwrap_or(true) {
+        return;
+    }
+    let bt = std::backtrace::Backtrace::force_capture().to_string();
+    if let Ok(mut v) = TRACES.lock() {
+        v.push(bt);
+    }
+    let _ = IN_TRACE.try_with(|t| t.set(false));
+}
+
+/// Prints the backtraces of the allocations made by `k` runs of `op`
+/// (frames inside the allocator and the standard library's backtrace
+/// machinery dropped, the engine's frames kept).
+fn print_traces(name: &str, k: u64, mut op: impl FnMut(u64)) {
+    TRACES.lock().expect("traces").clear();
+    TRACING.store(true, Ordering::SeqCst);
+    for i in 0..k {
+        op(i);
+    }
+    TRACING.store(false, Ordering::SeqCst);
+    let traces = std::mem::take(&mut *TRACES.lock().expect("traces"));
+    println!("--- {name}: {} allocations in {k} requests", traces.len());
+    if std::env::var_os("NATIVE_BENCH_TRACE_RAW").is_some() {
+        for t in &traces {
+            println!("{t}");
+        }
+    }
+    for (i, t) in traces.iter().enumerate() {
+        println!("  allocation {i}:");
+        // The innermost source lines of the workspace (up to 6), below the
+        // allocator's: a frame's `at FILE:LINE` line outside the standard
+        // library, the registry's crates, libc and this bench.
+        let mut frames: Vec<&str> = t
+            .lines()
+            .map(str::trim)
+            .filter(|l| {
+                l.starts_with("at ")
+                    && !l.contains("/rustc/")
+                    && !l.contains("/.cargo/")
+                    && !l.contains("benches/")
+                    && !l.contains("./nptl/")
+                    && !l.contains("./misc/")
+            })
+            .collect();
+        frames.dedup();
+        frames.truncate(6);
+        for f in frames {
+            println!("    {f}");
+        }
     }
 }
 
@@ -174,20 +241,33 @@ fn main() {
         let r = c.ask(ty, id, p, t).expect("ask");
         assert_eq!(r.status, Status::Ok, "{ty}/{id}: {:?}", r.payload);
     };
-    // Activate 200 counters through A, then ask B which it hosts.
+    // Activate 200 counters through A, then ask B which it hosts. B joined
+    // after A was ready, so A placed every shard first (warm allocation) and
+    // B gets its share by rebalance rounds: ask again until B hosts some.
     let ids: Vec<String> = (0..200).map(|i| format!("c{i}")).collect();
-    for id in &ids {
-        ok(&mut c, "counter", id, b"get");
-    }
     let mut cb = Client::connect("127.0.0.1:17261".parse().expect("addr")).expect("connect B");
-    let on_b: std::collections::BTreeSet<String> = cb
-        .node_status(t)
-        .expect("status of B")
-        .regions
-        .iter()
-        .filter(|r| r.type_name == "counter")
-        .flat_map(|r| r.shards.values().flatten().cloned())
-        .collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let on_b = loop {
+        for id in &ids {
+            ok(&mut c, "counter", id, b"get");
+        }
+        let on_b: std::collections::BTreeSet<String> = cb
+            .node_status(t)
+            .expect("status of B")
+            .regions
+            .iter()
+            .filter(|r| r.type_name == "counter")
+            .flat_map(|r| r.shards.values().flatten().cloned())
+            .collect();
+        if !on_b.is_empty() && on_b.len() < ids.len() {
+            break on_b;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "B hosts no counter shard 30 s after it was ready"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
     let local = ids
         .iter()
         .find(|i| !on_b.contains(*i))
@@ -210,6 +290,17 @@ fn main() {
             ok(&mut c, "counter", remote, b"get")
         }),
     ];
+    if let Some(k) = std::env::var("NATIVE_BENCH_TRACE")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        print_traces("echo", k, |_| ok(&mut c, "echo", local, b"ping"));
+        print_traces("counter get", k, |_| ok(&mut c, "counter", local, b"get"));
+        print_traces("counter add", k, |_| ok(&mut c, "counter", local, b"add 1"));
+        print_traces("counter get, forwarded", k, |_| {
+            ok(&mut c, "counter", remote, b"get")
+        });
+    }
     drop(c);
     drop(cb);
     b.leave(Duration::from_secs(10));
