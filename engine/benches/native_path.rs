@@ -241,33 +241,49 @@ fn main() {
         let r = c.ask(ty, id, p, t).expect("ask");
         assert_eq!(r.status, Status::Ok, "{ty}/{id}: {:?}", r.payload);
     };
-    // Activate 200 counters through A, then ask B which it hosts. B joined
-    // after A was ready, so A placed every shard first (warm allocation) and
-    // B gets its share by rebalance rounds: ask again until B hosts some.
-    let ids: Vec<String> = (0..200).map(|i| format!("c{i}")).collect();
+    // B joined after A was ready, so A placed every shard first (warm
+    // allocation) and B gets its share by rebalance hand-offs: wait until
+    // the counter shards are split evenly and the split held for 1 s, so
+    // that no hand-off (nor the coordinator's rebalance rounds) falls into
+    // the measured requests.
     let mut cb = Client::connect("127.0.0.1:17261".parse().expect("addr")).expect("connect B");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let on_b = loop {
-        for id in &ids {
-            ok(&mut c, "counter", id, b"get");
-        }
-        let on_b: std::collections::BTreeSet<String> = cb
-            .node_status(t)
-            .expect("status of B")
+    let hosted = |c: &mut Client| -> usize {
+        c.node_status(t)
+            .expect("node status")
             .regions
             .iter()
             .filter(|r| r.type_name == "counter")
-            .flat_map(|r| r.shards.values().flatten().cloned())
-            .collect();
-        if !on_b.is_empty() && on_b.len() < ids.len() {
-            break on_b;
-        }
+            .map(|r| r.shards.len())
+            .sum()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut held = 0;
+    while held < 5 {
+        let (on_a, on_b) = (hosted(&mut c), hosted(&mut cb));
+        held = if on_a + on_b == 100 && on_a.abs_diff(on_b) <= 1 {
+            held + 1
+        } else {
+            0
+        };
         assert!(
             Instant::now() < deadline,
-            "B hosts no counter shard 30 s after it was ready"
+            "counter shards not balanced 60 s after B was ready: {on_a} on A, {on_b} on B"
         );
         std::thread::sleep(Duration::from_millis(200));
-    };
+    }
+    // Activate 200 counters through A, then ask B which it hosts.
+    let ids: Vec<String> = (0..200).map(|i| format!("c{i}")).collect();
+    for id in &ids {
+        ok(&mut c, "counter", id, b"get");
+    }
+    let on_b: std::collections::BTreeSet<String> = cb
+        .node_status(t)
+        .expect("status of B")
+        .regions
+        .iter()
+        .filter(|r| r.type_name == "counter")
+        .flat_map(|r| r.shards.values().flatten().cloned())
+        .collect();
     let local = ids
         .iter()
         .find(|i| !on_b.contains(*i))

@@ -400,8 +400,9 @@ pub enum DataFrame {
         entity_id: String,
         /// Its shard.
         shard: u32,
-        /// The message bytes, as the client sent them.
-        payload: Vec<u8>,
+        /// The message bytes, as the client sent them (archived as a
+        /// `Vec<u8>`; a view of the received bytes on the sending side).
+        payload: bytes::Bytes,
         /// Time left until the request's ask deadline when it was sent, in
         /// milliseconds (at least 1); 0: no deadline. The receiver answers
         /// `Unavailable` instead of delivering it after that time.

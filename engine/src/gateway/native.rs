@@ -188,9 +188,9 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
         }
         let mut bad = None;
         loop {
-            match reader.next_frame() {
-                Ok(Some(range)) => {
-                    if let Err(e) = on_frame(&port, &fronts, &outbox, conn, reader.body(range)) {
+            match reader.next_frame_bytes() {
+                Ok(Some(body)) => {
+                    if let Err(e) = on_frame(&port, &fronts, &outbox, conn, &body) {
                         bad = Some(e);
                         break;
                     }
@@ -253,7 +253,7 @@ fn on_frame<P: DataPort>(
     fronts: &Fronts,
     outbox: &Rc<Outbox>,
     conn: ConnId,
-    body: &[u8],
+    body: &bytes::Bytes,
 ) -> Result<(), FrameError> {
     match access::<ClientFrame>(body)? {
         ArchivedClientFrame::Request {
@@ -273,7 +273,8 @@ fn on_frame<P: DataPort>(
                 request_id,
                 type_name.as_slice(),
                 entity_id.as_slice(),
-                payload.as_slice().to_vec(),
+                // A view of the received bytes: not copied.
+                body.slice_ref(payload.as_slice()),
             );
         }
         ArchivedClientFrame::NodeStatus { request_id } => {

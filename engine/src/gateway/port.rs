@@ -63,7 +63,7 @@ pub(crate) trait DataPort: Clone + 'static {
         request_id: u64,
         type_name: &[u8],
         entity_id: &[u8],
-        payload: Vec<u8>,
+        payload: bytes::Bytes,
     );
 
     /// The homes of `shard` this executor's regions have cached from the

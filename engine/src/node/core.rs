@@ -436,7 +436,7 @@ impl DataExecutor {
         request_id: u64,
         type_name: &[u8],
         entity_id: &[u8],
-        payload: Vec<u8>,
+        payload: bytes::Bytes,
     ) {
         let now = self.now();
         self.plane
@@ -736,7 +736,7 @@ impl DataExecutor {
                     entity,
                     shard,
                     sender,
-                    payload,
+                    payload: payload.into(),
                 };
                 c.route(&type_name, env);
             }

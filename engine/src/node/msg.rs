@@ -63,8 +63,11 @@ pub(crate) struct ApiReply {
     pub wait: Duration,
 }
 
-/// A user message: payload bytes and who to answer.
-pub type UserEnvelope = Envelope<Vec<u8>, ReplyTo>;
+/// A user message: payload bytes and who to answer. The payload is a
+/// [`bytes::Bytes`]: a request's payload is a view of the bytes its
+/// connection received (not copied) until its entity handled it, and a
+/// forward to another core or node passes the same bytes on.
+pub type UserEnvelope = Envelope<bytes::Bytes, ReplyTo>;
 
 /// The cluster part of a status answer.
 #[derive(Debug, Clone)]

@@ -24,6 +24,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use std::rc::Rc;
 use std::time::Duration;
 
+use bytes::{Bytes, BytesMut};
 use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt};
 use monoio::net::{TcpListener, TcpStream};
 use thiserror::Error;
@@ -114,8 +115,14 @@ pub async fn connect(addr: SocketAddr, timeout: Duration) -> std::io::Result<Tcp
 }
 
 /// A receive buffer that yields complete frames.
+///
+/// The buffer is a [`BytesMut`]: [`Self::next_frame_bytes`] hands a frame
+/// out as a [`Bytes`] view of the received bytes (no copy), which the
+/// request's payload can share on its way to the entity. A view kept
+/// (a buffered message) keeps its part of the buffer alive; once every view
+/// is dropped the buffer's space is reused without a new allocation.
 pub struct FrameReader {
-    buf: Vec<u8>,
+    buf: BytesMut,
     pos: usize,
     max_frame_bytes: usize,
 }
@@ -124,9 +131,17 @@ impl FrameReader {
     /// A reader refusing frames above `max_frame_bytes` (body length).
     pub fn new(max_frame_bytes: usize) -> Self {
         FrameReader {
-            buf: Vec::with_capacity(64 * 1024),
+            buf: BytesMut::with_capacity(64 * 1024),
             pos: 0,
             max_frame_bytes,
+        }
+    }
+
+    /// Drops the bytes of the frames already returned by [`Self::next_frame`].
+    fn discard_consumed(&mut self) {
+        if self.pos > 0 {
+            let _ = self.buf.split_to(self.pos);
+            self.pos = 0;
         }
     }
 
@@ -135,10 +150,7 @@ impl FrameReader {
     /// # Errors
     /// The read error.
     pub async fn fill<R: AsyncReadRent>(&mut self, r: &mut R) -> std::io::Result<usize> {
-        if self.pos > 0 {
-            self.buf.drain(..self.pos);
-            self.pos = 0;
-        }
+        self.discard_consumed();
         // Room for the frame being received (its length was checked against
         // the maximum by `next`), at least 16 KiB.
         let want = match next_frame(&self.buf, self.max_frame_bytes) {
@@ -151,6 +163,7 @@ impl FrameReader {
         };
         let need = want.max(self.buf.len() + 16 * 1024);
         if self.buf.capacity() < need {
+            // Reuses the buffer's space when no view of it is left.
             self.buf.reserve(need - self.buf.len());
         }
         let len = self.buf.len();
@@ -174,6 +187,23 @@ impl FrameReader {
                 let start = self.pos + FRAME_HEADER_BYTES;
                 self.pos = start + len;
                 Ok(Some(start..start + len))
+            }
+        }
+    }
+
+    /// The next complete frame's body, if one is buffered, as a view of the
+    /// received bytes (shared, not copied).
+    ///
+    /// # Errors
+    /// [`FrameError::TooLarge`] for a length over the maximum.
+    pub fn next_frame_bytes(&mut self) -> Result<Option<Bytes>, FrameError> {
+        self.discard_consumed();
+        match next_frame(&self.buf, self.max_frame_bytes)? {
+            None => Ok(None),
+            Some(len) => {
+                let mut frame = self.buf.split_to(FRAME_HEADER_BYTES + len);
+                let _ = frame.split_to(FRAME_HEADER_BYTES);
+                Ok(Some(frame.freeze()))
             }
         }
     }
@@ -469,6 +499,68 @@ pub async fn server_handshake(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn frame(request_id: u64, payload: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        let f = crate::envelope::ServerFrame {
+            request_id,
+            status: 0,
+            payload: payload.to_vec(),
+        };
+        encode_frame(&f, &mut out).expect("encode");
+        out
+    }
+
+    fn payload_of(body: &[u8]) -> (u64, Vec<u8>) {
+        let f = crate::envelope::access::<crate::envelope::ServerFrame>(body).expect("frame");
+        (f.request_id.to_native(), f.payload.as_slice().to_vec())
+    }
+
+    #[test]
+    fn frames_are_views_of_the_received_bytes_and_outlive_later_reads() {
+        let mut wire = frame(1, b"first");
+        wire.extend(frame(2, b"second"));
+        let split = wire.len() - 3;
+        let mut reader = FrameReader::new(1 << 20);
+        let mut input: &[u8] = &wire[..split];
+        assert_eq!(
+            crate::api::block_on(reader.fill(&mut input)).expect("read"),
+            split
+        );
+        let first = reader
+            .next_frame_bytes()
+            .expect("frame")
+            .expect("one frame");
+        assert_eq!(payload_of(&first), (1, b"first".to_vec()));
+        // The second frame is incomplete: nothing yet.
+        assert!(reader.next_frame_bytes().expect("no error").is_none());
+        let mut rest: &[u8] = &wire[split..];
+        assert_eq!(
+            crate::api::block_on(reader.fill(&mut rest)).expect("read"),
+            3
+        );
+        let second = reader
+            .next_frame_bytes()
+            .expect("frame")
+            .expect("second frame");
+        assert_eq!(payload_of(&second), (2, b"second".to_vec()));
+        // The first view still reads its own bytes after the buffer moved on.
+        assert_eq!(payload_of(&first), (1, b"first".to_vec()));
+        assert!(reader.next_frame_bytes().expect("no error").is_none());
+    }
+
+    #[test]
+    fn a_too_large_length_is_refused_before_anything_is_allocated_for_it() {
+        let mut wire = frame(1, &[7u8; 64]);
+        wire.truncate(FRAME_HEADER_BYTES);
+        let mut reader = FrameReader::new(32);
+        let mut input: &[u8] = &wire;
+        crate::api::block_on(reader.fill(&mut input)).expect("read");
+        assert!(matches!(
+            reader.next_frame_bytes(),
+            Err(FrameError::TooLarge { .. })
+        ));
+    }
 
     fn fp(journal: &str, durable: bool) -> Fingerprint {
         Fingerprint {

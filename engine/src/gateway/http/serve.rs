@@ -799,7 +799,7 @@ fn handle<P: DataPort>(
                 seq,
                 type_name.as_str().as_bytes(),
                 entity_id.as_str().as_bytes(),
-                payload,
+                payload.into(),
             );
         }
         Action::Admin(_) if stopped => {

@@ -16,7 +16,11 @@ impl DataExecutor {
     // ----- data lanes -----
 
     /// A frame on an inbound data lane. `Err` closes the connection.
-    pub(crate) fn on_data_frame(&mut self, conn: u64, body: &[u8]) -> Result<(), FrameError> {
+    pub(crate) fn on_data_frame(
+        &mut self,
+        conn: u64,
+        body: &bytes::Bytes,
+    ) -> Result<(), FrameError> {
         let now = self.now();
         let r = self.plane.handle_data_frame(now, conn, body);
         self.run_effects();
@@ -153,9 +157,9 @@ pub(super) async fn serve_data_lane(
         }
         let mut err = None;
         loop {
-            match reader.next_frame() {
-                Ok(Some(range)) => {
-                    if let Err(e) = core.borrow_mut().on_data_frame(conn, reader.body(range)) {
+            match reader.next_frame_bytes() {
+                Ok(Some(body)) => {
+                    if let Err(e) = core.borrow_mut().on_data_frame(conn, &body) {
                         err = Some(e.to_string());
                         break;
                     }

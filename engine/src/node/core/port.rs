@@ -103,7 +103,7 @@ impl DataPort for DataExecutorRef {
         request_id: u64,
         type_name: &[u8],
         entity_id: &[u8],
-        payload: Vec<u8>,
+        payload: bytes::Bytes,
     ) {
         self.borrow_mut()
             .client_request(conn, request_id, type_name, entity_id, payload);

@@ -71,7 +71,7 @@ type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// The region type of a data core: user payload bytes, answered to a
 /// [`ReplyTo`].
-pub type UserRegion = ShardRegion<Vec<u8>, ReplyTo>;
+pub type UserRegion = ShardRegion<bytes::Bytes, ReplyTo>;
 
 /// The index of an entity type on one core, in the order the types were
 /// registered ([`DataPlane::handle_register_type`]); the driver keeps its
@@ -206,7 +206,7 @@ pub enum DataOutput {
         /// The entity.
         entity: EntityId,
         /// The message it gets before it stops.
-        stop_message: Option<Vec<u8>>,
+        stop_message: Option<bytes::Bytes>,
         /// Why it stops.
         reason: StopReason,
     },
@@ -446,7 +446,7 @@ impl DataPlane {
         request_id: u64,
         type_name: &[u8],
         entity_id: &[u8],
-        payload: Vec<u8>,
+        payload: bytes::Bytes,
     ) {
         let to = ReplyTo::Client { conn, request_id };
         let Ok(t) = std::str::from_utf8(type_name) else {
@@ -528,7 +528,7 @@ impl DataPlane {
         &mut self,
         now: Duration,
         conn: u64,
-        body: &[u8],
+        body: &bytes::Bytes,
     ) -> Result<(), FrameError> {
         match access::<DataFrame>(body)? {
             ArchivedDataFrame::Forward {
@@ -550,7 +550,8 @@ impl DataPlane {
                         conn,
                         tag: tag.to_native(),
                     },
-                    payload: payload.as_slice().to_vec(),
+                    // A view of the lane's received bytes: not copied.
+                    payload: body.slice_ref(payload.as_slice()),
                 };
                 self.handle_message(now, type_name.as_str(), env);
                 Ok(())
@@ -582,7 +583,7 @@ impl DataPlane {
                     entity: to.id,
                     shard: ShardId(shard.to_native()),
                     sender: ReplyTo::System(Box::new(msg)),
-                    payload: Vec::new(),
+                    payload: bytes::Bytes::new(),
                 };
                 self.handle_message(now, &to.type_name, env);
                 Ok(())
@@ -1055,7 +1056,7 @@ impl DataPlane {
         &mut self,
         now: Duration,
         ty: TypeIdx,
-        eff: RegionEffect<Vec<u8>, ReplyTo>,
+        eff: RegionEffect<bytes::Bytes, ReplyTo>,
     ) -> Option<DataOutput> {
         self.check_due = true;
         match eff {
@@ -1395,14 +1396,21 @@ mod tests {
         let (mut p, _) = plane(None);
         let now = secs(1);
         home(&mut p, now, "a", me());
-        p.handle_client_request(now, 7, 1, T.as_bytes(), b"a", b"inc".to_vec());
+        p.handle_client_request(
+            now,
+            7,
+            1,
+            T.as_bytes(),
+            b"a",
+            bytes::Bytes::from_static(b"inc"),
+        );
         let out = drain(&mut p, now);
         assert!(client_replies(&out).is_empty(), "nothing answered yet");
         let envs = delivered(out);
         assert_eq!(envs.len(), 1, "delivered once");
         let env = envs.into_iter().next().expect("delivery");
         assert_eq!(env.entity, id("a"));
-        assert_eq!(env.payload, b"inc");
+        assert_eq!(env.payload, b"inc".as_slice());
         assert_eq!(env.deadline, Some(now + secs(5)), "the ask deadline");
         assert_eq!(
             env.sender,
@@ -1455,9 +1463,16 @@ mod tests {
     fn bad_requests_are_answered_at_once() {
         let (mut p, _) = plane(None);
         let now = secs(1);
-        p.handle_client_request(now, 1, 1, b"nope", b"a", Vec::new());
-        p.handle_client_request(now, 1, 2, T.as_bytes(), b"", Vec::new());
-        p.handle_client_request(now, 1, 3, T.as_bytes(), b"a", vec![0; 1025]);
+        p.handle_client_request(now, 1, 1, b"nope", b"a", bytes::Bytes::new());
+        p.handle_client_request(now, 1, 2, T.as_bytes(), b"", bytes::Bytes::new());
+        p.handle_client_request(
+            now,
+            1,
+            3,
+            T.as_bytes(),
+            b"a",
+            bytes::Bytes::from(vec![0; 1025]),
+        );
         let out = drain(&mut p, now);
         let statuses: Vec<(u64, Status)> = client_replies(&out)
             .into_iter()
@@ -1472,7 +1487,7 @@ mod tests {
             ]
         );
         assert_eq!(p.handle_stop(), 0);
-        p.handle_client_request(now, 1, 4, T.as_bytes(), b"a", Vec::new());
+        p.handle_client_request(now, 1, 4, T.as_bytes(), b"a", bytes::Bytes::new());
         let out = drain(&mut p, now);
         assert_eq!(client_replies(&out)[0].2, Status::ShuttingDown);
     }
@@ -1482,7 +1497,14 @@ mod tests {
         let (mut p, _) = plane(None);
         let now = secs(1);
         let shard = p.shard_of(&id("b"));
-        p.handle_client_request(now, 7, 1, T.as_bytes(), b"b", b"ping".to_vec());
+        p.handle_client_request(
+            now,
+            7,
+            1,
+            T.as_bytes(),
+            b"b",
+            bytes::Bytes::from_static(b"ping"),
+        );
         let out = drain(&mut p, now);
         let asked = out.iter().any(|o| {
             matches!(o, DataOutput::ToControl(ToControl::ToCoordinator {
@@ -1519,12 +1541,7 @@ mod tests {
             panic!("a Forward frame");
         };
         assert_eq!(
-            (
-                type_name.as_str(),
-                entity_id.as_str(),
-                s,
-                payload.as_slice()
-            ),
+            (type_name.as_str(), entity_id.as_str(), s, &payload[..]),
             (T, "b", shard.0, &b"ping"[..])
         );
         assert_eq!(deadline_ms, 4800, "the time left of the ask deadline");
@@ -1552,7 +1569,14 @@ mod tests {
             vec![(7, 1, Status::Ok, b"pong".to_vec())]
         );
         // A second message uses the open lane.
-        p.handle_client_request(later, 7, 2, T.as_bytes(), b"b", b"again".to_vec());
+        p.handle_client_request(
+            later,
+            7,
+            2,
+            T.as_bytes(),
+            b"b",
+            bytes::Bytes::from_static(b"again"),
+        );
         let out = drain(&mut p, later);
         assert!(matches!(out.as_slice(), [DataOutput::Transmit(_)]));
         // The lane breaks after it connected: the sender hears TimedOut.
@@ -1569,7 +1593,7 @@ mod tests {
         let ids: Vec<u64> = (0..32).collect();
         let send = |p: &mut DataPlane, now: Duration, first: u64| {
             for i in &ids {
-                p.handle_client_request(now, 7, first + i, T.as_bytes(), b"b", Vec::new());
+                p.handle_client_request(now, 7, first + i, T.as_bytes(), b"b", bytes::Bytes::new());
             }
             drain(p, now)
         };
@@ -1603,7 +1627,14 @@ mod tests {
         let (mut p, ty) = plane(None);
         let now = secs(1);
         home(&mut p, now, "a", me());
-        p.handle_client_request(now, 7, 1, T.as_bytes(), b"a", b"inc".to_vec());
+        p.handle_client_request(
+            now,
+            7,
+            1,
+            T.as_bytes(),
+            b"a",
+            bytes::Bytes::from_static(b"inc"),
+        );
         assert_eq!(delivered(drain(&mut p, now)).len(), 1);
         let shard = p.shard_of(&id("a"));
         p.handle_region_msg(
@@ -1676,7 +1707,14 @@ mod tests {
         let (mut p, _) = plane(Some(secs(2)));
         let now = secs(1);
         home(&mut p, now, "a", me());
-        p.handle_client_request(now, 7, 1, T.as_bytes(), b"a", b"inc".to_vec());
+        p.handle_client_request(
+            now,
+            7,
+            1,
+            T.as_bytes(),
+            b"a",
+            bytes::Bytes::from_static(b"inc"),
+        );
         assert_eq!(delivered(drain(&mut p, now)).len(), 1);
         assert!(p.poll_timeout().is_some(), "an idle timer");
         // Not idle long enough yet.

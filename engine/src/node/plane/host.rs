@@ -395,7 +395,7 @@ impl EntityHost {
                     shard: shard_id_of(to.id.as_str(), n),
                     entity: to.id,
                     sender: ReplyTo::System(Box::new(msg)),
-                    payload: Vec::new(),
+                    payload: bytes::Bytes::new(),
                 };
                 (to.type_name, env)
             })
@@ -989,10 +989,16 @@ impl EntityHost {
     /// Sends the deferred replies entities answered (and frees the worker
     /// activations that waited on them).
     fn drain_completions(&mut self, now: Duration, plane: &mut DataPlane) {
-        for c in self.services.take_completions() {
+        let mut done = self.services.take_completions();
+        for c in done.drain(..) {
             plane.handle_reply_durable(c.token, c.status, c.payload);
             self.release_replies(plane);
             self.worker_completed(now, plane, ReplyToken(c.token));
+        }
+        // The emptied buffer is kept for the next calls (no allocation per
+        // deferred reply); completions pushed meanwhile stay queued.
+        if self.services.completions.is_empty() {
+            self.services.completions = done;
         }
     }
 
@@ -1023,7 +1029,7 @@ impl EntityHost {
         ty: TypeIdx,
         shard: ShardId,
         entity: EntityId,
-        stop_message: Option<Vec<u8>>,
+        stop_message: Option<bytes::Bytes>,
         reason: StopReason,
     ) {
         if let Some(m) = stop_message {
@@ -1377,7 +1383,7 @@ impl EntityHost {
                 shard: shard_id_of(o.entity_id.as_str(), self.config.number_of_shards),
                 entity: o.entity_id,
                 sender: to,
-                payload: o.payload,
+                payload: o.payload.into(),
             };
             self.out.push_back(HostOutput::Send {
                 type_name: o.type_name,

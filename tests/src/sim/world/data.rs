@@ -449,7 +449,11 @@ impl World {
                 if let Some(id) = msg {
                     self.ledger[id as usize].loc = Loc::Region(slot);
                 }
-                if let Err(e) = self.nodes[slot].data[core].handle_data_frame(now, conn, &bytes) {
+                if let Err(e) = self.nodes[slot].data[core].handle_data_frame(
+                    now,
+                    conn,
+                    &bytes::Bytes::from(bytes),
+                ) {
                     return self.violate("codec", format!("a data frame to {slot}/{core}: {e}"));
                 }
                 self.drive_core(slot, core);
@@ -502,7 +506,7 @@ impl World {
                 conn: u64::from(sender),
                 request_id: id,
             },
-            payload: id.to_le_bytes().to_vec(),
+            payload: bytes::Bytes::copy_from_slice(&id.to_le_bytes()),
         };
         let now = self.now;
         self.nodes[slot].data[core].handle_message(now, TYPE, env);

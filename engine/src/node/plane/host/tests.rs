@@ -250,7 +250,7 @@ impl Rig {
             req,
             T.as_bytes(),
             e.as_bytes(),
-            msg.as_bytes().to_vec(),
+            bytes::Bytes::copy_from_slice(msg.as_bytes()),
         );
         self.run(now);
     }
