@@ -161,7 +161,18 @@ pub(crate) struct EntityServices {
     pub asks: AskIds,
     /// Deferred replies answered, not yet sent.
     pub completions: Vec<crate::persistence::Completion>,
+    /// Reply buffers the fronts handed back after writing them, lent again
+    /// by [`EntityContext::reply_buffer`] (at most [`SPARE_REPLY_BUFFERS`],
+    /// each of at most [`SPARE_REPLY_BUFFER_BYTES`] capacity).
+    pub spare_replies: Vec<Vec<u8>>,
 }
+
+/// Most reply buffers a data core keeps for reuse (count).
+pub const SPARE_REPLY_BUFFERS: usize = 256;
+
+/// Largest capacity of a reply buffer kept for reuse, in bytes (a larger
+/// one is freed).
+pub const SPARE_REPLY_BUFFER_BYTES: usize = 4096;
 
 impl EntityServices {
     /// Services for data core `core` with `journal`.
@@ -170,6 +181,25 @@ impl EntityServices {
             journal,
             asks: AskIds::for_core(core),
             completions: Vec::new(),
+            spare_replies: Vec::new(),
+        }
+    }
+
+    /// An empty buffer for a reply: a spare one when there is one.
+    pub(crate) fn reply_buffer(&mut self) -> Vec<u8> {
+        self.spare_replies.pop().unwrap_or_default()
+    }
+
+    /// Keeps `buf` (a reply's payload, written out) for a later reply,
+    /// within the bounds of [`SPARE_REPLY_BUFFERS`] and
+    /// [`SPARE_REPLY_BUFFER_BYTES`].
+    pub(crate) fn recycle_reply(&mut self, mut buf: Vec<u8>) {
+        if buf.capacity() > 0
+            && buf.capacity() <= SPARE_REPLY_BUFFER_BYTES
+            && self.spare_replies.len() < SPARE_REPLY_BUFFERS
+        {
+            buf.clear();
+            self.spare_replies.push(buf);
         }
     }
 
@@ -363,6 +393,19 @@ impl<'a> EntityContext<'a> {
     /// Whether the handler asked for durability notices.
     pub(crate) fn wants_durable(&self) -> bool {
         self.await_durable
+    }
+
+    /// An empty buffer to write a reply into and pass to [`Self::reply`] (or
+    /// [`Self::complete`]): one the core reuses once an earlier reply was
+    /// written to its connection, so a small reply costs no allocation.
+    /// A plain `Vec::new()` when the core has none spare.
+    pub fn reply_buffer(&mut self) -> Vec<u8> {
+        self.services.reply_buffer()
+    }
+
+    /// Returns a buffer from [`Self::reply_buffer`] that was not used.
+    pub fn return_reply_buffer(&mut self, buf: Vec<u8>) {
+        self.services.recycle_reply(buf);
     }
 
     /// Sets the reply to the message being handled (an ask gets it; a tell
@@ -644,7 +687,9 @@ pub struct Echo;
 
 impl Entity for Echo {
     fn handle(&mut self, ctx: &mut EntityContext<'_>, message: &[u8]) -> Result<(), EntityError> {
-        ctx.reply(message);
+        let mut b = ctx.reply_buffer();
+        b.extend_from_slice(message);
+        ctx.reply(b);
         Ok(())
     }
 }
@@ -692,6 +737,12 @@ fn decode_i64(bytes: &[u8], what: &str) -> Result<i64, EntityError> {
     Ok(i64::from_le_bytes(b))
 }
 
+/// Appends `v` in decimal to `out` (no allocation beyond `out`'s growth).
+fn write_i64(out: &mut Vec<u8>, v: i64) {
+    use std::io::Write as _;
+    let _ = write!(out, "{v}");
+}
+
 impl persistent::PersistentEntity for Counter {
     fn on_command(
         &mut self,
@@ -700,7 +751,11 @@ impl persistent::PersistentEntity for Counter {
     ) -> Result<(), EntityError> {
         match self.decide(command) {
             Err(reason) => ctx.reply(reason),
-            Ok(None) => ctx.reply(self.value.to_string()),
+            Ok(None) => {
+                let mut b = ctx.reply_buffer();
+                write_i64(&mut b, self.value);
+                ctx.reply(b)
+            }
             Ok(Some(n)) => ctx.persist(n.to_le_bytes().to_vec()),
         }
         Ok(())
@@ -713,7 +768,9 @@ impl persistent::PersistentEntity for Counter {
     ) -> Result<(), EntityError> {
         let n = decode_i64(event, "counter event")?;
         self.value = self.value.wrapping_add(n);
-        ctx.reply(self.value.to_string());
+        let mut b = ctx.reply_buffer();
+        write_i64(&mut b, self.value);
+        ctx.reply(b);
         Ok(())
     }
 

@@ -45,9 +45,34 @@ pub struct PersistContext {
     reply: Option<Vec<u8>>,
     recovering: bool,
     passivate: bool,
+    /// A spare reply buffer of the core (see [`Self::reply_buffer`]).
+    spare: Option<Vec<u8>>,
 }
 
 impl PersistContext {
+    /// A context lent the core's spare reply buffer, if it has one.
+    fn lent(ctx: &mut EntityContext<'_>) -> PersistContext {
+        PersistContext {
+            spare: Some(ctx.reply_buffer()),
+            ..PersistContext::default()
+        }
+    }
+
+    /// Gives the spare reply buffer back to the core when the handler did
+    /// not take it.
+    fn give_back(&mut self, ctx: &mut EntityContext<'_>) {
+        if let Some(b) = self.spare.take() {
+            ctx.return_reply_buffer(b);
+        }
+    }
+
+    /// An empty buffer to write the reply into and pass to [`Self::reply`]:
+    /// one the core reuses once an earlier reply was written out (see
+    /// [`EntityContext::reply_buffer`]), else a new `Vec`.
+    pub fn reply_buffer(&mut self) -> Vec<u8> {
+        self.spare.take().unwrap_or_default()
+    }
+
     /// Persists one event; new commands are stashed until its handler ran.
     pub fn persist(&mut self, event: impl Into<Vec<u8>>) {
         self.events.push((event.into(), PersistMode::Stash));
@@ -306,8 +331,10 @@ impl Persistent {
         command: &[u8],
         token: Option<u64>,
     ) -> Result<(), EntityError> {
-        let mut pc = PersistContext::default();
-        self.inner.on_command(&mut pc, command)?;
+        let mut pc = PersistContext::lent(ctx);
+        let handled = self.inner.on_command(&mut pc, command);
+        pc.give_back(ctx);
+        handled?;
         if pc.passivate {
             ctx.passivate();
         }
@@ -366,8 +393,10 @@ impl Persistent {
                 let Some(f) = self.in_flight.pop_front() else {
                     break;
                 };
-                let mut pc = PersistContext::default();
-                self.inner.on_event(&mut pc, &f.event)?;
+                let mut pc = PersistContext::lent(ctx);
+                let handled = self.inner.on_event(&mut pc, &f.event);
+                pc.give_back(ctx);
+                handled?;
                 if pc.passivate {
                     ctx.passivate();
                 }

@@ -174,20 +174,21 @@ impl Fronts {
 
     /// The reply sink: hands an answer of the data plane to the front
     /// connection `conn` of this executor (an HTTP response in request
-    /// order, or a native response frame), and counts it. Returns `false`,
-    /// and drops the answer, when `conn` is no open front connection (it
-    /// closed, or it is a data lane's).
+    /// order, or a native response frame), and counts it. Says what became
+    /// of it: written (the payload's buffer handed back for reuse), kept by
+    /// the HTTP front, or dropped because `conn` is no open front
+    /// connection (it closed, or it is a data lane's).
     pub(crate) fn reply(
         &self,
         conn: port::ConnId,
         request_id: u64,
         status: Status,
         payload: Vec<u8>,
-    ) -> bool {
+    ) -> Delivered {
         if let Some(payload) = http::serve::deliver(self, conn, request_id, status, payload) {
             return native::deliver(self, conn, request_id, status, payload);
         }
-        true
+        Delivered::Kept
     }
 
     /// Copies this executor's counters to its board slot when they changed.
@@ -202,6 +203,27 @@ impl Fronts {
             s.http.clone_from(&h.http.metrics);
             s.native.clone_from(&h.native.counters);
         };
+    }
+}
+
+/// What became of a reply handed to [`Fronts::reply`].
+#[derive(Debug)]
+pub(crate) enum Delivered {
+    /// Written to its native connection; the payload's buffer is handed
+    /// back (empty it before reuse).
+    Written(Vec<u8>),
+    /// Taken by the HTTP front (a response waiting for its turn), or its
+    /// request was answered already (timed out).
+    Kept,
+    /// No open front connection has this id: dropped.
+    NoConnection,
+}
+
+#[cfg(test)]
+impl Delivered {
+    /// Whether a front took the reply.
+    pub(crate) fn delivered(&self) -> bool {
+        !matches!(self, Delivered::NoConnection)
     }
 }
 
@@ -240,11 +262,11 @@ mod tests {
             h.native.begun(7, 1, b"echo");
             h.native.begun(7, 2, b"nosuchtype");
         }
-        assert!(fronts.reply(7, 1, Status::Ok, b"hi".to_vec()));
-        assert!(fronts.reply(7, 2, Status::UnknownEntityType, b"no".to_vec()));
+        assert!(fronts.reply(7, 1, Status::Ok, b"hi".to_vec()).delivered());
+        assert!(fronts.reply(7, 2, Status::UnknownEntityType, b"no".to_vec()).delivered());
         // Not a front connection of this executor (e.g. a data lane's), or
         // closed: dropped, and said so.
-        assert!(!fronts.reply(9, 1, Status::Ok, b"lost".to_vec()));
+        assert!(!fronts.reply(9, 1, Status::Ok, b"lost".to_vec()).delivered());
         assert_eq!(
             frames(&a.buf.borrow()),
             vec![
@@ -257,7 +279,7 @@ mod tests {
             "nothing for the other connection"
         );
         fronts.state().native.closed(8);
-        assert!(!fronts.reply(8, 5, Status::Ok, Vec::new()));
+        assert!(!fronts.reply(8, 5, Status::Ok, Vec::new()).delivered());
 
         // Published to the node's board, by executor; unknown types are
         // one label.

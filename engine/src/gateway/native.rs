@@ -112,13 +112,13 @@ pub(super) fn deliver(
     request_id: u64,
     status: Status,
     payload: Vec<u8>,
-) -> bool {
+) -> super::Delivered {
     let outbox = {
         let mut guard = fronts.state();
         let h = &mut *guard;
         let n = &mut h.native;
         let Some(outbox) = n.conns.get(&conn).cloned() else {
-            return false;
+            return super::Delivered::NoConnection;
         };
         if let Some(f) = n.in_flight.remove(&(conn, request_id)) {
             let micros = u64::try_from(f.started.elapsed().as_micros()).unwrap_or(u64::MAX);
@@ -134,12 +134,13 @@ pub(super) fn deliver(
         }
         outbox
     };
-    write_frame(&outbox, request_id, status, payload);
-    true
+    super::Delivered::Written(write_frame(&outbox, request_id, status, payload))
 }
 
 /// Encodes one response frame into `outbox` and flushes it.
-fn write_frame(outbox: &Outbox, request_id: u64, status: Status, payload: Vec<u8>) {
+/// Encodes one response frame into `outbox` and hands the payload's buffer
+/// back (its bytes were copied into the frame).
+fn write_frame(outbox: &Outbox, request_id: u64, status: Status, payload: Vec<u8>) -> Vec<u8> {
     let f = ServerFrame {
         request_id,
         status: status as u8,
@@ -149,6 +150,7 @@ fn write_frame(outbox: &Outbox, request_id: u64, status: Status, payload: Vec<u8
         tracing::warn!(error = %e, "cannot encode response");
     }
     outbox.flush();
+    f.payload
 }
 
 /// Serves one native client connection until it closes or breaks the
@@ -293,7 +295,7 @@ fn on_frame<P: DataPort>(
                 };
                 // Not when the connection's writer is gone.
                 if !outbox.finished.get() {
-                    write_frame(&outbox, request_id, code, payload);
+                    let _ = write_frame(&outbox, request_id, code, payload);
                 }
             });
         }
@@ -319,7 +321,7 @@ fn on_frame<P: DataPort>(
                 };
                 // Not when the connection's writer is gone.
                 if !outbox.finished.get() {
-                    write_frame(&outbox, request_id, code, payload);
+                    let _ = write_frame(&outbox, request_id, code, payload);
                 }
             });
         }

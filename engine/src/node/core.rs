@@ -31,7 +31,7 @@ use super::plane::host::{EntityHost, HostConfig, HostOutput, SYSTEM_ROUNDS};
 use super::Shared;
 use crate::config::NodeConfig;
 use crate::envelope::{encode_frame, DataFrame, Status};
-use crate::gateway::{Fronts, MetricsBoard};
+use crate::gateway::{Delivered, Fronts, MetricsBoard};
 use crate::runtime::{RingReceiver, RingSender};
 use crate::transport::{self, Outbox};
 
@@ -357,7 +357,10 @@ impl DataExecutor {
         match to {
             ReplyTo::Nobody => {}
             ReplyTo::Client { conn, request_id } => {
-                self.fronts.reply(conn, request_id, status, payload);
+                if let Delivered::Written(buf) = self.fronts.reply(conn, request_id, status, payload)
+                {
+                    self.host.recycle_reply(buf);
+                }
             }
             ReplyTo::Remote { conn, tag } => {
                 if let Some(o) = self.conns.get(&conn) {
@@ -368,6 +371,9 @@ impl DataExecutor {
                     };
                     let _ = encode_frame(&f, &mut o.buf.borrow_mut());
                     o.flush();
+                    if let DataFrame::Reply { payload, .. } = f {
+                        self.host.recycle_reply(payload);
+                    }
                 }
             }
             ReplyTo::Core { core, token } => {

@@ -377,6 +377,12 @@ impl EntityHost {
         asks.into_iter().chain(retries).chain(stops).min()
     }
 
+    /// Keeps a reply's payload buffer that the driver wrote out, for a
+    /// later [`crate::EntityContext::reply_buffer`].
+    pub(crate) fn recycle_reply(&mut self, buf: Vec<u8>) {
+        self.services.recycle_reply(buf);
+    }
+
     /// The lifecycle messages the watch book queued, as envelopes for
     /// [`DataPlane::handle_message`] (`(type, envelope)`); empty when there
     /// are none. The driver routes them, drains both queues, and asks
