@@ -123,7 +123,7 @@ impl fmt::Display for ShardId {
 
 /// A member's network address, `host:port` (the cluster address).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Address(pub String);
+pub struct Address(pub std::sync::Arc<str>);
 
 impl fmt::Display for Address {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -11,7 +11,7 @@ use shardline_core::ids::{Address, MemberUid, UniqueAddress};
 
 fn ua(a: &str, uid: u64) -> UniqueAddress {
     UniqueAddress {
-        address: Address(a.to_string()),
+        address: Address(a.to_string().into()),
         uid: MemberUid(uid),
     }
 }

@@ -17,7 +17,7 @@ type Region = ShardRegion<u32, u32>;
 
 fn member(n: u64) -> UniqueAddress {
     UniqueAddress {
-        address: Address(format!("10.0.0.{n}:7101")),
+        address: Address(format!("10.0.0.{n}:7101").into()),
         uid: MemberUid(n),
     }
 }

@@ -14,7 +14,7 @@ use shardline_core::sharding::{
 
 fn member(n: u64) -> UniqueAddress {
     UniqueAddress {
-        address: Address(format!("10.0.0.{n}:7101")),
+        address: Address(format!("10.0.0.{n}:7101").into()),
         uid: MemberUid(n),
     }
 }

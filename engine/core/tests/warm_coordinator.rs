@@ -19,7 +19,7 @@ const SETTLE: Duration = Duration::from_millis(200);
 
 fn member(n: u64) -> UniqueAddress {
     UniqueAddress {
-        address: Address(format!("10.0.0.{n}:7101")),
+        address: Address(format!("10.0.0.{n}:7101").into()),
         uid: MemberUid(n),
     }
 }

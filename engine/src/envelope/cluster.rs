@@ -394,10 +394,11 @@ pub enum DataFrame {
     Forward {
         /// Chosen by the sender to match the reply.
         tag: u64,
-        /// Entity type.
-        type_name: String,
-        /// Entity id.
-        entity_id: String,
+        /// Entity type (archived as a `String`; up to 24 bytes kept inline
+        /// on the sending side, so a forward copies no name to the heap).
+        type_name: compact_str::CompactString,
+        /// Entity id (archived as a `String`, inline as the type name).
+        entity_id: compact_str::CompactString,
         /// Its shard.
         shard: u32,
         /// The message bytes, as the client sent them (archived as a
@@ -441,7 +442,7 @@ pub enum DataFrame {
 impl From<&UniqueAddress> for WireMember {
     fn from(u: &UniqueAddress) -> Self {
         WireMember {
-            address: u.address.0.clone(),
+            address: u.address.0.to_string(),
             uid: u.uid.0,
         }
     }
@@ -450,7 +451,7 @@ impl From<&UniqueAddress> for WireMember {
 impl From<WireMember> for UniqueAddress {
     fn from(w: WireMember) -> Self {
         UniqueAddress {
-            address: Address(w.address),
+            address: Address(w.address.into()),
             uid: MemberUid(w.uid),
         }
     }

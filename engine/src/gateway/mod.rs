@@ -263,7 +263,9 @@ mod tests {
             h.native.begun(7, 2, b"nosuchtype");
         }
         assert!(fronts.reply(7, 1, Status::Ok, b"hi".to_vec()).delivered());
-        assert!(fronts.reply(7, 2, Status::UnknownEntityType, b"no".to_vec()).delivered());
+        assert!(fronts
+            .reply(7, 2, Status::UnknownEntityType, b"no".to_vec())
+            .delivered());
         // Not a front connection of this executor (e.g. a data lane's), or
         // closed: dropped, and said so.
         assert!(!fronts.reply(9, 1, Status::Ok, b"lost".to_vec()).delivered());

@@ -26,7 +26,7 @@ pub(crate) const FORWARD_TIMEOUT: Duration = Duration::from_secs(3);
 
 fn region_ref(r: &RegionId) -> RegionRef {
     RegionRef {
-        address: r.member.address.0.clone(),
+        address: r.member.address.0.to_string(),
         uid: r.member.uid.0,
         core: r.core,
     }
@@ -89,7 +89,7 @@ pub(crate) fn allocation(
         .collect();
     types.sort_by(|a, b| a.type_name.cmp(&b.type_name));
     AllocationTable {
-        coordinator: me.address.0.clone(),
+        coordinator: me.address.0.to_string(),
         uid: me.uid.0,
         types,
     }
@@ -152,7 +152,7 @@ pub(crate) fn rebalance(
         });
     }
     Ok(RebalanceAnswer {
-        coordinator: me.address.0.clone(),
+        coordinator: me.address.0.to_string(),
         uid: me.uid.0,
         types,
     })
@@ -233,7 +233,7 @@ pub(crate) async fn collect_status(core: &DataExecutorRef) -> Option<NodeStatus>
             }
         }
         let st = NodeStatus {
-            address: c.me().address.0.clone(),
+            address: c.me().address.0.to_string(),
             uid: c.me().uid.0,
             client_address: c.client_address(),
             members: Vec::new(),

@@ -540,7 +540,7 @@ impl Control {
     // ----- control lanes -----
 
     fn send_control(&mut self, addr: &str, frame: &ControlFrame) {
-        if addr == self.me.address.0 {
+        if addr == &*self.me.address.0 {
             return;
         }
         let now = self.now();
@@ -670,7 +670,7 @@ impl Control {
             .filter(|c| c.send(ToCore::Status { reply: tx.clone() }).is_ok())
             .count();
         let member = WireMember {
-            address: self.me.address.0.clone(),
+            address: self.me.address.0.to_string(),
             uid: self.me.uid.0,
         };
         let Some(ctl) = self.this.upgrade() else {
@@ -821,7 +821,7 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
         let c = ctl.borrow();
         (
             c.fp.clone(),
-            (c.me.address.0.clone(), c.me.uid.0),
+            (c.me.address.0.to_string(), c.me.uid.0),
             c.to_cores.len(),
         )
     };
@@ -882,7 +882,7 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
         }
     };
     let from = UniqueAddress {
-        address: Address(hello.address.clone()),
+        address: Address(hello.address.clone().into()),
         uid: MemberUid(hello.uid),
     };
     if hello.lane == Lane::Data as u8 {

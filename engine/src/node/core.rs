@@ -131,7 +131,7 @@ pub(crate) type DataExecutorRef = Rc<RefCell<DataExecutor>>;
 /// Runs a data executor until [`ToCore::Shutdown`].
 pub(crate) async fn run(init: DataExecutorInit) {
     let me = UniqueAddress {
-        address: Address(init.config.cluster_address.to_string()),
+        address: Address(init.config.cluster_address.to_string().into()),
         uid: init.uid,
     };
     let listener = match transport::listener(init.config.client_address, true) {
@@ -357,7 +357,8 @@ impl DataExecutor {
         match to {
             ReplyTo::Nobody => {}
             ReplyTo::Client { conn, request_id } => {
-                if let Delivered::Written(buf) = self.fronts.reply(conn, request_id, status, payload)
+                if let Delivered::Written(buf) =
+                    self.fronts.reply(conn, request_id, status, payload)
                 {
                     self.host.recycle_reply(buf);
                 }

@@ -308,7 +308,7 @@ impl<'a> Cursor<'a> {
         let core = self.u16()?;
         Ok(RegionId {
             member: UniqueAddress {
-                address: Address(address),
+                address: Address(address.into()),
                 uid: MemberUid(uid),
             },
             core,
@@ -997,7 +997,7 @@ mod tests {
 
     fn member(n: u64) -> UniqueAddress {
         UniqueAddress {
-            address: Address(format!("127.0.0.1:{}", 7100 + n)),
+            address: Address(format!("127.0.0.1:{}", 7100 + n).into()),
             uid: MemberUid(n * 1000 + 7),
         }
     }

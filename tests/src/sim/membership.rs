@@ -284,7 +284,7 @@ impl MembershipWorld {
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ name_hash);
         let plan = (scenario.build)(&mut rng);
         let addrs: Vec<Address> = (0..plan.nodes)
-            .map(|i| Address(format!("10.0.0.{}:7101", i + 1)))
+            .map(|i| Address(format!("10.0.0.{}:7101", i + 1).into()))
             .collect();
         let slot_of = addrs
             .iter()

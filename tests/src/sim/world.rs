@@ -503,7 +503,7 @@ impl World {
     // ---- membership -------------------------------------------------------
 
     fn start_node(&mut self, slot: usize) {
-        let addr = Address(format!("10.0.0.{}:7101", slot + 1));
+        let addr = Address(format!("10.0.0.{}:7101", slot + 1).into());
         let uid = MemberUid(self.rng.gen());
         let sender_base = self.next_sender_base;
         self.next_sender_base += self.cfg.cores as u32 + 1;

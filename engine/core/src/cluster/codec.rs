@@ -372,7 +372,7 @@ impl Reader<'_> {
         Ok(out)
     }
     fn uaddr(&mut self) -> Result<UniqueAddress, DecodeError> {
-        let address = Address(self.str()?);
+        let address = Address(self.str()?.into());
         let uid = MemberUid(self.u64()?);
         Ok(UniqueAddress { address, uid })
     }

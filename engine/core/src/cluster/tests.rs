@@ -10,7 +10,7 @@ use super::*;
 use crate::ids::{Address, MemberUid, UniqueAddress};
 
 fn addr(i: usize) -> Address {
-    Address(format!("127.0.0.{}:7101", i + 1))
+    Address(format!("127.0.0.{}:7101", i + 1).into())
 }
 
 fn ms(v: u64) -> Duration {

@@ -107,7 +107,7 @@ mod tests {
 
     fn ua(n: u64) -> UniqueAddress {
         UniqueAddress {
-            address: Address(format!("10.0.0.{n}:7000")),
+            address: Address(format!("10.0.0.{n}:7000").into()),
             uid: MemberUid(n),
         }
     }

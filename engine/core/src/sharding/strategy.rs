@@ -150,7 +150,7 @@ mod tests {
     fn region(n: u64) -> RegionId {
         RegionId {
             member: UniqueAddress {
-                address: Address(format!("h:{n}")),
+                address: Address(format!("h:{n}").into()),
                 uid: MemberUid(n),
             },
             core: 0,

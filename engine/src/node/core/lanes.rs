@@ -29,7 +29,8 @@ impl DataExecutor {
 
     /// A reply on an outbound data lane.
     pub(crate) fn on_link_frame(&mut self, body: &[u8]) -> Result<(), FrameError> {
-        let r = self.plane.handle_link_frame(body);
+        let buf = self.host.reply_buffer();
+        let r = self.plane.handle_link_frame(body, buf);
         self.run_effects();
         r
     }

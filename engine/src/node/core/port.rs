@@ -72,7 +72,7 @@ impl DataExecutor {
                 self.plane.region(ty).home_of(shard).map(|(r, _)| {
                     crate::gateway::http::CachedHome {
                         type_name: self.plane.type_name(ty).to_string(),
-                        node: r.member.address.0.clone(),
+                        node: r.member.address.0.to_string(),
                         core: r.core,
                     }
                 })

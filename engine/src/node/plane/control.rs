@@ -97,13 +97,13 @@ impl ControlPlaneConfig {
     /// machine's randomness).
     pub fn from_node_config(config: &NodeConfig, uid: MemberUid) -> Self {
         let me = UniqueAddress {
-            address: Address(config.cluster_address.to_string()),
+            address: Address(config.cluster_address.to_string().into()),
             uid,
         };
         let seeds: Vec<Address> = config
             .seed_nodes
             .iter()
-            .map(|s| Address(s.to_string()))
+            .map(|s| Address(s.to_string().into()))
             .collect();
         // A node whose only seed is itself forms its cluster at once (Akka's
         // `joinSeedNodes(self)`), instead of waiting for other seeds.
@@ -529,7 +529,7 @@ impl ControlPlane {
             .members
             .values()
             .map(|m| MemberStatusView {
-                address: m.unique_address.address.0.clone(),
+                address: m.unique_address.address.0.to_string(),
                 uid: m.unique_address.uid.0,
                 status: format!("{:?}", m.status),
                 reachable: !st.unreachable.contains(&m.unique_address),
@@ -538,8 +538,8 @@ impl ControlPlane {
         members.sort_by(|a, b| a.address.cmp(&b.address));
         ClusterView {
             members,
-            leader: self.cluster.leader().map(|l| l.address.0),
-            coordinator: self.cluster.oldest().map(|o| o.address.0),
+            leader: self.cluster.leader().map(|l| l.address.0.to_string()),
+            coordinator: self.cluster.oldest().map(|o| o.address.0.to_string()),
             coordinator_here: self.singleton,
             coordinators: self
                 .coord_status
@@ -695,7 +695,7 @@ impl ControlPlane {
         }
         tracing::debug!(peer = addr, "cluster port refused the connection");
         self.cluster
-            .handle_connection_refused(now, &Address(addr.to_string()));
+            .handle_connection_refused(now, &Address(addr.to_string().into()));
         self.drive(now);
     }
 
@@ -705,7 +705,7 @@ impl ControlPlane {
             return;
         }
         self.cluster
-            .handle_connection_lost(now, &Address(addr.to_string()));
+            .handle_connection_lost(now, &Address(addr.to_string().into()));
         self.drive(now);
     }
 
@@ -715,7 +715,7 @@ impl ControlPlane {
     /// `ClusterNode::handle_seed_refused`), and stops when
     /// `on_join_refused` says so.
     pub fn handle_seed_refused(&mut self, now: Duration, addr: &str, reason: &str) {
-        let seed = Address(addr.to_string());
+        let seed = Address(addr.to_string().into());
         let before = self.cluster.join_refused().map(str::to_string);
         self.cluster.handle_seed_refused(now, &seed, reason);
         let after = self.cluster.join_refused().map(str::to_string);
@@ -871,7 +871,7 @@ impl ControlPlane {
                     id: id.0,
                     rebalance,
                     type_name,
-                    reply_to: self.me.address.0.clone(),
+                    reply_to: self.me.address.0.to_string(),
                 };
                 self.send_control(&o.address.0, f);
             }
@@ -902,7 +902,10 @@ impl ControlPlane {
             if m.status != cl::MemberStatus::Up || m.unique_address == self.me {
                 continue;
             }
-            let who = (m.unique_address.address.0.clone(), m.unique_address.uid.0);
+            let who = (
+                m.unique_address.address.0.to_string(),
+                m.unique_address.uid.0,
+            );
             if unreachable_set.contains(&m.unique_address) {
                 unreachable.push(who);
             } else {
@@ -913,7 +916,7 @@ impl ControlPlane {
         let frame = ControlFrame::StatsRequest {
             id: id.0,
             type_name,
-            reply_to: self.me.address.0.clone(),
+            reply_to: self.me.address.0.to_string(),
         };
         for (addr, _) in &asked {
             self.send_control(addr, frame.clone());
@@ -1048,7 +1051,7 @@ impl ControlPlane {
             .collect();
         for k in expired {
             if let Some((id, _)) = self.admin_waiters.remove(&k) {
-                let oldest = self.cluster.oldest().map(|o| o.address.0);
+                let oldest = self.cluster.oldest().map(|o| o.address.0.to_string());
                 self.events.push_back(ControlEvent::AdminAnswer {
                     id,
                     answer: Err((
@@ -1078,7 +1081,7 @@ impl ControlPlane {
     }
 
     fn send_control(&mut self, to: &str, frame: ControlFrame) {
-        if to == self.me.address.0 {
+        if to == &*self.me.address.0 {
             return;
         }
         self.transmits.push_back(Transmit {
@@ -1233,7 +1236,7 @@ impl ControlPlane {
         tracing::info!(event = ?short_event(&e), "cluster event");
         if let ClusterEvent::MemberUp(m) = &e {
             if self.singleton && m.unique_address != self.me {
-                let addr = m.unique_address.address.0.clone();
+                let addr = m.unique_address.address.0.to_string();
                 self.send_coordinator_snapshot(&addr);
             }
         }
@@ -1570,7 +1573,7 @@ impl ControlPlane {
                 m.unique_address != self.me
                     && !matches!(m.status, cl::MemberStatus::Down | cl::MemberStatus::Removed)
             })
-            .map(|m| m.unique_address.address.0.clone())
+            .map(|m| m.unique_address.address.0.to_string())
             .collect()
     }
 
@@ -1598,7 +1601,7 @@ impl ControlPlane {
                 msg,
             });
         } else {
-            let addr = to.member.address.0.clone();
+            let addr = to.member.address.0.to_string();
             let f = ControlFrame::ToRegion {
                 type_name: t.to_string(),
                 to: (&to).into(),
@@ -1682,7 +1685,7 @@ pub fn snapshot_events(st: &CoordinatorState) -> Vec<CoordinatorEvent> {
         // allocation that is undone at once (shard id outside every range).
         let phantom = RegionId {
             member: UniqueAddress {
-                address: Address(String::new()),
+                address: Address(String::new().into()),
                 uid: MemberUid(0),
             },
             core: u16::MAX,
@@ -1752,7 +1755,7 @@ mod tests {
 
     fn me() -> UniqueAddress {
         UniqueAddress {
-            address: Address("127.0.0.1:27001".to_string()),
+            address: Address("127.0.0.1:27001".to_string().into()),
             uid: MemberUid(7),
         }
     }
@@ -1769,7 +1772,11 @@ mod tests {
     /// A member whose only seed is another address that never answers: it
     /// keeps asking and is in no cluster.
     fn never_joined(cores: usize) -> ControlPlane {
-        plane(cores, vec![Address("127.0.0.1:27002".to_string())], false)
+        plane(
+            cores,
+            vec![Address("127.0.0.1:27002".to_string().into())],
+            false,
+        )
     }
 
     fn plane(cores: usize, seeds: Vec<Address>, alone: bool) -> ControlPlane {
@@ -2416,7 +2423,7 @@ mod tests {
     fn replicated_state_events_fold_back_to_the_state_through_the_wire() {
         let region = RegionId {
             member: UniqueAddress {
-                address: Address("127.0.0.1:26001".to_string()),
+                address: Address("127.0.0.1:26001".to_string().into()),
                 uid: MemberUid(7),
             },
             core: 1,

@@ -594,7 +594,14 @@ impl DataPlane {
     /// A frame on an outbound data lane: the reply to a forwarded message
     /// (a reply whose message is no longer waiting is dropped). `Err`: the
     /// frame does not decode or is not a reply; the driver closes the lane.
-    pub fn handle_link_frame(&mut self, body: &[u8]) -> Result<(), FrameError> {
+    /// `reply_buf` is an empty buffer the reply's payload is copied into (a
+    /// spare reply buffer of the core, so that relaying a reply allocates
+    /// nothing; `Vec::new()` will do).
+    pub fn handle_link_frame(
+        &mut self,
+        body: &[u8],
+        mut reply_buf: Vec<u8>,
+    ) -> Result<(), FrameError> {
         match access::<DataFrame>(body)? {
             ArchivedDataFrame::Reply {
                 tag,
@@ -604,7 +611,9 @@ impl DataPlane {
                 let status = Status::from_u8(*status)
                     .ok_or_else(|| FrameError::Invalid(format!("status {}", status)))?;
                 if let Some(p) = self.forwards.remove(&ForwardTag(tag.to_native())) {
-                    self.reply(p.reply_to, status, payload.as_slice().to_vec());
+                    reply_buf.clear();
+                    reply_buf.extend_from_slice(payload.as_slice());
+                    self.reply(p.reply_to, status, reply_buf);
                 }
                 Ok(())
             }
@@ -1079,7 +1088,7 @@ impl DataPlane {
                 }
             }
             RegionEffect::Forward { to, envelope } => {
-                let t = self.types[ty.0].name.clone();
+                let t = compact_str::CompactString::from(self.types[ty.0].name.as_str());
                 if to.member == self.config.me.member {
                     self.forward_local(&t, to.core, envelope);
                 } else {
@@ -1199,7 +1208,13 @@ impl DataPlane {
     /// A message for another node's region: over its data lane (opened
     /// first), or answered at once (member removed, lane backing off,
     /// deadline passed).
-    fn forward_remote(&mut self, now: Duration, t: String, to: RegionId, env: UserEnvelope) {
+    fn forward_remote(
+        &mut self,
+        now: Duration,
+        t: compact_str::CompactString,
+        to: RegionId,
+        env: UserEnvelope,
+    ) {
         if self.removed.contains(&to.member) {
             return self.reply(
                 env.sender,
@@ -1223,8 +1238,8 @@ impl DataPlane {
         if let ReplyTo::System(m) = &env.sender {
             let (kind, peer, reason) = m.to_wire();
             let frame = DataFrame::System {
-                type_name: t,
-                entity_id: env.entity.as_str().to_string(),
+                type_name: t.to_string(),
+                entity_id: env.entity.as_str().into(),
                 shard: env.shard.0,
                 kind,
                 peer_type: peer.type_name.clone(),
@@ -1255,7 +1270,7 @@ impl DataPlane {
         let frame = DataFrame::Forward {
             tag,
             type_name: t,
-            entity_id: env.entity.as_str().to_string(),
+            entity_id: env.entity.as_str().into(),
             shard: env.shard.0,
             payload: env.payload,
             deadline_ms,
@@ -1284,7 +1299,7 @@ mod tests {
 
     fn member(port: u16, uid: u64) -> UniqueAddress {
         UniqueAddress {
-            address: Address(format!("127.0.0.1:{port}")),
+            address: Address(format!("127.0.0.1:{port}").into()),
             uid: MemberUid(uid),
         }
     }
@@ -1561,7 +1576,7 @@ mod tests {
             &mut buf,
         )
         .expect("encode");
-        p.handle_link_frame(&buf[FRAME_HEADER_BYTES..])
+        p.handle_link_frame(&buf[FRAME_HEADER_BYTES..], Vec::new())
             .expect("a reply frame");
         let out = drain(&mut p, later);
         assert_eq!(

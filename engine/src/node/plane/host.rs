@@ -383,6 +383,11 @@ impl EntityHost {
         self.services.recycle_reply(buf);
     }
 
+    /// An empty buffer for a reply (a spare one when there is one).
+    pub(crate) fn reply_buffer(&mut self) -> Vec<u8> {
+        self.services.reply_buffer()
+    }
+
     /// The lifecycle messages the watch book queued, as envelopes for
     /// [`DataPlane::handle_message`] (`(type, envelope)`); empty when there
     /// are none. The driver routes them, drains both queues, and asks

@@ -71,7 +71,7 @@ pub(super) struct SimJournal {
 
 impl World {
     fn address_of(slot: usize) -> Address {
-        Address(format!("10.0.0.{}:7101", slot + 1))
+        Address(format!("10.0.0.{}:7101", slot + 1).into())
     }
 
     fn wall_clock_ms(&self) -> u64 {
@@ -395,7 +395,7 @@ impl World {
     }
 
     fn plane_transmit(&mut self, slot: usize, t: Transmit) {
-        let Some(&to) = self.slot_of.get(&Address(t.to.clone())) else {
+        let Some(&to) = self.slot_of.get(&Address(t.to.clone().into())) else {
             return;
         };
         if !self.nodes[to].alive && !self.nodes[to].left {

@@ -459,7 +459,7 @@ impl World {
                 self.drive_core(slot, core);
             }
             Body::LaneReply { core, bytes } => {
-                if let Err(e) = self.nodes[slot].data[core].handle_link_frame(&bytes) {
+                if let Err(e) = self.nodes[slot].data[core].handle_link_frame(&bytes, Vec::new()) {
                     return self.violate("codec", format!("a reply frame to {slot}/{core}: {e}"));
                 }
                 self.drive_core(slot, core);
