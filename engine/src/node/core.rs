@@ -549,7 +549,7 @@ impl DataExecutor {
     fn send_to_core(
         &self,
         core: u16,
-        type_name: String,
+        type_name: compact_str::CompactString,
         envelope: UserEnvelope,
     ) -> Result<(), UserEnvelope> {
         let Some(tx) = self.to_cores.get(usize::from(core)) else {
@@ -583,7 +583,8 @@ impl DataExecutor {
                     type_name,
                     envelope,
                 } => {
-                    if let Err(envelope) = self.send_to_core(self.index, type_name, envelope) {
+                    if let Err(envelope) = self.send_to_core(self.index, type_name.into(), envelope)
+                    {
                         tracing::warn!(
                             core = self.index,
                             "message between entities dropped: inbox full or closed"

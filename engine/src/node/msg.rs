@@ -148,7 +148,7 @@ pub(crate) enum ToCore {
     },
     /// A user message forwarded by another core of this node.
     Forwarded {
-        type_name: String,
+        type_name: compact_str::CompactString,
         envelope: UserEnvelope,
     },
     /// The answer to a message this core forwarded to another core.

@@ -166,8 +166,8 @@ pub enum DataOutput {
     ToCore {
         /// The core's index.
         core: u16,
-        /// The entity type.
-        type_name: String,
+        /// The entity type (inline up to 24 bytes: no heap copy).
+        type_name: compact_str::CompactString,
         /// The message.
         envelope: UserEnvelope,
     },
@@ -1180,7 +1180,7 @@ impl DataPlane {
         if matches!(env.sender, ReplyTo::System(_)) {
             self.out.push_back(DataOutput::ToCore {
                 core: to_core,
-                type_name: t.to_string(),
+                type_name: t.into(),
                 envelope: env,
             });
             return;
@@ -1200,7 +1200,7 @@ impl DataPlane {
         self.local_forwards.insert(LocalToken(token), env.sender);
         self.out.push_back(DataOutput::ToCore {
             core: to_core,
-            type_name: t.to_string(),
+            type_name: t.into(),
             envelope: fwd,
         });
     }

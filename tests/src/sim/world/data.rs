@@ -144,7 +144,7 @@ impl World {
                 let uid = self.nodes[slot].uid;
                 let body = Body::ToCore {
                     core: to_core,
-                    type_name,
+                    type_name: type_name.to_string(),
                     envelope,
                 };
                 self.send(slot, slot, uid, body);
