@@ -49,6 +49,30 @@ impl PersistenceId {
         Ok(Self(id.into()))
     }
 
+    /// Builds a persistence id from the concatenation of `parts`, with one
+    /// heap allocation (the id's own): no intermediate `String`.
+    ///
+    /// # Errors
+    /// As [`PersistenceId::new`] for the concatenation.
+    pub fn concat(parts: &[&str]) -> Result<Self, PersistenceIdError> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        if len == 0 {
+            return Err(PersistenceIdError::Empty);
+        }
+        if len > MAX_PERSISTENCE_ID_LEN_BYTES {
+            return Err(PersistenceIdError::TooLong { len_bytes: len });
+        }
+        let mut buf = [0u8; MAX_PERSISTENCE_ID_LEN_BYTES];
+        let mut at = 0;
+        for p in parts {
+            buf[at..at + p.len()].copy_from_slice(p.as_bytes());
+            at += p.len();
+        }
+        // Concatenated `str`s are UTF-8.
+        let s = std::str::from_utf8(&buf[..len]).map_err(|_| PersistenceIdError::NotUtf8)?;
+        Ok(Self(s.into()))
+    }
+
     /// Builds a persistence id from bytes read from disk.
     ///
     /// # Errors
@@ -126,6 +150,19 @@ mod tests {
         assert!(PersistenceId::new(&"x".repeat(1024)).is_ok());
         assert_eq!(
             PersistenceId::new(&"x".repeat(1025)),
+            Err(PersistenceIdError::TooLong { len_bytes: 1025 })
+        );
+        assert_eq!(
+            PersistenceId::concat(&["counter", "|", "a"]).unwrap().as_str(),
+            "counter|a"
+        );
+        assert_eq!(
+            PersistenceId::concat(&["", ""]),
+            Err(PersistenceIdError::Empty)
+        );
+        assert!(PersistenceId::concat(&[&"x".repeat(1000), &"y".repeat(24)]).is_ok());
+        assert_eq!(
+            PersistenceId::concat(&[&"x".repeat(1000), &"y".repeat(25)]),
             Err(PersistenceIdError::TooLong { len_bytes: 1025 })
         );
         assert_eq!(
