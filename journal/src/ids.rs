@@ -28,8 +28,12 @@ pub enum PersistenceIdError {
 
 /// The name of one event stream in the journal (Akka's `persistenceId`):
 /// 1 to 1024 bytes of UTF-8. The journal gives it no further meaning.
+///
+/// Clones share one immutable string (reference counted): the journal's
+/// per-id maps and a writer's copy hold one allocation between them, and
+/// a clone does not allocate.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct PersistenceId(Box<str>);
+pub struct PersistenceId(std::sync::Arc<str>);
 
 impl PersistenceId {
     /// Builds a persistence id from a string.
@@ -153,7 +157,9 @@ mod tests {
             Err(PersistenceIdError::TooLong { len_bytes: 1025 })
         );
         assert_eq!(
-            PersistenceId::concat(&["counter", "|", "a"]).unwrap().as_str(),
+            PersistenceId::concat(&["counter", "|", "a"])
+                .unwrap()
+                .as_str(),
             "counter|a"
         );
         assert_eq!(

@@ -732,9 +732,7 @@ impl Journal {
             self.poison(format!("write to {} failed: {source}", self.active.name));
             return Err(AppendError::Io { source });
         }
-        self.active
-            .index
-            .add(pid.as_str(), kind, seq, epoch, lsn, off, len);
+        self.active.index.add(pid, kind, seq, epoch, lsn, off, len);
         let st = match self.catalog.pids.get_mut(pid.as_str()) {
             Some(s) => s,
             None => self.catalog.pids.entry(pid.clone()).or_default(),
