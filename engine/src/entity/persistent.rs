@@ -163,13 +163,14 @@ impl Busy {
 /// Hosts a [`PersistentEntity`] as an [`Entity`]: journal appends,
 /// stashing, deferred replies, recovery and snapshots.
 ///
-/// An idle incarnation keeps only its state, its sequence numbers and its
-/// writer epoch; everything a command in progress needs ([`Busy`]) is
-/// allocated when it starts and freed when it is done, and the persistence
-/// id (`{type_name}|{entity_id}`) is derived from the context then.
+/// An idle incarnation keeps only its state and its sequence numbers;
+/// everything a command in progress needs ([`Busy`]) is allocated when it
+/// starts and freed when it is done, and the persistence id
+/// (`{type_name}|{entity_id}`) and the writer epoch (the shard's
+/// allocation generation, fixed for an incarnation) are read from the
+/// context then.
 pub struct Persistent {
     inner: Box<dyn PersistentEntity>,
-    epoch: WriterEpoch,
     seq: u64,
     snapshot_every: u64,
     since_snapshot: u64,
@@ -194,12 +195,16 @@ fn persistence_id(ctx: &EntityContext<'_>) -> Result<PersistenceId, EntityError>
         .map_err(|e| EntityError::Failed(format!("persistence id: {e}")))
 }
 
+/// The writer epoch of the incarnation `ctx` is about.
+fn epoch_of(ctx: &EntityContext<'_>) -> WriterEpoch {
+    WriterEpoch(ctx.writer_epoch())
+}
+
 impl Persistent {
     /// Wraps `inner`; a snapshot every `snapshot_every` events (0: never).
     pub fn new(inner: Box<dyn PersistentEntity>, snapshot_every: u64) -> Self {
         Persistent {
             inner,
-            epoch: WriterEpoch(0),
             seq: 0,
             snapshot_every,
             since_snapshot: 0,
@@ -289,10 +294,10 @@ impl Persistent {
         ctx: &mut EntityContext<'_>,
         pid: &PersistenceId,
     ) -> Result<(), EntityError> {
-        let after = self.seq;
+        let (after, epoch) = (self.seq, epoch_of(ctx));
         let start = ctx
             .journal()
-            .map(|l| l.recover_start(pid, self.epoch, after))
+            .map(|l| l.recover_start(pid, epoch, after))
             .map_err(|e| EntityError::Failed(format!("recovery of {}: {e}", pid.as_str())))?;
         match start {
             RecoverStart::Ready(Ok(rec)) => self.apply_recovered(rec),
@@ -447,11 +452,12 @@ impl Persistent {
         let b = self.busy.get_or_insert_with(Box::default);
         let id = b.next_command;
         b.next_command = b.next_command.wrapping_add(1);
+        let epoch = epoch_of(ctx);
         for (event, mode) in pc.events {
             let seq = self.seq + 1;
             let lsn = ctx
                 .journal()
-                .map(|l| l.append(pid, SequenceNr(seq), self.epoch, &event))
+                .map(|l| l.append(pid, SequenceNr(seq), epoch, &event))
                 .and_then(|r| r)
                 .map_err(|e| EntityError::Failed(format!("journal: {e}")))?;
             self.seq = seq;
@@ -581,9 +587,10 @@ impl Persistent {
         // Only events whose handlers ran are in the state.
         let seq = self.seq - self.in_flight_len() as u64;
         let data = self.inner.snapshot();
+        let epoch = epoch_of(ctx);
         match ctx
             .journal()
-            .map(|l| l.save_snapshot(pid, SequenceNr(seq), self.epoch, &data))
+            .map(|l| l.save_snapshot(pid, SequenceNr(seq), epoch, &data))
             .and_then(|r| r)
         {
             Ok(()) => self.since_snapshot = 0,
@@ -629,7 +636,6 @@ impl Persistent {
 
 impl Entity for Persistent {
     fn on_start(&mut self, ctx: &mut EntityContext<'_>) {
-        self.epoch = WriterEpoch(ctx.writer_epoch());
         let pid = match persistence_id(ctx) {
             Ok(p) => p,
             Err(EntityError::Failed(why)) => {
