@@ -150,6 +150,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_persistence_id_is_one_pointer_and_clones_share_it() {
+        assert_eq!(std::mem::size_of::<PersistenceId>(), 8);
+        assert_eq!(std::mem::size_of::<Option<PersistenceId>>(), 8);
+        let a = PersistenceId::new("counter|a").unwrap();
+        let b = a.clone();
+        assert!(std::ptr::eq(a.as_str(), b.as_str()));
+        let mut m = std::collections::HashMap::new();
+        m.insert(a, 1);
+        assert_eq!(m.get("counter|a"), Some(&1));
+    }
+
+    #[test]
     fn persistence_id_bounds() {
         assert_eq!(PersistenceId::new(""), Err(PersistenceIdError::Empty));
         assert!(PersistenceId::new(&"x".repeat(1024)).is_ok());

@@ -168,9 +168,11 @@ impl Busy {
 /// starts and freed when it is done, and the persistence id
 /// (`{type_name}|{entity_id}`) and the writer epoch (the shard's
 /// allocation generation, fixed for an incarnation) are read from the
-/// context then.
-pub struct Persistent {
-    inner: Box<dyn PersistentEntity>,
+/// context then. The state `E` is held inline (a built-in type is one
+/// allocation with its host); the default, a boxed `dyn PersistentEntity`,
+/// hosts any.
+pub struct Persistent<E: PersistentEntity = Box<dyn PersistentEntity>> {
+    inner: E,
     seq: u64,
     snapshot_every: u64,
     since_snapshot: u64,
@@ -200,9 +202,28 @@ fn epoch_of(ctx: &EntityContext<'_>) -> WriterEpoch {
     WriterEpoch(ctx.writer_epoch())
 }
 
-impl Persistent {
+/// A boxed entity is one: its calls are forwarded.
+impl<T: PersistentEntity + ?Sized> PersistentEntity for Box<T> {
+    fn on_command(&mut self, ctx: &mut PersistContext, command: &[u8]) -> Result<(), EntityError> {
+        (**self).on_command(ctx, command)
+    }
+
+    fn on_event(&mut self, ctx: &mut PersistContext, event: &[u8]) -> Result<(), EntityError> {
+        (**self).on_event(ctx, event)
+    }
+
+    fn snapshot(&self) -> Vec<u8> {
+        (**self).snapshot()
+    }
+
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), EntityError> {
+        (**self).restore(snapshot)
+    }
+}
+
+impl<E: PersistentEntity> Persistent<E> {
     /// Wraps `inner`; a snapshot every `snapshot_every` events (0: never).
-    pub fn new(inner: Box<dyn PersistentEntity>, snapshot_every: u64) -> Self {
+    pub fn new(inner: E, snapshot_every: u64) -> Self {
         Persistent {
             inner,
             seq: 0,
@@ -634,7 +655,7 @@ impl Persistent {
     }
 }
 
-impl Entity for Persistent {
+impl<E: PersistentEntity> Entity for Persistent<E> {
     fn on_start(&mut self, ctx: &mut EntityContext<'_>) {
         let pid = match persistence_id(ctx) {
             Ok(p) => p,
@@ -916,7 +937,7 @@ mod tests {
     }
 
     struct Harness {
-        host: Persistent,
+        host: Persistent<Recorder>,
         services: crate::entity::EntityServices,
         id: EntityId,
         log: std::rc::Rc<std::cell::RefCell<Vec<String>>>,
@@ -946,7 +967,7 @@ mod tests {
             );
             let log = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
             let inner = Recorder { log: log.clone() };
-            let mut host = Persistent::new(Box::new(inner), 0);
+            let mut host = Persistent::new(inner, 0);
             let id = EntityId::new("e1").unwrap();
             let mut ctx = EntityContext::new(&id, &mut services).with_type("rec", 1);
             host.on_start(&mut ctx);
@@ -1024,6 +1045,31 @@ mod tests {
             vec![(b, "done e3".to_string()), (c, "r r".to_string())]
         );
         assert_eq!(h.host.sequence_nr(), 3);
+    }
+
+    #[test]
+    fn an_idle_entity_keeps_no_pending_work_state() {
+        let mut h = Harness::new();
+        assert!(h.host.busy.is_none(), "recovered, nothing pending");
+        // A command without events allocates nothing for pending work.
+        let a = h.send("r");
+        assert!(h.host.busy.is_none());
+        let b = h.send("s:e1,s:e2");
+        let c = h.send("r");
+        assert!(h.host.busy.is_some(), "events in flight, C stashed");
+        h.make_durable(2);
+        assert_eq!(
+            h.replies(),
+            vec![
+                (a, "r r".to_string()),
+                (b, "done e2".to_string()),
+                (c, "r r".to_string())
+            ]
+        );
+        assert!(h.host.busy.is_none(), "done: freed");
+        // The state's host is a few words over the state.
+        let size = std::mem::size_of::<Persistent<Recorder>>();
+        assert!(size <= 48, "{size} bytes");
     }
 
     #[test]

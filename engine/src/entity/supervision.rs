@@ -437,6 +437,24 @@ mod tests {
     }
 
     #[test]
+    fn the_failure_history_is_allocated_at_the_first_failure() {
+        assert!(std::mem::size_of::<Supervisor>() <= 32);
+        let id = EntityId::new("a").unwrap();
+        let factory: EntityFactory = Arc::new(|_| Box::new(Fragile { n: 0 }));
+        let mut s = Supervisor {
+            child: Some(factory(&id)),
+            shared: Arc::new((factory, settings(5))),
+            history: None,
+        };
+        assert_eq!(send(&mut s, &id, "x").0, Status::Ok);
+        assert!(s.history.is_none());
+        assert_eq!(send(&mut s, &id, "boom").0, Status::EntityFailed);
+        assert!(s.history.is_some());
+        assert_eq!(send(&mut s, &id, "x").0, Status::Ok);
+        assert_eq!(s.restarts(), 1);
+    }
+
+    #[test]
     fn too_many_restarts_stop_the_entity() {
         let f = supervised(Arc::new(|_| Box::new(Fragile { n: 0 })), settings(2));
         let id = EntityId::new("a").unwrap();
