@@ -588,6 +588,12 @@ impl Journal {
             .map_or(SequenceNr(0), |s| s.last_seq)
     }
 
+    /// The persistence id `id` as this journal holds it (its own copy,
+    /// shared: a clone, no allocation), when it has records of it.
+    pub fn persistence_id(&self, id: &str) -> Option<PersistenceId> {
+        self.catalog.pids.get_key_value(id).map(|(p, _)| p.clone())
+    }
+
     /// The highest writer epoch recorded for `pid` (0 when none).
     pub fn writer_epoch_of(&self, pid: &PersistenceId) -> WriterEpoch {
         self.catalog

@@ -191,8 +191,25 @@ fn release_if_drained<T>(q: &mut VecDeque<T>) {
 }
 
 /// The persistence id of the entity `ctx` is about:
-/// `{type_name}|{entity_id}` (one allocation).
-fn persistence_id(ctx: &EntityContext<'_>) -> Result<PersistenceId, EntityError> {
+/// `{type_name}|{entity_id}`: the journal's copy when it has one (shared:
+/// no allocation), else a new one (one allocation).
+fn persistence_id(ctx: &mut EntityContext<'_>) -> Result<PersistenceId, EntityError> {
+    let (t, id) = (
+        ctx.type_name().as_bytes(),
+        ctx.self_id().as_str().as_bytes(),
+    );
+    let len = t.len() + 1 + id.len();
+    let mut buf = [0u8; 128];
+    if len <= buf.len() {
+        buf[..t.len()].copy_from_slice(t);
+        buf[t.len()] = b'|';
+        buf[t.len() + 1..len].copy_from_slice(id);
+        if let Ok(s) = std::str::from_utf8(&buf[..len]) {
+            if let Some(p) = ctx.journal().ok().and_then(|l| l.persistence_id(s)) {
+                return Ok(p);
+            }
+        }
+    }
     PersistenceId::concat(&[ctx.type_name(), "|", ctx.self_id().as_str()])
         .map_err(|e| EntityError::Failed(format!("persistence id: {e}")))
 }
@@ -284,7 +301,7 @@ impl<E: PersistentEntity> Persistent<E> {
 
     /// The persistence id: the one kept while busy (taken out: give it
     /// back with [`Self::keep_pid`]), else derived from `ctx`.
-    fn take_pid(&mut self, ctx: &EntityContext<'_>) -> Result<PersistenceId, EntityError> {
+    fn take_pid(&mut self, ctx: &mut EntityContext<'_>) -> Result<PersistenceId, EntityError> {
         match self.busy.as_mut().and_then(|b| b.pid.take()) {
             Some(p) => Ok(p),
             None => persistence_id(ctx),
