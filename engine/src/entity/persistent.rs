@@ -164,7 +164,7 @@ impl Busy {
 /// stashing, deferred replies, recovery and snapshots.
 ///
 /// An idle incarnation keeps only its state and its sequence numbers;
-/// everything a command in progress needs ([`Busy`]) is allocated when it
+/// everything a command in progress needs is allocated when it
 /// starts and freed when it is done, and the persistence id
 /// (`{type_name}|{entity_id}`) and the writer epoch (the shard's
 /// allocation generation, fixed for an incarnation) are read from the
