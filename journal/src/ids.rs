@@ -28,8 +28,13 @@ pub enum PersistenceIdError {
 
 /// The name of one event stream in the journal (Akka's `persistenceId`):
 /// 1 to 1024 bytes of UTF-8. The journal gives it no further meaning.
+///
+/// One pointer wide; clones share one immutable string (reference
+/// counted): the journal's per-id maps and a writer's copy hold one
+/// allocation between them (the string inline in it up to 24 bytes), and
+/// a clone does not allocate. Hashes, compares and orders as its `str`.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct PersistenceId(Box<str>);
+pub struct PersistenceId(std::sync::Arc<compact_str::CompactString>);
 
 impl PersistenceId {
     /// Builds a persistence id from a string.
@@ -46,7 +51,31 @@ impl PersistenceId {
                 len_bytes: id.len(),
             });
         }
-        Ok(Self(id.into()))
+        Ok(Self(std::sync::Arc::new(id.into())))
+    }
+
+    /// Builds a persistence id from the concatenation of `parts`, with one
+    /// heap allocation (the id's own): no intermediate `String`.
+    ///
+    /// # Errors
+    /// As [`PersistenceId::new`] for the concatenation.
+    pub fn concat(parts: &[&str]) -> Result<Self, PersistenceIdError> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        if len == 0 {
+            return Err(PersistenceIdError::Empty);
+        }
+        if len > MAX_PERSISTENCE_ID_LEN_BYTES {
+            return Err(PersistenceIdError::TooLong { len_bytes: len });
+        }
+        let mut buf = [0u8; MAX_PERSISTENCE_ID_LEN_BYTES];
+        let mut at = 0;
+        for p in parts {
+            buf[at..at + p.len()].copy_from_slice(p.as_bytes());
+            at += p.len();
+        }
+        // Concatenated `str`s are UTF-8.
+        let s = std::str::from_utf8(&buf[..len]).map_err(|_| PersistenceIdError::NotUtf8)?;
+        Ok(Self(std::sync::Arc::new(s.into())))
     }
 
     /// Builds a persistence id from bytes read from disk.
@@ -121,11 +150,38 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_persistence_id_is_one_pointer_and_clones_share_it() {
+        assert_eq!(std::mem::size_of::<PersistenceId>(), 8);
+        assert_eq!(std::mem::size_of::<Option<PersistenceId>>(), 8);
+        let a = PersistenceId::new("counter|a").unwrap();
+        let b = a.clone();
+        assert!(std::ptr::eq(a.as_str(), b.as_str()));
+        let mut m = std::collections::HashMap::new();
+        m.insert(a, 1);
+        assert_eq!(m.get("counter|a"), Some(&1));
+    }
+
+    #[test]
     fn persistence_id_bounds() {
         assert_eq!(PersistenceId::new(""), Err(PersistenceIdError::Empty));
         assert!(PersistenceId::new(&"x".repeat(1024)).is_ok());
         assert_eq!(
             PersistenceId::new(&"x".repeat(1025)),
+            Err(PersistenceIdError::TooLong { len_bytes: 1025 })
+        );
+        assert_eq!(
+            PersistenceId::concat(&["counter", "|", "a"])
+                .unwrap()
+                .as_str(),
+            "counter|a"
+        );
+        assert_eq!(
+            PersistenceId::concat(&["", ""]),
+            Err(PersistenceIdError::Empty)
+        );
+        assert!(PersistenceId::concat(&[&"x".repeat(1000), &"y".repeat(24)]).is_ok());
+        assert_eq!(
+            PersistenceId::concat(&[&"x".repeat(1000), &"y".repeat(25)]),
             Err(PersistenceIdError::TooLong { len_bytes: 1025 })
         );
         assert_eq!(

@@ -588,6 +588,12 @@ impl Journal {
             .map_or(SequenceNr(0), |s| s.last_seq)
     }
 
+    /// The persistence id `id` as this journal holds it (its own copy,
+    /// shared: a clone, no allocation), when it has records of it.
+    pub fn persistence_id(&self, id: &str) -> Option<PersistenceId> {
+        self.catalog.pids.get_key_value(id).map(|(p, _)| p.clone())
+    }
+
     /// The highest writer epoch recorded for `pid` (0 when none).
     pub fn writer_epoch_of(&self, pid: &PersistenceId) -> WriterEpoch {
         self.catalog
@@ -732,9 +738,7 @@ impl Journal {
             self.poison(format!("write to {} failed: {source}", self.active.name));
             return Err(AppendError::Io { source });
         }
-        self.active
-            .index
-            .add(pid.as_str(), kind, seq, epoch, lsn, off, len);
+        self.active.index.add(pid, kind, seq, epoch, lsn, off, len);
         let st = match self.catalog.pids.get_mut(pid.as_str()) {
             Some(s) => s,
             None => self.catalog.pids.entry(pid.clone()).or_default(),

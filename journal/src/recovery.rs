@@ -43,10 +43,33 @@ impl SegmentIndex {
         }
     }
 
-    /// Adds a record that was validated (by scan) or just written. (The
-    /// fields are passed one by one: the appender has no decoded view.)
+    /// Adds a record that was just written by `pid`'s writer (the index
+    /// shares its id). (The fields are passed one by one: the appender has
+    /// no decoded view.)
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn add(
+        &mut self,
+        pid: &PersistenceId,
+        kind: RecordKind,
+        seq: SequenceNr,
+        epoch: WriterEpoch,
+        lsn: Lsn,
+        offset: u64,
+        len_bytes: u64,
+    ) {
+        let e = match self.pids.get_mut(pid.as_str()) {
+            Some(e) => e,
+            None => self.pids.entry(pid.clone()).or_default(),
+        };
+        Self::add_to(e, kind, seq, epoch, offset);
+        self.records += 1;
+        self.last_lsn = lsn;
+        self.end_offset = offset + len_bytes;
+    }
+
+    /// Adds a record validated by a scan (its id read from the segment).
+    #[allow(clippy::too_many_arguments)]
+    fn add_scanned(
         &mut self,
         pid: &str,
         kind: RecordKind,
@@ -65,22 +88,39 @@ impl SegmentIndex {
                 self.pids.entry(p).or_default()
             }
         };
-        e.max_epoch = e.max_epoch.max(epoch);
-        match kind {
-            RecordKind::Event => {
-                e.last_event_seq = e.last_event_seq.max(seq);
-                e.events.push((seq, offset as u32));
-            }
-            RecordKind::Deletion => e.deleted_to = e.deleted_to.max(seq),
-        }
+        Self::add_to(e, kind, seq, epoch, offset);
         self.records += 1;
         self.last_lsn = lsn;
         self.end_offset = offset + len_bytes;
     }
 
+    fn add_to(
+        e: &mut IndexEntry,
+        kind: RecordKind,
+        seq: SequenceNr,
+        epoch: WriterEpoch,
+        offset: u64,
+    ) {
+        e.max_epoch = e.max_epoch.max(epoch);
+        match kind {
+            RecordKind::Event => {
+                e.last_event_seq = e.last_event_seq.max(seq);
+                if e.events.capacity() == 0 {
+                    // Most ids have one event in a segment (a million
+                    // entities written once each): room for exactly one,
+                    // not the four a first push reserves (48 bytes less an
+                    // id); a second event grows it as usual.
+                    e.events.reserve_exact(1);
+                }
+                e.events.push((seq, offset as u32));
+            }
+            RecordKind::Deletion => e.deleted_to = e.deleted_to.max(seq),
+        }
+    }
+
     fn add_view(&mut self, r: &RecordView<'_>) {
         let pid = std::str::from_utf8(r.persistence_id).unwrap_or("");
-        self.add(
+        self.add_scanned(
             pid,
             r.kind,
             r.sequence_nr,

@@ -66,6 +66,26 @@ fn append_replay_reopen_across_segments() {
 }
 
 #[test]
+fn the_journal_lends_its_copy_of_a_persistence_id() {
+    let storage = MemoryStorage::new();
+    let (mut j, _) =
+        Journal::open_with_storage(Arc::new(storage.clone()), opts(4096, Durability::None, 0))
+            .unwrap();
+    assert_eq!(j.persistence_id("counter|1"), None);
+    let p = pid("counter|1");
+    j.append(&p, SequenceNr(1), WriterEpoch(0), b"x").unwrap();
+    // The writer's id is the journal's: the same string, not a copy.
+    let held = j.persistence_id("counter|1").unwrap();
+    assert_eq!(held, p);
+    assert!(std::ptr::eq(held.as_str(), p.as_str()));
+    assert_eq!(j.persistence_id("counter|2"), None);
+    j.close().unwrap();
+    let (j, _) =
+        Journal::open_with_storage(Arc::new(storage), opts(4096, Durability::None, 0)).unwrap();
+    assert_eq!(j.persistence_id("counter|1"), Some(p));
+}
+
+#[test]
 fn snapshot_then_replay_resumes_after_it() {
     let storage = MemoryStorage::new();
     let (mut j, _) =

@@ -831,7 +831,7 @@ pub fn builtin_factory_full(
         }
         crate::config::EntityKind::Counter => Arc::new(move |_| {
             Box::new(persistent::Persistent::new(
-                Box::<Counter>::default(),
+                Counter::default(),
                 snapshot_every,
             ))
         }),
@@ -873,7 +873,7 @@ mod tests {
 
     /// A durable counter on an in-memory journal with "none" semantics.
     struct Durable {
-        host: persistent::Persistent,
+        host: persistent::Persistent<Counter>,
         services: EntityServices,
         id: EntityId,
         token: u64,
@@ -886,7 +886,7 @@ mod tests {
                 crate::persistence::CoreJournal::with_log_installed(Box::new(log)),
             );
             let id = EntityId::new("x").unwrap();
-            let mut host = persistent::Persistent::new(Box::<Counter>::default(), 3);
+            let mut host = persistent::Persistent::new(Counter::default(), 3);
             host.on_start(&mut EntityContext::new(&id, &mut services).with_type("counter", 1));
             Durable {
                 host,

@@ -147,21 +147,22 @@ struct PendingCommand {
     remaining: usize,
 }
 
-/// Hosts a [`PersistentEntity`] as an [`Entity`]: journal appends,
-/// stashing, deferred replies, recovery and snapshots.
-pub struct Persistent {
-    inner: Box<dyn PersistentEntity>,
+/// What a durable entity holds only while it has work: events in flight,
+/// the commands waiting for them or stashed, a recovery read in flight or
+/// to redo, or the reason recovery failed. An idle entity has none of it
+/// (one null pointer): across a million idle entities the queue headers
+/// and the persistence id were most of their memory.
+#[derive(Default)]
+struct Busy {
+    /// The persistence id, derived from the context when first needed and
+    /// kept while busy.
     pid: Option<PersistenceId>,
-    epoch: WriterEpoch,
-    seq: u64,
-    snapshot_every: u64,
-    since_snapshot: u64,
     in_flight: VecDeque<InFlight>,
     commands: VecDeque<PendingCommand>,
     next_command: u64,
     stashed: VecDeque<(Vec<u8>, Option<u64>)>,
+    /// `persist` events in flight (commands are stashed while above 0).
     stashing: usize,
-    recovered_events: u64,
     /// The ticket of a recovery read in flight (commands are stashed).
     recovering: Option<u64>,
     /// The journal was unavailable: recover again (the events after the
@@ -169,6 +170,40 @@ pub struct Persistent {
     needs_recovery: bool,
     /// Recovery failed for good: every command fails with this.
     failed: Option<String>,
+}
+
+impl Busy {
+    /// Nothing pending and nothing to remember: the entity is idle.
+    fn is_idle(&self) -> bool {
+        self.in_flight.is_empty()
+            && self.commands.is_empty()
+            && self.stashed.is_empty()
+            && self.stashing == 0
+            && self.recovering.is_none()
+            && !self.needs_recovery
+            && self.failed.is_none()
+    }
+}
+
+/// Hosts a [`PersistentEntity`] as an [`Entity`]: journal appends,
+/// stashing, deferred replies, recovery and snapshots.
+///
+/// An idle incarnation keeps only its state and its sequence numbers;
+/// everything a command in progress needs is allocated when it
+/// starts and freed when it is done, and the persistence id
+/// (`{type_name}|{entity_id}`) and the writer epoch (the shard's
+/// allocation generation, fixed for an incarnation) are read from the
+/// context then. The state `E` is held inline (a built-in type is one
+/// allocation with its host); the default, a boxed `dyn PersistentEntity`,
+/// hosts any.
+pub struct Persistent<E: PersistentEntity = Box<dyn PersistentEntity>> {
+    inner: E,
+    seq: u64,
+    snapshot_every: u64,
+    since_snapshot: u64,
+    busy: Option<Box<Busy>>,
+    /// Events replayed at the last recovery (saturating).
+    recovered_events: u32,
     /// Being stopped (`on_stopping`, `on_stop`): no new recovery.
     stopping: bool,
 }
@@ -180,25 +215,64 @@ fn release_if_drained<T>(q: &mut VecDeque<T>) {
     }
 }
 
-impl Persistent {
+/// The persistence id of the entity `ctx` is about:
+/// `{type_name}|{entity_id}`: the journal's copy when it has one (shared:
+/// no allocation), else a new one (one allocation).
+fn persistence_id(ctx: &mut EntityContext<'_>) -> Result<PersistenceId, EntityError> {
+    let (t, id) = (
+        ctx.type_name().as_bytes(),
+        ctx.self_id().as_str().as_bytes(),
+    );
+    let len = t.len() + 1 + id.len();
+    let mut buf = [0u8; 128];
+    if len <= buf.len() {
+        buf[..t.len()].copy_from_slice(t);
+        buf[t.len()] = b'|';
+        buf[t.len() + 1..len].copy_from_slice(id);
+        if let Ok(s) = std::str::from_utf8(&buf[..len]) {
+            if let Some(p) = ctx.journal().ok().and_then(|l| l.persistence_id(s)) {
+                return Ok(p);
+            }
+        }
+    }
+    PersistenceId::concat(&[ctx.type_name(), "|", ctx.self_id().as_str()])
+        .map_err(|e| EntityError::Failed(format!("persistence id: {e}")))
+}
+
+/// The writer epoch of the incarnation `ctx` is about.
+fn epoch_of(ctx: &EntityContext<'_>) -> WriterEpoch {
+    WriterEpoch(ctx.writer_epoch())
+}
+
+/// A boxed entity is one: its calls are forwarded.
+impl<T: PersistentEntity + ?Sized> PersistentEntity for Box<T> {
+    fn on_command(&mut self, ctx: &mut PersistContext, command: &[u8]) -> Result<(), EntityError> {
+        (**self).on_command(ctx, command)
+    }
+
+    fn on_event(&mut self, ctx: &mut PersistContext, event: &[u8]) -> Result<(), EntityError> {
+        (**self).on_event(ctx, event)
+    }
+
+    fn snapshot(&self) -> Vec<u8> {
+        (**self).snapshot()
+    }
+
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), EntityError> {
+        (**self).restore(snapshot)
+    }
+}
+
+impl<E: PersistentEntity> Persistent<E> {
     /// Wraps `inner`; a snapshot every `snapshot_every` events (0: never).
-    pub fn new(inner: Box<dyn PersistentEntity>, snapshot_every: u64) -> Self {
+    pub fn new(inner: E, snapshot_every: u64) -> Self {
         Persistent {
             inner,
-            pid: None,
-            epoch: WriterEpoch(0),
             seq: 0,
             snapshot_every,
             since_snapshot: 0,
-            in_flight: VecDeque::new(),
-            commands: VecDeque::new(),
-            next_command: 1,
-            stashed: VecDeque::new(),
-            stashing: 0,
+            busy: None,
             recovered_events: 0,
-            recovering: None,
-            needs_recovery: false,
-            failed: None,
             stopping: false,
         }
     }
@@ -210,12 +284,67 @@ impl Persistent {
 
     /// Events replayed at the last recovery (count).
     pub fn recovered_events(&self) -> u64 {
-        self.recovered_events
+        u64::from(self.recovered_events)
     }
 
     /// Commands stashed now (count).
     pub fn stashed(&self) -> usize {
-        self.stashed.len()
+        self.busy.as_ref().map_or(0, |b| b.stashed.len())
+    }
+
+    /// The pending work, allocated on first need.
+    fn busy(&mut self) -> &mut Busy {
+        self.busy.get_or_insert_with(Box::default)
+    }
+
+    fn failed(&self) -> Option<&str> {
+        self.busy.as_ref().and_then(|b| b.failed.as_deref())
+    }
+
+    fn recovering(&self) -> Option<u64> {
+        self.busy.as_ref().and_then(|b| b.recovering)
+    }
+
+    fn needs_recovery(&self) -> bool {
+        self.busy.as_ref().is_some_and(|b| b.needs_recovery)
+    }
+
+    fn stashing(&self) -> usize {
+        self.busy.as_ref().map_or(0, |b| b.stashing)
+    }
+
+    fn in_flight_len(&self) -> usize {
+        self.busy.as_ref().map_or(0, |b| b.in_flight.len())
+    }
+
+    fn front_lsn(&self) -> Option<Lsn> {
+        self.busy
+            .as_ref()
+            .and_then(|b| b.in_flight.front())
+            .map(|f| f.lsn)
+    }
+
+    /// The persistence id: the one kept while busy (taken out: give it
+    /// back with [`Self::keep_pid`]), else derived from `ctx`.
+    fn take_pid(&mut self, ctx: &mut EntityContext<'_>) -> Result<PersistenceId, EntityError> {
+        match self.busy.as_mut().and_then(|b| b.pid.take()) {
+            Some(p) => Ok(p),
+            None => persistence_id(ctx),
+        }
+    }
+
+    /// Keeps `pid` while busy (dropped when idle).
+    fn keep_pid(&mut self, pid: PersistenceId) {
+        if let Some(b) = self.busy.as_mut() {
+            b.pid.get_or_insert(pid);
+        }
+    }
+
+    /// Frees the pending work's state once nothing is pending.
+    fn settle(&mut self) {
+        if self.busy.as_ref().is_some_and(|b| b.is_idle()) {
+            self.busy = None;
+        }
     }
 
     /// Starts (or, after the journal was unavailable, resumes) recovery:
@@ -223,24 +352,34 @@ impl Persistent {
     /// events after it. A backend that reads on another thread answers
     /// later ([`Self::on_durable`] polls it); commands are stashed
     /// meanwhile.
-    fn start_recovery(&mut self, ctx: &mut EntityContext<'_>) -> Result<(), EntityError> {
-        let Some(pid) = self.pid.clone() else {
-            return Err(EntityError::Failed("no persistence id".into()));
-        };
-        let after = self.seq;
+    fn start_recovery(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        pid: &PersistenceId,
+    ) -> Result<(), EntityError> {
+        let (after, epoch) = (self.seq, epoch_of(ctx));
         let start = ctx
             .journal()
-            .map(|l| l.recover_start(&pid, self.epoch, after))
+            .map(|l| l.recover_start(pid, epoch, after))
             .map_err(|e| EntityError::Failed(format!("recovery of {}: {e}", pid.as_str())))?;
         match start {
             RecoverStart::Ready(Ok(rec)) => self.apply_recovered(rec),
-            RecoverStart::Ready(Err(e)) => self.recovery_failed(ctx, e),
+            RecoverStart::Ready(Err(e)) => self.recovery_failed(ctx, pid, e),
             RecoverStart::Pending(ticket) => {
-                self.recovering = Some(ticket);
+                self.busy().recovering = Some(ticket);
                 ctx.await_durable();
                 Ok(())
             }
         }
+    }
+
+    /// As [`Self::start_recovery`], with the persistence id kept while
+    /// busy or derived.
+    fn recover(&mut self, ctx: &mut EntityContext<'_>) -> Result<(), EntityError> {
+        let pid = self.take_pid(ctx)?;
+        let r = self.start_recovery(ctx, &pid);
+        self.keep_pid(pid);
+        r
     }
 
     /// Applies a recovery read on top of the state (which holds the events
@@ -267,7 +406,7 @@ impl Persistent {
         }
         // Sequence numbers taken without an event (a claim row).
         self.seq = self.seq.max(rec.highest);
-        self.recovered_events = n;
+        self.recovered_events = u32::try_from(n).unwrap_or(u32::MAX);
         self.since_snapshot += n;
         Ok(())
     }
@@ -278,22 +417,22 @@ impl Persistent {
     fn recovery_failed(
         &mut self,
         ctx: &mut EntityContext<'_>,
+        pid: &PersistenceId,
         e: LogError,
     ) -> Result<(), EntityError> {
-        let why = match &self.pid {
-            Some(p) => format!("recovery of {}: {e}", p.as_str()),
-            None => e.to_string(),
-        };
-        for (_, t) in self.stashed.drain(..) {
-            if let Some(t) = t {
-                ctx.complete(t, e.status(), why.as_bytes().to_vec());
+        let why = format!("recovery of {}: {e}", pid.as_str());
+        if let Some(b) = self.busy.as_mut() {
+            for (_, t) in b.stashed.drain(..) {
+                if let Some(t) = t {
+                    ctx.complete(t, e.status(), why.as_bytes().to_vec());
+                }
             }
         }
         if e.kind == LogErrorKind::Unavailable {
-            self.needs_recovery = true;
+            self.busy().needs_recovery = true;
             Ok(())
         } else {
-            self.failed = Some(why.clone());
+            self.busy().failed = Some(why.clone());
             Err(EntityError::Failed(why))
         }
     }
@@ -303,33 +442,43 @@ impl Persistent {
     /// in flight get the refusal's status, the sequence number goes back
     /// to the last handled event, and (unavailable) the entity recovers
     /// what the database holds before the stashed commands run.
-    fn on_rejected(&mut self, ctx: &mut EntityContext<'_>, e: LogError) -> Result<(), EntityError> {
-        self.seq -= self.in_flight.len() as u64;
-        self.in_flight.clear();
-        self.stashing = 0;
-        for c in self.commands.drain(..) {
-            if let Some(t) = c.token {
-                ctx.complete(t, e.status(), e.message.as_bytes().to_vec());
+    fn on_rejected(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        pid: &PersistenceId,
+        e: LogError,
+    ) -> Result<(), EntityError> {
+        self.seq -= self.in_flight_len() as u64;
+        if let Some(b) = self.busy.as_mut() {
+            b.in_flight.clear();
+            b.stashing = 0;
+            for c in b.commands.drain(..) {
+                if let Some(t) = c.token {
+                    ctx.complete(t, e.status(), e.message.as_bytes().to_vec());
+                }
             }
         }
         if e.kind != LogErrorKind::Unavailable {
             let why = e.message.clone();
-            self.recovery_failed(ctx, e)?;
+            self.recovery_failed(ctx, pid, e)?;
             return Err(EntityError::Failed(why));
         }
-        self.needs_recovery = true;
-        if !self.stashed.is_empty() && !self.stopping {
-            self.needs_recovery = false;
-            self.start_recovery(ctx)?;
+        self.busy().needs_recovery = true;
+        if self.stashed() > 0 && !self.stopping {
+            self.busy().needs_recovery = false;
+            self.start_recovery(ctx, pid)?;
         }
         Ok(())
     }
 
+    /// Runs one command; its events (if any) are appended with `pid` (the
+    /// caller's, else the one kept while busy or derived).
     fn run_command(
         &mut self,
         ctx: &mut EntityContext<'_>,
         command: &[u8],
         token: Option<u64>,
+        pid: Option<&PersistenceId>,
     ) -> Result<(), EntityError> {
         let mut pc = PersistContext::lent(ctx);
         let handled = self.inner.on_command(&mut pc, command);
@@ -344,32 +493,51 @@ impl Persistent {
             }
             return Ok(());
         }
-        let Some(pid) = self.pid.clone() else {
-            return Err(EntityError::Failed("not recovered".into()));
-        };
-        let id = self.next_command;
-        self.next_command += 1;
+        match pid {
+            Some(pid) => self.append_events(ctx, pid, pc, token),
+            None => {
+                let pid = self.take_pid(ctx)?;
+                let r = self.append_events(ctx, &pid, pc, token);
+                self.keep_pid(pid);
+                r
+            }
+        }
+    }
+
+    /// Appends the events a command handler persisted and records the
+    /// command as waiting for them.
+    fn append_events(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        pid: &PersistenceId,
+        pc: PersistContext,
+        token: Option<u64>,
+    ) -> Result<(), EntityError> {
         let n = pc.events.len();
+        let b = self.busy.get_or_insert_with(Box::default);
+        let id = b.next_command;
+        b.next_command = b.next_command.wrapping_add(1);
+        let epoch = epoch_of(ctx);
         for (event, mode) in pc.events {
             let seq = self.seq + 1;
             let lsn = ctx
                 .journal()
-                .map(|l| l.append(&pid, SequenceNr(seq), self.epoch, &event))
+                .map(|l| l.append(pid, SequenceNr(seq), epoch, &event))
                 .and_then(|r| r)
                 .map_err(|e| EntityError::Failed(format!("journal: {e}")))?;
             self.seq = seq;
             ctx.note_appended(lsn);
             if mode == PersistMode::Stash {
-                self.stashing += 1;
+                b.stashing += 1;
             }
-            self.in_flight.push_back(InFlight {
+            b.in_flight.push_back(InFlight {
                 lsn,
                 event,
                 mode,
                 command: id,
             });
         }
-        self.commands.push_back(PendingCommand {
+        b.commands.push_back(PendingCommand {
             id,
             token,
             reply: pc.reply,
@@ -382,15 +550,31 @@ impl Persistent {
     /// Runs the handlers of the events durable up to `durable`, answers the
     /// commands they complete, then handles stashed commands.
     fn advance(&mut self, ctx: &mut EntityContext<'_>, durable: Lsn) -> Result<(), EntityError> {
+        if self.busy.is_none() {
+            // Nothing in flight, nothing stashed: nothing to do.
+            return Ok(());
+        }
+        let pid = self.take_pid(ctx)?;
+        let r = self.advance_with(ctx, &pid, durable);
+        self.keep_pid(pid);
+        if r.is_ok() {
+            self.settle();
+        }
+        r
+    }
+
+    fn advance_with(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        pid: &PersistenceId,
+        durable: Lsn,
+    ) -> Result<(), EntityError> {
         loop {
-            while self.in_flight.front().is_some_and(|f| f.lsn <= durable) {
-                if let Some(pid) = &self.pid {
-                    let lsn = self.in_flight.front().map_or(Lsn(0), |f| f.lsn);
-                    if let Some(e) = ctx.journal().map(|l| l.rejected(pid, lsn)).ok().flatten() {
-                        return self.on_rejected(ctx, e);
-                    }
+            while let Some(lsn) = self.front_lsn().filter(|l| *l <= durable) {
+                if let Some(e) = ctx.journal().map(|l| l.rejected(pid, lsn)).ok().flatten() {
+                    return self.on_rejected(ctx, pid, e);
                 }
-                let Some(f) = self.in_flight.pop_front() else {
+                let Some(f) = self.busy.as_mut().and_then(|b| b.in_flight.pop_front()) else {
                     break;
                 };
                 let mut pc = PersistContext::lent(ctx);
@@ -400,43 +584,45 @@ impl Persistent {
                 if pc.passivate {
                     ctx.passivate();
                 }
+                let b = self.busy();
                 if f.mode == PersistMode::Stash {
-                    self.stashing -= 1;
+                    b.stashing -= 1;
                 }
-                if let Some(c) = self.commands.iter_mut().find(|c| c.id == f.command) {
+                if let Some(c) = b.commands.iter_mut().find(|c| c.id == f.command) {
                     if pc.reply.is_some() {
                         c.reply = pc.reply;
                     }
                     c.remaining -= 1;
                 }
-                while self.commands.front().is_some_and(|c| c.remaining == 0) {
-                    if let Some(c) = self.commands.pop_front() {
+                while b.commands.front().is_some_and(|c| c.remaining == 0) {
+                    if let Some(c) = b.commands.pop_front() {
                         if let Some(t) = c.token {
                             ctx.complete(t, Status::Ok, c.reply.unwrap_or_default());
                         }
                     }
                 }
                 self.since_snapshot += 1;
-                self.maybe_snapshot(ctx);
+                self.maybe_snapshot(ctx, pid);
             }
-            if self.stashing > 0 || self.stashed.is_empty() || self.recovering.is_some() {
+            if self.stashing() > 0 || self.stashed() == 0 || self.recovering().is_some() {
                 break;
             }
-            if self.needs_recovery {
+            if self.needs_recovery() {
                 if self.stopping {
                     break;
                 }
-                self.needs_recovery = false;
-                self.start_recovery(ctx)?;
-                if self.recovering.is_some() || self.needs_recovery {
+                self.busy().needs_recovery = false;
+                self.start_recovery(ctx, pid)?;
+                if self.recovering().is_some() || self.needs_recovery() {
                     break;
                 }
             }
-            while self.stashing == 0 {
-                let Some((cmd, token)) = self.stashed.pop_front() else {
+            while self.stashing() == 0 {
+                let Some((cmd, token)) = self.busy.as_mut().and_then(|b| b.stashed.pop_front())
+                else {
                     break;
                 };
-                if let Err(e) = self.run_command(ctx, &cmd, token) {
+                if let Err(e) = self.run_command(ctx, &cmd, token, Some(pid)) {
                     if let Some(t) = token {
                         ctx.complete(t, Status::EntityFailed, e.to_string().into_bytes());
                     }
@@ -444,33 +630,34 @@ impl Persistent {
             }
             // Under "none" the new appends are durable already.
             let d = ctx.journal().map(|l| l.durable_lsn()).unwrap_or(durable);
-            if self.in_flight.front().is_none_or(|f| f.lsn > d) {
+            if self.front_lsn().is_none_or(|l| l > d) {
                 break;
             }
         }
-        if !self.in_flight.is_empty() {
+        if self.in_flight_len() > 0 {
             ctx.await_durable();
         }
-        // An idle entity keeps no queue buffers: a drained `VecDeque` keeps
-        // its capacity, which is hundreds of bytes an entity across a
-        // million idle ones (freed here; the next command allocates again).
-        release_if_drained(&mut self.in_flight);
-        release_if_drained(&mut self.commands);
-        release_if_drained(&mut self.stashed);
+        // A busy entity that waits (a recovery read, a stash) keeps no
+        // drained queue buffers: a drained `VecDeque` keeps its capacity.
+        if let Some(b) = self.busy.as_mut() {
+            release_if_drained(&mut b.in_flight);
+            release_if_drained(&mut b.commands);
+            release_if_drained(&mut b.stashed);
+        }
         Ok(())
     }
 
-    fn maybe_snapshot(&mut self, ctx: &mut EntityContext<'_>) {
+    fn maybe_snapshot(&mut self, ctx: &mut EntityContext<'_>, pid: &PersistenceId) {
         if self.snapshot_every == 0 || self.since_snapshot < self.snapshot_every {
             return;
         }
         // Only events whose handlers ran are in the state.
-        let seq = self.seq - self.in_flight.len() as u64;
-        let Some(pid) = self.pid.clone() else { return };
+        let seq = self.seq - self.in_flight_len() as u64;
         let data = self.inner.snapshot();
+        let epoch = epoch_of(ctx);
         match ctx
             .journal()
-            .map(|l| l.save_snapshot(&pid, SequenceNr(seq), self.epoch, &data))
+            .map(|l| l.save_snapshot(pid, SequenceNr(seq), epoch, &data))
             .and_then(|r| r)
         {
             Ok(()) => self.since_snapshot = 0,
@@ -496,65 +683,69 @@ impl Persistent {
         in_flight: (Status, &str),
         stashed: (Status, &str),
     ) {
-        for c in self.commands.drain(..) {
+        let Some(b) = self.busy.as_mut() else {
+            return;
+        };
+        for c in b.commands.drain(..) {
             if let Some(t) = c.token {
                 ctx.complete(t, in_flight.0, in_flight.1.as_bytes().to_vec());
             }
         }
-        for (_, t) in self.stashed.drain(..) {
+        for (_, t) in b.stashed.drain(..) {
             if let Some(t) = t {
                 ctx.complete(t, stashed.0, stashed.1.as_bytes().to_vec());
             }
         }
-        self.in_flight.clear();
-        self.stashing = 0;
+        b.in_flight.clear();
+        b.stashing = 0;
     }
 }
 
-impl Entity for Persistent {
+impl<E: PersistentEntity> Entity for Persistent<E> {
     fn on_start(&mut self, ctx: &mut EntityContext<'_>) {
-        self.epoch = WriterEpoch(ctx.writer_epoch());
-        let pid = match PersistenceId::new(&format!("{}|{}", ctx.type_name(), ctx.self_id())) {
+        let pid = match persistence_id(ctx) {
             Ok(p) => p,
-            Err(e) => {
-                self.failed = Some(format!("persistence id: {e}"));
+            Err(EntityError::Failed(why)) => {
+                self.busy().failed = Some(why);
                 ctx.passivate();
                 return;
             }
         };
-        self.pid = Some(pid);
-        if let Err(e) = self.start_recovery(ctx) {
+        let r = self.start_recovery(ctx, &pid);
+        self.keep_pid(pid);
+        if let Err(e) = r {
             tracing::error!(entity = %ctx.self_id(), error = %e, "recovery failed");
-            self.failed = Some(e.to_string());
+            self.busy().failed = Some(e.to_string());
             ctx.passivate();
         }
     }
 
     fn handle(&mut self, ctx: &mut EntityContext<'_>, message: &[u8]) -> Result<(), EntityError> {
-        if let Some(why) = &self.failed {
+        if let Some(why) = self.failed() {
             return Err(EntityError::Failed(format!("recovery failed: {why}")));
         }
         let token = ctx.defer_reply();
-        if self.stashing > 0 || self.recovering.is_some() {
-            self.stashed.push_back((message.to_vec(), token));
+        if self.stashing() > 0 || self.recovering().is_some() {
+            self.busy().stashed.push_back((message.to_vec(), token));
             return Ok(());
         }
-        if self.needs_recovery {
+        if self.needs_recovery() {
             // The journal was unavailable: read what it holds first.
-            self.stashed.push_back((message.to_vec(), token));
-            self.needs_recovery = false;
-            self.start_recovery(ctx)?;
-            if self.recovering.is_none() && !self.needs_recovery {
+            let b = self.busy();
+            b.stashed.push_back((message.to_vec(), token));
+            b.needs_recovery = false;
+            self.recover(ctx)?;
+            if self.recovering().is_none() && !self.needs_recovery() {
                 let d = ctx.journal().map(|l| l.durable_lsn()).unwrap_or(Lsn(0));
                 self.advance(ctx, d)?;
             }
             return Ok(());
         }
-        self.run_command(ctx, message, token)?;
+        self.run_command(ctx, message, token, None)?;
         // Under "none" (or a durable LSN already past), run handlers now.
-        if !self.in_flight.is_empty() {
+        if let Some(lsn) = self.front_lsn() {
             let d = ctx.journal().map(|l| l.durable_lsn()).unwrap_or(Lsn(0));
-            if self.in_flight.front().is_some_and(|f| f.lsn <= d) {
+            if lsn <= d {
                 self.advance(ctx, d)?;
             }
         }
@@ -566,25 +757,28 @@ impl Entity for Persistent {
         ctx: &mut EntityContext<'_>,
         durable_lsn: u64,
     ) -> Result<(), EntityError> {
-        if let (Some(ticket), Some(pid)) = (self.recovering, self.pid.clone()) {
+        if let Some(ticket) = self.recovering() {
+            let pid = self.take_pid(ctx)?;
             match ctx.journal().map(|l| l.recover_poll(&pid, ticket)) {
                 Ok(None) => {
+                    self.keep_pid(pid);
                     ctx.await_durable();
                     return Ok(());
                 }
                 Ok(Some(res)) => {
-                    self.recovering = None;
+                    self.busy().recovering = None;
                     let res = match res {
                         Ok(rec) => self.apply_recovered(rec),
-                        Err(e) => self.recovery_failed(ctx, e),
+                        Err(e) => self.recovery_failed(ctx, &pid, e),
                     };
+                    self.keep_pid(pid);
                     if let Err(e) = res {
                         self.fail_pending(ctx, &e.to_string());
                         return Err(e);
                     }
                 }
                 Err(e) => {
-                    self.recovering = None;
+                    self.busy().recovering = None;
                     self.fail_pending(ctx, &e);
                     return Err(EntityError::Failed(e));
                 }
@@ -613,9 +807,9 @@ impl Entity for Persistent {
         // dropping its stash. A read with nothing stashed is dropped by
         // `on_stop`.
         self.stopping = true;
-        match self.recovering {
-            Some(_) => !self.stashed.is_empty(),
-            None => !self.in_flight.is_empty(),
+        match self.recovering() {
+            Some(_) => self.stashed() > 0,
+            None => self.in_flight_len() > 0,
         }
     }
 
@@ -624,12 +818,12 @@ impl Entity for Persistent {
         // database that does not answer) does not hold the hand-off: the
         // stashed commands were never handled (`on_stop` answers them
         // `Unavailable`). Appends in flight are waited for.
-        self.recovering.is_some() && self.in_flight.is_empty()
+        self.recovering().is_some() && self.in_flight_len() == 0
     }
 
     fn on_stop(&mut self, ctx: &mut EntityContext<'_>) {
         self.stopping = true;
-        if let Some(t) = self.recovering.take() {
+        if let Some(t) = self.busy.as_mut().and_then(|b| b.recovering.take()) {
             if let Ok(l) = ctx.journal() {
                 l.recover_forget(t);
             }
@@ -644,6 +838,7 @@ impl Entity for Persistent {
                 "entity stopped before it handled the command: not applied, safe to retry",
             ),
         );
+        self.settle();
     }
 }
 
@@ -788,7 +983,7 @@ mod tests {
     }
 
     struct Harness {
-        host: Persistent,
+        host: Persistent<Recorder>,
         services: crate::entity::EntityServices,
         id: EntityId,
         log: std::rc::Rc<std::cell::RefCell<Vec<String>>>,
@@ -818,7 +1013,7 @@ mod tests {
             );
             let log = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
             let inner = Recorder { log: log.clone() };
-            let mut host = Persistent::new(Box::new(inner), 0);
+            let mut host = Persistent::new(inner, 0);
             let id = EntityId::new("e1").unwrap();
             let mut ctx = EntityContext::new(&id, &mut services).with_type("rec", 1);
             host.on_start(&mut ctx);
@@ -896,6 +1091,31 @@ mod tests {
             vec![(b, "done e3".to_string()), (c, "r r".to_string())]
         );
         assert_eq!(h.host.sequence_nr(), 3);
+    }
+
+    #[test]
+    fn an_idle_entity_keeps_no_pending_work_state() {
+        let mut h = Harness::new();
+        assert!(h.host.busy.is_none(), "recovered, nothing pending");
+        // A command without events allocates nothing for pending work.
+        let a = h.send("r");
+        assert!(h.host.busy.is_none());
+        let b = h.send("s:e1,s:e2");
+        let c = h.send("r");
+        assert!(h.host.busy.is_some(), "events in flight, C stashed");
+        h.make_durable(2);
+        assert_eq!(
+            h.replies(),
+            vec![
+                (a, "r r".to_string()),
+                (b, "done e2".to_string()),
+                (c, "r r".to_string())
+            ]
+        );
+        assert!(h.host.busy.is_none(), "done: freed");
+        // The state's host is a few words over the state.
+        let size = std::mem::size_of::<Persistent<Recorder>>();
+        assert!(size <= 48, "{size} bytes");
     }
 
     #[test]

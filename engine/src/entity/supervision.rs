@@ -89,11 +89,7 @@ pub fn supervised(inner: EntityFactory, settings: SupervisorSettings) -> EntityF
         Box::new(Supervisor {
             child: Some((shared.0)(id)),
             shared: shared.clone(),
-            failures: VecDeque::new(),
-            restart_at: None,
-            stopped: false,
-            restarts: 0,
-            seed: seed(),
+            history: None,
         })
     })
 }
@@ -106,17 +102,48 @@ fn seed() -> u64 {
     t | 1
 }
 
-/// One supervised entity: the child incarnation, its failure history and
-/// the pending restart.
+/// One supervised entity: the child incarnation and, once it failed, its
+/// failure history and the pending restart.
 pub struct Supervisor {
     /// The child's factory and the settings, shared by the type.
     shared: std::sync::Arc<(EntityFactory, SupervisorSettings)>,
     child: Option<Box<dyn Entity>>,
+    /// `None` until the first failure: an entity that never failed keeps
+    /// one null pointer for it (idle entities are most of a node's).
+    history: Option<Box<History>>,
+}
+
+/// A supervised entity's failures and restarts.
+struct History {
+    /// When the failures within the window happened, oldest first.
     failures: VecDeque<Instant>,
     restart_at: Option<Instant>,
     stopped: bool,
     restarts: u64,
+    /// The backoff's random state (seeded at the first failure).
     seed: u64,
+}
+
+impl History {
+    fn new() -> Self {
+        History {
+            failures: VecDeque::new(),
+            restart_at: None,
+            stopped: false,
+            restarts: 0,
+            seed: seed(),
+        }
+    }
+
+    fn random(&mut self) -> f64 {
+        // xorshift64*
+        let mut x = self.seed;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.seed = x;
+        (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
+    }
 }
 
 fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
@@ -132,17 +159,19 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 impl Supervisor {
     /// Restarts so far (count).
     pub fn restarts(&self) -> u64 {
-        self.restarts
+        self.history.as_ref().map_or(0, |h| h.restarts)
     }
 
-    fn random(&mut self) -> f64 {
-        // xorshift64*
-        let mut x = self.seed;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.seed = x;
-        (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
+    fn history(&mut self) -> &mut History {
+        self.history.get_or_insert_with(|| Box::new(History::new()))
+    }
+
+    fn stopped(&self) -> bool {
+        self.history.as_ref().is_some_and(|h| h.stopped)
+    }
+
+    fn restart_at(&self) -> Option<Instant> {
+        self.history.as_ref().and_then(|h| h.restart_at)
     }
 
     /// The child failed: drop it, then schedule a restart or stop.
@@ -157,39 +186,42 @@ impl Supervisor {
         let _ = ctx.take_reply();
         let _ = ctx.take_timers();
         let now = Instant::now();
-        self.failures.push_back(now);
-        while self
+        let settings = &self.shared.1;
+        let h = self.history.get_or_insert_with(|| Box::new(History::new()));
+        h.failures.push_back(now);
+        while h
             .failures
             .front()
-            .is_some_and(|t| now.duration_since(*t) > self.shared.1.window)
+            .is_some_and(|t| now.duration_since(*t) > settings.window)
         {
-            self.failures.pop_front();
+            h.failures.pop_front();
         }
-        let n = self.failures.len() as u32;
-        if n > self.shared.1.max_restarts {
+        let n = h.failures.len() as u32;
+        if n > settings.max_restarts {
             tracing::error!(
                 entity = %ctx.self_id(),
                 failures = n,
-                window_ms = self.shared.1.window.as_millis() as u64,
+                window_ms = settings.window.as_millis() as u64,
                 reason = why,
                 "entity failed more than max_restarts times within the window; stopping it"
             );
-            self.stopped = true;
+            h.stopped = true;
             ctx.stop_after_failure();
             return;
         }
         let delay = {
-            let r = self.random();
-            self.shared.1.backoff(n.saturating_sub(1), r)
+            let r = h.random();
+            settings.backoff(n.saturating_sub(1), r)
         };
         tracing::warn!(entity = %ctx.self_id(), reason = why, delay_ms = delay.as_millis() as u64, "entity failed; restarting after backoff");
-        self.restart_at = Some(now + delay);
+        h.restart_at = Some(now + delay);
         ctx.set_timer(RESTART_TIMER_KEY, delay);
     }
 
     fn restart(&mut self, ctx: &mut EntityContext<'_>) {
-        self.restart_at = None;
-        self.restarts += 1;
+        let h = self.history();
+        h.restart_at = None;
+        h.restarts += 1;
         let id = ctx.self_id().clone();
         let factory = self.shared.0.clone();
         match catch_unwind(AssertUnwindSafe(|| {
@@ -222,12 +254,12 @@ impl Entity for Supervisor {
     }
 
     fn handle(&mut self, ctx: &mut EntityContext<'_>, message: &[u8]) -> Result<(), EntityError> {
-        if self.stopped {
+        if self.stopped() {
             Self::reject(ctx, "entity stopped after too many failures");
             return Ok(());
         }
         if self.child.is_none() {
-            if self.restart_at.is_some_and(|t| Instant::now() >= t) {
+            if self.restart_at().is_some_and(|t| Instant::now() >= t) {
                 self.restart(ctx);
             }
             if self.child.is_none() {
@@ -250,7 +282,7 @@ impl Entity for Supervisor {
 
     fn on_timer(&mut self, ctx: &mut EntityContext<'_>, key: u64) {
         if key == RESTART_TIMER_KEY {
-            if self.child.is_none() && !self.stopped && self.restart_at.is_some() {
+            if self.child.is_none() && !self.stopped() && self.restart_at().is_some() {
                 self.restart(ctx);
             }
             return;
@@ -402,6 +434,24 @@ mod tests {
         let (s, _) = send(e.as_mut(), &id, "err");
         assert_eq!(s, Status::EntityFailed);
         assert_eq!(send(e.as_mut(), &id, "x"), (Status::Ok, "1".into()));
+    }
+
+    #[test]
+    fn the_failure_history_is_allocated_at_the_first_failure() {
+        assert!(std::mem::size_of::<Supervisor>() <= 32);
+        let id = EntityId::new("a").unwrap();
+        let factory: EntityFactory = Arc::new(|_| Box::new(Fragile { n: 0 }));
+        let mut s = Supervisor {
+            child: Some(factory(&id)),
+            shared: Arc::new((factory, settings(5))),
+            history: None,
+        };
+        assert_eq!(send(&mut s, &id, "x").0, Status::Ok);
+        assert!(s.history.is_none());
+        assert_eq!(send(&mut s, &id, "boom").0, Status::EntityFailed);
+        assert!(s.history.is_some());
+        assert_eq!(send(&mut s, &id, "x").0, Status::Ok);
+        assert_eq!(s.restarts(), 1);
     }
 
     #[test]

@@ -85,6 +85,13 @@ pub trait EventLog {
     /// "none": the highest appended).
     fn durable_lsn(&self) -> Lsn;
 
+    /// The persistence id `id` as the log already holds it (shared, so
+    /// that a writer's copy costs no allocation), if it does. Default:
+    /// none (the caller builds its own).
+    fn persistence_id(&self, _id: &str) -> Option<PersistenceId> {
+        None
+    }
+
     /// The last sequence number of `pid` in this journal (0: none).
     fn highest_sequence_nr(&self, pid: &PersistenceId) -> u64;
 
@@ -524,6 +531,10 @@ impl EventLog for CoreLog {
 
     fn highest_sequence_nr(&self, pid: &PersistenceId) -> u64 {
         self.journal.highest_sequence_nr(pid).0
+    }
+
+    fn persistence_id(&self, id: &str) -> Option<PersistenceId> {
+        self.journal.persistence_id(id)
     }
 
     fn durable_lsn(&self) -> Lsn {
