@@ -790,7 +790,7 @@ pub struct Completion {
 /// One entity awaiting durability: its type, id and incarnation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct DurableWaiter {
-    pub type_name: String,
+    pub type_name: compact_str::CompactString,
     pub id: shardline_core::ids::EntityId,
     pub incarnation: u64,
 }
@@ -801,6 +801,12 @@ pub(crate) struct DurableWaiter {
 /// `node::plane::data`).
 pub(crate) struct Hooks {
     waiting: Vec<DurableWaiter>,
+    /// The incarnations in `waiting` (an incarnation number is unique on
+    /// its core, so it names the entity): each waits once, found without a
+    /// scan of `waiting`.
+    queued: std::collections::HashSet<u64, foldhash::fast::RandomState>,
+    /// The emptied buffer of an earlier [`Self::take_waiting`], reused.
+    spare: Vec<DurableWaiter>,
     /// The core's durability wake.
     pub wake: Arc<DurableWake>,
 }
@@ -809,6 +815,8 @@ impl Default for Hooks {
     fn default() -> Self {
         Hooks {
             waiting: Vec::new(),
+            queued: Default::default(),
+            spare: Vec::new(),
             wake: Arc::new(DurableWake::default()),
         }
     }
@@ -851,15 +859,11 @@ impl Hooks {
         }
     }
 
-    /// Adds a waiting entity once.
+    /// Adds a waiting entity once (by its incarnation).
     fn add(&mut self, type_name: &str, id: &shardline_core::ids::EntityId, incarnation: u64) {
-        if !self
-            .waiting
-            .iter()
-            .any(|w| w.incarnation == incarnation && w.id == *id && w.type_name == type_name)
-        {
+        if self.queued.insert(incarnation) {
             self.waiting.push(DurableWaiter {
-                type_name: type_name.to_string(),
+                type_name: type_name.into(),
                 id: id.clone(),
                 incarnation,
             });
@@ -867,15 +871,55 @@ impl Hooks {
     }
 
     /// Takes the waiting entities (the core calls them, then re-adds those
-    /// still waiting).
+    /// still waiting), in the order they were added; hand the emptied
+    /// buffer back with [`Self::give_back`].
     pub fn take_waiting(&mut self) -> Vec<DurableWaiter> {
-        std::mem::take(&mut self.waiting)
+        self.queued.clear();
+        let spare = std::mem::take(&mut self.spare);
+        std::mem::replace(&mut self.waiting, spare)
+    }
+
+    /// Keeps the buffer a [`Self::take_waiting`] returned, emptied, for the
+    /// next one (no allocation per durability round).
+    pub fn give_back(&mut self, mut buf: Vec<DurableWaiter>) {
+        buf.clear();
+        if self.spare.capacity() == 0 {
+            self.spare = buf;
+        }
     }
 }
 
 #[cfg(test)]
 mod core_journal_tests {
     use super::*;
+
+    #[test]
+    fn an_incarnation_waits_once_per_round_in_the_order_added() {
+        let mut h = Hooks::default();
+        let (a, b) = (
+            shardline_core::ids::EntityId::new("a").expect("id"),
+            shardline_core::ids::EntityId::new("b").expect("id"),
+        );
+        h.add("counter", &a, 1);
+        h.add("counter", &b, 2);
+        h.add("counter", &a, 1);
+        let w = h.take_waiting();
+        assert_eq!(
+            w.iter().map(|w| w.incarnation).collect::<Vec<_>>(),
+            vec![1, 2],
+            "each incarnation once, in order"
+        );
+        h.give_back(w);
+        assert!(h.take_waiting().is_empty(), "a round takes them all");
+        // Added again in a later round (still waiting after its handler).
+        h.add("counter", &a, 1);
+        let w = h.take_waiting();
+        assert_eq!(w.len(), 1);
+        assert_eq!(
+            (w[0].type_name.as_str(), w[0].id.as_str()),
+            ("counter", "a")
+        );
+    }
 
     fn pid(s: &str) -> PersistenceId {
         PersistenceId::new(s).expect("pid")

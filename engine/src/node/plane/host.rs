@@ -568,7 +568,8 @@ impl EntityHost {
         durable_lsn: u64,
     ) {
         self.poll_remember_reads(now, plane);
-        for w in self.durable.take_waiting() {
+        let mut waiting = self.durable.take_waiting();
+        for w in waiting.drain(..) {
             let (t, id, inc) = (w.type_name, w.id, w.incarnation);
             if self.stopping.contains_key(&inc) {
                 self.stopping_durable(now, plane, inc, durable_lsn);
@@ -597,6 +598,7 @@ impl EntityHost {
             };
             self.settle(now, plane, &who, h, res, None);
         }
+        self.durable.give_back(waiting);
     }
 
     /// Member `m` was removed: watchers here whose target's home (as this
