@@ -155,6 +155,12 @@ impl<A, M> WorkerPool<A, M> {
         self.limit
     }
 
+    /// Whether [`Self::submit`] would queue (or refuse) a message now: every
+    /// activation is busy and the limit is reached.
+    pub fn saturated(&self) -> bool {
+        self.slots.len() >= self.limit && self.slots.iter().all(|s| s.busy)
+    }
+
     /// Gives `msg` to the first idle activation in creation order; creates
     /// one with `make` if all are busy and the limit allows; else queues it.
     pub fn submit(&mut self, now: Duration, msg: M, make: impl FnOnce() -> A) -> Admit<M> {

@@ -351,6 +351,7 @@ pub struct ShardRegion<M, S> {
     next_deadline_at: Option<Duration>,
     effects: VecDeque<RegionEffect<M, S>>,
     passive: Option<PassiveFilter<M, S>>,
+    on_buffer: Option<fn(&mut M)>,
 }
 
 /// Says whether a message is passive ([`ShardRegion::set_passive_filter`]).
@@ -424,6 +425,7 @@ impl<M, S> ShardRegion<M, S> {
             next_deadline_at: None,
             effects: VecDeque::new(),
             passive: None,
+            on_buffer: None,
         };
         r.send_register();
         r
@@ -634,6 +636,22 @@ impl<M, S> ShardRegion<M, S> {
         self.passive = Some(is_passive);
     }
 
+    /// Sets a function called on a message when the region buffers it
+    /// (shard without a known home, shard recovering or handing off,
+    /// entity passivating), before it is kept. The node uses it to give a
+    /// buffered payload its own bytes, so that a message waiting in a
+    /// buffer does not keep its connection's whole receive buffer alive.
+    /// Default: none.
+    pub fn set_buffer_hook(&mut self, on_buffer: fn(&mut M)) {
+        self.on_buffer = Some(on_buffer);
+    }
+
+    fn detach(&self, envelope: &mut Envelope<M, S>) {
+        if let Some(f) = self.on_buffer {
+            f(&mut envelope.payload);
+        }
+    }
+
     /// A user message, from a local sender or forwarded by another region.
     /// Delivered, forwarded, buffered, or handed back with
     /// [`RegionEffect::Fail`] when the buffer is full.
@@ -656,6 +674,10 @@ impl<M, S> ShardRegion<M, S> {
                     }
                     self.buffered_total += 1;
                     let d = envelope.deadline;
+                    let mut envelope = envelope;
+                    if let Some(f) = self.on_buffer {
+                        f(&mut envelope.payload);
+                    }
                     pending.push_back(envelope);
                     self.note_deadline(d);
                     return;
@@ -688,10 +710,11 @@ impl<M, S> ShardRegion<M, S> {
             .push_back(RegionEffect::Fail { envelope, reason });
     }
 
-    fn buffer(&mut self, envelope: Envelope<M, S>) {
+    fn buffer(&mut self, mut envelope: Envelope<M, S>) {
         if self.buffered_total >= self.settings.buffer_size {
             return self.fail(envelope, FailureReason::BufferFull);
         }
+        self.detach(&mut envelope);
         let s = envelope.shard;
         let d = envelope.deadline;
         let q = self.buffers.entry(s).or_default();
@@ -882,6 +905,10 @@ impl<M, S> ShardRegion<M, S> {
                     return self.fail(envelope, FailureReason::BufferFull);
                 }
                 let d = envelope.deadline;
+                let mut envelope = envelope;
+                if let Some(f) = self.on_buffer {
+                    f(&mut envelope.payload);
+                }
                 buffer.push_back(envelope);
                 self.buffered_total += 1;
                 self.note_deadline(d);

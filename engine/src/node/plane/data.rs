@@ -424,6 +424,10 @@ impl DataPlane {
             ShardRegion::new_proxy(id, settings, now)
         };
         region.set_passive_filter(|e| matches!(e.sender, ReplyTo::System(_)));
+        // A buffered message gets its own copy of its payload: a view of
+        // the connection's receive buffer would keep the whole buffer (64
+        // KiB or more) alive for as long as the message waits.
+        region.set_buffer_hook(detach_payload);
         self.types.push(RegionHost {
             name: name.to_string(),
             region,
@@ -1286,6 +1290,11 @@ impl DataPlane {
         self.out
             .push_back(DataOutput::Transmit(Transmit { to, frame }));
     }
+}
+
+/// Gives a payload its own bytes (see [`ShardRegion::set_buffer_hook`]).
+fn detach_payload(p: &mut bytes::Bytes) {
+    *p = bytes::Bytes::copy_from_slice(p);
 }
 
 #[cfg(test)]

@@ -115,6 +115,12 @@ impl EntityHost {
         if let Some(to) = w.forward_to {
             return plane.handle_worker_forward(ty, to, env);
         }
+        let mut env = env;
+        if w.pool.saturated() {
+            // It waits in the queue: with its own bytes, not a view that
+            // keeps its connection's receive buffer alive.
+            env.payload = bytes::Bytes::copy_from_slice(&env.payload);
+        }
         let mut created = false;
         let t = &h.name;
         let admit = w.pool.submit(now, env, || {
