@@ -108,6 +108,19 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// # Errors
     /// The I/O error.
     fn rename(&self, from: &str, to: &str) -> io::Result<()>;
+    /// Swaps the files `a` and `b` atomically (Linux `renameat2` with
+    /// `RENAME_EXCHANGE`): both must exist; each name then holds the other's
+    /// contents. Durable after [`Storage::sync_dir`]. A snapshot replaced
+    /// this way reuses the old file as the next one's spare, so saving it
+    /// again creates and frees no inode.
+    ///
+    /// # Errors
+    /// `Unsupported` when the storage cannot (the default; the caller then
+    /// renames), or the I/O error (`NotFound` when either is missing).
+    fn exchange(&self, a: &str, b: &str) -> io::Result<()> {
+        let _ = (a, b);
+        Err(io::ErrorKind::Unsupported.into())
+    }
     /// Removes `name`. Durable after [`Storage::sync_dir`].
     ///
     /// # Errors
@@ -440,6 +453,32 @@ impl Storage for MmapStorage {
         std::fs::rename(self.path(from), self.path(to))
     }
 
+    fn exchange(&self, a: &str, b: &str) -> io::Result<()> {
+        use std::os::unix::ffi::OsStrExt;
+        let cstr = |p: PathBuf| {
+            std::ffi::CString::new(p.as_os_str().as_bytes())
+                .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in a file name"))
+        };
+        let (a, b) = (cstr(self.path(a))?, cstr(self.path(b))?);
+        // SAFETY: both paths are NUL-terminated strings that outlive the
+        // call; renameat2 reads them and touches no other memory.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_renameat2,
+                libc::AT_FDCWD,
+                a.as_ptr(),
+                libc::AT_FDCWD,
+                b.as_ptr(),
+                libc::RENAME_EXCHANGE,
+            )
+        };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+
     fn remove(&self, name: &str) -> io::Result<()> {
         std::fs::remove_file(self.path(name))
     }
@@ -583,6 +622,15 @@ impl Storage for MemoryStorage {
             .remove(from)
             .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, from.to_string()))?;
         files.insert(to.to_string(), f);
+        Ok(())
+    }
+    fn exchange(&self, a: &str, b: &str) -> io::Result<()> {
+        let mut files = lock(&self.files);
+        let missing = |n: &str| io::Error::new(io::ErrorKind::NotFound, n.to_string());
+        let fa = files.get(a).cloned().ok_or_else(|| missing(a))?;
+        let fb = files.get(b).cloned().ok_or_else(|| missing(b))?;
+        files.insert(a.to_string(), fb);
+        files.insert(b.to_string(), fa);
         Ok(())
     }
     fn remove(&self, name: &str) -> io::Result<()> {
@@ -731,6 +779,9 @@ impl<S: Storage> Storage for FaultyStorage<S> {
     }
     fn rename(&self, from: &str, to: &str) -> io::Result<()> {
         self.inner.rename(from, to)
+    }
+    fn exchange(&self, a: &str, b: &str) -> io::Result<()> {
+        self.inner.exchange(a, b)
     }
     fn remove(&self, name: &str) -> io::Result<()> {
         self.inner.remove(name)

@@ -212,6 +212,54 @@ enum MetaJob {
     },
 }
 
+/// The snapshot files the meta thread put in place this run, by name (a
+/// later save of one exchanges it with its spare).
+#[derive(Default)]
+struct SnapshotSpares {
+    placed: std::collections::HashSet<String, foldhash::fast::RandomState>,
+}
+
+/// The spare file kept beside snapshot file `name`: a temporary name, so
+/// that opening the journal removes it.
+fn spare_name(name: &str) -> String {
+    format!("{name}.spare{}", crate::format::TMP_SUFFIX)
+}
+
+/// Makes `bytes` snapshot file `name`, atomically and with its contents
+/// durable (the directory entry once the directory is synced):
+/// - the first save of `name` this run writes `tmp`, syncs it and renames
+///   it over `name`;
+/// - a later one writes the spare file beside it (created once, then
+///   rewritten in place), syncs it and exchanges it with `name`
+///   ([`Storage::exchange`]), so the old snapshot becomes the next spare:
+///   no inode is created or freed per save (on ext4, creating a file per
+///   snapshot cost more CPU than the rest of a durable entity's append).
+///
+/// Where the storage cannot exchange (or the exchange fails), the spare is
+/// renamed over `name` instead, as a first save would be.
+fn save_snapshot_file(
+    storage: &dyn Storage,
+    spares: &mut SnapshotSpares,
+    tmp: &str,
+    name: &str,
+    bytes: &[u8],
+) -> std::io::Result<()> {
+    if !spares.placed.contains(name) {
+        storage.write_file(tmp, bytes)?;
+        storage.sync_file(tmp)?;
+        storage.rename(tmp, name)?;
+        spares.placed.insert(name.to_string());
+        return Ok(());
+    }
+    let spare = spare_name(name);
+    storage.write_file(&spare, bytes)?;
+    storage.sync_file(&spare)?;
+    match storage.exchange(&spare, name) {
+        Ok(()) => Ok(()),
+        Err(_) => storage.rename(&spare, name),
+    }
+}
+
 /// The meta thread's body: runs jobs in order until the channel closes.
 /// Consecutive snapshots share one directory `fsync`. After a failure (the
 /// journal is poisoned) it drops the remaining jobs: files stay as they are,
@@ -220,6 +268,9 @@ enum MetaJob {
 fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage>) {
     let mut dir_dirty = false;
     let mut failed = false;
+    // Snapshot files this thread put in place, and the spares it keeps
+    // beside them (see `save_snapshot_file`).
+    let mut spares = SnapshotSpares::default();
     loop {
         let job = if dir_dirty {
             rx.try_recv().ok()
@@ -269,10 +320,7 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
                 name,
                 bytes,
                 pending,
-            }) => storage
-                .write_file(&tmp, &bytes)
-                .and_then(|()| storage.sync_file(&tmp))
-                .and_then(|()| storage.rename(&tmp, &name))
+            }) => save_snapshot_file(&*storage, &mut spares, &tmp, &name, &bytes)
                 .map_err(|e| format!("making snapshot {name} durable failed: {e}"))
                 .map(|()| {
                     dir_dirty = true;
@@ -610,4 +658,140 @@ pub(crate) fn run(
     drop(meta_tx);
     let _ = meta.join();
     shared.close();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::{MemoryStorage, MmapStorage};
+
+    fn save(storage: &dyn Storage, spares: &mut SnapshotSpares, n: u32) {
+        let bytes = format!("snapshot {n}").into_bytes();
+        save_snapshot_file(
+            storage,
+            spares,
+            &format!("a.snap.{n}.tmp"),
+            "a.snap",
+            &bytes,
+        )
+        .expect("save");
+    }
+
+    #[test]
+    fn later_saves_exchange_the_snapshot_with_its_spare() {
+        let s = MemoryStorage::new();
+        let mut spares = SnapshotSpares::default();
+        for n in 1..=4 {
+            save(&s, &mut spares, n);
+            assert_eq!(
+                s.read_file("a.snap").expect("snapshot"),
+                format!("snapshot {n}").into_bytes()
+            );
+        }
+        assert_eq!(
+            s.read_file(&spare_name("a.snap")).expect("spare"),
+            b"snapshot 3".to_vec(),
+            "the spare holds the snapshot before the last"
+        );
+        let mut names = s.list().expect("list");
+        names.sort();
+        assert_eq!(
+            names,
+            vec!["a.snap".to_string(), spare_name("a.snap")],
+            "no temporary file left"
+        );
+    }
+
+    #[test]
+    fn on_a_file_system_the_same_two_inodes_serve_every_later_save() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().expect("tmp");
+        let s = MmapStorage::new(dir.path()).expect("storage");
+        let mut spares = SnapshotSpares::default();
+        let inodes = |d: &std::path::Path| {
+            let mut v = vec![
+                std::fs::metadata(d.join("a.snap")).expect("snap").ino(),
+                std::fs::metadata(d.join(spare_name("a.snap")))
+                    .expect("spare")
+                    .ino(),
+            ];
+            v.sort_unstable();
+            v
+        };
+        save(&s, &mut spares, 1);
+        save(&s, &mut spares, 2);
+        let two = inodes(dir.path());
+        for n in 3..=6 {
+            save(&s, &mut spares, n);
+            assert_eq!(
+                inodes(dir.path()),
+                two,
+                "save {n} created or freed no inode"
+            );
+            assert_eq!(
+                s.read_file("a.snap").expect("snapshot"),
+                format!("snapshot {n}").into_bytes()
+            );
+        }
+    }
+
+    #[test]
+    fn without_exchange_a_later_save_renames_its_spare_into_place() {
+        // The default `exchange` is unsupported: a storage without it.
+        #[derive(Debug)]
+        struct NoExchange(MemoryStorage);
+        impl Storage for NoExchange {
+            fn list(&self) -> std::io::Result<Vec<String>> {
+                self.0.list()
+            }
+            fn create_segment(
+                &self,
+                name: &str,
+                size_bytes: u64,
+            ) -> std::io::Result<Box<dyn crate::storage::SegmentFile>> {
+                self.0.create_segment(name, size_bytes)
+            }
+            fn open_segment(
+                &self,
+                name: &str,
+                writable: bool,
+            ) -> std::io::Result<Box<dyn crate::storage::SegmentFile>> {
+                self.0.open_segment(name, writable)
+            }
+            fn truncate(&self, name: &str, len_bytes: u64) -> std::io::Result<()> {
+                self.0.truncate(name, len_bytes)
+            }
+            fn read_file(&self, name: &str) -> std::io::Result<Vec<u8>> {
+                self.0.read_file(name)
+            }
+            fn write_file_durable(&self, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+                self.0.write_file_durable(name, bytes)
+            }
+            fn write_file(&self, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+                self.0.write_file(name, bytes)
+            }
+            fn sync_file(&self, name: &str) -> std::io::Result<()> {
+                self.0.sync_file(name)
+            }
+            fn rename(&self, from: &str, to: &str) -> std::io::Result<()> {
+                self.0.rename(from, to)
+            }
+            fn remove(&self, name: &str) -> std::io::Result<()> {
+                self.0.remove(name)
+            }
+            fn sync_dir(&self) -> std::io::Result<()> {
+                self.0.sync_dir()
+            }
+        }
+        let s = NoExchange(MemoryStorage::new());
+        let mut spares = SnapshotSpares::default();
+        for n in 1..=3 {
+            save(&s, &mut spares, n);
+            assert_eq!(
+                s.read_file("a.snap").expect("snapshot"),
+                format!("snapshot {n}").into_bytes()
+            );
+        }
+        assert_eq!(s.list().expect("list"), vec!["a.snap".to_string()]);
+    }
 }

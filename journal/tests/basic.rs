@@ -122,6 +122,42 @@ fn snapshot_then_replay_resumes_after_it() {
 }
 
 #[test]
+fn repeated_snapshots_on_disk_reopen_with_the_last_one() {
+    // The second and later saves of a snapshot file exchange it with a
+    // spare kept beside it; reopening finds the last save and removes the
+    // spare (a temporary file).
+    let dir = tempfile::tempdir().unwrap();
+    let (mut j, _) = Journal::open(dir.path(), opts(4096, Durability::Always, 0)).unwrap();
+    let p = pid("counter|1");
+    for seq in 1..=5 {
+        j.append(&p, SequenceNr(seq), WriterEpoch(0), &payload("c", seq))
+            .unwrap();
+        j.save_snapshot(
+            &p,
+            SequenceNr(seq),
+            WriterEpoch(0),
+            format!("state@{seq}").as_bytes(),
+        )
+        .unwrap();
+    }
+    assert_eq!(j.load_snapshot(&p).unwrap().unwrap().data, b"state@5");
+    j.close().unwrap();
+    let (j, report) = Journal::open(dir.path(), opts(4096, Durability::Always, 0)).unwrap();
+    let r = j.recover(&p).unwrap();
+    let snap = r.snapshot.unwrap();
+    assert_eq!(
+        (snap.sequence_nr, snap.data.as_slice()),
+        (SequenceNr(5), &b"state@5"[..])
+    );
+    assert!(r.events.is_empty());
+    assert!(
+        report.removed_files.iter().any(|n| n.contains(".spare")),
+        "the spare was removed at open: {:?}",
+        report.removed_files
+    );
+}
+
+#[test]
 fn delete_removes_fully_deleted_segments() {
     let dir = tempfile::tempdir().unwrap();
     let (mut j, _) = Journal::open(dir.path(), opts(4096, Durability::Always, 0)).unwrap();
