@@ -350,6 +350,13 @@ pub struct Journal {
     spare: Option<SpareJob>,
     /// Saves so far, for unique temporary snapshot names.
     snapshot_serial: u64,
+    /// For a sealed segment found not obsolete: an id whose events in it
+    /// were not all deleted or covered by a snapshot then. Coverage only
+    /// grows, so while that id is still not covered the segment is not
+    /// obsolete, and the check of its every id is skipped (it ran after
+    /// every snapshot, over every id of every segment holding the saved
+    /// one).
+    obsolete_blockers: std::collections::HashMap<Lsn, PersistenceId, foldhash::fast::RandomState>,
     head: Vec<u8>,
     poisoned: Option<String>,
 }
@@ -512,6 +519,7 @@ impl Journal {
             sync_thread: Some(thread),
             spare: None,
             snapshot_serial: 0,
+            obsolete_blockers: Default::default(),
             head: Vec::with_capacity(128),
             poisoned: None,
         };
@@ -825,32 +833,38 @@ impl Journal {
         only: Option<&PersistenceId>,
     ) -> Result<(), AppendError> {
         let mut doomed = Vec::new();
+        let mut blockers = Vec::new();
+        let covered = |p: &str, e: &crate::format::IndexEntry| {
+            if e.events.is_empty() {
+                return true;
+            }
+            let st = self.catalog.pids.get(p).copied().unwrap_or_default();
+            let snap = self.snapshot_seqs.get(p).copied().unwrap_or_default();
+            e.last_event_seq <= st.deleted_to.max(snap)
+        };
         for (id, s) in &self.catalog.sealed {
             if let Some(p) = only {
                 if !s.index.pids.contains_key(p.as_str()) {
                     continue;
                 }
             }
-            let obsolete = s.index.pids.iter().all(|(p, e)| {
-                if e.events.is_empty() {
-                    return true;
-                }
-                let st = self
-                    .catalog
+            if let Some(b) = self.obsolete_blockers.get(id) {
+                if s.index
                     .pids
-                    .get(p.as_str())
-                    .copied()
-                    .unwrap_or_default();
-                let snap = self
-                    .snapshot_seqs
-                    .get(p.as_str())
-                    .copied()
-                    .unwrap_or_default();
-                e.last_event_seq <= st.deleted_to.max(snap)
-            });
-            if obsolete {
-                doomed.push(*id);
+                    .get(b.as_str())
+                    .is_some_and(|e| !covered(b.as_str(), e))
+                {
+                    continue;
+                }
             }
+            match s.index.pids.iter().find(|(p, e)| !covered(p.as_str(), e)) {
+                None => doomed.push(*id),
+                Some((p, _)) => blockers.push((*id, p.clone())),
+            }
+        }
+        self.obsolete_blockers.extend(blockers);
+        for id in &doomed {
+            self.obsolete_blockers.remove(id);
         }
         if doomed.is_empty() {
             return Ok(());
