@@ -737,10 +737,12 @@ fn decode_i64(bytes: &[u8], what: &str) -> Result<i64, EntityError> {
     Ok(i64::from_le_bytes(b))
 }
 
-/// Appends `v` in decimal to `out` (no allocation beyond `out`'s growth).
-fn write_i64(out: &mut Vec<u8>, v: i64) {
+/// Replies `v` in decimal, written into a spare reply buffer of the core.
+fn reply_i64(ctx: &mut persistent::PersistContext, v: i64) {
     use std::io::Write as _;
-    let _ = write!(out, "{v}");
+    let mut b = ctx.reply_buffer();
+    let _ = write!(b, "{v}");
+    ctx.reply(b);
 }
 
 impl persistent::PersistentEntity for Counter {
@@ -751,11 +753,7 @@ impl persistent::PersistentEntity for Counter {
     ) -> Result<(), EntityError> {
         match self.decide(command) {
             Err(reason) => ctx.reply(reason),
-            Ok(None) => {
-                let mut b = ctx.reply_buffer();
-                write_i64(&mut b, self.value);
-                ctx.reply(b)
-            }
+            Ok(None) => reply_i64(ctx, self.value),
             Ok(Some(n)) => ctx.persist(n.to_le_bytes().to_vec()),
         }
         Ok(())
@@ -768,9 +766,7 @@ impl persistent::PersistentEntity for Counter {
     ) -> Result<(), EntityError> {
         let n = decode_i64(event, "counter event")?;
         self.value = self.value.wrapping_add(n);
-        let mut b = ctx.reply_buffer();
-        write_i64(&mut b, self.value);
-        ctx.reply(b);
+        reply_i64(ctx, self.value);
         Ok(())
     }
 

@@ -137,9 +137,8 @@ pub(super) fn deliver(
     super::Delivered::Written(write_frame(&outbox, request_id, status, payload))
 }
 
-/// Encodes one response frame into `outbox` and flushes it.
-/// Encodes one response frame into `outbox` and hands the payload's buffer
-/// back (its bytes were copied into the frame).
+/// Encodes one response frame into `outbox`, flushes it, and hands the
+/// payload's buffer back (its bytes were copied into the frame).
 fn write_frame(outbox: &Outbox, request_id: u64, status: Status, payload: Vec<u8>) -> Vec<u8> {
     let f = ServerFrame {
         request_id,

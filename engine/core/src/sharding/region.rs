@@ -646,8 +646,11 @@ impl<M, S> ShardRegion<M, S> {
         self.on_buffer = Some(on_buffer);
     }
 
-    fn detach(&self, envelope: &mut Envelope<M, S>) {
-        if let Some(f) = self.on_buffer {
+    /// Runs the buffer hook `on_buffer` (see [`Self::set_buffer_hook`]) on
+    /// a message about to be buffered. (Takes the hook, not `self`: two
+    /// callers hold a shard's buffer borrowed.)
+    fn detach(on_buffer: Option<fn(&mut M)>, envelope: &mut Envelope<M, S>) {
+        if let Some(f) = on_buffer {
             f(&mut envelope.payload);
         }
     }
@@ -675,9 +678,7 @@ impl<M, S> ShardRegion<M, S> {
                     self.buffered_total += 1;
                     let d = envelope.deadline;
                     let mut envelope = envelope;
-                    if let Some(f) = self.on_buffer {
-                        f(&mut envelope.payload);
-                    }
+                    Self::detach(self.on_buffer, &mut envelope);
                     pending.push_back(envelope);
                     self.note_deadline(d);
                     return;
@@ -714,7 +715,7 @@ impl<M, S> ShardRegion<M, S> {
         if self.buffered_total >= self.settings.buffer_size {
             return self.fail(envelope, FailureReason::BufferFull);
         }
-        self.detach(&mut envelope);
+        Self::detach(self.on_buffer, &mut envelope);
         let s = envelope.shard;
         let d = envelope.deadline;
         let q = self.buffers.entry(s).or_default();
@@ -906,9 +907,7 @@ impl<M, S> ShardRegion<M, S> {
                 }
                 let d = envelope.deadline;
                 let mut envelope = envelope;
-                if let Some(f) = self.on_buffer {
-                    f(&mut envelope.payload);
-                }
+                Self::detach(self.on_buffer, &mut envelope);
                 buffer.push_back(envelope);
                 self.buffered_total += 1;
                 self.note_deadline(d);

@@ -1292,8 +1292,10 @@ impl DataPlane {
     }
 }
 
-/// Gives a payload its own bytes (see [`ShardRegion::set_buffer_hook`]).
-fn detach_payload(p: &mut bytes::Bytes) {
+/// Gives a payload its own bytes, so that a message that waits (see
+/// [`ShardRegion::set_buffer_hook`], and a stateless worker's queue) does
+/// not keep its connection's receive buffer alive.
+pub(crate) fn detach_payload(p: &mut bytes::Bytes) {
     *p = bytes::Bytes::copy_from_slice(p);
 }
 

@@ -93,7 +93,7 @@ impl EntityHost {
         now: Duration,
         plane: &mut DataPlane,
         ty: TypeIdx,
-        env: UserEnvelope,
+        mut env: UserEnvelope,
     ) {
         if plane.is_shutting_down() {
             return self.reply(
@@ -115,11 +115,9 @@ impl EntityHost {
         if let Some(to) = w.forward_to {
             return plane.handle_worker_forward(ty, to, env);
         }
-        let mut env = env;
         if w.pool.saturated() {
-            // It waits in the queue: with its own bytes, not a view that
-            // keeps its connection's receive buffer alive.
-            env.payload = bytes::Bytes::copy_from_slice(&env.payload);
+            // It waits in the queue.
+            crate::node::plane::data::detach_payload(&mut env.payload);
         }
         let mut created = false;
         let t = &h.name;
