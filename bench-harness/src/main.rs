@@ -89,6 +89,12 @@ fn main() -> anyhow::Result<ExitCode> {
         ));
     }
     let cli = Cli::parse();
+    // The load driver's tables grow with the entities it has seen; huge-page
+    // faults then stall its reader threads and every reply they delay counts
+    // as latency (see `shardline::disable_transparent_huge_pages`).
+    if let Err(e) = shardline::disable_transparent_huge_pages() {
+        eprintln!("shardline-bench: transparent huge pages stay on: {e}");
+    }
     let connector: Arc<dyn transport::Connector> = Arc::new(native::NativeConnector);
     match cli.command {
         Command::Run(args) => {

@@ -80,5 +80,6 @@ pub use node::{
     AskError, EntityRef, EntitySettings, Node, NodeError, NodeStatus, RegionHandle,
     BIND_RETRY_TIMEOUT,
 };
+pub use runtime::disable_transparent_huge_pages;
 pub use shardline_core::ids::EntityId;
 pub use status::WorkerPoolStatus;

@@ -74,6 +74,11 @@ fn run(cli: Cli) -> Result<ExitCode, BoxError> {
             println!("shardline {}", env!("CARGO_PKG_VERSION"));
         }
         Command::Node(args) => {
+            // Huge-page faults stall a data core for milliseconds when its
+            // tables grow (see the function's doc); log and go on if refused.
+            if let Err(e) = crate::runtime::disable_transparent_huge_pages() {
+                eprintln!("shardline: transparent huge pages stay on: {e}");
+            }
             // `try_init`: a process that already set a subscriber keeps it.
             let _ = tracing_subscriber::fmt()
                 .with_env_filter(

@@ -24,6 +24,41 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError};
 
+/// Turns transparent huge pages off for this whole process
+/// (`prctl(PR_SET_THP_DISABLE, 1)`, inherited by its children); the
+/// `shardline node` command calls it first.
+///
+/// Why: mimalloc asks for huge pages on its arenas (`madvise(MADV_HUGEPAGE)`),
+/// so the first touch of each fresh 2 MiB of heap zeroes 2 MiB in the page
+/// fault. A data core's per-entity tables all double at the same entity
+/// counts, and the faults of their new tables stalled the core for 20-60 ms
+/// on a 2-vCPU VM (the demo's periodic spikes: `docs/node.md`, "The demo's
+/// periodic spikes"). With 4 KiB pages the same memory is faulted in as it
+/// is touched. A service embedding the engine decides for its own process
+/// (the same switch is `MIMALLOC_ALLOW_THP=0` for mimalloc's heap alone).
+///
+/// Returns `Ok(true)` when the setting took, `Ok(false)` where the call does
+/// not exist (not Linux).
+///
+/// # Errors
+/// The `prctl` error (`EINVAL` from a kernel without the option).
+pub fn disable_transparent_huge_pages() -> std::io::Result<bool> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: PR_SET_THP_DISABLE takes plain integer arguments and
+        // touches no memory of ours.
+        let rc = unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(true)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        Ok(false)
+    }
+}
+
 /// The concrete monoio runtime type every executor uses.
 pub type Executor = monoio::Runtime<monoio::time::TimeDriver<monoio::IoUringDriver>>;
 
@@ -302,6 +337,15 @@ pub async fn stop_accepting(stop: &LocalNotify, task: monoio::task::JoinHandle<(
 
 #[cfg(test)]
 mod tests {
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn transparent_huge_pages_are_off_after_the_call() {
+        assert!(super::disable_transparent_huge_pages().unwrap());
+        // SAFETY: PR_GET_THP_DISABLE takes no pointer.
+        let got = unsafe { libc::prctl(libc::PR_GET_THP_DISABLE, 0, 0, 0, 0) };
+        assert_eq!(got, 1);
+    }
+
     use super::*;
 
     #[test]
