@@ -342,7 +342,12 @@ pub struct Journal {
     next_lsn: Lsn,
     removed_up_to: Lsn,
     max_segment_epoch: WriterEpoch,
+    /// Per id, its state in the sealed segments merged so far (what a
+    /// checkpoint records); segments sealed since are in `unmerged`.
     checkpoint_state: PidMap<PidCheckpoint>,
+    /// Indexes of segments sealed since `checkpoint_state` was last
+    /// brought up to date (it is, before each checkpoint is written).
+    unmerged: Vec<Arc<SegmentIndex>>,
     snapshot_seqs: PidMap<SequenceNr>,
     shared: Arc<Shared>,
     tx: Sender<SyncMsg>,
@@ -513,6 +518,7 @@ impl Journal {
             next_lsn,
             removed_up_to: rec.removed_up_to,
             checkpoint_state: rec.checkpoint_state,
+            unmerged: Vec::new(),
             snapshot_seqs: PidMap::default(),
             shared,
             tx,
@@ -808,12 +814,10 @@ impl Journal {
             self.poison(reason.clone());
             return Err(AppendError::Poisoned { reason });
         }
-        for (p, e) in &index.pids {
-            let c = self.checkpoint_state.entry(p.clone()).or_default();
-            c.last_seq = c.last_seq.max(e.last_event_seq);
-            c.max_epoch = c.max_epoch.max(e.max_epoch);
-            c.deleted_to = c.deleted_to.max(e.deleted_to);
-        }
+        // Merged into `checkpoint_state` only when a checkpoint is written
+        // (a loop over every id of the segment, too long for a roll on
+        // the appending core).
+        self.unmerged.push(index.clone());
         let sealed = SealedSegment {
             name: old.name,
             index,
@@ -824,6 +828,22 @@ impl Journal {
         self.start_spare();
         self.remove_obsolete_segments(None)?;
         Ok(())
+    }
+
+    /// Merges the indexes of the segments sealed since the last
+    /// checkpoint into `checkpoint_state` (one step per id they hold).
+    fn merge_sealed_indexes(&mut self) {
+        for index in std::mem::take(&mut self.unmerged) {
+            for (p, e) in &index.pids {
+                let c = match self.checkpoint_state.get_mut(p.as_str()) {
+                    Some(c) => c,
+                    None => self.checkpoint_state.entry(p.clone()).or_default(),
+                };
+                c.last_seq = c.last_seq.max(e.last_event_seq);
+                c.max_epoch = c.max_epoch.max(e.max_epoch);
+                c.deleted_to = c.deleted_to.max(e.deleted_to);
+            }
+        }
     }
 
     /// Removes sealed segments whose every event is deleted or covered by
@@ -877,6 +897,7 @@ impl Journal {
                 names.push(index_name(id));
             }
         }
+        self.merge_sealed_indexes();
         let mut pids: Vec<(PersistenceId, PidCheckpoint)> = self
             .checkpoint_state
             .iter()

@@ -1,12 +1,16 @@
 //! Recovery: turning a directory into segment indexes and per persistence
 //! id state, following the decision table in FORMAT.md ("Recovery").
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 
 /// A map keyed by persistence id, hashed with foldhash (per-process random
 /// seed): the journal looks an id up two or three times per record, where
-/// SipHash cost more than the record's copy into the segment.
-pub(crate) type PidMap<V> = HashMap<PersistenceId, V, foldhash::fast::RandomState>;
+/// SipHash cost more than the record's copy into the segment. Resized
+/// incrementally (`griddle`): these maps hold every id the journal has
+/// seen and are grown by the appending thread (a data core), so a doubling
+/// moves the entries a few per insert instead of pausing that core for all
+/// of them at once.
+pub(crate) type PidMap<V> = griddle::HashMap<PersistenceId, V, foldhash::fast::RandomState>;
 use std::sync::OnceLock;
 
 use crate::error::{CorruptionKind, RecoveryError};

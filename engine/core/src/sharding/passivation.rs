@@ -2,7 +2,7 @@
 //! pluggable replacement policy (Akka's "Automatic Passivation" strategies;
 //! least-recently-used is the default).
 
-use crate::det::DetHashMap;
+use crate::det::DetState;
 use std::time::Duration;
 
 use super::EntityKey;
@@ -52,13 +52,65 @@ struct Node {
     next: usize,
 }
 
+/// Nodes per chunk of [`Arena`] (a chunk of `Node`s is 56 KiB).
+const CHUNK: usize = 1024;
+
+/// A growable array in fixed chunks of [`CHUNK`] elements: growing it
+/// allocates one more chunk and never moves or copies the elements
+/// already in it (a `Vec` that doubles copies all of them at once, a
+/// pause on the core that grows it).
+#[derive(Debug)]
+struct Arena<T> {
+    chunks: Vec<Vec<T>>,
+    len: usize,
+}
+
+impl<T> Default for Arena<T> {
+    fn default() -> Self {
+        Self {
+            chunks: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<T> Arena<T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn push(&mut self, value: T) {
+        if self.len % CHUNK == 0 {
+            self.chunks.push(Vec::with_capacity(CHUNK));
+        }
+        self.chunks[self.len / CHUNK].push(value);
+        self.len += 1;
+    }
+}
+
+impl<T> std::ops::Index<usize> for Arena<T> {
+    type Output = T;
+    fn index(&self, i: usize) -> &T {
+        &self.chunks[i / CHUNK][i % CHUNK]
+    }
+}
+
+impl<T> std::ops::IndexMut<usize> for Arena<T> {
+    fn index_mut(&mut self, i: usize) -> &mut T {
+        &mut self.chunks[i / CHUNK][i % CHUNK]
+    }
+}
+
 /// Least-recently-used: the entity whose last message is oldest goes first.
 /// O(1) per operation (a hash map into an arena-backed doubly linked list).
+/// The map resizes incrementally (`griddle`: when it doubles, entries move
+/// to the new table a few per insert) and the arena grows by chunks, so no
+/// single activation pays for moving every tracked entity.
 #[derive(Debug, Default)]
 pub struct LruPolicy {
-    nodes: Vec<Node>,
+    nodes: Arena<Node>,
     free: Vec<usize>,
-    index: DetHashMap<EntityKey, usize>,
+    index: griddle::HashMap<EntityKey, usize, DetState>,
     /// Most recently used.
     head: Option<usize>,
     /// Least recently used.
@@ -182,5 +234,45 @@ mod tests {
         p.on_activate(&k("d"));
         assert_eq!(p.select_victim(), Some(k("d")));
         assert_eq!(p.len(), 1);
+    }
+
+    #[test]
+    fn arena_keeps_its_elements_in_place_across_chunks() {
+        let mut a: Arena<u64> = Arena::default();
+        for i in 0..(3 * CHUNK as u64 + 7) {
+            a.push(i * 10);
+        }
+        assert_eq!(a.len(), 3 * CHUNK + 7);
+        assert_eq!(a.chunks.len(), 4);
+        let first = &a[0] as *const u64;
+        a.push(1);
+        assert_eq!(first, &a[0] as *const u64, "growing moved an element");
+        for i in [0, CHUNK - 1, CHUNK, 2 * CHUNK + 5, 3 * CHUNK + 6] {
+            assert_eq!(a[i], i as u64 * 10);
+        }
+        a[CHUNK] = 99;
+        assert_eq!(a[CHUNK], 99);
+    }
+
+    #[test]
+    fn lru_order_holds_across_arena_chunks_and_reused_slots() {
+        let mut p = LruPolicy::new();
+        let n = 3 * CHUNK + 10;
+        for i in 0..n {
+            p.on_activate(&k(&format!("e{i}")));
+        }
+        // Touch every even entity: the odd ones are now the oldest.
+        for i in (0..n).step_by(2) {
+            p.on_access(&k(&format!("e{i}")));
+        }
+        for i in (1..n).step_by(2) {
+            assert_eq!(p.select_victim(), Some(k(&format!("e{i}"))));
+            p.on_remove(&k(&format!("e{i}")));
+        }
+        // Freed slots are reused by new entities, which are the newest.
+        p.on_activate(&k("new"));
+        assert_eq!(p.len(), n / 2 + 1);
+        assert_eq!(p.nodes.len(), n, "a freed slot was not reused");
+        assert_eq!(p.select_victim(), Some(k("e0")));
     }
 }

@@ -64,6 +64,11 @@ mod workers;
 /// predictable by a client choosing entity ids.
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
+/// A type's live entities on this core. It resizes incrementally
+/// (`griddle`): when it doubles, the entries move to the new table a few
+/// per insert, so no activation pays for rehashing every live entity.
+type EntityMap = griddle::HashMap<EntityId, Live, foldhash::fast::RandomState>;
+
 /// The token under which a handler's reply can be deferred
 /// ([`EntityContext::defer_reply`]) until the journal made its events
 /// durable; one id space per core, distinct from the ask ids of entities
@@ -151,7 +156,7 @@ pub(crate) struct TypeFigures {
 struct TypeHost {
     name: Rc<str>,
     factory: Option<EntityFactory>,
-    entities: FastMap<EntityId, Live>,
+    entities: EntityMap,
     delivered: u64,
     activated: u64,
     /// `Some` for a stateless worker type: its requests bypass the region.
@@ -437,7 +442,7 @@ impl EntityHost {
         self.types.push(TypeHost {
             name: Rc::from(type_name),
             factory,
-            entities: FastMap::default(),
+            entities: EntityMap::default(),
             delivered: 0,
             activated: 0,
             worker,
