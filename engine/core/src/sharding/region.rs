@@ -444,6 +444,20 @@ impl<M, S> ShardRegion<M, S> {
         self.homes.len()
     }
 
+    /// The regions that are home to at least one shard in this region's
+    /// cache, each once, in no particular order (may include this region).
+    /// A node opens its data lanes to them before it serves, so the first
+    /// forward to each does not wait for a connection.
+    pub fn home_regions(&self) -> Vec<RegionId> {
+        let mut out: Vec<RegionId> = Vec::new();
+        for (r, _) in self.homes.values() {
+            if !out.contains(r) {
+                out.push(r.clone());
+            }
+        }
+        out
+    }
+
     /// Whether this region is a proxy.
     pub fn is_proxy(&self) -> bool {
         self.proxy

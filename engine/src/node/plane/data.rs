@@ -1145,6 +1145,34 @@ impl DataPlane {
         });
     }
 
+    /// Opens a data lane to every other node's region that is home to a
+    /// shard of a hosted type, once every region knows every shard's home
+    /// (warm allocation): the first requests forwarded after the node
+    /// reports ready then find their lane connected instead of waiting for
+    /// a connect and handshake. Lanes already open or backing off are left
+    /// alone; a lane that fails is retried on demand, as always.
+    fn open_home_links(&mut self) {
+        let mut homes: Vec<RegionId> = Vec::new();
+        for h in &self.types {
+            for r in h.region.home_regions() {
+                if r.member != self.config.me.member && !homes.contains(&r) {
+                    homes.push(r);
+                }
+            }
+        }
+        homes.sort_by(|a, b| (&*a.member.address.0, a.core).cmp(&(&*b.member.address.0, b.core)));
+        for r in homes {
+            if self.links.contains(&r)
+                || self.backoff.contains_key(&r)
+                || self.removed.contains(&r.member)
+            {
+                continue;
+            }
+            self.links.insert(r.clone());
+            self.out.push_back(DataOutput::OpenLink { to: r });
+        }
+    }
+
     /// The registration and hand-off reports for the control executor:
     /// whether every region is registered and (with warm allocation)
     /// whether every region knows the home of every shard.
@@ -1154,6 +1182,9 @@ impl DataPlane {
         let warm =
             !self.config.warm_allocation || self.types.iter().all(|h| h.region.known_homes() >= n);
         if (all, warm) != self.reported_registered {
+            if all && warm && self.config.warm_allocation {
+                self.open_home_links();
+            }
             self.reported_registered = (all, warm);
             self.out
                 .push_back(DataOutput::ToControl(ToControl::Registered {
