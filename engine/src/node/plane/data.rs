@@ -1550,6 +1550,81 @@ mod tests {
     }
 
     #[test]
+    fn a_warm_plane_opens_a_lane_to_every_remote_home_once_all_homes_are_known() {
+        let mut p = DataPlane::new(DataPlaneConfig {
+            me: me(),
+            number_of_shards: 4,
+            ask_timeout: secs(5),
+            max_message_size_bytes: 1024,
+            warm_allocation: true,
+        });
+        p.handle_register_type(Duration::ZERO, T, RegionSettings::default(), true, false)
+            .expect("new type");
+        p.handle_region_msg(Duration::ZERO, T, RegionMsg::RegisterAck);
+        drain(&mut p, Duration::ZERO);
+        let third = RegionId {
+            member: member(7103, 3),
+            core: 0,
+        };
+        let homes = [remote(), remote(), me(), third.clone()];
+        let lanes = |out: &[DataOutput]| -> Vec<RegionId> {
+            out.iter()
+                .filter_map(|o| match o {
+                    DataOutput::OpenLink { to } => Some(to.clone()),
+                    _ => None,
+                })
+                .collect()
+        };
+        let now = secs(1);
+        for (n, region) in homes.iter().enumerate() {
+            p.handle_region_msg(
+                now,
+                T,
+                RegionMsg::ShardHome {
+                    shard: ShardId(n as u32),
+                    region: region.clone(),
+                    generation: Generation(1),
+                },
+            );
+            let out = drain(&mut p, now);
+            if n + 1 < homes.len() {
+                assert!(
+                    lanes(&out).is_empty(),
+                    "a lane opened before every home was known"
+                );
+                continue;
+            }
+            assert_eq!(
+                lanes(&out),
+                vec![remote(), third.clone()],
+                "one lane per remote home"
+            );
+            assert!(out.iter().any(|o| matches!(
+                o,
+                DataOutput::ToControl(ToControl::Registered { warm: true, .. })
+            )));
+        }
+        // A request forwarded to a home whose lane is open opens no other.
+        let entity = (0..1000)
+            .map(|i| format!("e{i}"))
+            .find(|e| p.shard_of(&id(e)) == ShardId(0))
+            .expect("an entity of shard 0");
+        p.handle_client_request(
+            now,
+            7,
+            1,
+            T.as_bytes(),
+            entity.as_bytes(),
+            bytes::Bytes::from_static(b"ping"),
+        );
+        let out = drain(&mut p, now);
+        assert!(lanes(&out).is_empty(), "a second lane to the same region");
+        assert!(out
+            .iter()
+            .any(|o| matches!(o, DataOutput::Transmit(t) if t.to == remote())));
+    }
+
+    #[test]
     fn unknown_shard_asks_the_coordinator_then_forwards_when_the_home_arrives() {
         let (mut p, _) = plane(None);
         let now = secs(1);
