@@ -80,7 +80,7 @@ impl<T> Arena<T> {
     }
 
     fn push(&mut self, value: T) {
-        if self.len % CHUNK == 0 {
+        if self.len.is_multiple_of(CHUNK) {
             self.chunks.push(Vec::with_capacity(CHUNK));
         }
         self.chunks[self.len / CHUNK].push(value);
