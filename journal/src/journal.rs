@@ -19,7 +19,9 @@ use crate::format::{
     Snapshot, SNAPSHOT_SUFFIX, TMP_SUFFIX,
 };
 use crate::ids::{Lsn, PersistenceId, SequenceNr, WriterEpoch};
-use crate::recovery::{recover, PidMap, PidState, RecoveryReport, SealedSegment, SegmentIndex};
+use crate::recovery::{
+    pid_hash, recover, PidMap, PidState, RecoveryReport, SealedSegment, SegmentIndex,
+};
 use crate::storage::{MmapStorage, SegmentFile, Storage};
 use crate::sync::{self, DurabilityError, DurabilityWatcher, PendingSnapshots, Shared, SyncMsg};
 
@@ -655,11 +657,16 @@ impl Journal {
         epoch: WriterEpoch,
         payload: &[u8],
     ) -> Result<Lsn, AppendError> {
+        // One hash of the id for every map it is looked up in (they share
+        // `PidHash`); a writer's id is the journal's own copy, so each
+        // comparison is a pointer comparison.
+        let hash = pid_hash(pid);
         let (last, highest) = self
             .catalog
             .pids
-            .get(pid.as_str())
-            .map_or((SequenceNr(0), WriterEpoch(0)), |s| {
+            .raw_entry()
+            .from_key_hashed_nocheck(hash, pid)
+            .map_or((SequenceNr(0), WriterEpoch(0)), |(_, s)| {
                 (s.last_seq, s.max_epoch)
             });
         if epoch < highest {
@@ -676,7 +683,7 @@ impl Journal {
                 last,
             });
         }
-        self.write_record(pid, sequence_nr, epoch, RecordKind::Event, payload)
+        self.write_record(pid, hash, sequence_nr, epoch, RecordKind::Event, payload)
     }
 
     /// Deletes `pid`'s events up to `to` (capped at its last sequence
@@ -706,14 +713,16 @@ impl Journal {
         if to <= st.deleted_to {
             return Ok(None);
         }
-        let lsn = self.write_record(pid, to, epoch, RecordKind::Deletion, &[])?;
+        let lsn = self.write_record(pid, pid_hash(pid), to, epoch, RecordKind::Deletion, &[])?;
         self.remove_obsolete_segments(Some(pid))?;
         Ok(Some(lsn))
     }
 
+    /// Writes one record of `pid` (`hash`: its [`pid_hash`]).
     fn write_record(
         &mut self,
         pid: &PersistenceId,
+        hash: u64,
         seq: SequenceNr,
         epoch: WriterEpoch,
         kind: RecordKind,
@@ -752,18 +761,26 @@ impl Journal {
             self.poison(format!("write to {} failed: {source}", self.active.name));
             return Err(AppendError::Io { source });
         }
-        self.active.index.add(pid, kind, seq, epoch, lsn, off, len);
-        let st = match self.catalog.pids.get_mut(pid.as_str()) {
-            Some(s) => s,
-            None => self.catalog.pids.entry(pid.clone()).or_default(),
-        };
+        self.active
+            .index
+            .add(pid, hash, kind, seq, epoch, lsn, off, len);
+        let (_, st) = self
+            .catalog
+            .pids
+            .raw_entry_mut()
+            .from_key_hashed_nocheck(hash, pid)
+            .or_insert_with(|| (pid.clone(), PidState::default()));
         st.max_epoch = st.max_epoch.max(epoch);
         match kind {
             RecordKind::Event => st.last_seq = seq,
             RecordKind::Deletion => st.deleted_to = st.deleted_to.max(seq),
         }
         self.next_lsn = Lsn(lsn.0 + 1);
-        self.shared.written_lsn.store(lsn.0, Ordering::SeqCst);
+        // Release: the record's bytes (and a roll sent before them) are
+        // visible to the sync thread once it loads this LSN; a SeqCst store
+        // is a full fence per record on x86 and orders nothing more here
+        // (the doorbell's swap orders the `Always` ring).
+        self.shared.written_lsn.store(lsn.0, Ordering::Release);
         if self.options.durability == Durability::Always {
             sync::ring(&self.shared, &self.tx);
         }

@@ -3,14 +3,48 @@
 
 use std::collections::BTreeSet;
 
-/// A map keyed by persistence id, hashed with foldhash (per-process random
-/// seed): the journal looks an id up two or three times per record, where
-/// SipHash cost more than the record's copy into the segment. Resized
-/// incrementally (`griddle`): these maps hold every id the journal has
-/// seen and are grown by the appending thread (a data core), so a doubling
-/// moves the entries a few per insert instead of pausing that core for all
-/// of them at once.
-pub(crate) type PidMap<V> = griddle::HashMap<PersistenceId, V, foldhash::fast::RandomState>;
+/// A map keyed by persistence id, hashed with foldhash under [`PidHash`]
+/// (one random seed per process): the journal looks an id up two or three
+/// times per record, where SipHash cost more than the record's copy into
+/// the segment. Resized incrementally (`griddle`): these maps hold every id
+/// the journal has seen and are grown by the appending thread (a data
+/// core), so a doubling moves the entries a few per insert instead of
+/// pausing that core for all of them at once.
+pub(crate) type PidMap<V> = griddle::HashMap<PersistenceId, V, PidHash>;
+
+/// The hasher of every [`PidMap`] of the process: foldhash with one seed
+/// drawn at random when the first map is made (ids come from clients, so
+/// the seed must not be guessable: HashDoS), the same in every map, so
+/// that an append hashes its id once for the catalog and the active
+/// segment's index ([`pid_hash`]).
+#[derive(Clone, Debug)]
+pub(crate) struct PidHash(foldhash::fast::SeedableRandomState);
+
+impl Default for PidHash {
+    fn default() -> Self {
+        use std::hash::BuildHasher;
+        static SEED: OnceLock<u64> = OnceLock::new();
+        let seed = *SEED.get_or_init(|| foldhash::fast::RandomState::default().hash_one(0u64));
+        PidHash(foldhash::fast::SeedableRandomState::with_seed(
+            seed,
+            foldhash::SharedSeed::global_random(),
+        ))
+    }
+}
+
+impl std::hash::BuildHasher for PidHash {
+    type Hasher = foldhash::fast::FoldHasher<'static>;
+
+    fn build_hasher(&self) -> Self::Hasher {
+        self.0.build_hasher()
+    }
+}
+
+/// The hash of `pid` in every [`PidMap`] (they share [`PidHash`]'s seed).
+pub(crate) fn pid_hash(pid: &PersistenceId) -> u64 {
+    use std::hash::BuildHasher;
+    PidHash::default().hash_one(pid)
+}
 use std::sync::OnceLock;
 
 use crate::error::{CorruptionKind, RecoveryError};
@@ -48,12 +82,13 @@ impl SegmentIndex {
     }
 
     /// Adds a record that was just written by `pid`'s writer (the index
-    /// shares its id). (The fields are passed one by one: the appender has
+    /// shares its id; `hash` is [`pid_hash`] of it). (The fields are passed one by one: the appender has
     /// no decoded view.)
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn add(
         &mut self,
         pid: &PersistenceId,
+        hash: u64,
         kind: RecordKind,
         seq: SequenceNr,
         epoch: WriterEpoch,
@@ -61,10 +96,11 @@ impl SegmentIndex {
         offset: u64,
         len_bytes: u64,
     ) {
-        let e = match self.pids.get_mut(pid.as_str()) {
-            Some(e) => e,
-            None => self.pids.entry(pid.clone()).or_default(),
-        };
+        let (_, e) = self
+            .pids
+            .raw_entry_mut()
+            .from_key_hashed_nocheck(hash, pid)
+            .or_insert_with(|| (pid.clone(), IndexEntry::default()));
         Self::add_to(e, kind, seq, epoch, offset);
         self.records += 1;
         self.last_lsn = lsn;

@@ -545,7 +545,7 @@ pub(crate) fn run(
         // A doorbell whose message did not fit in the channel (full of
         // rolls) is still owed: the flag says so.
         let rung = shared.doorbell_pending.swap(false, Ordering::SeqCst);
-        let target = shared.written_lsn.load(Ordering::SeqCst);
+        let target = shared.written_lsn.load(Ordering::Acquire);
         let mut want_sync = rung;
         let mut shutdown = false;
         let mut pending = first;

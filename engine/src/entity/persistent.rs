@@ -154,9 +154,6 @@ struct PendingCommand {
 /// and the persistence id were most of their memory.
 #[derive(Default)]
 struct Busy {
-    /// The persistence id, derived from the context when first needed and
-    /// kept while busy.
-    pid: Option<PersistenceId>,
     in_flight: VecDeque<InFlight>,
     commands: VecDeque<PendingCommand>,
     next_command: u64,
@@ -188,20 +185,26 @@ impl Busy {
 /// Hosts a [`PersistentEntity`] as an [`Entity`]: journal appends,
 /// stashing, deferred replies, recovery and snapshots.
 ///
-/// An idle incarnation keeps only its state and its sequence numbers;
-/// everything a command in progress needs is allocated when it
-/// starts and freed when it is done, and the persistence id
-/// (`{type_name}|{entity_id}`) and the writer epoch (the shard's
-/// allocation generation, fixed for an incarnation) are read from the
-/// context then. The state `E` is held inline (a built-in type is one
+/// An idle incarnation keeps only its state, its sequence numbers and,
+/// once it has events, its persistence id (`{type_name}|{entity_id}`, one
+/// pointer to the journal's shared copy: no lookup per command);
+/// everything a command in progress needs is allocated when it starts and
+/// freed when it is done, and the writer epoch (the shard's allocation
+/// generation, fixed for an incarnation) is read from the context then. The state `E` is held inline (a built-in type is one
 /// allocation with its host); the default, a boxed `dyn PersistentEntity`,
 /// hosts any.
 pub struct Persistent<E: PersistentEntity = Box<dyn PersistentEntity>> {
     inner: E,
     seq: u64,
-    snapshot_every: u64,
-    since_snapshot: u64,
+    /// The persistence id, kept once the entity has events (then it is
+    /// the journal's copy) or while it is busy; derived from the context
+    /// when absent.
+    pid: Option<PersistenceId>,
     busy: Option<Box<Busy>>,
+    /// Events between snapshots (0: never; saturated at `u32::MAX`).
+    snapshot_every: u32,
+    /// Events handled since the last snapshot (saturating).
+    since_snapshot: u32,
     /// Events replayed at the last recovery (saturating).
     recovered_events: u32,
     /// Being stopped (`on_stopping`, `on_stop`): no new recovery.
@@ -264,12 +267,14 @@ impl<T: PersistentEntity + ?Sized> PersistentEntity for Box<T> {
 }
 
 impl<E: PersistentEntity> Persistent<E> {
-    /// Wraps `inner`; a snapshot every `snapshot_every` events (0: never).
+    /// Wraps `inner`; a snapshot every `snapshot_every` events (0: never;
+    /// above `u32::MAX` it is `u32::MAX`).
     pub fn new(inner: E, snapshot_every: u64) -> Self {
         Persistent {
             inner,
             seq: 0,
-            snapshot_every,
+            pid: None,
+            snapshot_every: u32::try_from(snapshot_every).unwrap_or(u32::MAX),
             since_snapshot: 0,
             busy: None,
             recovered_events: 0,
@@ -324,19 +329,22 @@ impl<E: PersistentEntity> Persistent<E> {
             .map(|f| f.lsn)
     }
 
-    /// The persistence id: the one kept while busy (taken out: give it
-    /// back with [`Self::keep_pid`]), else derived from `ctx`.
+    /// The persistence id: the one kept (taken out: give it back with
+    /// [`Self::keep_pid`]), else derived from `ctx`.
     fn take_pid(&mut self, ctx: &mut EntityContext<'_>) -> Result<PersistenceId, EntityError> {
-        match self.busy.as_mut().and_then(|b| b.pid.take()) {
+        match self.pid.take() {
             Some(p) => Ok(p),
             None => persistence_id(ctx),
         }
     }
 
-    /// Keeps `pid` while busy (dropped when idle).
+    /// Keeps `pid` once the entity has events (the journal holds the same
+    /// string then, so keeping it costs one pointer) or while it is busy;
+    /// an entity without events drops it (activating a million fresh ids
+    /// with reads keeps no id copy each).
     fn keep_pid(&mut self, pid: PersistenceId) {
-        if let Some(b) = self.busy.as_mut() {
-            b.pid.get_or_insert(pid);
+        if self.seq > 0 || self.busy.is_some() {
+            self.pid.get_or_insert(pid);
         }
     }
 
@@ -344,6 +352,9 @@ impl<E: PersistentEntity> Persistent<E> {
     fn settle(&mut self) {
         if self.busy.as_ref().is_some_and(|b| b.is_idle()) {
             self.busy = None;
+            if self.seq == 0 {
+                self.pid = None;
+            }
         }
     }
 
@@ -407,7 +418,9 @@ impl<E: PersistentEntity> Persistent<E> {
         // Sequence numbers taken without an event (a claim row).
         self.seq = self.seq.max(rec.highest);
         self.recovered_events = u32::try_from(n).unwrap_or(u32::MAX);
-        self.since_snapshot += n;
+        self.since_snapshot = self
+            .since_snapshot
+            .saturating_add(u32::try_from(n).unwrap_or(u32::MAX));
         Ok(())
     }
 
@@ -543,7 +556,10 @@ impl<E: PersistentEntity> Persistent<E> {
             reply: pc.reply,
             remaining: n,
         });
-        ctx.await_durable();
+        // The caller asks for the durability notice if events are still in
+        // flight once it ran what is durable already ([`Entity::handle`],
+        // `advance_with`): under "none" nothing is, and asking would queue
+        // a waiter and wake the core's durability task for every command.
         Ok(())
     }
 
@@ -601,7 +617,7 @@ impl<E: PersistentEntity> Persistent<E> {
                         }
                     }
                 }
-                self.since_snapshot += 1;
+                self.since_snapshot = self.since_snapshot.saturating_add(1);
                 self.maybe_snapshot(ctx, pid);
             }
             if self.stashing() > 0 || self.stashed() == 0 || self.recovering().is_some() {
@@ -742,11 +758,14 @@ impl<E: PersistentEntity> Entity for Persistent<E> {
             return Ok(());
         }
         self.run_command(ctx, message, token, None)?;
-        // Under "none" (or a durable LSN already past), run handlers now.
+        // Under "none" (or a durable LSN already past), run handlers now;
+        // else wait for the journal's notice.
         if let Some(lsn) = self.front_lsn() {
             let d = ctx.journal().map(|l| l.durable_lsn()).unwrap_or(Lsn(0));
             if lsn <= d {
                 self.advance(ctx, d)?;
+            } else {
+                ctx.await_durable();
             }
         }
         Ok(())
