@@ -96,12 +96,25 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// # Errors
     /// The I/O error.
     fn write_file(&self, name: &str, bytes: &[u8]) -> io::Result<()>;
-    /// Makes the contents of `name` durable (`fsync`); its directory entry
-    /// is durable after [`Storage::sync_dir`].
+    /// Makes the contents of `name` durable (`fdatasync`: the data and the
+    /// metadata needed to read it back); its directory entry is durable
+    /// after [`Storage::sync_dir`].
     ///
     /// # Errors
     /// `NotFound`, or the I/O error of the flush.
     fn sync_file(&self, name: &str) -> io::Result<()>;
+    /// [`Storage::write_file`] then [`Storage::sync_file`] of `name`; the
+    /// directory storage does both through one open file, writing over the
+    /// old contents in place (a file rewritten with the same length keeps
+    /// its blocks, so the flush writes the data and no block map).
+    ///
+    /// # Errors
+    /// The I/O error of the write or of the flush; `name` then holds
+    /// unknown contents.
+    fn write_file_synced(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
+        self.write_file(name, bytes)?;
+        self.sync_file(name)
+    }
     /// Renames `from` to `to` (replacing `to`). Durable after
     /// [`Storage::sync_dir`].
     ///
@@ -446,7 +459,23 @@ impl Storage for MmapStorage {
     }
 
     fn sync_file(&self, name: &str) -> io::Result<()> {
-        File::open(self.path(name))?.sync_all()
+        File::open(self.path(name))?.sync_data()
+    }
+
+    fn write_file_synced(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
+        // No O_TRUNC: truncating frees the blocks and the write allocates
+        // them again, which makes every flush write the block map too.
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(self.path(name))?;
+        f.write_all(bytes)?;
+        let len = bytes.len() as u64;
+        if f.metadata()?.len() > len {
+            f.set_len(len)?;
+        }
+        f.sync_data()
     }
 
     fn rename(&self, from: &str, to: &str) -> io::Result<()> {
@@ -818,6 +847,32 @@ mod tests {
             s.list().unwrap(),
             vec!["a.seg".to_string(), "x".to_string()]
         );
+    }
+
+    #[test]
+    fn write_file_synced_replaces_the_contents_in_place_at_any_length() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let s = MmapStorage::new(dir.path()).unwrap();
+        s.write_file_synced("snap", b"0123456789").unwrap();
+        assert_eq!(s.read_file("snap").unwrap(), b"0123456789");
+        let ino = std::fs::metadata(dir.path().join("snap")).unwrap().ino();
+        // Same length: rewritten in place (same inode, new bytes).
+        s.write_file_synced("snap", b"abcdefghij").unwrap();
+        assert_eq!(s.read_file("snap").unwrap(), b"abcdefghij");
+        assert_eq!(
+            std::fs::metadata(dir.path().join("snap")).unwrap().ino(),
+            ino
+        );
+        // Shorter: the old tail is cut off; longer: it grows.
+        s.write_file_synced("snap", b"xyz").unwrap();
+        assert_eq!(s.read_file("snap").unwrap(), b"xyz");
+        s.write_file_synced("snap", b"0123456789ABCDEF").unwrap();
+        assert_eq!(s.read_file("snap").unwrap(), b"0123456789ABCDEF");
+        // Through a faulty storage the injected failures apply.
+        let f = FaultyStorage::new(s.clone());
+        f.faults().fail_sync.store(true, Ordering::SeqCst);
+        assert!(f.write_file_synced("snap", b"q").is_err());
     }
 
     #[test]

@@ -230,7 +230,8 @@ fn spare_name(name: &str) -> String {
 /// - the first save of `name` this run writes `tmp`, syncs it and renames
 ///   it over `name`;
 /// - a later one writes the spare file beside it (created once, then
-///   rewritten in place), syncs it and exchanges it with `name`
+///   rewritten in place: same length, same blocks, so its `fdatasync`
+///   writes the data block alone), syncs it and exchanges it with `name`
 ///   ([`Storage::exchange`]), so the old snapshot becomes the next spare:
 ///   no inode is created or freed per save (on ext4, creating a file per
 ///   snapshot cost more CPU than the rest of a durable entity's append).
@@ -245,15 +246,13 @@ fn save_snapshot_file(
     bytes: &[u8],
 ) -> std::io::Result<()> {
     if !spares.placed.contains(name) {
-        storage.write_file(tmp, bytes)?;
-        storage.sync_file(tmp)?;
+        storage.write_file_synced(tmp, bytes)?;
         storage.rename(tmp, name)?;
         spares.placed.insert(name.to_string());
         return Ok(());
     }
     let spare = spare_name(name);
-    storage.write_file(&spare, bytes)?;
-    storage.sync_file(&spare)?;
+    storage.write_file_synced(&spare, bytes)?;
     match storage.exchange(&spare, name) {
         Ok(()) => Ok(()),
         Err(_) => storage.rename(&spare, name),
