@@ -394,7 +394,12 @@ fn sigterm_answers_every_pipelined_request_and_refused_adds_are_not_applied() {
                 assert_eq!(r.text(), ok_per_entity[e].to_string(), "p-{e}");
             }
             503 => assert_eq!(r.header("Retry-After"), Some("1"), "{}", r.text()),
-            c => panic!("request {answered}: {c} {}", r.text()),
+            c => panic!(
+                "request {answered}: {c} {}\nnode 0:\n{}\nnode 1:\n{}",
+                r.text(),
+                node_log(dir.path(), 0),
+                node_log(dir.path(), 1)
+            ),
         }
     }
     assert!(w.join().expect("writer"), "every request was written");

@@ -1597,3 +1597,44 @@ fn a_new_coordinator_resumes_a_hand_off_whose_owner_is_still_stopping() {
     assert_eq!(got, vec![(h, 1), (h, 2), (n, 3), (n, 4), (n, 5), (n, 6)]);
     assert!(w.failed.is_empty(), "{:?}", w.failed);
 }
+
+/// A region whose `Register` was lost (the new coordinator was still
+/// starting when it moved) sends it again after 250 ms, then 500 ms, 1 s
+/// and 2 s (the retry interval) between attempts, as Akka's region does,
+/// not first after the whole 2 s retry interval; once acknowledged, the
+/// next coordinator move starts again at 250 ms.
+#[test]
+fn register_is_retried_with_a_backoff_from_an_eighth_of_the_retry_interval() {
+    let ms = Duration::from_millis;
+    let registers = |r: &mut Region| {
+        r.drain_effects()
+            .filter(|e| {
+                matches!(
+                    e,
+                    RegionEffect::SendToCoordinator(CoordinatorMsg::Register { .. })
+                )
+            })
+            .count()
+    };
+    let mut r = owner_of_shard_0(quiet_settings());
+    let _ = r.drain_effects().count();
+    r.handle_coordinator_moved(ms(0));
+    assert_eq!(registers(&mut r), 1, "sent at the move");
+    let mut sent_at = Vec::new();
+    for t in (10..=6_000).step_by(10) {
+        let now = ms(t);
+        if r.poll_timeout().is_some_and(|d| now >= d) {
+            r.handle_timeout(now);
+        }
+        if registers(&mut r) > 0 {
+            sent_at.push(t);
+        }
+    }
+    assert_eq!(sent_at, vec![250, 750, 1750, 3750, 5750]);
+    r.handle_region_msg(ms(6_000), RegionMsg::RegisterAck);
+    assert!(r.is_registered());
+    r.handle_coordinator_moved(ms(7_000));
+    assert_eq!(registers(&mut r), 1);
+    r.handle_timeout(ms(7_250));
+    assert_eq!(registers(&mut r), 1, "the backoff starts again");
+}

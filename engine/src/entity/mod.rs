@@ -898,9 +898,20 @@ mod tests {
                 .with_type("counter", 1)
                 .with_reply_token(self.token);
             self.host.handle(&mut ctx, msg.as_bytes()).unwrap();
+            // Under "none" the command is answered in the call (nothing
+            // pending), else through a completion once durable.
+            let direct = ctx.take_reply();
             let mut c = self.services.take_completions();
-            assert_eq!(c.len(), 1, "{msg}");
-            String::from_utf8(c.remove(0).payload).unwrap()
+            match direct {
+                Some(r) => {
+                    assert!(c.is_empty(), "{msg}: answered twice");
+                    String::from_utf8(r).unwrap()
+                }
+                None => {
+                    assert_eq!(c.len(), 1, "{msg}");
+                    String::from_utf8(c.remove(0).payload).unwrap()
+                }
+            }
         }
     }
 

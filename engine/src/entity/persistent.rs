@@ -484,6 +484,71 @@ impl<E: PersistentEntity> Persistent<E> {
         Ok(())
     }
 
+    /// Runs one command when nothing is pending and the journal makes an
+    /// append durable at once ([`crate::persistence::EventLog::durable_on_append`]):
+    /// each event is appended and its handler run in order, and the
+    /// command answered through the context, as the queued path would
+    /// (same order of handlers, same reply, same snapshots) without
+    /// allocating its pending-work state.
+    fn run_command_now(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        command: &[u8],
+    ) -> Result<(), EntityError> {
+        let mut pc = PersistContext::lent(ctx);
+        let handled = self.inner.on_command(&mut pc, command);
+        pc.give_back(ctx);
+        handled?;
+        if pc.passivate {
+            ctx.passivate();
+        }
+        let mut reply = pc.reply.take();
+        if !pc.events.is_empty() {
+            let pid = self.take_pid(ctx)?;
+            let r = self.append_now(ctx, &pid, pc.events, &mut reply);
+            self.keep_pid(pid);
+            r?;
+        }
+        ctx.reply(reply.unwrap_or_default());
+        Ok(())
+    }
+
+    /// Appends `events` of `pid` one by one, each followed by its handler
+    /// (durable at once: see [`Self::run_command_now`]); an event handler's
+    /// reply replaces `reply`.
+    fn append_now(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        pid: &PersistenceId,
+        events: Vec<(Vec<u8>, PersistMode)>,
+        reply: &mut Option<Vec<u8>>,
+    ) -> Result<(), EntityError> {
+        let epoch = epoch_of(ctx);
+        for (event, _) in events {
+            let seq = self.seq + 1;
+            let lsn = ctx
+                .journal()
+                .map(|l| l.append(pid, SequenceNr(seq), epoch, &event))
+                .and_then(|r| r)
+                .map_err(|e| EntityError::Failed(format!("journal: {e}")))?;
+            self.seq = seq;
+            ctx.note_appended(lsn);
+            let mut pc = PersistContext::lent(ctx);
+            let handled = self.inner.on_event(&mut pc, &event);
+            pc.give_back(ctx);
+            handled?;
+            if pc.passivate {
+                ctx.passivate();
+            }
+            if pc.reply.is_some() {
+                *reply = pc.reply;
+            }
+            self.since_snapshot = self.since_snapshot.saturating_add(1);
+            self.maybe_snapshot(ctx, pid);
+        }
+        Ok(())
+    }
+
     /// Runs one command; its events (if any) are appended with `pid` (the
     /// caller's, else the one kept while busy or derived).
     fn run_command(
@@ -740,6 +805,17 @@ impl<E: PersistentEntity> Entity for Persistent<E> {
         if let Some(why) = self.failed() {
             return Err(EntityError::Failed(format!("recovery failed: {why}")));
         }
+        if self.busy.is_none()
+            && ctx
+                .journal()
+                .map(|l| l.durable_on_append())
+                .unwrap_or(false)
+        {
+            // Nothing pending and appends durable at once: the command's
+            // events are appended, their handlers run and the command is
+            // answered now (no deferred reply).
+            return self.run_command_now(ctx, message);
+        }
         let token = ctx.defer_reply();
         if self.stashing() > 0 || self.recovering().is_some() {
             self.busy().stashed.push_back((message.to_vec(), token));
@@ -880,6 +956,8 @@ mod tests {
         async_reads: bool,
         read_done: std::rc::Rc<std::cell::Cell<bool>>,
         pending_read: Option<(u64, Recovered)>,
+        /// Every append durable at once (the local journal under "none").
+        durable_on_append: bool,
     }
 
     impl EventLog for MemLog {
@@ -929,7 +1007,14 @@ mod tests {
                 .map_or(0, |e| e.0)
         }
         fn durable_lsn(&self) -> Lsn {
-            Lsn(self.durable.get())
+            if self.durable_on_append {
+                Lsn(self.next)
+            } else {
+                Lsn(self.durable.get())
+            }
+        }
+        fn durable_on_append(&self) -> bool {
+            self.durable_on_append
         }
         fn wait_durable(&mut self, lsn: Lsn) -> Result<(), String> {
             self.durable.set(self.durable.get().max(lsn.0));
@@ -1135,6 +1220,48 @@ mod tests {
         // The state's host is a few words over the state.
         let size = std::mem::size_of::<Persistent<Recorder>>();
         assert!(size <= 48, "{size} bytes");
+    }
+
+    #[test]
+    fn appends_durable_at_once_run_their_handlers_and_answer_in_the_same_call() {
+        let mem = MemLog {
+            durable_on_append: true,
+            ..MemLog::default()
+        };
+        let mut h = Harness::with_log(mem);
+        h.host.snapshot_every = 3;
+        let mut ask = |h: &mut Harness, cmd: &str| {
+            let mut ctx = EntityContext::new(&h.id, &mut h.services)
+                .with_type("rec", 1)
+                .with_reply_token(7);
+            h.host.handle(&mut ctx, cmd.as_bytes()).unwrap();
+            assert!(!ctx.reply_deferred(), "answered in the call");
+            let reply = ctx.take_reply().map(|r| String::from_utf8(r).unwrap());
+            assert!(h.host.busy.is_none(), "nothing queued for {cmd}");
+            reply
+        };
+        assert_eq!(ask(&mut h, "r").as_deref(), Some("r r"));
+        // Two events: both handlers ran in order; the last reply wins.
+        assert_eq!(ask(&mut h, "s:e1,a:e2").as_deref(), Some("done e2"));
+        assert_eq!(
+            h.trace(),
+            vec!["cmd r", "cmd s:e1,a:e2", "evt e1", "evt e2"]
+        );
+        assert_eq!(h.host.sequence_nr(), 2);
+        assert!(h.host.pid.is_some(), "the id is kept once it has events");
+        // The third event is a snapshot's turn (every 3).
+        assert_eq!(ask(&mut h, "s:e3").as_deref(), Some("done e3"));
+        assert_eq!(h.host.since_snapshot, 0, "snapshot saved");
+        assert!(h.answers().is_empty(), "no deferred completions");
+        // The journal holds the events in order.
+        let mut ctx = EntityContext::new(&h.id, &mut h.services).with_type("rec", 1);
+        let pid = persistence_id(&mut ctx).unwrap();
+        let rec = ctx
+            .journal()
+            .unwrap()
+            .recover(&pid, WriterEpoch(1))
+            .unwrap();
+        assert_eq!(rec.snapshot.map(|s| s.0), Some(3));
     }
 
     #[test]

@@ -85,6 +85,15 @@ pub trait EventLog {
     /// "none": the highest appended).
     fn durable_lsn(&self) -> Lsn;
 
+    /// Whether every append is durable (under the policy) when `append`
+    /// returns and is never rejected afterwards ([`Self::rejected`]): the
+    /// local journal under `durability = "none"`. A durable entity then
+    /// runs an event's handler and answers its command in the same call,
+    /// with nothing queued. Default: false.
+    fn durable_on_append(&self) -> bool {
+        false
+    }
+
     /// The persistence id `id` as the log already holds it (shared, so
     /// that a writer's copy costs no allocation), if it does. Default:
     /// none (the caller builds its own).
@@ -543,6 +552,10 @@ impl EventLog for CoreLog {
         } else {
             self.journal.durable_lsn()
         }
+    }
+
+    fn durable_on_append(&self) -> bool {
+        self.none
     }
 
     fn wait_durable(&mut self, lsn: Lsn) -> Result<(), String> {

@@ -343,6 +343,12 @@ pub struct ShardRegion<M, S> {
     hand_offs_completed: u64,
     dead_regions: DetHashSet<RegionId>,
     next_retry_at: Duration,
+    /// The wait before the next `Register` while unregistered: from
+    /// [`Self::first_register_delay`], doubled per attempt up to
+    /// `retry_interval` (Akka's region does the same), so a region that
+    /// registered while the coordinator was still starting (its first
+    /// `Register` lost) is registered a fraction of the interval later.
+    register_delay: Duration,
     next_idle_check_at: Option<Duration>,
     paced_starts: VecDeque<EntityKey>,
     next_paced_start_at: Option<Duration>,
@@ -401,7 +407,9 @@ impl<M, S> ShardRegion<M, S> {
         let next_idle_check_at = settings.passivation.idle_timeout.map(|t| now + t / 2);
         let mut r = Self {
             id,
-            next_retry_at: now + settings.retry_interval,
+            next_retry_at: now + Self::first_register_delay(&settings),
+            register_delay: (Self::first_register_delay(&settings) * 2)
+                .min(settings.retry_interval),
             settings,
             proxy,
             registered: false,
@@ -621,7 +629,18 @@ impl<M, S> ShardRegion<M, S> {
     pub fn handle_coordinator_moved(&mut self, now: Duration) {
         self.registered = false;
         self.send_register();
-        self.next_retry_at = now + self.settings.retry_interval;
+        let first = Self::first_register_delay(&self.settings);
+        self.next_retry_at = now + first;
+        self.register_delay = (first * 2).min(self.settings.retry_interval);
+    }
+
+    /// The first wait before `Register` is sent again:
+    /// `retry_interval / 8`, at least 100 ms (Akka's
+    /// `initRegistrationDelay`), at most `retry_interval`.
+    fn first_register_delay(settings: &RegionSettings) -> Duration {
+        (settings.retry_interval / 8)
+            .max(Duration::from_millis(100))
+            .min(settings.retry_interval)
     }
 
     /// Starts a graceful shutdown (Akka's `GracefulShutdown`): asks the
@@ -1195,6 +1214,8 @@ impl<M, S> ShardRegion<M, S> {
                     return;
                 }
                 self.registered = true;
+                self.register_delay = Self::first_register_delay(&self.settings);
+                self.next_retry_at = now + self.settings.retry_interval;
                 let waiting: Vec<ShardId> = self
                     .buffers
                     .iter()
@@ -1439,6 +1460,8 @@ impl<M, S> ShardRegion<M, S> {
             self.next_retry_at = now + self.settings.retry_interval;
             if !self.registered {
                 self.send_register();
+                self.next_retry_at = now + self.register_delay;
+                self.register_delay = (self.register_delay * 2).min(self.settings.retry_interval);
             } else {
                 let mut waiting: Vec<ShardId> = self
                     .buffers
