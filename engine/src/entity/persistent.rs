@@ -1230,7 +1230,7 @@ mod tests {
         };
         let mut h = Harness::with_log(mem);
         h.host.snapshot_every = 3;
-        let mut ask = |h: &mut Harness, cmd: &str| {
+        let ask = |h: &mut Harness, cmd: &str| {
             let mut ctx = EntityContext::new(&h.id, &mut h.services)
                 .with_type("rec", 1)
                 .with_reply_token(7);
