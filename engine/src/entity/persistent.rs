@@ -247,6 +247,26 @@ fn epoch_of(ctx: &EntityContext<'_>) -> WriterEpoch {
     WriterEpoch(ctx.writer_epoch())
 }
 
+/// Appends `event` of `pid` as the event after `*seq` (advanced on
+/// success) with `epoch`, and tells the context its LSN.
+fn append_one(
+    ctx: &mut EntityContext<'_>,
+    pid: &PersistenceId,
+    seq: &mut u64,
+    epoch: WriterEpoch,
+    event: &[u8],
+) -> Result<Lsn, EntityError> {
+    let next = *seq + 1;
+    let lsn = ctx
+        .journal()
+        .map(|l| l.append(pid, SequenceNr(next), epoch, event))
+        .and_then(|r| r)
+        .map_err(|e| EntityError::Failed(format!("journal: {e}")))?;
+    *seq = next;
+    ctx.note_appended(lsn);
+    Ok(lsn)
+}
+
 /// A boxed entity is one: its calls are forwarded.
 impl<T: PersistentEntity + ?Sized> PersistentEntity for Box<T> {
     fn on_command(&mut self, ctx: &mut PersistContext, command: &[u8]) -> Result<(), EntityError> {
@@ -484,6 +504,40 @@ impl<E: PersistentEntity> Persistent<E> {
         Ok(())
     }
 
+    /// Runs the command handler (a passivation it asks for is passed on);
+    /// returns what it persisted and replied.
+    fn run_command_handler(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        command: &[u8],
+    ) -> Result<PersistContext, EntityError> {
+        let mut pc = PersistContext::lent(ctx);
+        let handled = self.inner.on_command(&mut pc, command);
+        pc.give_back(ctx);
+        handled?;
+        if pc.passivate {
+            ctx.passivate();
+        }
+        Ok(pc)
+    }
+
+    /// Runs the handler of a durable `event` (a passivation it asks for is
+    /// passed on); returns the reply it set, if any.
+    fn run_event_handler(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        event: &[u8],
+    ) -> Result<Option<Vec<u8>>, EntityError> {
+        let mut pc = PersistContext::lent(ctx);
+        let handled = self.inner.on_event(&mut pc, event);
+        pc.give_back(ctx);
+        handled?;
+        if pc.passivate {
+            ctx.passivate();
+        }
+        Ok(pc.reply)
+    }
+
     /// Runs one command when nothing is pending and the journal makes an
     /// append durable at once ([`crate::persistence::EventLog::durable_on_append`]):
     /// each event is appended and its handler run in order, and the
@@ -495,13 +549,8 @@ impl<E: PersistentEntity> Persistent<E> {
         ctx: &mut EntityContext<'_>,
         command: &[u8],
     ) -> Result<(), EntityError> {
-        let mut pc = PersistContext::lent(ctx);
-        let handled = self.inner.on_command(&mut pc, command);
-        pc.give_back(ctx);
-        handled?;
-        if pc.passivate {
-            ctx.passivate();
-        }
+        let pc = self.run_command_handler(ctx, command)?;
+        let mut pc = pc;
         let mut reply = pc.reply.take();
         if !pc.events.is_empty() {
             let pid = self.take_pid(ctx)?;
@@ -525,23 +574,9 @@ impl<E: PersistentEntity> Persistent<E> {
     ) -> Result<(), EntityError> {
         let epoch = epoch_of(ctx);
         for (event, _) in events {
-            let seq = self.seq + 1;
-            let lsn = ctx
-                .journal()
-                .map(|l| l.append(pid, SequenceNr(seq), epoch, &event))
-                .and_then(|r| r)
-                .map_err(|e| EntityError::Failed(format!("journal: {e}")))?;
-            self.seq = seq;
-            ctx.note_appended(lsn);
-            let mut pc = PersistContext::lent(ctx);
-            let handled = self.inner.on_event(&mut pc, &event);
-            pc.give_back(ctx);
-            handled?;
-            if pc.passivate {
-                ctx.passivate();
-            }
-            if pc.reply.is_some() {
-                *reply = pc.reply;
+            append_one(ctx, pid, &mut self.seq, epoch, &event)?;
+            if let Some(r) = self.run_event_handler(ctx, &event)? {
+                *reply = Some(r);
             }
             self.since_snapshot = self.since_snapshot.saturating_add(1);
             self.maybe_snapshot(ctx, pid);
@@ -558,13 +593,7 @@ impl<E: PersistentEntity> Persistent<E> {
         token: Option<u64>,
         pid: Option<&PersistenceId>,
     ) -> Result<(), EntityError> {
-        let mut pc = PersistContext::lent(ctx);
-        let handled = self.inner.on_command(&mut pc, command);
-        pc.give_back(ctx);
-        handled?;
-        if pc.passivate {
-            ctx.passivate();
-        }
+        let pc = self.run_command_handler(ctx, command)?;
         if pc.events.is_empty() {
             if let Some(t) = token {
                 ctx.complete(t, Status::Ok, pc.reply.unwrap_or_default());
@@ -597,14 +626,7 @@ impl<E: PersistentEntity> Persistent<E> {
         b.next_command = b.next_command.wrapping_add(1);
         let epoch = epoch_of(ctx);
         for (event, mode) in pc.events {
-            let seq = self.seq + 1;
-            let lsn = ctx
-                .journal()
-                .map(|l| l.append(pid, SequenceNr(seq), epoch, &event))
-                .and_then(|r| r)
-                .map_err(|e| EntityError::Failed(format!("journal: {e}")))?;
-            self.seq = seq;
-            ctx.note_appended(lsn);
+            let lsn = append_one(ctx, pid, &mut self.seq, epoch, &event)?;
             if mode == PersistMode::Stash {
                 b.stashing += 1;
             }
@@ -658,20 +680,14 @@ impl<E: PersistentEntity> Persistent<E> {
                 let Some(f) = self.busy.as_mut().and_then(|b| b.in_flight.pop_front()) else {
                     break;
                 };
-                let mut pc = PersistContext::lent(ctx);
-                let handled = self.inner.on_event(&mut pc, &f.event);
-                pc.give_back(ctx);
-                handled?;
-                if pc.passivate {
-                    ctx.passivate();
-                }
+                let event_reply = self.run_event_handler(ctx, &f.event)?;
                 let b = self.busy();
                 if f.mode == PersistMode::Stash {
                     b.stashing -= 1;
                 }
                 if let Some(c) = b.commands.iter_mut().find(|c| c.id == f.command) {
-                    if pc.reply.is_some() {
-                        c.reply = pc.reply;
+                    if event_reply.is_some() {
+                        c.reply = event_reply;
                     }
                     c.remaining -= 1;
                 }
