@@ -217,6 +217,10 @@ enum MetaJob {
 #[derive(Default)]
 struct SnapshotSpares {
     placed: std::collections::HashSet<String, foldhash::fast::RandomState>,
+    /// Names exchanged with their spare since the directory was last
+    /// synced: until it is, the spare may still be the file the name
+    /// points to on disk, so it must not be rewritten before a sync.
+    exchanged: std::collections::HashSet<String, foldhash::fast::RandomState>,
 }
 
 /// The spare file kept beside snapshot file `name`: a temporary name, so
@@ -251,10 +255,20 @@ fn save_snapshot_file(
         spares.placed.insert(name.to_string());
         return Ok(());
     }
+    if spares.exchanged.contains(name) {
+        // The last exchange of `name` is not durable yet: on disk the name
+        // may still point at the spare's inode, which is about to be
+        // rewritten. Make the exchange durable first.
+        storage.sync_dir()?;
+        spares.exchanged.clear();
+    }
     let spare = spare_name(name);
     storage.write_file_synced(&spare, bytes)?;
     match storage.exchange(&spare, name) {
-        Ok(()) => Ok(()),
+        Ok(()) => {
+            spares.exchanged.insert(name.to_string());
+            Ok(())
+        }
         Err(_) => storage.rename(&spare, name),
     }
 }
@@ -296,6 +310,7 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
                 continue;
             }
             dir_dirty = false;
+            spares.exchanged.clear();
         }
         let r = match job {
             None => Ok(()),
@@ -699,6 +714,30 @@ mod tests {
             vec!["a.snap".to_string(), spare_name("a.snap")],
             "no temporary file left"
         );
+    }
+
+    #[test]
+    fn a_spare_is_not_rewritten_before_its_last_exchange_is_durable() {
+        let s = crate::storage::FaultyStorage::new(MemoryStorage::new());
+        let mut spares = SnapshotSpares::default();
+        save(&s, &mut spares, 1);
+        save(&s, &mut spares, 2);
+        // The exchange of save 2 is not synced yet: save 3 must sync the
+        // directory before it rewrites the spare (the inode that held
+        // snapshot 1). With the sync failing, the spare stays untouched.
+        s.faults().fail_sync.store(true, Ordering::SeqCst);
+        let r = save_snapshot_file(&s, &mut spares, "a.snap.3.tmp", "a.snap", b"snapshot 3");
+        assert!(r.is_err(), "the directory sync failed");
+        assert_eq!(
+            s.read_file(&spare_name("a.snap")).expect("spare"),
+            b"snapshot 1".to_vec(),
+            "the spare was not rewritten"
+        );
+        assert_eq!(s.read_file("a.snap").expect("snap"), b"snapshot 2".to_vec());
+        // Once synced, later saves go on.
+        s.faults().fail_sync.store(false, Ordering::SeqCst);
+        save(&s, &mut spares, 3);
+        assert_eq!(s.read_file("a.snap").expect("snap"), b"snapshot 3".to_vec());
     }
 
     #[test]
