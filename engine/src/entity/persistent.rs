@@ -549,8 +549,7 @@ impl<E: PersistentEntity> Persistent<E> {
         ctx: &mut EntityContext<'_>,
         command: &[u8],
     ) -> Result<(), EntityError> {
-        let pc = self.run_command_handler(ctx, command)?;
-        let mut pc = pc;
+        let mut pc = self.run_command_handler(ctx, command)?;
         let mut reply = pc.reply.take();
         if !pc.events.is_empty() {
             let pid = self.take_pid(ctx)?;

@@ -344,7 +344,7 @@ pub struct ShardRegion<M, S> {
     dead_regions: DetHashSet<RegionId>,
     next_retry_at: Duration,
     /// The wait before the next `Register` while unregistered: from
-    /// [`Self::first_register_delay`], doubled per attempt up to
+    /// [`Self::register_backoff_start`], doubled per attempt up to
     /// `retry_interval` (Akka's region does the same), so a region that
     /// registered while the coordinator was still starting (its first
     /// `Register` lost) is registered a fraction of the interval later.
@@ -407,9 +407,8 @@ impl<M, S> ShardRegion<M, S> {
         let next_idle_check_at = settings.passivation.idle_timeout.map(|t| now + t / 2);
         let mut r = Self {
             id,
-            next_retry_at: now + Self::first_register_delay(&settings),
-            register_delay: (Self::first_register_delay(&settings) * 2)
-                .min(settings.retry_interval),
+            next_retry_at: Self::register_backoff_start(&settings, now).0,
+            register_delay: Self::register_backoff_start(&settings, now).1,
             settings,
             proxy,
             registered: false,
@@ -629,18 +628,19 @@ impl<M, S> ShardRegion<M, S> {
     pub fn handle_coordinator_moved(&mut self, now: Duration) {
         self.registered = false;
         self.send_register();
-        let first = Self::first_register_delay(&self.settings);
-        self.next_retry_at = now + first;
-        self.register_delay = (first * 2).min(self.settings.retry_interval);
+        (self.next_retry_at, self.register_delay) =
+            Self::register_backoff_start(&self.settings, now);
     }
 
-    /// The first wait before `Register` is sent again:
-    /// `retry_interval / 8`, at least 100 ms (Akka's
-    /// `initRegistrationDelay`), at most `retry_interval`.
-    fn first_register_delay(settings: &RegionSettings) -> Duration {
-        (settings.retry_interval / 8)
+    /// Right after a `Register` sent at `now`: when to send the next one
+    /// and the wait after that. The first wait is `retry_interval / 8`, at
+    /// least 100 ms (Akka's `initRegistrationDelay`), at most
+    /// `retry_interval`; each later one doubles, up to `retry_interval`.
+    fn register_backoff_start(settings: &RegionSettings, now: Duration) -> (Duration, Duration) {
+        let first = (settings.retry_interval / 8)
             .max(Duration::from_millis(100))
-            .min(settings.retry_interval)
+            .min(settings.retry_interval);
+        (now + first, (first * 2).min(settings.retry_interval))
     }
 
     /// Starts a graceful shutdown (Akka's `GracefulShutdown`): asks the
@@ -1214,7 +1214,6 @@ impl<M, S> ShardRegion<M, S> {
                     return;
                 }
                 self.registered = true;
-                self.register_delay = Self::first_register_delay(&self.settings);
                 self.next_retry_at = now + self.settings.retry_interval;
                 let waiting: Vec<ShardId> = self
                     .buffers
