@@ -44,7 +44,7 @@ fn pid(type_name: &str, shard: ShardId) -> Option<PersistenceId> {
     PersistenceId::new(&format!("__shard|{type_name}|{}", shard.0)).ok()
 }
 
-fn generation<M, S>(region: &ShardRegion<M, S>, shard: ShardId) -> u64 {
+fn generation<M, S, H: Default>(region: &ShardRegion<M, S, H>, shard: ShardId) -> u64 {
     region
         .hosted_shards()
         .find(|(s, _, _)| *s == shard)
@@ -54,10 +54,10 @@ fn generation<M, S>(region: &ShardRegion<M, S>, shard: ShardId) -> u64 {
 /// Appends one remember-entities event of type `type_name` to `journal`
 /// (the sequence numbers of the shard's persistence id are the journal's,
 /// [`CoreJournal`]).
-pub fn record<M, S>(
+pub fn record<M, S, H: Default>(
     journal: &mut CoreJournal,
     type_name: &str,
-    region: &ShardRegion<M, S>,
+    region: &ShardRegion<M, S, H>,
     ev: &ShardEvent,
 ) {
     let (kind, shard, entity) = match ev {
@@ -109,10 +109,10 @@ pub enum RememberRead {
 /// In [`RememberRead::Ready`]: [`LogError`] when the records cannot be
 /// read (no journal on this core, database unavailable, unreadable
 /// journal). The shard must not start then (it would start empty).
-pub fn recover_start<M, S>(
+pub fn recover_start<M, S, H: Default>(
     journal: &mut CoreJournal,
     type_name: &str,
-    region: &ShardRegion<M, S>,
+    region: &ShardRegion<M, S, H>,
     shard: ShardId,
 ) -> RememberRead {
     let Some(pid) = pid(type_name, shard) else {

@@ -269,8 +269,21 @@ enum Entity<M, S> {
     },
 }
 
-// What a region keeps per active entity (beside its id): 24 bytes.
-const _: () = assert!(std::mem::size_of::<Entity<Vec<u8>, u64>>() <= 24);
+// What a region keeps per active entity (beside its id): 16 bytes.
+const _: () = assert!(std::mem::size_of::<Entity<Vec<u8>, u64>>() <= 16);
+
+/// A live entity in its shard's table: the region's state of it and the
+/// host's slot `H` ([`ShardRegion::host_slot_mut`]), so that the runtime
+/// that runs the entity keeps its object in the same table entry, under
+/// the same key, as the region's state: one id stored and one lookup per
+/// message. `H` is created with `H::default()` when the entity becomes
+/// live here and dropped when the region learns it stopped
+/// ([`ShardRegion::handle_entity_stopped`]).
+#[derive(Debug)]
+struct Slot<M, S, H> {
+    state: Entity<M, S>,
+    host: H,
+}
 
 #[derive(Debug)]
 enum ShardState<M, S> {
@@ -287,13 +300,13 @@ enum ShardState<M, S> {
 }
 
 #[derive(Debug)]
-struct Shard<M, S> {
+struct Shard<M, S, H> {
     generation: Generation,
     state: ShardState<M, S>,
-    entities: DetHashMap<EntityId, Entity<M, S>>,
+    entities: DetHashMap<EntityId, Slot<M, S, H>>,
 }
 
-impl<M, S> Shard<M, S> {
+impl<M, S, H> Shard<M, S, H> {
     /// Whether the shard got its `HandOff`: it is stopping its entities,
     /// or it stops once its remembered entities are recovered.
     fn is_handing_off(&self) -> bool {
@@ -323,7 +336,7 @@ impl<M, S> Shard<M, S> {
 /// [`handle_timeout`](Self::handle_timeout) once
 /// [`poll_timeout`](Self::poll_timeout) has passed; after each call drain
 /// [`poll_effect`](Self::poll_effect) until `None`.
-pub struct ShardRegion<M, S> {
+pub struct ShardRegion<M, S, H = ()> {
     id: RegionId,
     settings: RegionSettings,
     proxy: bool,
@@ -334,7 +347,7 @@ pub struct ShardRegion<M, S> {
     buffers: DetHashMap<ShardId, VecDeque<Envelope<M, S>>>,
     pending_start: DetHashMap<ShardId, Vec<EntityId>>,
     buffered_total: usize,
-    shards: DetHashMap<ShardId, Shard<M, S>>,
+    shards: DetHashMap<ShardId, Shard<M, S, H>>,
     policy: Box<dyn ReplacementPolicy + Send>,
     active_count: usize,
     dead_letters: u64,
@@ -363,7 +376,7 @@ pub struct ShardRegion<M, S> {
 /// Says whether a message is passive ([`ShardRegion::set_passive_filter`]).
 pub type PassiveFilter<M, S> = fn(&Envelope<M, S>) -> bool;
 
-impl<M, S> std::fmt::Debug for ShardRegion<M, S> {
+impl<M, S, H> std::fmt::Debug for ShardRegion<M, S, H> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShardRegion")
             .field("id", &self.id)
@@ -375,7 +388,7 @@ impl<M, S> std::fmt::Debug for ShardRegion<M, S> {
     }
 }
 
-impl<M, S> ShardRegion<M, S> {
+impl<M, S, H: Default> ShardRegion<M, S, H> {
     /// A region that hosts shards; queues its `Register`.
     pub fn new(
         id: RegionId,
@@ -829,7 +842,7 @@ impl<M, S> ShardRegion<M, S> {
                 keep(pending, *s);
             }
             for e in sh.entities.values_mut() {
-                if let Entity::Passivating { buffer } = e {
+                if let Entity::Passivating { buffer } = &mut e.state {
                     keep(buffer, *s);
                 }
             }
@@ -897,8 +910,11 @@ impl<M, S> ShardRegion<M, S> {
         let shard = self.shards.get_mut(&s).expect("hosted");
         shard.entities.insert(
             entity.clone(),
-            Entity::Active {
-                last_message_at: now,
+            Slot {
+                state: Entity::Active {
+                    last_message_at: now,
+                },
+                host: H::default(),
             },
         );
         self.active_count += 1;
@@ -918,7 +934,11 @@ impl<M, S> ShardRegion<M, S> {
         let s = envelope.shard;
         let passive = self.passive.is_some_and(|f| f(&envelope));
         let shard = self.shards.get_mut(&s).expect("hosted");
-        match shard.entities.get_mut(&envelope.entity) {
+        match shard
+            .entities
+            .get_mut(&envelope.entity)
+            .map(|e| &mut e.state)
+        {
             Some(Entity::Active { last_message_at }) => {
                 if !passive {
                     *last_message_at = now;
@@ -970,10 +990,10 @@ impl<M, S> ShardRegion<M, S> {
         let Some(e) = shard.entities.get_mut(entity) else {
             return false;
         };
-        if !matches!(e, Entity::Active { .. }) {
+        if !matches!(e.state, Entity::Active { .. }) {
             return false;
         }
-        *e = Entity::Passivating {
+        e.state = Entity::Passivating {
             buffer: Box::default(),
         };
         self.active_count -= 1;
@@ -1056,6 +1076,61 @@ impl<M, S> ShardRegion<M, S> {
         }
     }
 
+    /// The host's slot of entity `entity` of `shard` while it is live here
+    /// (active or stopping; see [`Slot`]); `None` when it is not.
+    pub fn host_slot(&self, shard: ShardId, entity: &EntityId) -> Option<&H> {
+        self.shards
+            .get(&shard)?
+            .entities
+            .get(entity)
+            .map(|e| &e.host)
+    }
+
+    /// The host's slot of entity `entity` of `shard`, to change, while it
+    /// is live here; `None` when it is not. The runtime keeps the object
+    /// that runs the entity here and must take it out before it reports
+    /// the stop ([`Self::handle_entity_stopped`] drops the slot).
+    pub fn host_slot_mut(&mut self, shard: ShardId, entity: &EntityId) -> Option<&mut H> {
+        self.shards
+            .get_mut(&shard)?
+            .entities
+            .get_mut(entity)
+            .map(|e| &mut e.host)
+    }
+
+    /// Every live entity's host slot, with its shard and id (in the
+    /// tables' order), for a runtime that stops every entity at once.
+    pub fn host_slots_mut(&mut self) -> impl Iterator<Item = (ShardId, &EntityId, &mut H)> + '_ {
+        self.shards.iter_mut().flat_map(|(s, sh)| {
+            let s = *s;
+            sh.entities
+                .iter_mut()
+                .map(move |(id, e)| (s, id, &mut e.host))
+        })
+    }
+
+    /// Makes entity `entity` of `shard` live here for a message the host
+    /// holds whose incarnation stopped before it ran (the entity failed at
+    /// an earlier message of the same batch): when the shard runs here and
+    /// the entity is not live, it becomes active, as a message routed to
+    /// it now would make it (remember entities: `EntityStarted`), and its
+    /// slot is `H::default()`. Returns whether the entity is live here
+    /// now; `false` when the shard is not running here (recovering,
+    /// handing off or elsewhere).
+    pub fn activate_for_host(&mut self, now: Duration, shard: ShardId, entity: &EntityId) -> bool {
+        let Some(sh) = self.shards.get(&shard) else {
+            return false;
+        };
+        if sh.entities.contains_key(entity) {
+            return true;
+        }
+        if !matches!(sh.state, ShardState::Running) {
+            return false;
+        }
+        self.activate(now, shard, entity);
+        true
+    }
+
     /// The entity processed its stop message and is gone (or died). Its
     /// waiting messages start a new incarnation; during a hand-off too: they
     /// reached this region before the shard was handed off, so they are
@@ -1069,7 +1144,7 @@ impl<M, S> ShardRegion<M, S> {
             return;
         };
         let stopping = matches!(sh.state, ShardState::Stopping);
-        match e {
+        match e.state {
             Entity::Active { .. } => {
                 self.active_count -= 1;
                 if self.uses_policy() {
@@ -1339,7 +1414,7 @@ impl<M, S> ShardRegion<M, S> {
         let active: Vec<EntityId> = sh
             .entities
             .iter()
-            .filter(|(_, e)| matches!(e, Entity::Active { .. }))
+            .filter(|(_, e)| matches!(e.state, Entity::Active { .. }))
             .map(|(id, _)| id.clone())
             .collect();
         let mut active = active;
@@ -1495,7 +1570,7 @@ impl<M, S> ShardRegion<M, S> {
                         continue;
                     }
                     for (id, e) in &sh.entities {
-                        if let Entity::Active { last_message_at } = e {
+                        if let Entity::Active { last_message_at } = &e.state {
                             if *last_message_at + idle <= now {
                                 idle_entities.push((*s, id.clone()));
                             }

@@ -70,8 +70,14 @@ pub const BACKOFF_MAX: Duration = Duration::from_secs(2);
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// The region type of a data core: user payload bytes, answered to a
-/// [`ReplyTo`].
-pub type UserRegion = ShardRegion<bytes::Bytes, ReplyTo>;
+/// [`ReplyTo`]; each live entity's table entry also holds the host's
+/// [`EntitySlot`].
+pub type UserRegion = ShardRegion<bytes::Bytes, ReplyTo, EntitySlot>;
+
+/// What the entity host keeps in a live entity's entry of its region
+/// ([`ShardRegion::host_slot_mut`]): the running incarnation, once the host
+/// started it (`None` before, and in a plane driven without a host).
+pub type EntitySlot = Option<super::host::Live>;
 
 /// The index of an entity type on one core, in the order the types were
 /// registered ([`DataPlane::handle_register_type`]); the driver keeps its
@@ -370,6 +376,56 @@ impl DataPlane {
     /// The region of entity type `ty` (read only: status, journal keys).
     pub fn region(&self, ty: TypeIdx) -> &UserRegion {
         &self.types[ty.0].region
+    }
+
+    /// The host's slot of entity `entity` of `shard` of `ty` while it is
+    /// live here (active or stopping); `None` when it is not.
+    pub(crate) fn entity_slot_mut(
+        &mut self,
+        ty: TypeIdx,
+        shard: ShardId,
+        entity: &EntityId,
+    ) -> Option<&mut EntitySlot> {
+        self.types
+            .get_mut(ty.0)?
+            .region
+            .host_slot_mut(shard, entity)
+    }
+
+    /// Whether entity `entity` of `shard` of `ty` is live here with an
+    /// incarnation the host started.
+    pub(crate) fn entity_running(&self, ty: TypeIdx, shard: ShardId, entity: &EntityId) -> bool {
+        self.types
+            .get(ty.0)
+            .and_then(|t| t.region.host_slot(shard, entity))
+            .is_some_and(|s| s.is_some())
+    }
+
+    /// Every live entity's host slot of type `ty`, with its shard and id.
+    pub(crate) fn entity_slots_mut(
+        &mut self,
+        ty: TypeIdx,
+    ) -> impl Iterator<Item = (ShardId, &EntityId, &mut EntitySlot)> + '_ {
+        self.types
+            .get_mut(ty.0)
+            .into_iter()
+            .flat_map(|t| t.region.host_slots_mut())
+    }
+
+    /// Makes entity `entity` of `shard` of `ty` live here for a message
+    /// the host holds whose incarnation stopped before it ran
+    /// ([`ShardRegion::activate_for_host`]); whether it is live now.
+    pub(crate) fn activate_for_host(
+        &mut self,
+        now: Duration,
+        ty: TypeIdx,
+        shard: ShardId,
+        entity: &EntityId,
+    ) -> bool {
+        self.check_due = true;
+        self.types
+            .get_mut(ty.0)
+            .is_some_and(|t| t.region.activate_for_host(now, shard, entity))
     }
 
     /// Whether the node stopped ([`DataPlane::handle_stop`]).

@@ -1,9 +1,13 @@
 //! The entity host: the part of a data core that runs the entities' code,
 //! beside the [`DataPlane`] that routes their messages.
 //!
-//! [`EntityHost`] owns a core's entity table (one [`TypeIdx`] per entity
-//! type, in the plane's order), the incarnation counter, the stateless
-//! worker pools, the entities' asks to other entities and their timeouts,
+//! [`EntityHost`] runs a core's entities (one [`TypeIdx`] per entity
+//! type, in the plane's order): each running incarnation ([`Live`]) is kept
+//! in its entity's entry of the region's table (one table per shard,
+//! [`super::data::EntitySlot`]): one copy of its id, and the host's lookup
+//! of a delivered message's entity finds the entry the region's routing
+//! just touched (in cache). The host owns the incarnation counter, the
+//! stateless worker pools, the entities' asks to other entities and their timeouts,
 //! the lifecycle watches (`node::watch`), the incarnations stopping after
 //! their journal appends, and the reads of remembered entities. Entities
 //! run inside it as an actor's `receive` runs in Akka: user code, with no
@@ -63,11 +67,6 @@ mod workers;
 /// A hash map with foldhash's per-process random seed: fast, and not
 /// predictable by a client choosing entity ids.
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
-
-/// A type's live entities on this core. It resizes incrementally
-/// (`griddle`): when it doubles, the entries move to the new table a few
-/// per insert, so no activation pays for rehashing every live entity.
-type EntityMap = griddle::HashMap<EntityId, Live, foldhash::fast::RandomState>;
 
 /// The token under which a handler's reply can be deferred
 /// ([`EntityContext::defer_reply`]) until the journal made its events
@@ -156,20 +155,34 @@ pub(crate) struct TypeFigures {
 struct TypeHost {
     name: Rc<str>,
     factory: Option<EntityFactory>,
-    entities: EntityMap,
+    /// Incarnations of the type running here (count); they live in their
+    /// region's entity table ([`super::data::EntitySlot`]).
+    live: usize,
     delivered: u64,
     activated: u64,
     /// `Some` for a stateless worker type: its requests bypass the region.
     worker: Option<workers::WorkerHost>,
 }
 
-struct Live {
+/// A running incarnation of an entity: kept in its entry of the region's
+/// entity table ([`super::data::EntitySlot`]), beside the region's state
+/// of it, under the one copy of its id (32 bytes).
+pub struct Live {
     entity: Box<dyn Entity>,
-    shard: ShardId,
     incarnation: u64,
     /// The shard's allocation generation when the entity started (the
     /// writer epoch of its journal appends).
     epoch: u64,
+}
+
+/// What [`EntityHost::ensure_entity`] found.
+enum Ensured {
+    /// The entity runs here (it was started if need be).
+    Running,
+    /// The type hosts no entities on this core (a proxy, or unknown).
+    NotHosted,
+    /// The entity is not live and its shard does not run here (now).
+    NotLive,
 }
 
 /// An incarnation a handler ran on: what its harvest applies to.
@@ -221,6 +234,7 @@ struct HandlerReply {
 /// it is asked [`Entity::may_stop_waiting`].
 struct Stopping {
     ty: TypeIdx,
+    shard: ShardId,
     id: EntityId,
     live: Live,
     reason: TerminatedReason,
@@ -343,7 +357,7 @@ impl EntityHost {
     pub(crate) fn figures(&self, ty: TypeIdx) -> Option<TypeFigures> {
         let h = self.types.get(ty.0)?;
         Some(TypeFigures {
-            entities: h.entities.len(),
+            entities: h.live,
             delivered: h.delivered,
             activated: h.activated,
             worker: h.worker.as_ref().map(|w| w.status()),
@@ -442,7 +456,7 @@ impl EntityHost {
         self.types.push(TypeHost {
             name: Rc::from(type_name),
             factory,
-            entities: EntityMap::default(),
+            live: 0,
             delivered: 0,
             activated: 0,
             worker,
@@ -544,7 +558,8 @@ impl EntityHost {
             return;
         };
         let name = h.name.clone();
-        let Some(live) = h.entities.get_mut(&w.entity) else {
+        let shard = plane.shard_of(&w.entity);
+        let Some(Some(live)) = plane.entity_slot_mut(w.ty, shard, &w.entity) else {
             return;
         };
         if live.incarnation != w.incarnation {
@@ -553,7 +568,7 @@ impl EntityHost {
         let who = Incarnation {
             ty: w.ty,
             id: w.entity,
-            shard: live.shard,
+            shard,
             inc: live.incarnation,
         };
         let mut ctx = EntityContext::new(&who.id, &mut self.services).with_type(&name, live.epoch);
@@ -583,9 +598,9 @@ impl EntityHost {
             let Some(ty) = self.type_index(&t) else {
                 continue;
             };
-            let h = &mut self.types[ty.0];
-            let name = h.name.clone();
-            let Some(live) = h.entities.get_mut(&id) else {
+            let name = self.types[ty.0].name.clone();
+            let shard = plane.shard_of(&id);
+            let Some(Some(live)) = plane.entity_slot_mut(ty, shard, &id) else {
                 continue;
             };
             if live.incarnation != inc {
@@ -595,12 +610,7 @@ impl EntityHost {
             let res = live.entity.on_durable(&mut ctx, durable_lsn);
             let h = Harvest::of(&mut ctx);
             drop(ctx);
-            let who = Incarnation {
-                ty,
-                shard: live.shard,
-                id,
-                inc,
-            };
+            let who = Incarnation { ty, shard, id, inc };
             self.settle(now, plane, &who, h, res, None);
         }
         self.durable.give_back(waiting);
@@ -629,12 +639,19 @@ impl EntityHost {
     /// answered `ShuttingDown`.
     pub(crate) fn handle_node_stop(&mut self, now: Duration, plane: &mut DataPlane) {
         for i in 0..self.types.len() {
-            let live: Vec<(EntityId, Live)> = self.types[i].entities.drain().collect();
-            for (id, l) in live {
+            let mut live: Vec<(ShardId, EntityId, Live)> = plane
+                .entity_slots_mut(TypeIdx(i))
+                .filter_map(|(s, id, slot)| slot.take().map(|l| (s, id.clone(), l)))
+                .collect();
+            self.types[i].live -= live.len();
+            // The region tables' order is a hash order: stop by id instead.
+            live.sort_by(|a, b| a.1.cmp(&b.1));
+            for (shard, id, l) in live {
                 self.begin_stop(
                     now,
                     plane,
                     TypeIdx(i),
+                    shard,
                     id,
                     l,
                     TerminatedReason::NodeStopped,
@@ -723,8 +740,7 @@ impl EntityHost {
         }
     }
 
-    /// Starts entity `id` of `ty` in `shard` unless it runs; whether it runs
-    /// now (false: the type hosts no entities here).
+    /// Starts entity `id` of `ty` in `shard` unless it runs.
     fn ensure_entity(
         &mut self,
         now: Duration,
@@ -732,16 +748,25 @@ impl EntityHost {
         ty: TypeIdx,
         shard: ShardId,
         id: &EntityId,
-    ) -> bool {
+    ) -> Ensured {
         let Some(h) = self.types.get_mut(ty.0) else {
-            return false;
+            return Ensured::NotHosted;
         };
-        if h.entities.contains_key(id) {
-            return true;
-        }
         let Some(f) = h.factory.as_ref() else {
-            return false;
+            return Ensured::NotHosted;
         };
+        match plane.entity_slot_mut(ty, shard, id) {
+            Some(Some(_)) => return Ensured::Running,
+            Some(None) => {}
+            // Its incarnation stopped while this message waited in the
+            // plane's queue: it starts again, as if routed now, when its
+            // shard runs here.
+            None => {
+                if !plane.activate_for_host(now, ty, shard, id) {
+                    return Ensured::NotLive;
+                }
+            }
+        }
         let mut entity = f(id);
         let mut epoch = 0;
         let mut hosted_max = 0;
@@ -762,15 +787,14 @@ impl EntityHost {
         let harvest = Harvest::of(&mut ctx);
         drop(ctx);
         h.activated += 1;
-        h.entities.insert(
-            id.clone(),
-            Live {
+        h.live += 1;
+        if let Some(slot) = plane.entity_slot_mut(ty, shard, id) {
+            *slot = Some(Live {
                 entity,
-                shard,
                 incarnation: inc,
                 epoch,
-            },
-        );
+            });
+        }
         let who = Incarnation {
             ty,
             id: id.clone(),
@@ -778,28 +802,37 @@ impl EntityHost {
             inc,
         };
         self.settle(now, plane, &who, harvest, Ok(()), None);
-        true
+        Ensured::Running
     }
 
     /// Runs a message on its entity (started first if need be); a system
     /// message goes to the watch book.
     fn deliver(&mut self, now: Duration, plane: &mut DataPlane, ty: TypeIdx, env: UserEnvelope) {
         if let ReplyTo::System(m) = env.sender {
-            return self.deliver_system(now, plane, ty, env.entity, *m);
+            return self.deliver_system(now, plane, ty, env.shard, env.entity, *m);
         }
-        if !self.ensure_entity(now, plane, ty, env.shard, &env.entity) {
-            return self.reply(
-                env.sender,
-                Status::UnknownEntityType,
-                b"type not hosted here".to_vec(),
-            );
+        match self.ensure_entity(now, plane, ty, env.shard, &env.entity) {
+            Ensured::Running => {}
+            Ensured::NotHosted => {
+                return self.reply(
+                    env.sender,
+                    Status::UnknownEntityType,
+                    b"type not hosted here".to_vec(),
+                );
+            }
+            // The shard is no longer running here: the region routes the
+            // message again (buffered for, or forwarded to, its home).
+            Ensured::NotLive => {
+                let name = self.types[ty.0].name.clone();
+                return plane.handle_message(now, &name, env);
+            }
         }
         let token = self.next_reply_token();
         let Some(h) = self.types.get_mut(ty.0) else {
             return;
         };
         let name = h.name.clone();
-        let Some(live) = h.entities.get_mut(&env.entity) else {
+        let Some(Some(live)) = plane.entity_slot_mut(ty, env.shard, &env.entity) else {
             return;
         };
         h.delivered += 1;
@@ -813,7 +846,7 @@ impl EntityHost {
         drop(ctx);
         let who = Incarnation {
             ty,
-            shard: live.shard,
+            shard: env.shard,
             inc: live.incarnation,
             id: env.entity,
         };
@@ -863,7 +896,7 @@ impl EntityHost {
             None => (None, None, None),
         };
         if !h.outgoing.is_empty() {
-            self.send_outgoing(now, h.outgoing, &mut sender, deadline);
+            self.send_outgoing(now, h.outgoing, &mut sender, deadline, Some(who));
         }
         if let Err(e) = res {
             if answer.is_some() {
@@ -900,16 +933,14 @@ impl EntityHost {
     /// A handler of `who` failed: the incarnation stops at once (its watchers
     /// told, its deferred replies answered) and its region learns it.
     fn fail_entity(&mut self, now: Duration, plane: &mut DataPlane, who: &Incarnation) {
-        let h = &mut self.types[who.ty.0];
-        let running = h
-            .entities
-            .get(&who.id)
-            .is_some_and(|l| l.incarnation == who.inc);
-        if running {
-            if let Some(mut l) = h.entities.remove(&who.id) {
-                self.call_on_stop(who.ty, &who.id, &mut l);
-                self.entity_gone(who.ty, &who.id, TerminatedReason::Failed);
-            }
+        let taken = match plane.entity_slot_mut(who.ty, who.shard, &who.id) {
+            Some(slot) if slot.as_ref().is_some_and(|l| l.incarnation == who.inc) => slot.take(),
+            _ => None,
+        };
+        if let Some(mut l) = taken {
+            self.types[who.ty.0].live -= 1;
+            self.call_on_stop(who.ty, &who.id, &mut l);
+            self.entity_gone(who.ty, &who.id, TerminatedReason::Failed);
         }
         self.fail_deferred(now, plane, who.inc);
         plane.handle_entity_stopped(now, who.ty, who.shard, &who.id);
@@ -922,13 +953,14 @@ impl EntityHost {
         now: Duration,
         plane: &mut DataPlane,
         ty: TypeIdx,
+        shard: ShardId,
         entity: EntityId,
         msg: SystemMsg,
     ) {
         let Some(h) = self.types.get(ty.0) else {
             return;
         };
-        let active = h.entities.contains_key(&entity);
+        let active = plane.entity_running(ty, shard, &entity);
         let me = EntityKey {
             type_name: h.name.to_string(),
             id: entity,
@@ -940,9 +972,8 @@ impl EntityHost {
                 if !active || !self.watches.take_watch(&me, &of) {
                     return;
                 }
-                let h = &mut self.types[ty.0];
-                let name = h.name.clone();
-                let Some(live) = h.entities.get_mut(&me.id) else {
+                let name = self.types[ty.0].name.clone();
+                let Some(Some(live)) = plane.entity_slot_mut(ty, shard, &me.id) else {
                     return;
                 };
                 let mut ctx =
@@ -953,7 +984,7 @@ impl EntityHost {
                 drop(ctx);
                 let who = Incarnation {
                     ty,
-                    shard: live.shard,
+                    shard,
                     inc: live.incarnation,
                     id: me.id,
                 };
@@ -976,7 +1007,8 @@ impl EntityHost {
             return;
         };
         let name = h.name.clone();
-        let Some(live) = h.entities.get_mut(id) else {
+        let shard = plane.shard_of(id);
+        let Some(Some(live)) = plane.entity_slot_mut(ty, shard, id) else {
             return;
         };
         if live.incarnation != inc {
@@ -989,7 +1021,7 @@ impl EntityHost {
         let who = Incarnation {
             ty,
             id: id.clone(),
-            shard: live.shard,
+            shard,
             inc,
         };
         self.settle(now, plane, &who, harvest, Ok(()), None);
@@ -1061,12 +1093,12 @@ impl EntityHost {
             self.deliver(now, plane, ty, env);
         }
         tracing::debug!(entity = %entity, ?reason, "stopping entity");
-        let live = self
-            .types
-            .get_mut(ty.0)
-            .and_then(|h| h.entities.remove(&entity));
+        let live = plane
+            .entity_slot_mut(ty, shard, &entity)
+            .and_then(|slot| slot.take());
         match live {
             Some(l) => {
+                self.types[ty.0].live -= 1;
                 let why = match reason {
                     StopReason::HandOff => TerminatedReason::HandOff,
                     _ => TerminatedReason::Stopped,
@@ -1074,7 +1106,7 @@ impl EntityHost {
                 // The region learns that it stopped (and a hand-off's
                 // `ShardStopped` can go) only once its appends in flight
                 // have an outcome.
-                self.begin_stop(now, plane, ty, entity, l, why, true);
+                self.begin_stop(now, plane, ty, shard, entity, l, why, true);
             }
             None => plane.handle_entity_stopped(now, ty, shard, &entity),
         }
@@ -1094,6 +1126,7 @@ impl EntityHost {
         now: Duration,
         plane: &mut DataPlane,
         ty: TypeIdx,
+        shard: ShardId,
         id: EntityId,
         mut l: Live,
         reason: TerminatedReason,
@@ -1103,6 +1136,7 @@ impl EntityHost {
         self.drain_completions(now, plane);
         let st = Stopping {
             ty,
+            shard,
             id,
             live: l,
             reason,
@@ -1162,7 +1196,7 @@ impl EntityHost {
         self.fail_deferred(now, plane, inc);
         self.entity_gone(st.ty, &st.id, st.reason);
         if st.tell_region {
-            plane.handle_entity_stopped(now, st.ty, st.live.shard, &st.id);
+            plane.handle_entity_stopped(now, st.ty, st.shard, &st.id);
         }
     }
 
@@ -1351,25 +1385,27 @@ impl EntityHost {
     /// being handled: the original sender stops waiting then, so a forward
     /// still buffered at that time is answered `Unavailable` and never
     /// delivered later. An ask waits for its answer
-    /// ([`EntityHost::handle_ask_reply`]) until its timeout.
+    /// ([`EntityHost::handle_ask_reply`]) until its timeout; only the
+    /// incarnation `asker` whose handler sent them can ask (`None`: a
+    /// stateless worker's, whose asks are dropped).
     fn send_outgoing(
         &mut self,
         now: Duration,
         out: Vec<Outgoing>,
         sender: &mut Option<ReplyTo>,
         handled_deadline: Option<Duration>,
+        asker: Option<&Incarnation>,
     ) {
         for o in out {
             let mut deadline = None;
             let to = if let Some(a) = &o.ask {
                 // An ask between entities: its answer comes back to the
                 // asking incarnation.
-                let asker = self.type_index(&a.from_type).and_then(|ty| {
-                    self.types[ty.0]
-                        .entities
-                        .get(&a.from_id)
-                        .map(|l| (ty, l.incarnation))
-                });
+                let asker = asker
+                    .filter(|w| {
+                        w.id == a.from_id && *self.types[w.ty.0].name == *a.from_type.as_str()
+                    })
+                    .map(|w| (w.ty, w.inc));
                 let Some((ty, incarnation)) = asker else {
                     tracing::warn!(
                         entity = %a.from_id,

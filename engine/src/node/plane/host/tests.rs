@@ -481,3 +481,60 @@ fn a_watch_delivers_terminated_when_the_watched_entity_stops() {
         1
     );
 }
+
+#[test]
+fn a_message_queued_behind_one_that_failed_starts_a_new_incarnation_the_region_knows() {
+    let mut rig = Rig::new(None);
+    // Both reach the plane before the host runs either: the first fails
+    // (its incarnation stops), the second waits in the plane's queue.
+    for (req, msg) in [(1, "bogus"), (2, "echo:y")] {
+        rig.plane.handle_client_request(
+            secs(1),
+            7,
+            req,
+            T.as_bytes(),
+            b"a",
+            bytes::Bytes::copy_from_slice(msg.as_bytes()),
+        );
+    }
+    rig.run(secs(1));
+    assert_eq!(rig.reply_to(1).map(|r| r.0), Some(Status::EntityFailed));
+    assert_eq!(rig.reply_to(2), Some((Status::Ok, b"y".to_vec())));
+    assert_eq!(
+        rig.log(),
+        vec![
+            "start a",
+            "a got bogus",
+            "stop a",
+            "start a",
+            "a got echo:y"
+        ]
+    );
+    let f = rig.host.figures(rig.ty).expect("type");
+    assert_eq!((f.entities, f.activated), (1, 2));
+    // The new incarnation is the region's live entity (it passivates it,
+    // hands it off, counts it), not one only the host runs.
+    assert_eq!(rig.region_entities(), vec!["a"]);
+    rig.request(secs(2), 3, "a", "passivate");
+    assert!(rig.region_entities().is_empty());
+    assert_eq!(rig.active(), 0);
+}
+
+#[test]
+fn the_node_stop_stops_every_running_incarnation_and_empties_the_slots() {
+    let mut rig = Rig::new(None);
+    for (req, e) in [(1, "a"), (2, "b"), (3, "c")] {
+        rig.request(secs(1), req, e, "echo:x");
+    }
+    assert_eq!(rig.active(), 3);
+    rig.plane.handle_stop();
+    rig.host.handle_node_stop(secs(2), &mut rig.plane);
+    rig.run(secs(2));
+    let stops: Vec<String> = rig
+        .log()
+        .into_iter()
+        .filter(|l| l.starts_with("stop "))
+        .collect();
+    assert_eq!(stops, vec!["stop a", "stop b", "stop c"], "by id");
+    assert_eq!(rig.active(), 0);
+}

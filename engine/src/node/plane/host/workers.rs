@@ -176,7 +176,7 @@ impl EntityHost {
             let deferred = ctx.reply_deferred();
             drop(ctx);
             let mut sender = Some(env.sender);
-            self.send_outgoing(now, out, &mut sender, env.deadline);
+            self.send_outgoing(now, out, &mut sender, env.deadline, None);
             match res {
                 Ok(()) if deferred => {
                     if let Some(s) = sender {
@@ -293,7 +293,7 @@ impl EntityHost {
                 out.append(&mut a.pending_out);
                 stop_activation(services, &mut a, &name);
             }
-            self.send_outgoing(now, out, &mut None, None);
+            self.send_outgoing(now, out, &mut None, None, None);
         }
         // Deferred replies completed by timers.
         self.drain_completions(now, plane);
@@ -317,7 +317,7 @@ impl EntityHost {
                 }
             }
         }
-        self.send_outgoing(now, out, &mut None, None);
+        self.send_outgoing(now, out, &mut None, None, None);
         self.drain_completions(now, plane);
     }
 
