@@ -4,23 +4,27 @@
 //! yields a different order in every process. Wherever a state machine in
 //! this crate iterates a map to produce effects, that order would leak into
 //! the effects and a seeded simulation run would not replay exactly. The
-//! maps here hash with [`DefaultHasher`] created by `new()`, whose keys are
-//! fixed (SipHash-1-3 with zero keys: the same function `std` uses, so the
-//! speed is the same, only the seed is not random). The same sequence of
-//! inserts and removals then gives the same iteration order in every run.
+//! maps here hash with foldhash's [`FixedState`] (one fixed seed): the same
+//! sequence of inserts and removals gives the same iteration order in every
+//! run. foldhash, not `std`'s SipHash-1-3: a region's shard table is looked
+//! up on every message (by the region and by the entity host, two lookups
+//! of a shard id and two of an entity id per delivery), and foldhash hashes
+//! a short id several times faster.
 //!
 //! These maps are keyed by ids the cluster chooses (shard ids, entity ids
 //! from clients); a fixed seed makes hash flooding possible in principle by
-//! a client choosing colliding entity ids. SipHash keeps the cost of a
-//! collision chain bounded by the table's probing, and the ids' routing
-//! already limits what a single client reaches.
+//! a client choosing colliding entity ids (with SipHash under fixed zero
+//! keys, as before, just the same: a known key protects nothing). The
+//! table's probing bounds the cost of a collision chain, entity ids are
+//! spread over shards (one table each) by a separate hash, and the ids'
+//! routing already limits what a single client reaches.
 
-use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, HashSet};
-use std::hash::BuildHasherDefault;
+
+pub use foldhash::fast::FixedState;
 
 /// The fixed-seed hasher builder of [`DetHashMap`] and [`DetHashSet`].
-pub type DetState = BuildHasherDefault<DefaultHasher>;
+pub type DetState = FixedState;
 
 /// A `HashMap` with a fixed hasher seed: deterministic iteration order for
 /// a given sequence of operations.
