@@ -67,8 +67,10 @@ fn a_slot_lives_from_activation_to_the_reported_stop() {
     r.handle_message(Duration::ZERO, env(&a));
     let _ = r.drain_effects().count();
     assert_eq!(r.host_slot(s, &a), Some(&7));
+    assert!(!r.is_entity_stopping(s, &a), "active");
     // Stopping keeps it (the host still runs the incarnation)...
     r.handle_passivate(Duration::ZERO, s, &a, None);
+    assert!(r.is_entity_stopping(s, &a));
     let effects: Vec<_> = r.drain_effects().collect();
     assert!(
         effects
@@ -85,6 +87,7 @@ fn a_slot_lives_from_activation_to_the_reported_stop() {
     // ...until the stop is reported; the next incarnation starts afresh.
     r.handle_entity_stopped(Duration::ZERO, s, &a);
     assert_eq!(r.host_slot(s, &a), None);
+    assert!(!r.is_entity_stopping(s, &a), "gone");
     r.handle_message(Duration::ZERO, env(&a));
     let _ = r.drain_effects().count();
     assert_eq!(r.host_slot(s, &a), Some(&0));

@@ -1109,6 +1109,19 @@ impl<M, S, H: Default> ShardRegion<M, S, H> {
         })
     }
 
+    /// Whether entity `entity` of `shard` is stopping here: the region
+    /// asked it to stop (passivation, hand-off, idle timeout, the
+    /// active-entity limit: a [`RegionEffect::StopEntity`]) and has not
+    /// been told it stopped. A `StopEntity` that finds the entity not
+    /// stopping is stale: the incarnation it was for is gone (it failed
+    /// while the effect waited) and the entity is active again.
+    pub fn is_entity_stopping(&self, shard: ShardId, entity: &EntityId) -> bool {
+        self.shards
+            .get(&shard)
+            .and_then(|sh| sh.entities.get(entity))
+            .is_some_and(|e| matches!(e.state, Entity::Passivating { .. }))
+    }
+
     /// Makes entity `entity` of `shard` live here for a message the host
     /// holds whose incarnation stopped before it ran (the entity failed at
     /// an earlier message of the same batch): when the shard runs here and

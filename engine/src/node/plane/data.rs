@@ -401,6 +401,14 @@ impl DataPlane {
             .is_some_and(|s| s.is_some())
     }
 
+    /// Whether entity `entity` of `shard` of `ty` is stopping here
+    /// ([`ShardRegion::is_entity_stopping`]).
+    pub(crate) fn entity_stopping(&self, ty: TypeIdx, shard: ShardId, entity: &EntityId) -> bool {
+        self.types
+            .get(ty.0)
+            .is_some_and(|t| t.region.is_entity_stopping(shard, entity))
+    }
+
     /// Every live entity's host slot of type `ty`, with its shard and id.
     pub(crate) fn entity_slots_mut(
         &mut self,

@@ -821,7 +821,13 @@ impl EntityHost {
                 );
             }
             // The shard is no longer running here: the region routes the
-            // message again (buffered for, or forwarded to, its home).
+            // message again (buffered for, or forwarded to, its home). It
+            // goes behind what the region buffered meanwhile: when an
+            // entity fails while a hand-off drains its older messages, a
+            // newer message buffered for the new home can overtake the
+            // ones drained after the failure (the entity's only
+            // incarnation is still the new home's; ordering across a
+            // failure during a hand-off is not kept).
             Ensured::NotLive => {
                 let name = self.types[ty.0].name.clone();
                 return plane.handle_message(now, &name, env);
@@ -1082,6 +1088,14 @@ impl EntityHost {
         stop_message: Option<bytes::Bytes>,
         reason: StopReason,
     ) {
+        // A stop the region asked of an incarnation that is gone: it failed
+        // while this output waited, and a message queued behind the failure
+        // started another one, which the region counts as active. That one
+        // is not stopped (the region would lose track of it).
+        if !plane.entity_stopping(ty, shard, &entity) {
+            tracing::debug!(entity = %entity, ?reason, "stale stop ignored");
+            return;
+        }
         if let Some(m) = stop_message {
             let env = Envelope {
                 deadline: None,

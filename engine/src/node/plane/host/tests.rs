@@ -538,3 +538,43 @@ fn the_node_stop_stops_every_running_incarnation_and_empties_the_slots() {
     assert_eq!(stops, vec!["stop a", "stop b", "stop c"], "by id");
     assert_eq!(rig.active(), 0);
 }
+
+#[test]
+fn a_stop_for_an_incarnation_that_failed_does_not_stop_the_next_one() {
+    let mut rig = Rig::new(None);
+    rig.request(secs(1), 1, "a", "echo:x");
+    // Three messages reach the plane before the host runs any: the first
+    // asks to passivate (the region's stop is queued behind the other
+    // two), the second fails the incarnation, the third starts a new one.
+    for (req, msg) in [(2, "passivate"), (3, "bogus"), (4, "echo:y")] {
+        rig.plane.handle_client_request(
+            secs(2),
+            7,
+            req,
+            T.as_bytes(),
+            b"a",
+            bytes::Bytes::copy_from_slice(msg.as_bytes()),
+        );
+    }
+    rig.run(secs(2));
+    assert_eq!(rig.reply_to(3).map(|r| r.0), Some(Status::EntityFailed));
+    assert_eq!(rig.reply_to(4), Some((Status::Ok, b"y".to_vec())));
+    let stops = |rig: &Rig| rig.log().iter().filter(|l| *l == "stop a").count();
+    assert_eq!(
+        stops(&rig),
+        1,
+        "only the failed incarnation: {:?}",
+        rig.log()
+    );
+    assert_eq!(rig.active(), 1);
+    assert_eq!(rig.region_entities(), vec!["a"]);
+    // The next message goes to the same (second) incarnation.
+    rig.request(secs(3), 5, "a", "echo:z");
+    assert_eq!(rig.reply_to(5), Some((Status::Ok, b"z".to_vec())));
+    assert_eq!(rig.host.figures(rig.ty).expect("type").activated, 2);
+    // And a real passivation still stops it, once.
+    rig.request(secs(4), 6, "a", "passivate");
+    assert_eq!(stops(&rig), 2);
+    assert_eq!(rig.active(), 0);
+    assert!(rig.region_entities().is_empty());
+}
