@@ -1122,7 +1122,20 @@ impl EntityHost {
                 // have an outcome.
                 self.begin_stop(now, plane, ty, shard, entity, l, why, true);
             }
-            None => plane.handle_entity_stopped(now, ty, shard, &entity),
+            // No incarnation runs: the region is told it stopped, unless
+            // one of the entity is already stopping (an earlier, stale stop
+            // took it while it waits for its appends): that one tells the
+            // region when it has stopped, and the entity must not start
+            // again before.
+            None => {
+                let stopping = self
+                    .stopping
+                    .values()
+                    .any(|st| st.tell_region && st.ty == ty && st.id == entity);
+                if !stopping {
+                    plane.handle_entity_stopped(now, ty, shard, &entity);
+                }
+            }
         }
     }
 

@@ -26,6 +26,7 @@ type Log = Arc<Mutex<Vec<String>>>;
 
 /// A test entity whose message says what it does: `echo:X` replies `X`,
 /// `timer:K:S` arms timer `K` for `S` seconds, `passivate` asks to stop,
+/// `keep-passivate` asks to stop and holds its stop (as `keep:hold`),
 /// `ask:E:S` asks entity `E` with a timeout of `S` seconds, `hold` defers
 /// its reply and never answers, `watch:E` watches entity `E`.
 struct Probe {
@@ -59,6 +60,10 @@ impl Entity for Probe {
             }
             ["passivate"] => ctx.passivate(),
             ["keep", how] => self.keep = Some(*how == "abandon"),
+            ["keep-passivate"] => {
+                self.keep = Some(false);
+                ctx.passivate();
+            }
             ["ask", e, s] => {
                 let _ = ctx.ask(T, &id(e), "hold", secs(s.parse().unwrap_or(1)));
             }
@@ -577,4 +582,44 @@ fn a_stop_for_an_incarnation_that_failed_does_not_stop_the_next_one() {
     assert_eq!(stops(&rig), 2);
     assert_eq!(rig.active(), 0);
     assert!(rig.region_entities().is_empty());
+}
+
+#[test]
+fn a_stale_stop_that_takes_the_next_incarnation_does_not_let_a_third_start_before_it_stopped() {
+    let mut rig = Rig::new(None);
+    rig.request(secs(1), 1, "a", "echo:x");
+    // One drain: the first incarnation asks to stop (stop #1 queued), then
+    // fails; the next message starts a second one, which asks to stop and
+    // holds its stop (as one with appends in flight would): stop #1 takes
+    // it, and stop #2 finds no incarnation running.
+    for (req, msg) in [(2, "passivate"), (3, "bogus"), (4, "keep-passivate")] {
+        rig.plane.handle_client_request(
+            secs(2),
+            7,
+            req,
+            T.as_bytes(),
+            b"a",
+            bytes::Bytes::copy_from_slice(msg.as_bytes()),
+        );
+    }
+    rig.run(secs(2));
+    let starts = |rig: &Rig| rig.log().iter().filter(|l| *l == "start a").count();
+    assert_eq!(starts(&rig), 2);
+    assert_eq!(rig.region_entities(), vec!["a"], "the region waits for it");
+    // A message now waits for that stop; no third incarnation runs beside
+    // the stopping one.
+    rig.request(secs(3), 5, "a", "echo:z");
+    assert_eq!(starts(&rig), 2, "{:?}", rig.log());
+    assert_eq!(rig.reply_to(5), None);
+    // Once it stopped, the message starts the next incarnation, which the
+    // region keeps (the stop report removed the stopped one only).
+    rig.host.handle_drain_end(secs(4), &mut rig.plane);
+    rig.run(secs(4));
+    assert_eq!(rig.reply_to(5), Some((Status::Ok, b"z".to_vec())));
+    assert_eq!(starts(&rig), 3);
+    assert_eq!(rig.active(), 1);
+    assert_eq!(rig.region_entities(), vec!["a"]);
+    rig.request(secs(5), 6, "a", "echo:w");
+    assert_eq!(rig.reply_to(6), Some((Status::Ok, b"w".to_vec())));
+    assert_eq!(starts(&rig), 3, "the same incarnation");
 }
