@@ -249,14 +249,23 @@ impl Rig {
 
     /// A front's request `msg` to entity `e` (connection 7, request `req`).
     fn request(&mut self, now: Duration, req: u64, e: &str, msg: &str) {
-        self.plane.handle_client_request(
-            now,
-            7,
-            req,
-            T.as_bytes(),
-            e.as_bytes(),
-            bytes::Bytes::copy_from_slice(msg.as_bytes()),
-        );
+        self.batch(now, e, &[(req, msg)]);
+    }
+
+    /// Front requests `(request, message)` to entity `e`, all handed to the
+    /// plane before the host runs any (one drain, as a batch read from a
+    /// connection), then the driver's loop.
+    fn batch(&mut self, now: Duration, e: &str, requests: &[(u64, &str)]) {
+        for (req, msg) in requests {
+            self.plane.handle_client_request(
+                now,
+                7,
+                *req,
+                T.as_bytes(),
+                e.as_bytes(),
+                bytes::Bytes::copy_from_slice(msg.as_bytes()),
+            );
+        }
         self.run(now);
     }
 
@@ -492,17 +501,7 @@ fn a_message_queued_behind_one_that_failed_starts_a_new_incarnation_the_region_k
     let mut rig = Rig::new(None);
     // Both reach the plane before the host runs either: the first fails
     // (its incarnation stops), the second waits in the plane's queue.
-    for (req, msg) in [(1, "bogus"), (2, "echo:y")] {
-        rig.plane.handle_client_request(
-            secs(1),
-            7,
-            req,
-            T.as_bytes(),
-            b"a",
-            bytes::Bytes::copy_from_slice(msg.as_bytes()),
-        );
-    }
-    rig.run(secs(1));
+    rig.batch(secs(1), "a", &[(1, "bogus"), (2, "echo:y")]);
     assert_eq!(rig.reply_to(1).map(|r| r.0), Some(Status::EntityFailed));
     assert_eq!(rig.reply_to(2), Some((Status::Ok, b"y".to_vec())));
     assert_eq!(
@@ -551,17 +550,11 @@ fn a_stop_for_an_incarnation_that_failed_does_not_stop_the_next_one() {
     // Three messages reach the plane before the host runs any: the first
     // asks to passivate (the region's stop is queued behind the other
     // two), the second fails the incarnation, the third starts a new one.
-    for (req, msg) in [(2, "passivate"), (3, "bogus"), (4, "echo:y")] {
-        rig.plane.handle_client_request(
-            secs(2),
-            7,
-            req,
-            T.as_bytes(),
-            b"a",
-            bytes::Bytes::copy_from_slice(msg.as_bytes()),
-        );
-    }
-    rig.run(secs(2));
+    rig.batch(
+        secs(2),
+        "a",
+        &[(2, "passivate"), (3, "bogus"), (4, "echo:y")],
+    );
     assert_eq!(rig.reply_to(3).map(|r| r.0), Some(Status::EntityFailed));
     assert_eq!(rig.reply_to(4), Some((Status::Ok, b"y".to_vec())));
     let stops = |rig: &Rig| rig.log().iter().filter(|l| *l == "stop a").count();
@@ -592,17 +585,11 @@ fn a_stale_stop_that_takes_the_next_incarnation_does_not_let_a_third_start_befor
     // fails; the next message starts a second one, which asks to stop and
     // holds its stop (as one with appends in flight would): stop #1 takes
     // it, and stop #2 finds no incarnation running.
-    for (req, msg) in [(2, "passivate"), (3, "bogus"), (4, "keep-passivate")] {
-        rig.plane.handle_client_request(
-            secs(2),
-            7,
-            req,
-            T.as_bytes(),
-            b"a",
-            bytes::Bytes::copy_from_slice(msg.as_bytes()),
-        );
-    }
-    rig.run(secs(2));
+    rig.batch(
+        secs(2),
+        "a",
+        &[(2, "passivate"), (3, "bogus"), (4, "keep-passivate")],
+    );
     let starts = |rig: &Rig| rig.log().iter().filter(|l| *l == "start a").count();
     assert_eq!(starts(&rig), 2);
     assert_eq!(rig.region_entities(), vec!["a"], "the region waits for it");
