@@ -175,6 +175,19 @@ pub struct Live {
     epoch: u64,
 }
 
+/// Incarnation `inc` of entity `id` of `ty`, with its shard, while it runs
+/// here; `None` once it stopped (or another incarnation runs).
+fn running_incarnation<'p>(
+    plane: &'p mut DataPlane,
+    ty: TypeIdx,
+    id: &EntityId,
+    inc: u64,
+) -> Option<(ShardId, &'p mut Live)> {
+    let shard = plane.shard_of(id);
+    let live = plane.entity_slot_mut(ty, shard, id)?.as_mut()?;
+    (live.incarnation == inc).then_some((shard, live))
+}
+
 /// What [`EntityHost::ensure_entity`] found.
 enum Ensured {
     /// The entity runs here (it was started if need be).
@@ -558,13 +571,9 @@ impl EntityHost {
             return;
         };
         let name = h.name.clone();
-        let shard = plane.shard_of(&w.entity);
-        let Some(Some(live)) = plane.entity_slot_mut(w.ty, shard, &w.entity) else {
+        let Some((shard, live)) = running_incarnation(plane, w.ty, &w.entity, w.incarnation) else {
             return;
         };
-        if live.incarnation != w.incarnation {
-            return;
-        }
         let who = Incarnation {
             ty: w.ty,
             id: w.entity,
@@ -599,13 +608,9 @@ impl EntityHost {
                 continue;
             };
             let name = self.types[ty.0].name.clone();
-            let shard = plane.shard_of(&id);
-            let Some(Some(live)) = plane.entity_slot_mut(ty, shard, &id) else {
+            let Some((shard, live)) = running_incarnation(plane, ty, &id, inc) else {
                 continue;
             };
-            if live.incarnation != inc {
-                continue;
-            }
             let mut ctx = EntityContext::new(&id, &mut self.services).with_type(&name, live.epoch);
             let res = live.entity.on_durable(&mut ctx, durable_lsn);
             let h = Harvest::of(&mut ctx);
@@ -1013,13 +1018,9 @@ impl EntityHost {
             return;
         };
         let name = h.name.clone();
-        let shard = plane.shard_of(id);
-        let Some(Some(live)) = plane.entity_slot_mut(ty, shard, id) else {
+        let Some((shard, live)) = running_incarnation(plane, ty, id, inc) else {
             return;
         };
-        if live.incarnation != inc {
-            return;
-        }
         let mut ctx = EntityContext::new(id, &mut self.services).with_type(&name, live.epoch);
         live.entity.on_timer(&mut ctx, key);
         let harvest = Harvest::of(&mut ctx);
