@@ -185,12 +185,11 @@ impl Catalog {
         let Some(e) = index.pids.get(pid.as_str()) else {
             return Ok(0);
         };
-        if e.last_event_seq < from {
+        if e.last_event_seq() < from {
             return Ok(0);
         }
-        let start = e.events.partition_point(|(s, _)| *s < from);
         let mut n = 0;
-        for &(seq, off) in &e.events[start..] {
+        for (seq, off) in e.events.since(from) {
             let corrupt = |kind| ReplayError::Corrupt {
                 segment: index.id,
                 file: name.to_string(),
@@ -230,7 +229,7 @@ impl Catalog {
             let Some(e) = s.index.pids.get(pid.as_str()) else {
                 continue;
             };
-            if e.last_event_seq < from || e.events.is_empty() {
+            if e.last_event_seq() < from || e.events.is_empty() {
                 continue;
             }
             let file = self.segment_file(s)?;
@@ -660,13 +659,12 @@ impl Journal {
         // One hash of the id for every map it is looked up in (they share
         // `PidHash`); a writer's id is the journal's own copy, so each
         // comparison is a pointer comparison.
-        let hash = pid_hash(pid);
+        let hash = pid_hash(pid.as_str());
         let (last, highest) = self
             .catalog
             .pids
-            .raw_entry()
-            .from_key_hashed_nocheck(hash, pid)
-            .map_or((SequenceNr(0), WriterEpoch(0)), |(_, s)| {
+            .get_pid(hash, pid)
+            .map_or((SequenceNr(0), WriterEpoch(0)), |s| {
                 (s.last_seq, s.max_epoch)
             });
         if epoch < highest {
@@ -713,7 +711,14 @@ impl Journal {
         if to <= st.deleted_to {
             return Ok(None);
         }
-        let lsn = self.write_record(pid, pid_hash(pid), to, epoch, RecordKind::Deletion, &[])?;
+        let lsn = self.write_record(
+            pid,
+            pid_hash(pid.as_str()),
+            to,
+            epoch,
+            RecordKind::Deletion,
+            &[],
+        )?;
         self.remove_obsolete_segments(Some(pid))?;
         Ok(Some(lsn))
     }
@@ -764,12 +769,10 @@ impl Journal {
         self.active
             .index
             .add(pid, hash, kind, seq, epoch, lsn, off, len);
-        let (_, st) = self
+        let st = self
             .catalog
             .pids
-            .raw_entry_mut()
-            .from_key_hashed_nocheck(hash, pid)
-            .or_insert_with(|| (pid.clone(), PidState::default()));
+            .get_or_insert_with(hash, pid, PidState::default);
         st.max_epoch = st.max_epoch.max(epoch);
         match kind {
             RecordKind::Event => st.last_seq = seq,
@@ -851,12 +854,9 @@ impl Journal {
     /// checkpoint into `checkpoint_state` (one step per id they hold).
     fn merge_sealed_indexes(&mut self) {
         for index in std::mem::take(&mut self.unmerged) {
-            for (p, e) in &index.pids {
-                let c = match self.checkpoint_state.get_mut(p.as_str()) {
-                    Some(c) => c,
-                    None => self.checkpoint_state.entry(p.clone()).or_default(),
-                };
-                c.last_seq = c.last_seq.max(e.last_event_seq);
+            for (p, e) in index.pids.iter() {
+                let c = self.checkpoint_state.entry_or_default(p);
+                c.last_seq = c.last_seq.max(e.last_event_seq());
                 c.max_epoch = c.max_epoch.max(e.max_epoch);
                 c.deleted_to = c.deleted_to.max(e.deleted_to);
             }
@@ -871,13 +871,13 @@ impl Journal {
     ) -> Result<(), AppendError> {
         let mut doomed = Vec::new();
         let mut blockers = Vec::new();
-        let covered = |p: &str, e: &crate::format::IndexEntry| {
+        let covered = |p: &str, e: &crate::recovery::PidEntry| {
             if e.events.is_empty() {
                 return true;
             }
             let st = self.catalog.pids.get(p).copied().unwrap_or_default();
             let snap = self.snapshot_seqs.get(p).copied().unwrap_or_default();
-            e.last_event_seq <= st.deleted_to.max(snap)
+            e.last_event_seq() <= st.deleted_to.max(snap)
         };
         for (id, s) in &self.catalog.sealed {
             if let Some(p) = only {

@@ -45,6 +45,7 @@ pub mod error;
 pub mod format;
 pub mod ids;
 mod journal;
+mod pidmap;
 mod recovery;
 pub mod storage;
 mod sync;

@@ -3,48 +3,7 @@
 
 use std::collections::BTreeSet;
 
-/// A map keyed by persistence id, hashed with foldhash under [`PidHash`]
-/// (one random seed per process): the journal looks an id up two or three
-/// times per record, where SipHash cost more than the record's copy into
-/// the segment. Resized incrementally (`griddle`): these maps hold every id
-/// the journal has seen and are grown by the appending thread (a data
-/// core), so a doubling moves the entries a few per insert instead of
-/// pausing that core for all of them at once.
-pub(crate) type PidMap<V> = griddle::HashMap<PersistenceId, V, PidHash>;
-
-/// The hasher of every [`PidMap`] of the process: foldhash with one seed
-/// drawn at random when the first map is made (ids come from clients, so
-/// the seed must not be guessable: HashDoS), the same in every map, so
-/// that an append hashes its id once for the catalog and the active
-/// segment's index ([`pid_hash`]).
-#[derive(Clone, Debug)]
-pub(crate) struct PidHash(foldhash::fast::SeedableRandomState);
-
-impl Default for PidHash {
-    fn default() -> Self {
-        use std::hash::BuildHasher;
-        static SEED: OnceLock<u64> = OnceLock::new();
-        let seed = *SEED.get_or_init(|| foldhash::fast::RandomState::default().hash_one(0u64));
-        PidHash(foldhash::fast::SeedableRandomState::with_seed(
-            seed,
-            foldhash::SharedSeed::global_random(),
-        ))
-    }
-}
-
-impl std::hash::BuildHasher for PidHash {
-    type Hasher = foldhash::fast::FoldHasher<'static>;
-
-    fn build_hasher(&self) -> Self::Hasher {
-        self.0.build_hasher()
-    }
-}
-
-/// The hash of `pid` in every [`PidMap`] (they share [`PidHash`]'s seed).
-pub(crate) fn pid_hash(pid: &PersistenceId) -> u64 {
-    use std::hash::BuildHasher;
-    PidHash::default().hash_one(pid)
-}
+pub(crate) use crate::pidmap::{pid_hash, PidMap};
 use std::sync::OnceLock;
 
 use crate::error::{CorruptionKind, RecoveryError};
@@ -66,7 +25,7 @@ pub struct SegmentIndex {
     pub(crate) end_offset: u64,
     pub(crate) last_lsn: Lsn,
     pub(crate) records: u64,
-    pub(crate) pids: PidMap<IndexEntry>,
+    pub(crate) pids: PidMap<PidEntry>,
 }
 
 impl SegmentIndex {
@@ -96,11 +55,7 @@ impl SegmentIndex {
         offset: u64,
         len_bytes: u64,
     ) {
-        let (_, e) = self
-            .pids
-            .raw_entry_mut()
-            .from_key_hashed_nocheck(hash, pid)
-            .or_insert_with(|| (pid.clone(), IndexEntry::default()));
+        let e = self.pids.get_or_insert_with(hash, pid, PidEntry::default);
         Self::add_to(e, kind, seq, epoch, offset);
         self.records += 1;
         self.last_lsn = lsn;
@@ -125,7 +80,7 @@ impl SegmentIndex {
                 let Ok(p) = PersistenceId::new(pid) else {
                     return;
                 };
-                self.pids.entry(p).or_default()
+                self.pids.entry_or_default(&p)
             }
         };
         Self::add_to(e, kind, seq, epoch, offset);
@@ -135,7 +90,7 @@ impl SegmentIndex {
     }
 
     fn add_to(
-        e: &mut IndexEntry,
+        e: &mut PidEntry,
         kind: RecordKind,
         seq: SequenceNr,
         epoch: WriterEpoch,
@@ -143,17 +98,7 @@ impl SegmentIndex {
     ) {
         e.max_epoch = e.max_epoch.max(epoch);
         match kind {
-            RecordKind::Event => {
-                e.last_event_seq = e.last_event_seq.max(seq);
-                if e.events.capacity() == 0 {
-                    // Most ids have one event in a segment (a million
-                    // entities written once each): room for exactly one,
-                    // not the four a first push reserves (48 bytes less an
-                    // id); a second event grows it as usual.
-                    e.events.reserve_exact(1);
-                }
-                e.events.push((seq, offset as u32));
-            }
+            RecordKind::Event => e.events.push(seq, offset as u32),
             RecordKind::Deletion => e.deleted_to = e.deleted_to.max(seq),
         }
     }
@@ -175,7 +120,7 @@ impl SegmentIndex {
         let mut entries: Vec<_> = self
             .pids
             .iter()
-            .map(|(p, e)| (p.clone(), e.clone()))
+            .map(|(p, e)| (p.clone(), e.to_index_entry()))
             .collect();
         entries.sort_by(|a, b| a.0.cmp(&b.0));
         SegmentIndexFile {
@@ -195,8 +140,118 @@ impl SegmentIndex {
             end_offset: f.end_offset,
             last_lsn: f.last_lsn,
             records: f.records,
-            pids: f.entries.into_iter().collect(),
+            pids: f
+                .entries
+                .into_iter()
+                .map(|(p, e)| (p, PidEntry::from_index_entry(e)))
+                .collect(),
         }
+    }
+}
+
+/// One persistence id's records in one segment, in memory (the index
+/// file's [`IndexEntry`], compacted): 32 bytes, and no heap block for an
+/// id with a single event in the segment (the common case: a million
+/// entities written once each), where a `Vec` header and its one-element
+/// block took 40.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct PidEntry {
+    /// Highest writer epoch among this id's records in the segment.
+    pub(crate) max_epoch: WriterEpoch,
+    /// Highest deletion marker in the segment (0 when none).
+    pub(crate) deleted_to: SequenceNr,
+    /// The id's events in the segment, in order.
+    pub(crate) events: Events,
+}
+
+const _: () = assert!(std::mem::size_of::<PidEntry>() == 32);
+
+impl PidEntry {
+    /// Highest event sequence number in the segment (0 when none): the
+    /// last event's, as sequence numbers increase per id.
+    pub(crate) fn last_event_seq(&self) -> SequenceNr {
+        self.events.last().map_or(SequenceNr(0), |(s, _)| s)
+    }
+
+    fn to_index_entry(&self) -> IndexEntry {
+        IndexEntry {
+            max_epoch: self.max_epoch,
+            last_event_seq: self.last_event_seq(),
+            deleted_to: self.deleted_to,
+            events: self.events.iter().collect(),
+        }
+    }
+
+    fn from_index_entry(e: IndexEntry) -> Self {
+        let mut events = Events::default();
+        for (seq, off) in e.events {
+            events.push(seq, off);
+        }
+        PidEntry {
+            max_epoch: e.max_epoch,
+            deleted_to: e.deleted_to,
+            events,
+        }
+    }
+}
+
+/// The (sequence number, offset in bytes) of one id's events in a
+/// segment, in order: none, one inline, or a boxed list from the second.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) enum Events {
+    /// No events (only deletion markers).
+    #[default]
+    None,
+    /// One event.
+    One(SequenceNr, u32),
+    /// Two or more. Boxed: one pointer here (a `Vec` header would make
+    /// every entry 16 bytes larger for the few ids with more events).
+    #[allow(clippy::box_collection)]
+    Many(Box<Vec<(SequenceNr, u32)>>),
+}
+
+impl Events {
+    fn push(&mut self, seq: SequenceNr, offset: u32) {
+        match self {
+            Events::None => *self = Events::One(seq, offset),
+            Events::One(s, o) => *self = Events::Many(Box::new(vec![(*s, *o), (seq, offset)])),
+            Events::Many(v) => v.push((seq, offset)),
+        }
+    }
+
+    /// Whether there are none.
+    pub(crate) fn is_empty(&self) -> bool {
+        matches!(self, Events::None)
+    }
+
+    /// The last event.
+    pub(crate) fn last(&self) -> Option<(SequenceNr, u32)> {
+        match self {
+            Events::None => None,
+            Events::One(s, o) => Some((*s, *o)),
+            Events::Many(v) => v.last().copied(),
+        }
+    }
+
+    /// The events with a sequence number at least `from`, in order.
+    pub(crate) fn since(&self, from: SequenceNr) -> impl Iterator<Item = (SequenceNr, u32)> + '_ {
+        let many: &[(SequenceNr, u32)] = match self {
+            Events::Many(v) => {
+                let start = v.partition_point(|(s, _)| *s < from);
+                &v[start..]
+            }
+            _ => &[],
+        };
+        let one = match self {
+            Events::One(s, o) if *s >= from => Some((*s, *o)),
+            _ => None,
+        };
+        one.into_iter().chain(many.iter().copied())
+    }
+
+    /// Every event, in order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (SequenceNr, u32)> + '_ {
+        self.since(SequenceNr(0))
     }
 }
 
@@ -222,8 +277,8 @@ impl PidState {
         self.max_epoch = self.max_epoch.max(c.max_epoch);
         self.deleted_to = self.deleted_to.max(c.deleted_to);
     }
-    pub(crate) fn merge_entry(&mut self, e: &IndexEntry) {
-        self.last_seq = self.last_seq.max(e.last_event_seq);
+    pub(crate) fn merge_entry(&mut self, e: &PidEntry) {
+        self.last_seq = self.last_seq.max(e.last_event_seq());
         self.max_epoch = self.max_epoch.max(e.max_epoch);
         self.deleted_to = self.deleted_to.max(e.deleted_to);
     }
@@ -647,12 +702,12 @@ pub(crate) fn recover(
 
     let mut pids: PidMap<PidState> = PidMap::default();
     for (p, c) in &checkpoint.pids {
-        pids.entry(p.clone()).or_default().merge_checkpoint(c);
+        pids.entry_or_default(p).merge_checkpoint(c);
     }
     let mut next_lsn = next_expected.max(Lsn(checkpoint.removed_up_to_lsn.0 + 1));
     for s in &out {
-        for (p, e) in &s.index.pids {
-            pids.entry(p.clone()).or_default().merge_entry(e);
+        for (p, e) in s.index.pids.iter() {
+            pids.entry_or_default(p).merge_entry(e);
         }
         next_lsn = next_lsn.max(Lsn(s.index.last_lsn.0 + 1));
         report.records += s.index.records;
@@ -702,4 +757,38 @@ fn drop_from(
             .map_err(io_err("syncing the journal directory"))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_entry_keeps_its_events_in_order_inline_then_boxed_and_round_trips_its_file_form() {
+        let mut e = PidEntry::default();
+        assert!(e.events.is_empty());
+        assert_eq!(e.last_event_seq(), SequenceNr(0));
+        e.events.push(SequenceNr(3), 100);
+        assert!(matches!(e.events, Events::One(..)));
+        assert_eq!(e.last_event_seq(), SequenceNr(3));
+        assert_eq!(e.events.since(SequenceNr(4)).count(), 0);
+        assert_eq!(
+            e.events.since(SequenceNr(3)).collect::<Vec<_>>(),
+            [(SequenceNr(3), 100)]
+        );
+        e.events.push(SequenceNr(5), 200);
+        e.events.push(SequenceNr(9), 300);
+        e.deleted_to = SequenceNr(2);
+        e.max_epoch = WriterEpoch(7);
+        assert_eq!(e.last_event_seq(), SequenceNr(9));
+        assert_eq!(
+            e.events.since(SequenceNr(4)).collect::<Vec<_>>(),
+            [(SequenceNr(5), 200), (SequenceNr(9), 300)]
+        );
+        assert_eq!(e.events.iter().count(), 3);
+        let file = e.to_index_entry();
+        assert_eq!(file.last_event_seq, SequenceNr(9));
+        assert_eq!(file.events.len(), 3);
+        assert_eq!(PidEntry::from_index_entry(file), e);
+    }
 }

@@ -1,0 +1,137 @@
+//! The journal's memory per persistence id, measured: appends one 8-byte
+//! event for each of `JOURNAL_BENCH_N` ids (default 1,000,000, named like
+//! a core journal's durable counters, `counter|<id>`), durability `none`,
+//! and prints the live heap bytes per id after the appends less before
+//! (counted by a wrapper around the system allocator, every thread). The
+//! records themselves are in the memory-mapped segments, which the heap
+//! figure does not count: what is left is the journal's index of the ids
+//! (the catalog, the segment indexes, the shared ids).
+//!
+//! Two rows: 16 MiB segments (a core journal's size: about 250,000 such
+//! events each, so the ids spread over several sealed segments and the
+//! active one) and one segment large enough for every event. Beside them,
+//! measured in the same run, a reference: the same ids as `String` keys of
+//! a `std::collections::HashMap<String, u64>`.
+//!
+//! Run: `cargo bench -p shardline-journal --bench pid_memory`.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Instant;
+
+use shardline_journal::{
+    Durability, Journal, JournalOptions, PersistenceId, SequenceNr, WriterEpoch,
+};
+
+/// The system allocator, counting live bytes.
+struct Counting;
+
+static LIVE: AtomicI64 = AtomicI64::new(0);
+
+// SAFETY: forwards to the system allocator; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as i64, Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(new_size as i64 - layout.size() as i64, Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn live() -> i64 {
+    LIVE.load(Ordering::Relaxed)
+}
+
+/// Heap bytes per id of a journal holding one event of each of `n` ids,
+/// in segments of `segment_bytes`; and the number of segments it ended
+/// with and the time the appends took.
+fn journal_row(n: usize, segment_bytes: u64) -> (f64, u64, f64) {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let options = JournalOptions {
+        segment_size_bytes: segment_bytes,
+        durability: Durability::None,
+        zero_fill_segments: false,
+        ..JournalOptions::default()
+    };
+    let (mut journal, _) = Journal::open(dir.path(), options).expect("journal opens");
+    let before = live();
+    let start = Instant::now();
+    let payload = 1u64.to_le_bytes();
+    for i in 0..n {
+        let pid = PersistenceId::new(&format!("counter|{i}")).expect("a valid id");
+        journal
+            .append(&pid, SequenceNr(1), WriterEpoch(0), &payload)
+            .expect("append");
+    }
+    let secs = start.elapsed().as_secs_f64();
+    // Let the sync and meta threads finish what the rolls sent them (the
+    // index files), so that their buffers are not counted.
+    let last = journal.next_lsn();
+    journal
+        .wait_durable(shardline_journal::Lsn(last.0 - 1))
+        .expect("durable");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let per_id = (live() - before) as f64 / n as f64;
+    let segments = std::fs::read_dir(dir.path())
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".seg"))
+                .count() as u64
+        })
+        .unwrap_or(0);
+    drop(journal);
+    (per_id, segments, secs)
+}
+
+fn reference_row(n: usize) -> f64 {
+    let before = live();
+    let mut m: HashMap<String, u64> = HashMap::new();
+    for i in 0..n {
+        m.insert(format!("counter|{i}"), 1);
+    }
+    let per_id = (live() - before) as f64 / n as f64;
+    std::hint::black_box(&m);
+    per_id
+}
+
+fn main() {
+    let n: usize = std::env::var("JOURNAL_BENCH_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000_000);
+    let reference = reference_row(n);
+    println!("journal memory per persistence id, {n} ids, one 8-byte event each");
+    println!(
+        "{:<44} {:>12} {:>9} {:>9}",
+        "row", "heap B/id", "ratio", "segments"
+    );
+    println!(
+        "{:<44} {:>12.0} {:>9.2} {:>9}",
+        "reference HashMap<String, u64>", reference, 1.0, "-"
+    );
+    let one = 64 * (n as u64 + 1024);
+    for (label, size) in [
+        ("journal, 16 MiB segments", 16u64 << 20),
+        ("journal, one segment", one.max(1 << 20)),
+    ] {
+        let (per_id, segments, secs) = journal_row(n, size);
+        println!(
+            "{label:<44} {per_id:>12.0} {:>9.2} {segments:>9}   ({:.0} k appends/s)",
+            per_id / reference,
+            n as f64 / secs / 1e3
+        );
+    }
+}
