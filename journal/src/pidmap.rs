@@ -3,7 +3,7 @@
 //! than a small part of the ids at once and no old half stays allocated.
 
 use std::hash::BuildHasher;
-use std::sync::OnceLock;
+use std::sync::{LazyLock, OnceLock};
 
 use hashbrown::hash_table::Entry;
 use hashbrown::HashTable;
@@ -37,10 +37,13 @@ impl BuildHasher for PidHash {
     }
 }
 
+/// The process's [`PidHash`], built once.
+static PID_HASH: LazyLock<PidHash> = LazyLock::new(PidHash::default);
+
 /// The hash of `pid` in every [`PidMap`] (they share [`PidHash`]'s seed).
 /// A [`PersistenceId`] hashes as its `str`.
 pub(crate) fn pid_hash(pid: &str) -> u64 {
-    PidHash::default().hash_one(pid)
+    PID_HASH.hash_one(pid)
 }
 
 /// Partitions of a [`PidMap`]: each is a table of its own that doubles
@@ -49,15 +52,21 @@ pub(crate) fn pid_hash(pid: &str) -> u64 {
 /// paused the appending data core for tens of ms at a million ids.
 const PARTITIONS: usize = 256;
 
-/// The partition of `hash`: bits 32-39, which the partition's own table
-/// uses neither for its bucket index (the low bits, below 2^32 buckets)
-/// nor for its control bytes (the top 7 bits).
-fn partition(hash: u64) -> usize {
-    ((hash >> 32) as usize) & (PARTITIONS - 1)
+/// Ids above which a map splits its one table into [`PARTITIONS`] (a
+/// small map, such as a short segment's index, stays one table: 256 empty
+/// tables would cost 8 KiB).
+const SPLIT_AT: usize = 4096;
+
+/// The partition of `hash` among `n` (1 or [`PARTITIONS`]): bits 32-39,
+/// which the partition's own table uses neither for its bucket index (the
+/// low bits, below 2^32 buckets) nor for its control bytes (the top 7
+/// bits).
+fn partition(hash: u64, n: usize) -> usize {
+    ((hash >> 32) as usize) & (n - 1)
 }
 
-/// A map from persistence id to `V`, hashed with [`PidHash`]: 256 hash
-/// tables chosen by bits of the id's hash, created on the first insert.
+/// A map from persistence id to `V`, hashed with [`PidHash`]: one hash
+/// table up to [`SPLIT_AT`] ids, then 256 chosen by bits of the id's hash.
 /// An entry costs the 8-byte id pointer plus `V` (and one control byte),
 /// at the table's load (44-87.5 %); no table keeps an old half after it
 /// doubled (the incremental resizing used before kept it, 30-60 bytes per
@@ -104,16 +113,36 @@ impl<V> PidMap<V> {
         self.len
     }
 
-    /// The table `hash` falls in, if the partitions exist.
+    /// The table `hash` falls in, if there is one.
     fn part(&self, hash: u64) -> Option<&HashTable<(PersistenceId, V)>> {
-        self.parts.get(partition(hash))
+        match self.parts.len() {
+            0 => None,
+            n => self.parts.get(partition(hash, n)),
+        }
     }
 
+    /// The table `hash` falls in, made (or split) first when due.
     fn part_mut(&mut self, hash: u64) -> &mut HashTable<(PersistenceId, V)> {
         if self.parts.is_empty() {
-            self.parts = (0..PARTITIONS).map(|_| HashTable::new()).collect();
+            self.parts = Box::new([HashTable::new()]);
+        } else if self.parts.len() == 1 && self.len >= SPLIT_AT {
+            self.split();
         }
-        &mut self.parts[partition(hash)]
+        let n = self.parts.len();
+        &mut self.parts[partition(hash, n)]
+    }
+
+    /// Moves the entries of the one table into [`PARTITIONS`] tables
+    /// (once, at [`SPLIT_AT`] ids: about 4,000 moves).
+    fn split(&mut self) {
+        let mut parts: Box<[HashTable<(PersistenceId, V)>]> =
+            (0..PARTITIONS).map(|_| HashTable::new()).collect();
+        let one = std::mem::take(&mut self.parts[0]);
+        for e in one {
+            let hash = rehash(&e);
+            parts[partition(hash, PARTITIONS)].insert_unique(hash, e, rehash);
+        }
+        self.parts = parts;
     }
 
     /// The entry of `pid` (`hash`: its [`pid_hash`]).
@@ -164,8 +193,9 @@ impl<V> PidMap<V> {
         make: impl FnOnce() -> V,
     ) -> &mut V {
         self.part_mut(hash);
+        let n = self.parts.len();
         let (parts, len) = (&mut self.parts, &mut self.len);
-        match parts[partition(hash)].entry(hash, |(k, _)| k == pid, rehash) {
+        match parts[partition(hash, n)].entry(hash, |(k, _)| k == pid, rehash) {
             Entry::Occupied(o) => &mut o.into_mut().1,
             Entry::Vacant(v) => {
                 *len += 1;
@@ -233,6 +263,16 @@ mod tests {
         assert_eq!(m.get_mut("a"), None);
         for i in 0..10_000u64 {
             assert_eq!(m.insert(pid(&format!("p{i}")), i), None);
+            if i == 100 {
+                assert_eq!(m.parts.len(), 1, "a small map is one table");
+            }
+        }
+        for i in 0..10_000u64 {
+            assert_eq!(
+                m.get(&format!("p{i}")),
+                Some(&i),
+                "p{i} found after the split"
+            );
         }
         assert_eq!(m.len(), 10_000);
         assert_eq!(m.insert(pid("p7"), 70), Some(7));
@@ -252,6 +292,7 @@ mod tests {
             Some(("p1", 1))
         );
         assert_eq!(m.iter().count(), 10_001);
+        assert_eq!(m.parts.len(), PARTITIONS);
         let used = m.parts.iter().filter(|t| !t.is_empty()).count();
         assert!(used > PARTITIONS / 2, "ids spread over {used} partitions");
         let c = m.clone();

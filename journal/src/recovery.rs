@@ -255,6 +255,18 @@ impl Events {
     }
 }
 
+/// Whether every entry of an index file lists its events in strictly
+/// increasing sequence order and names the last of them as its highest
+/// (0 when none), as the writer wrote it. Memory keeps only the events
+/// (the highest is the last), so a file that passed its checksum but
+/// says otherwise is treated as damaged: its segment is scanned.
+fn events_in_order(f: &SegmentIndexFile) -> bool {
+    f.entries.iter().all(|(_, e)| {
+        e.events.windows(2).all(|w| w[0].0 < w[1].0)
+            && e.last_event_seq == e.events.last().map_or(SequenceNr(0), |(s, _)| *s)
+    })
+}
+
 /// A segment that is no longer appended to (by this process).
 pub(crate) struct SealedSegment {
     pub(crate) name: String,
@@ -470,7 +482,11 @@ pub(crate) fn recover(
                         .is_some_and(|f| f.writer_epoch == h.writer_epoch)
             });
             if let Some(f) = decoded.filter(|_| header_ok) {
-                if f.segment_id == id && f.writer_epoch >= prev_epoch && id >= next_expected {
+                if f.segment_id == id
+                    && f.writer_epoch >= prev_epoch
+                    && id >= next_expected
+                    && events_in_order(&f)
+                {
                     if len < f.end_offset && mode == RecoveryMode::Strict {
                         return Err(RecoveryError::Corrupt {
                             segment: id,

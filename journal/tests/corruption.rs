@@ -300,3 +300,37 @@ fn stale_segment_from_older_writer_epoch_is_refused() {
     assert_eq!(rep.repairs.len(), 1);
     assert_eq!(j.highest_sequence_nr(&p), SequenceNr(seq));
 }
+
+#[test]
+fn an_index_file_whose_events_disagree_with_its_highest_sequence_nr_is_not_trusted() {
+    let dir = tempfile::tempdir().unwrap();
+    journal_with_segments(dir.path(), 120);
+    let truth = {
+        let (j, rep) = Journal::open(dir.path(), opts(SEG, Durability::Always, 1)).unwrap();
+        assert_eq!(
+            rep.scanned_segments, 1,
+            "only the last segment has no index file"
+        );
+        let t: Vec<u64> = (0..3)
+            .map(|i| j.highest_sequence_nr(&pid(&format!("p{i}"))).0)
+            .collect();
+        j.close().unwrap();
+        t
+    };
+    let first = segment_files(dir.path())[0].clone();
+    let idx = dir.path().join(first.replace(".seg", ".idx"));
+    let mut f = shardline_journal::format::SegmentIndexFile::decode(&std::fs::read(&idx).unwrap())
+        .expect("a valid index file");
+    // Checksummed and well formed, but its highest event is not its last.
+    f.entries[0].1.last_event_seq = SequenceNr(f.entries[0].1.last_event_seq.0 + 1000);
+    std::fs::write(&idx, f.encode()).unwrap();
+    let (j, rep) = Journal::open(dir.path(), opts(SEG, Durability::Always, 1)).unwrap();
+    assert_eq!(
+        rep.scanned_segments, 2,
+        "the segment with the inconsistent index is scanned"
+    );
+    let after: Vec<u64> = (0..3)
+        .map(|i| j.highest_sequence_nr(&pid(&format!("p{i}"))).0)
+        .collect();
+    assert_eq!(after, truth);
+}
