@@ -858,7 +858,7 @@ impl Journal {
                 let c = self.checkpoint_state.entry_or_default(p);
                 c.last_seq = c.last_seq.max(e.last_event_seq());
                 c.max_epoch = c.max_epoch.max(e.max_epoch);
-                c.deleted_to = c.deleted_to.max(e.deleted_to);
+                c.deleted_to = c.deleted_to.max(index.deleted_to(p.as_str()));
             }
         }
     }

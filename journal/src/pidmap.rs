@@ -173,17 +173,6 @@ impl<V> PidMap<V> {
         self.get(pid).is_some()
     }
 
-    /// The value of `pid`, mutable.
-    pub(crate) fn get_mut(&mut self, pid: &str) -> Option<&mut V> {
-        let hash = pid_hash(pid);
-        if self.parts.is_empty() {
-            return None;
-        }
-        self.part_mut(hash)
-            .find_mut(hash, |(k, _)| k.as_str() == pid)
-            .map(|(_, v)| v)
-    }
-
     /// The value of `pid` (`hash`: its [`pid_hash`]), inserted with `make`
     /// (under a clone of `pid`) when absent.
     pub(crate) fn get_or_insert_with(
@@ -260,7 +249,6 @@ mod tests {
     fn inserts_finds_replaces_and_counts_across_partitions() {
         let mut m: PidMap<u64> = PidMap::default();
         assert_eq!(m.get("a"), None);
-        assert_eq!(m.get_mut("a"), None);
         for i in 0..10_000u64 {
             assert_eq!(m.insert(pid(&format!("p{i}")), i), None);
             if i == 100 {
@@ -277,7 +265,7 @@ mod tests {
         assert_eq!(m.len(), 10_000);
         assert_eq!(m.insert(pid("p7"), 70), Some(7));
         assert_eq!(m.len(), 10_000);
-        *m.get_mut("p8").expect("present") += 1;
+        *m.entry_or_default(&pid("p8")) += 1;
         let p = pid("p9");
         *m.get_or_insert_with(pid_hash(p.as_str()), &p, || 0) += 1;
         *m.entry_or_default(&pid("new")) += 5;

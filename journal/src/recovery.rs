@@ -26,6 +26,10 @@ pub struct SegmentIndex {
     pub(crate) last_lsn: Lsn,
     pub(crate) records: u64,
     pub(crate) pids: PidMap<PidEntry>,
+    /// Per id with a deletion marker in the segment, the highest (kept
+    /// apart: few ids delete, and every entry of `pids` would otherwise
+    /// carry 8 bytes for it).
+    pub(crate) deleted: PidMap<SequenceNr>,
 }
 
 impl SegmentIndex {
@@ -37,7 +41,13 @@ impl SegmentIndex {
             last_lsn: Lsn(id.0.saturating_sub(1)),
             records: 0,
             pids: PidMap::default(),
+            deleted: PidMap::default(),
         }
+    }
+
+    /// The highest deletion marker of `pid` in the segment (0 when none).
+    pub(crate) fn deleted_to(&self, pid: &str) -> SequenceNr {
+        self.deleted.get(pid).copied().unwrap_or_default()
     }
 
     /// Adds a record that was just written by `pid`'s writer (the index
@@ -56,7 +66,16 @@ impl SegmentIndex {
         len_bytes: u64,
     ) {
         let e = self.pids.get_or_insert_with(hash, pid, PidEntry::default);
-        Self::add_to(e, kind, seq, epoch, offset);
+        e.max_epoch = e.max_epoch.max(epoch);
+        match kind {
+            RecordKind::Event => e.events.push(seq, offset as u32),
+            RecordKind::Deletion => {
+                let d = self
+                    .deleted
+                    .get_or_insert_with(hash, pid, SequenceNr::default);
+                *d = (*d).max(seq);
+            }
+        }
         self.records += 1;
         self.last_lsn = lsn;
         self.end_offset = offset + len_bytes;
@@ -74,33 +93,14 @@ impl SegmentIndex {
         offset: u64,
         len_bytes: u64,
     ) {
-        let e = match self.pids.get_mut(pid) {
-            Some(e) => e,
-            None => {
-                let Ok(p) = PersistenceId::new(pid) else {
-                    return;
-                };
-                self.pids.entry_or_default(&p)
-            }
+        let p = match self.pids.get_key_value(pid) {
+            Some((p, _)) => p.clone(),
+            None => match PersistenceId::new(pid) {
+                Ok(p) => p,
+                Err(_) => return,
+            },
         };
-        Self::add_to(e, kind, seq, epoch, offset);
-        self.records += 1;
-        self.last_lsn = lsn;
-        self.end_offset = offset + len_bytes;
-    }
-
-    fn add_to(
-        e: &mut PidEntry,
-        kind: RecordKind,
-        seq: SequenceNr,
-        epoch: WriterEpoch,
-        offset: u64,
-    ) {
-        e.max_epoch = e.max_epoch.max(epoch);
-        match kind {
-            RecordKind::Event => e.events.push(seq, offset as u32),
-            RecordKind::Deletion => e.deleted_to = e.deleted_to.max(seq),
-        }
+        self.add(&p, pid_hash(pid), kind, seq, epoch, lsn, offset, len_bytes);
     }
 
     fn add_view(&mut self, r: &RecordView<'_>) {
@@ -120,7 +120,7 @@ impl SegmentIndex {
         let mut entries: Vec<_> = self
             .pids
             .iter()
-            .map(|(p, e)| (p.clone(), e.to_index_entry()))
+            .map(|(p, e)| (p.clone(), e.to_index_entry(self.deleted_to(p.as_str()))))
             .collect();
         entries.sort_by(|a, b| a.0.cmp(&b.0));
         SegmentIndexFile {
@@ -134,37 +134,41 @@ impl SegmentIndex {
     }
 
     fn from_file(f: SegmentIndexFile) -> Self {
-        SegmentIndex {
+        let mut index = SegmentIndex {
             id: f.segment_id,
             epoch: f.writer_epoch,
             end_offset: f.end_offset,
             last_lsn: f.last_lsn,
             records: f.records,
-            pids: f
-                .entries
-                .into_iter()
-                .map(|(p, e)| (p, PidEntry::from_index_entry(e)))
-                .collect(),
+            pids: PidMap::default(),
+            deleted: PidMap::default(),
+        };
+        for (p, e) in f.entries {
+            if e.deleted_to > SequenceNr(0) {
+                index.deleted.insert(p.clone(), e.deleted_to);
+            }
+            index.pids.insert(p, PidEntry::from_index_entry(e));
         }
+        index
     }
 }
 
 /// One persistence id's records in one segment, in memory (the index
-/// file's [`IndexEntry`], compacted): 32 bytes, and no heap block for an
-/// id with a single event in the segment (the common case: a million
-/// entities written once each), where a `Vec` header and its one-element
-/// block took 40.
+/// file's [`IndexEntry`], compacted; its deletion marker is in
+/// [`SegmentIndex::deleted`]): 32 bytes, and no heap block for an id with
+/// a single event in the segment (the common case: a million entities
+/// written once each), where a `Vec` and its one-element block took 40
+/// more.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct PidEntry {
     /// Highest writer epoch among this id's records in the segment.
     pub(crate) max_epoch: WriterEpoch,
-    /// Highest deletion marker in the segment (0 when none).
-    pub(crate) deleted_to: SequenceNr,
     /// The id's events in the segment, in order.
     pub(crate) events: Events,
 }
 
 const _: () = assert!(std::mem::size_of::<PidEntry>() == 32);
+const _: () = assert!(std::mem::size_of::<Events>() == 24);
 
 impl PidEntry {
     /// Highest event sequence number in the segment (0 when none): the
@@ -173,11 +177,11 @@ impl PidEntry {
         self.events.last().map_or(SequenceNr(0), |(s, _)| s)
     }
 
-    fn to_index_entry(&self) -> IndexEntry {
+    fn to_index_entry(&self, deleted_to: SequenceNr) -> IndexEntry {
         IndexEntry {
             max_epoch: self.max_epoch,
             last_event_seq: self.last_event_seq(),
-            deleted_to: self.deleted_to,
+            deleted_to,
             events: self.events.iter().collect(),
         }
     }
@@ -189,14 +193,16 @@ impl PidEntry {
         }
         PidEntry {
             max_epoch: e.max_epoch,
-            deleted_to: e.deleted_to,
             events,
         }
     }
 }
 
 /// The (sequence number, offset in bytes) of one id's events in a
-/// segment, in order: none, one inline, or a boxed list from the second.
+/// segment, in order: none, one inline, or a list from the second (24
+/// bytes: the list's header, whose capacity field leaves room for the
+/// other two variants; a hot id's next event is written through the
+/// header already in the cache line of the lookup).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) enum Events {
     /// No events (only deletion markers).
@@ -204,17 +210,15 @@ pub(crate) enum Events {
     None,
     /// One event.
     One(SequenceNr, u32),
-    /// Two or more. Boxed: one pointer here (a `Vec` header would make
-    /// every entry 16 bytes larger for the few ids with more events).
-    #[allow(clippy::box_collection)]
-    Many(Box<Vec<(SequenceNr, u32)>>),
+    /// Two or more.
+    Many(Vec<(SequenceNr, u32)>),
 }
 
 impl Events {
     fn push(&mut self, seq: SequenceNr, offset: u32) {
         match self {
             Events::None => *self = Events::One(seq, offset),
-            Events::One(s, o) => *self = Events::Many(Box::new(vec![(*s, *o), (seq, offset)])),
+            Events::One(s, o) => *self = Events::Many(vec![(*s, *o), (seq, offset)]),
             Events::Many(v) => v.push((seq, offset)),
         }
     }
@@ -289,10 +293,11 @@ impl PidState {
         self.max_epoch = self.max_epoch.max(c.max_epoch);
         self.deleted_to = self.deleted_to.max(c.deleted_to);
     }
-    pub(crate) fn merge_entry(&mut self, e: &PidEntry) {
+    /// Merges `pid`'s entry `e` of segment `index`.
+    pub(crate) fn merge_entry(&mut self, index: &SegmentIndex, pid: &str, e: &PidEntry) {
         self.last_seq = self.last_seq.max(e.last_event_seq());
         self.max_epoch = self.max_epoch.max(e.max_epoch);
-        self.deleted_to = self.deleted_to.max(e.deleted_to);
+        self.deleted_to = self.deleted_to.max(index.deleted_to(pid));
     }
     pub(crate) fn to_checkpoint(self) -> PidCheckpoint {
         PidCheckpoint {
@@ -723,7 +728,8 @@ pub(crate) fn recover(
     let mut next_lsn = next_expected.max(Lsn(checkpoint.removed_up_to_lsn.0 + 1));
     for s in &out {
         for (p, e) in s.index.pids.iter() {
-            pids.entry_or_default(p).merge_entry(e);
+            pids.entry_or_default(p)
+                .merge_entry(&s.index, p.as_str(), e);
         }
         next_lsn = next_lsn.max(Lsn(s.index.last_lsn.0 + 1));
         report.records += s.index.records;
@@ -794,7 +800,6 @@ mod tests {
         );
         e.events.push(SequenceNr(5), 200);
         e.events.push(SequenceNr(9), 300);
-        e.deleted_to = SequenceNr(2);
         e.max_epoch = WriterEpoch(7);
         assert_eq!(e.last_event_seq(), SequenceNr(9));
         assert_eq!(
@@ -802,8 +807,9 @@ mod tests {
             [(SequenceNr(5), 200), (SequenceNr(9), 300)]
         );
         assert_eq!(e.events.iter().count(), 3);
-        let file = e.to_index_entry();
+        let file = e.to_index_entry(SequenceNr(2));
         assert_eq!(file.last_event_seq, SequenceNr(9));
+        assert_eq!(file.deleted_to, SequenceNr(2));
         assert_eq!(file.events.len(), 3);
         assert_eq!(PidEntry::from_index_entry(file), e);
     }
