@@ -273,24 +273,106 @@ fn save_snapshot_file(
     }
 }
 
+/// Whether snapshot `bytes` of file `name` still has to be written: it is
+/// the newest save of `name` (`Latest`), a newer save of it is queued
+/// behind (`Superseded`), or a newer one is already durable (`Durable`).
+enum Standing {
+    Latest,
+    Superseded,
+    Durable,
+}
+
+fn standing(pending: &PendingSnapshots, name: &str, bytes: &Arc<Vec<u8>>) -> Standing {
+    match pending.lock().unwrap_or_else(|e| e.into_inner()).get(name) {
+        Some(b) if Arc::ptr_eq(b, bytes) => Standing::Latest,
+        Some(_) => Standing::Superseded,
+        None => Standing::Durable,
+    }
+}
+
+/// Drops `name`'s entry of `pending` if it is still `bytes` (now durable).
+fn settle(pending: &PendingSnapshots, name: &str, bytes: &Arc<Vec<u8>>) {
+    let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
+    if p.get(name).is_some_and(|b| Arc::ptr_eq(b, bytes)) {
+        p.remove(name);
+    }
+}
+
+/// Snapshot files whose queued save was skipped because a newer save of
+/// the same file was queued behind it: the newer one is written when its
+/// job comes, or before anything that relies on the skipped one being
+/// durable (a segment removal, the end of the thread), whichever is first.
+#[derive(Default)]
+struct Owed {
+    names: std::collections::HashSet<String, foldhash::fast::RandomState>,
+    pending: Option<PendingSnapshots>,
+}
+
+impl Owed {
+    /// Writes the newest save of every owed file that is not durable yet.
+    fn pay(
+        &mut self,
+        storage: &dyn Storage,
+        spares: &mut SnapshotSpares,
+        dir_dirty: &mut bool,
+    ) -> Result<(), String> {
+        let Some(pending) = self.pending.clone() else {
+            return Ok(());
+        };
+        for name in std::mem::take(&mut self.names) {
+            let latest = pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&name)
+                .cloned();
+            let Some(bytes) = latest else {
+                continue;
+            };
+            let tmp = format!("{name}.owed{}", crate::format::TMP_SUFFIX);
+            save_snapshot_file(storage, spares, &tmp, &name, &bytes)
+                .map_err(|e| format!("making snapshot {name} durable failed: {e}"))?;
+            *dir_dirty = true;
+            settle(&pending, &name, &bytes);
+        }
+        Ok(())
+    }
+}
+
 /// The meta thread's body: runs jobs in order until the channel closes.
-/// Consecutive snapshots share one directory `fsync`. After a failure (the
-/// journal is poisoned) it drops the remaining jobs: files stay as they are,
-/// which recovery handles (a missing index is rebuilt by a scan, a `.tmp`
-/// is removed, segments are kept).
+/// Consecutive snapshots share one directory `fsync`. A snapshot save that
+/// a newer save of the same file overtook while it waited in the queue is
+/// not written (the newer one is, in its place, before any segment
+/// removal: see [`Owed`]); so a thread that falls behind (the first saves
+/// of many entities each create a file) writes each file once, not once
+/// per save. After a failure (the journal is poisoned) it drops the
+/// remaining jobs: files stay as they are, which recovery handles (a
+/// missing index is rebuilt by a scan, a `.tmp` is removed, segments are
+/// kept).
 fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage>) {
     let mut dir_dirty = false;
     let mut failed = false;
     // Snapshot files this thread put in place, and the spares it keeps
     // beside them (see `save_snapshot_file`).
     let mut spares = SnapshotSpares::default();
+    let mut owed = Owed::default();
     loop {
         let job = if dir_dirty {
             rx.try_recv().ok()
         } else {
             match rx.recv() {
                 Ok(j) => Some(j),
-                Err(_) => return,
+                Err(_) => {
+                    if !failed && !owed.names.is_empty() {
+                        // The writer closed: what was skipped is written
+                        // now (then the directory synced, next round).
+                        if let Err(reason) = owed.pay(&*storage, &mut spares, &mut dir_dirty) {
+                            shared.poison(reason);
+                            failed = true;
+                        }
+                        continue;
+                    }
+                    return;
+                }
             }
         };
         if failed || shared.poisoned.load(Ordering::SeqCst) {
@@ -301,6 +383,15 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
             continue;
         }
         let is_snapshot = matches!(job, Some(MetaJob::Snapshot { .. }));
+        // A removal relies on every snapshot saved before it being
+        // durable: a skipped one is written first.
+        if matches!(job, Some(MetaJob::Remove { .. })) {
+            if let Err(reason) = owed.pay(&*storage, &mut spares, &mut dir_dirty) {
+                shared.poison(reason);
+                failed = true;
+                continue;
+            }
+        }
         // A directory sync owed by earlier snapshots comes before anything
         // else (a removal must not overtake a snapshot).
         if dir_dirty && !is_snapshot {
@@ -334,15 +425,21 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
                 name,
                 bytes,
                 pending,
-            }) => save_snapshot_file(&*storage, &mut spares, &tmp, &name, &bytes)
-                .map_err(|e| format!("making snapshot {name} durable failed: {e}"))
-                .map(|()| {
-                    dir_dirty = true;
-                    let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
-                    if p.get(&name).is_some_and(|b| Arc::ptr_eq(b, &bytes)) {
-                        p.remove(&name);
-                    }
-                }),
+            }) => match standing(&pending, &name, &bytes) {
+                Standing::Durable => Ok(()),
+                Standing::Superseded => {
+                    owed.names.insert(name);
+                    owed.pending = Some(pending);
+                    Ok(())
+                }
+                Standing::Latest => save_snapshot_file(&*storage, &mut spares, &tmp, &name, &bytes)
+                    .map_err(|e| format!("making snapshot {name} durable failed: {e}"))
+                    .map(|()| {
+                        dir_dirty = true;
+                        settle(&pending, &name, &bytes);
+                        owed.names.remove(&name);
+                    }),
+            },
         };
         if let Err(reason) = r {
             shared.poison(reason);

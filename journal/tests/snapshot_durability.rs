@@ -13,12 +13,16 @@ use shardline_journal::storage::{MemoryStorage, SegmentFile, Storage};
 use shardline_journal::{Durability, Journal, SequenceNr, WriterEpoch};
 
 /// A memory storage whose `sync_file` waits while the gate is closed and
-/// records the name of every thread that calls it.
+/// records the name of every thread that calls it and of every file it
+/// syncs; and which records, at each segment's removal, the highest event
+/// sequence number in it beside that of the snapshot in place then.
 #[derive(Debug, Clone)]
 struct Gated {
     inner: MemoryStorage,
     gate: Arc<(Mutex<bool>, Condvar)>,
     sync_threads: Arc<Mutex<Vec<String>>>,
+    synced: Arc<Mutex<Vec<String>>>,
+    removals: Arc<Mutex<Vec<(u64, u64)>>>,
 }
 
 impl Gated {
@@ -27,7 +31,35 @@ impl Gated {
             inner,
             gate: Arc::new((Mutex::new(true), Condvar::new())),
             sync_threads: Arc::default(),
+            synced: Arc::default(),
+            removals: Arc::default(),
         }
+    }
+
+    /// The highest event sequence number in segment `name`, and the
+    /// sequence number of the snapshot file in place (0 when none).
+    fn coverage_at_removal(&self, name: &str) -> (u64, u64) {
+        use shardline_journal::format::{decode_record, Decoded, SEGMENT_HEADER_LEN_BYTES};
+        use shardline_journal::{RecordKind, Snapshot};
+        let bytes = self.inner.read_file(name).unwrap_or_default();
+        let (mut off, mut max_event) = (SEGMENT_HEADER_LEN_BYTES as u64, 0);
+        while let Decoded::Record(r) = decode_record(&bytes, off) {
+            if r.kind == RecordKind::Event {
+                max_event = max_event.max(r.sequence_nr.0);
+            }
+            off += r.len_bytes;
+        }
+        let snap = self
+            .inner
+            .list()
+            .unwrap()
+            .iter()
+            .filter(|n| n.ends_with(".snap"))
+            .filter_map(|n| Snapshot::decode(&self.inner.read_file(n).ok()?).ok())
+            .map(|s| s.sequence_nr.0)
+            .max()
+            .unwrap_or(0);
+        (max_event, snap)
     }
 
     fn set_open(&self, open: bool) {
@@ -61,6 +93,7 @@ impl Storage for Gated {
     fn sync_file(&self, name: &str) -> io::Result<()> {
         let me = std::thread::current().name().unwrap_or("?").to_string();
         self.sync_threads.lock().unwrap().push(me);
+        self.synced.lock().unwrap().push(name.to_string());
         let (open, cond) = &*self.gate;
         let mut g = open.lock().unwrap();
         while !*g {
@@ -72,6 +105,10 @@ impl Storage for Gated {
         self.inner.rename(from, to)
     }
     fn remove(&self, name: &str) -> io::Result<()> {
+        if name.ends_with(".seg") {
+            let c = self.coverage_at_removal(name);
+            self.removals.lock().unwrap().push(c);
+        }
         self.inner.remove(name)
     }
     fn sync_dir(&self) -> io::Result<()> {
@@ -225,5 +262,68 @@ fn a_snapshot_that_cannot_be_made_durable_poisons_and_keeps_the_events() {
     let r = j.recover(&a).unwrap();
     assert!(r.snapshot.is_none());
     assert_eq!(r.events.len(), 121);
+    j.close().unwrap();
+}
+
+#[test]
+fn a_save_overtaken_in_the_queue_is_not_written_and_no_segment_goes_before_its_covering_snapshot_is_durable(
+) {
+    let mem = MemoryStorage::new();
+    let gated = Gated::new(mem.clone());
+    let policy = Durability::Interval(Duration::from_millis(1));
+    let (mut j, _) =
+        Journal::open_with_storage(Arc::new(gated.clone()), opts(4096, policy, 1)).unwrap();
+    let a = pid("counter|a");
+    let mut last = None;
+    for seq in 1..=300 {
+        last = Some(
+            j.append(&a, SequenceNr(seq), WriterEpoch(1), &payload("a", seq))
+                .unwrap(),
+        );
+    }
+    j.wait_durable(last.unwrap()).unwrap();
+    assert!(segments(&mem) >= 6, "events span many segments");
+    gated.synced.lock().unwrap().clear();
+
+    // The meta thread blocks in the first save's sync; two more saves of
+    // the same entity queue behind it, each with the segment removal its
+    // coverage allows.
+    gated.set_open(false);
+    j.save_snapshot(&a, SequenceNr(100), WriterEpoch(1), b"state@100")
+        .unwrap();
+    while gated.synced.lock().unwrap().is_empty() {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    j.save_snapshot(&a, SequenceNr(200), WriterEpoch(1), b"state@200")
+        .unwrap();
+    j.save_snapshot(&a, SequenceNr(300), WriterEpoch(1), b"state@300")
+        .unwrap();
+    gated.set_open(true);
+    j.close().unwrap();
+
+    // The save of 200, overtaken by that of 300 while it waited, was not
+    // written: the snapshot file was synced twice (100, then 300).
+    let snap_syncs = gated
+        .synced
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|n| n.contains(".snap"))
+        .count();
+    assert_eq!(snap_syncs, 2, "{:?}", gated.synced.lock().unwrap());
+    // Yet the removal that the save of 200 allowed found a snapshot in
+    // place covering every event of the segments it removed.
+    let removals = gated.removals.lock().unwrap().clone();
+    assert!(removals.len() >= 4, "segments were removed: {removals:?}");
+    for (max_event, snap) in &removals {
+        assert!(
+            snap >= max_event,
+            "a segment with events up to {max_event} went with the snapshot at {snap} in place"
+        );
+    }
+    let (j, _) = Journal::open_with_storage(Arc::new(mem), opts(4096, policy, 1)).unwrap();
+    let r = j.recover(&a).unwrap();
+    assert_eq!(r.snapshot.unwrap().data, b"state@300");
+    assert!(r.events.is_empty());
     j.close().unwrap();
 }
