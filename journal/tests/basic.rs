@@ -121,6 +121,32 @@ fn snapshot_then_replay_resumes_after_it() {
     assert_eq!(j.load_snapshot(&pid("other")).unwrap(), None);
 }
 
+/// Waits (at most 10 s) until a snapshot file in `dir` holds sequence
+/// number `seq`.
+fn wait_for_snapshot_on_disk(dir: &std::path::Path, seq: u64) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let on_disk = std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(Result::ok)
+            .any(|e| {
+                e.file_name().to_string_lossy().ends_with(".snap")
+                    && std::fs::read(e.path())
+                        .ok()
+                        .and_then(|b| shardline_journal::Snapshot::decode(&b).ok())
+                        .is_some_and(|s| s.sequence_nr == SequenceNr(seq))
+            });
+        if on_disk {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "snapshot {seq} never reached the disk"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
 #[test]
 fn repeated_snapshots_on_disk_reopen_with_the_last_one() {
     // The second and later saves of a snapshot file exchange it with a
@@ -139,6 +165,9 @@ fn repeated_snapshots_on_disk_reopen_with_the_last_one() {
             format!("state@{seq}").as_bytes(),
         )
         .unwrap();
+        // Each save reaches the disk before the next is made (a save that
+        // a newer one overtakes in the journal's queue is not written).
+        wait_for_snapshot_on_disk(dir.path(), seq);
     }
     assert_eq!(j.load_snapshot(&p).unwrap().unwrap().data, b"state@5");
     j.close().unwrap();
