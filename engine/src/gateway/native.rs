@@ -16,7 +16,6 @@
 //! fails validation) closes that connection only, with a logged reason; a
 //! bad entity type or id gets an error response.
 
-use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -55,11 +54,11 @@ struct InFlight {
 #[derive(Default)]
 pub(in crate::gateway) struct NativeState {
     /// Open native connections and their output queues.
-    conns: HashMap<ConnId, Rc<Outbox>>,
+    conns: super::FastMap<ConnId, Rc<Outbox>>,
     /// Requests, latencies and connections.
     pub(in crate::gateway) counters: FrontCounters,
     /// Requests without an answer, by (connection, request id).
-    in_flight: HashMap<(ConnId, u64), InFlight>,
+    in_flight: super::FastMap<(ConnId, u64), InFlight>,
     /// The type names seen, for the latency labels (at most
     /// [`MAX_NATIVE_TYPE_NAMES`]).
     types: Vec<String>,
