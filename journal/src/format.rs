@@ -31,6 +31,16 @@ pub const SNAPSHOT_SUFFIX: &str = ".snap";
 pub const TMP_SUFFIX: &str = ".tmp";
 /// File name of the state checkpoint.
 pub const CHECKPOINT_NAME: &str = "journal.state";
+/// Name of the snapshot table (FORMAT.md, "Snapshot table").
+pub const SNAPSHOT_TABLE_NAME: &str = "snapshots.tbl";
+/// Bytes of one slot of the snapshot table.
+pub const TABLE_SLOT_BYTES: usize = 256;
+/// Bytes of one id's pair of slots in the snapshot table.
+pub const TABLE_PAIR_BYTES: usize = 2 * TABLE_SLOT_BYTES;
+/// The largest encoded snapshot a table slot holds (a slot adds its
+/// length, a write serial and a CRC32C: 16 bytes); a larger one gets a
+/// file of its own.
+pub const TABLE_SNAPSHOT_MAX_BYTES: usize = TABLE_SLOT_BYTES - 16;
 
 /// The kind of a record (byte 42 of the record header).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -863,6 +873,56 @@ impl Snapshot {
             timestamp_ms,
             data,
         })
+    }
+}
+
+/// What one slot of the snapshot table holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum TableSlot {
+    /// Never written (its length is 0).
+    Empty,
+    /// A snapshot whose encoding checks, and the slot's write serial (the
+    /// table's writes count up: the higher serial is the newer write).
+    Valid(Snapshot, u64),
+    /// Bytes that do not decode: a write torn by a crash before the table
+    /// was synced, or damage.
+    Unreadable,
+}
+
+/// Encodes snapshot encoding `encoded` (at most
+/// [`TABLE_SNAPSHOT_MAX_BYTES`]) as one table slot written with `serial`:
+/// length `u32` LE | serial `u64` LE | the encoding | CRC32C `u32` LE of
+/// everything before it | zeros to [`TABLE_SLOT_BYTES`].
+pub(crate) fn encode_table_slot(encoded: &[u8], serial: u64) -> [u8; TABLE_SLOT_BYTES] {
+    debug_assert!(encoded.len() <= TABLE_SNAPSHOT_MAX_BYTES);
+    let mut slot = [0u8; TABLE_SLOT_BYTES];
+    let n = encoded.len().min(TABLE_SNAPSHOT_MAX_BYTES);
+    slot[..4].copy_from_slice(&(n as u32).to_le_bytes());
+    slot[4..12].copy_from_slice(&serial.to_le_bytes());
+    slot[12..12 + n].copy_from_slice(&encoded[..n]);
+    let crc = crc32c::crc32c(&slot[..12 + n]);
+    slot[12 + n..16 + n].copy_from_slice(&crc.to_le_bytes());
+    slot
+}
+
+/// Decodes one table slot (`slot`: [`TABLE_SLOT_BYTES`] bytes, or fewer at
+/// the end of the file, the rest taken as zeros).
+pub(crate) fn decode_table_slot(slot: &[u8]) -> TableSlot {
+    let len = u32_at(slot, 0).unwrap_or(0) as usize;
+    if len == 0 {
+        return TableSlot::Empty;
+    }
+    if len > TABLE_SNAPSHOT_MAX_BYTES || slot.len() < 16 + len {
+        return TableSlot::Unreadable;
+    }
+    let crc = u32_at(slot, 12 + len).unwrap_or(0);
+    if crc32c::crc32c(&slot[..12 + len]) != crc {
+        return TableSlot::Unreadable;
+    }
+    let serial = u64::from_le_bytes(slot[4..12].try_into().unwrap_or([0; 8]));
+    match Snapshot::decode(&slot[12..12 + len]) {
+        Ok(s) => TableSlot::Valid(s, serial),
+        Err(_) => TableSlot::Unreadable,
     }
 }
 

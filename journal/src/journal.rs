@@ -24,6 +24,7 @@ use crate::recovery::{
 };
 use crate::storage::{MmapStorage, SegmentFile, Storage};
 use crate::sync::{self, DurabilityError, DurabilityWatcher, PendingSnapshots, Shared, SyncMsg};
+use crate::table::SnapshotTable;
 
 /// When appended records become durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,8 +149,24 @@ struct Catalog {
     snapshot_files: std::collections::BTreeSet<String>,
     snapshot_names: std::sync::Mutex<HashMap<PersistenceId, String>>,
     /// Snapshots saved by this writer whose file is not durable in place
-    /// yet (the meta thread renames them): read from here meanwhile.
+    /// yet (the meta thread renames them), or whose table write is not
+    /// synced yet (key [`table_key`]): read from here meanwhile.
     pending_snapshots: PendingSnapshots,
+    /// The snapshot table, where the storage has one: the snapshots whose
+    /// encoding fits a slot (FORMAT.md, "Snapshot table").
+    table: Option<Arc<SnapshotTable>>,
+    /// The table held unreadable slots when it was opened: a write torn by
+    /// a crash, or damage. A slot whose id cannot be read may have been an
+    /// id's newest durable snapshot, so every recovery then checks that
+    /// its events are all there (see
+    /// [`Catalog::check_after_suspect_snapshot`]).
+    table_suspect: bool,
+}
+
+/// The key of `pid`'s table save in the pending snapshots (no file name
+/// starts with a NUL).
+fn table_key(pid: &PersistenceId) -> String {
+    format!("\0table\0{pid}")
 }
 
 fn snapshot_hash(pid: &PersistenceId) -> String {
@@ -253,7 +270,104 @@ impl Catalog {
             .collect()
     }
 
+    /// `pid`'s newest snapshot, in the table or in a file, and whether it
+    /// came from a table pair with an unreadable slot (see
+    /// [`Catalog::check_after_suspect_snapshot`]).
+    fn load_snapshot_checked(
+        &self,
+        pid: &PersistenceId,
+    ) -> Result<(Option<Snapshot>, bool), SnapshotError> {
+        let (in_table, suspect) = self.load_table_snapshot(pid)?;
+        let in_file = self.load_file_snapshot(pid)?;
+        Ok(match (in_table, in_file) {
+            (Some(t), Some(f)) if f.sequence_nr > t.sequence_nr => (Some(f), false),
+            (Some(t), _) => (Some(t), suspect),
+            (None, f) => (f, false),
+        })
+    }
+
     fn load_snapshot(&self, pid: &PersistenceId) -> Result<Option<Snapshot>, SnapshotError> {
+        self.load_snapshot_checked(pid).map(|(s, _)| s)
+    }
+
+    /// `pid`'s snapshot in the table: the pending save, else its pair.
+    fn load_table_snapshot(
+        &self,
+        pid: &PersistenceId,
+    ) -> Result<(Option<Snapshot>, bool), SnapshotError> {
+        let Some(table) = &self.table else {
+            return Ok((None, false));
+        };
+        let key = table_key(pid);
+        let pending = self
+            .pending_snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+            .cloned();
+        if let Some(b) = pending {
+            let snap = Snapshot::decode(&b).map_err(|reason| SnapshotError::Corrupt {
+                file: format::SNAPSHOT_TABLE_NAME.to_string(),
+                reason,
+            })?;
+            return Ok((Some(snap), false));
+        }
+        if !table.contains(pid) {
+            return Ok((None, false));
+        }
+        let r = table.read(pid).map_err(|source| SnapshotError::Io {
+            op: format!("reading the snapshot table for {pid}"),
+            source,
+        })?;
+        match r.snapshot {
+            Some(s) => Ok((Some(s), r.unreadable_slot)),
+            // The pair held a snapshot of `pid` at open and holds none now.
+            None => Err(SnapshotError::Corrupt {
+                file: format!("{} (the pair of {pid})", format::SNAPSHOT_TABLE_NAME),
+                reason: format::FileDecodeError::BadChecksum,
+            }),
+        }
+    }
+
+    /// After recovering `pid` from a table pair with an unreadable slot (or
+    /// from a table that held one when it was opened):
+    /// that slot was either a write torn before the table was synced (then
+    /// the snapshot read is the last durable one and every event after it
+    /// is still in the journal) or damage to a newer durable snapshot
+    /// (then segments it covered may be gone). `events` (replayed from
+    /// `from`) must run without a gap from `from` to the id's last event,
+    /// else the snapshot is reported damaged instead of recovering a state
+    /// with events missing. (Sequence numbers are taken to grow by 1, as
+    /// every entity of the engine appends them.)
+    fn check_after_suspect_snapshot(
+        &self,
+        pid: &PersistenceId,
+        from: SequenceNr,
+        last: SequenceNr,
+        events: &[Record],
+    ) -> Result<(), ReplayError> {
+        let from = self.start_seq(pid, from).unwrap_or(from);
+        let contiguous = events
+            .iter()
+            .zip(from.0..)
+            .all(|(e, want)| e.sequence_nr.0 == want);
+        let complete = last < from || (events.len() as u64) == last.0 - from.0 + 1;
+        if contiguous && complete {
+            return Ok(());
+        }
+        Err(snapshot_to_replay(SnapshotError::Corrupt {
+            file: format!(
+                "{} (the pair of {pid}: a slot is unreadable and events {}..={} are not all in the journal)",
+                format::SNAPSHOT_TABLE_NAME,
+                from.0,
+                last.0
+            ),
+            reason: format::FileDecodeError::BadChecksum,
+        }))
+    }
+
+    /// `pid`'s snapshot in a file of its own.
+    fn load_file_snapshot(&self, pid: &PersistenceId) -> Result<Option<Snapshot>, SnapshotError> {
         let known = self
             .snapshot_names
             .lock()
@@ -473,6 +587,14 @@ impl Journal {
             s.has_index_file = true;
             sealed.insert(s.index.id, s);
         }
+        // The snapshot table, created when missing (its entry is made
+        // durable by the directory sync below).
+        let table = SnapshotTable::open(&*storage, true, |p| {
+            rec.pids.get_key_value(p.as_str()).map(|(k, _)| k.clone())
+        })
+        .map_err(open_io("opening the snapshot table"))?;
+        let table_suspect = table.as_ref().is_some_and(|(_, s)| s.unreadable_slots > 0);
+        let table = table.map(|(t, _)| Arc::new(t));
         storage
             .sync_dir()
             .map_err(open_io("syncing the journal directory"))?;
@@ -512,6 +634,8 @@ impl Journal {
                 snapshot_files: rec.snapshot_files.into_iter().collect(),
                 snapshot_names: Default::default(),
                 pending_snapshots: Default::default(),
+                table,
+                table_suspect,
             },
             max_segment_epoch: rec.max_segment_epoch.max(options.writer_epoch),
             options,
@@ -990,11 +1114,19 @@ impl Journal {
     /// [`ReplayError`] from replaying; a snapshot that cannot be loaded is
     /// reported as [`ReplayError::Io`] with kind `InvalidData`.
     pub fn recover(&self, pid: &PersistenceId) -> Result<Recovery, ReplayError> {
-        let snapshot = self.load_snapshot(pid).map_err(snapshot_to_replay)?;
+        let (snapshot, suspect) = self
+            .catalog
+            .load_snapshot_checked(pid)
+            .map_err(snapshot_to_replay)?;
         let from = snapshot
             .as_ref()
             .map_or(SequenceNr(1), |s| SequenceNr(s.sequence_nr.0 + 1));
         let events = self.replay(pid, from)?;
+        if suspect || self.catalog.table_suspect {
+            let last = self.highest_sequence_nr(pid);
+            self.catalog
+                .check_after_suspect_snapshot(pid, from, last, &events)?;
+        }
         Ok(Recovery { snapshot, events })
     }
 
@@ -1060,6 +1192,35 @@ impl Journal {
                 reason: "below the saved snapshot's sequence number",
             });
         }
+        let snap = Snapshot {
+            persistence_id: pid.clone(),
+            sequence_nr,
+            writer_epoch: epoch,
+            timestamp_ms: now_ms(),
+            data: data.to_vec(),
+        };
+        let encoded = snap.encode();
+        if let Some(table) = &self.catalog.table {
+            if encoded.len() <= format::TABLE_SNAPSHOT_MAX_BYTES {
+                // A slot of the table: no file, and the meta thread's one
+                // sync covers a batch of saves.
+                let key = table_key(pid);
+                let bytes = Arc::new(encoded);
+                self.catalog
+                    .pending_snapshots
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(key.clone(), bytes.clone());
+                let msg = SyncMsg::Snapshot {
+                    tmp: String::new(),
+                    name: key,
+                    bytes,
+                    pending: self.catalog.pending_snapshots.clone(),
+                    table: Some((table.clone(), pid.clone())),
+                };
+                return self.queued_snapshot(msg, pid, sequence_nr);
+            }
+        }
         let name = match self
             .catalog
             .snapshot_names
@@ -1080,14 +1241,7 @@ impl Journal {
                 }
             }
         };
-        let snap = Snapshot {
-            persistence_id: pid.clone(),
-            sequence_nr,
-            writer_epoch: epoch,
-            timestamp_ms: now_ms(),
-            data: data.to_vec(),
-        };
-        let bytes = Arc::new(snap.encode());
+        let bytes = Arc::new(encoded);
         // A fresh temporary name per save. The meta thread writes and renames
         // saves in order, so this is no longer needed for correctness (it was
         // when this thread wrote the file while an earlier save waited).
@@ -1103,18 +1257,31 @@ impl Journal {
             name: name.clone(),
             bytes,
             pending: self.catalog.pending_snapshots.clone(),
+            table: None,
         };
-        if self.tx.send(msg).is_err() {
-            let reason = "sync thread stopped".to_string();
-            self.poison(reason.clone());
-            return Err(SnapshotError::Poisoned { reason });
-        }
         self.catalog.snapshot_files.insert(name.clone());
         self.catalog
             .snapshot_names
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(pid.clone(), name);
+        self.queued_snapshot(msg, pid, sequence_nr)
+    }
+
+    /// Queues snapshot save `msg` of `pid` at `sequence_nr` for the meta
+    /// thread, then removes the segments it makes obsolete (queued behind
+    /// it, so only once it is durable).
+    fn queued_snapshot(
+        &mut self,
+        msg: SyncMsg,
+        pid: &PersistenceId,
+        sequence_nr: SequenceNr,
+    ) -> Result<(), SnapshotError> {
+        if self.tx.send(msg).is_err() {
+            let reason = "sync thread stopped".to_string();
+            self.poison(reason.clone());
+            return Err(SnapshotError::Poisoned { reason });
+        }
         self.snapshot_seqs.insert(pid.clone(), sequence_nr);
         self.remove_obsolete_segments(Some(pid))
             .map_err(|e| SnapshotError::Poisoned {
@@ -1230,6 +1397,12 @@ impl JournalReader {
     pub fn open_with_storage(storage: Arc<dyn Storage>) -> Result<JournalReader, OpenError> {
         let rec = recover(&*storage, RecoveryMode::Strict, false, false, true)?;
         let sealed = rec.segments.into_iter().map(|s| (s.index.id, s)).collect();
+        let table = SnapshotTable::open(&*storage, false, |p| {
+            rec.pids.get_key_value(p.as_str()).map(|(k, _)| k.clone())
+        })
+        .map_err(open_io("opening the snapshot table"))?;
+        let table_suspect = table.as_ref().is_some_and(|(_, s)| s.unreadable_slots > 0);
+        let table = table.map(|(t, _)| Arc::new(t));
         Ok(JournalReader {
             catalog: Catalog {
                 storage,
@@ -1238,6 +1411,8 @@ impl JournalReader {
                 snapshot_files: rec.snapshot_files.into_iter().collect(),
                 snapshot_names: Default::default(),
                 pending_snapshots: Default::default(),
+                table,
+                table_suspect,
             },
             report: rec.report,
         })
@@ -1306,11 +1481,19 @@ impl JournalReader {
     /// # Errors
     /// As [`Journal::recover`].
     pub fn recover(&self, pid: &PersistenceId) -> Result<Recovery, ReplayError> {
-        let snapshot = self.load_snapshot(pid).map_err(snapshot_to_replay)?;
+        let (snapshot, suspect) = self
+            .catalog
+            .load_snapshot_checked(pid)
+            .map_err(snapshot_to_replay)?;
         let from = snapshot
             .as_ref()
             .map_or(SequenceNr(1), |s| SequenceNr(s.sequence_nr.0 + 1));
         let events = self.replay(pid, from)?;
+        if suspect || self.catalog.table_suspect {
+            let last = self.highest_sequence_nr(pid);
+            self.catalog
+                .check_after_suspect_snapshot(pid, from, last, &events)?;
+        }
         Ok(Recovery { snapshot, events })
     }
 }

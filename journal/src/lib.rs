@@ -49,6 +49,7 @@ mod pidmap;
 mod recovery;
 pub mod storage;
 mod sync;
+mod table;
 pub mod verify;
 
 pub use error::{

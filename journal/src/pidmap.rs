@@ -218,6 +218,22 @@ impl<V> PidMap<V> {
     pub(crate) fn keys(&self) -> impl Iterator<Item = &PersistenceId> + '_ {
         self.iter().map(|(k, _)| k)
     }
+
+    /// The value of `pid` (`hash`: its [`pid_hash`]), to change.
+    pub(crate) fn get_mut_pid(&mut self, hash: u64, pid: &PersistenceId) -> Option<&mut V> {
+        let n = self.parts.len();
+        if n == 0 {
+            return None;
+        }
+        self.parts[partition(hash, n)]
+            .find_mut(hash, |(k, _)| k == pid)
+            .map(|(_, v)| v)
+    }
+
+    /// Every id and its value, taken out, in no particular order.
+    pub(crate) fn into_entries(self) -> impl Iterator<Item = (PersistenceId, V)> {
+        self.parts.into_vec().into_iter().flatten()
+    }
 }
 
 impl<V: Default> PidMap<V> {

@@ -55,6 +55,36 @@ pub trait SegmentFile: Send + Sync {
     fn syncer(&self) -> Arc<dyn SegmentSync>;
 }
 
+/// A file read and written at offsets through one open handle: the
+/// snapshot table (`journal/FORMAT.md`, "Snapshot table"). Reads and
+/// writes may come from different threads.
+pub trait TableFile: Send + Sync {
+    /// The file's length, in bytes.
+    ///
+    /// # Errors
+    /// The I/O error of reading the length.
+    fn len_bytes(&self) -> io::Result<u64>;
+    /// Reads into `buf` from `offset`; returns the bytes read, fewer than
+    /// `buf.len()` only at the end of the file.
+    ///
+    /// # Errors
+    /// The I/O error of the read.
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize>;
+    /// Writes `data` at `offset`, growing the file when it ends before.
+    /// Durable after [`TableFile::sync`].
+    ///
+    /// # Errors
+    /// `PermissionDenied` on a read-only handle; the I/O error of the
+    /// write; injected faults in [`FaultyStorage`].
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()>;
+    /// Makes every write before the call durable (`fdatasync`: the data
+    /// and the length).
+    ///
+    /// # Errors
+    /// The I/O error of the flush.
+    fn sync(&self) -> io::Result<()>;
+}
+
 /// A journal directory.
 pub trait Storage: Send + Sync + std::fmt::Debug {
     /// Names of the files in the directory.
@@ -144,6 +174,18 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// # Errors
     /// The I/O error.
     fn sync_dir(&self) -> io::Result<()>;
+    /// Opens `name` for reads and writes at offsets ([`TableFile`]);
+    /// `writable` creates it when missing (its directory entry is durable
+    /// after [`Storage::sync_dir`]).
+    ///
+    /// # Errors
+    /// `Unsupported` when the storage has no such files (the default: the
+    /// journal then keeps every snapshot in a file of its own); `NotFound`
+    /// when not `writable` and it does not exist; another I/O error.
+    fn open_table(&self, name: &str, writable: bool) -> io::Result<Box<dyn TableFile>> {
+        let _ = (name, writable);
+        Err(io::ErrorKind::Unsupported.into())
+    }
 }
 
 // ---------------------------------------------------------------- mmap
@@ -515,6 +557,55 @@ impl Storage for MmapStorage {
     fn sync_dir(&self) -> io::Result<()> {
         File::open(&self.dir)?.sync_all()
     }
+
+    fn open_table(&self, name: &str, writable: bool) -> io::Result<Box<dyn TableFile>> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .create(writable)
+            .truncate(false)
+            .open(self.path(name))?;
+        Ok(Box::new(FsTable { file, writable }))
+    }
+}
+
+/// A [`TableFile`] of the directory storage: `pread`/`pwrite` on one open
+/// file, flushed with `fdatasync`.
+struct FsTable {
+    file: File,
+    writable: bool,
+}
+
+impl TableFile for FsTable {
+    fn len_bytes(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], offset + done as u64) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(done)
+    }
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        if !self.writable {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "table is open read-only",
+            ));
+        }
+        self.file.write_all_at(data, offset)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
 }
 
 // ---------------------------------------------------------------- memory
@@ -671,6 +762,54 @@ impl Storage for MemoryStorage {
     fn sync_dir(&self) -> io::Result<()> {
         Ok(())
     }
+    fn open_table(&self, name: &str, writable: bool) -> io::Result<Box<dyn TableFile>> {
+        let file = if writable {
+            lock(&self.files)
+                .entry(name.to_string())
+                .or_insert_with(|| Arc::new(Mutex::new(Vec::new())))
+                .clone()
+        } else {
+            self.get(name)?
+        };
+        Ok(Box::new(MemTable { file, writable }))
+    }
+}
+
+struct MemTable {
+    file: MemFile,
+    writable: bool,
+}
+
+impl TableFile for MemTable {
+    fn len_bytes(&self) -> io::Result<u64> {
+        Ok(lock(&self.file).len() as u64)
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
+        let g = lock(&self.file);
+        let start = usize::try_from(offset).unwrap_or(usize::MAX).min(g.len());
+        let n = buf.len().min(g.len() - start);
+        buf[..n].copy_from_slice(&g[start..start + n]);
+        Ok(n)
+    }
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        if !self.writable {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "table is open read-only",
+            ));
+        }
+        let mut g = lock(&self.file);
+        let start = usize::try_from(offset).map_err(|_| past_end())?;
+        let end = start.checked_add(data.len()).ok_or_else(past_end)?;
+        if g.len() < end {
+            g.resize(end, 0);
+        }
+        g[start..end].copy_from_slice(data);
+        Ok(())
+    }
+    fn sync(&self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 // ---------------------------------------------------------------- faults
@@ -820,6 +959,40 @@ impl<S: Storage> Storage for FaultyStorage<S> {
             return Err(eio());
         }
         self.inner.sync_dir()
+    }
+    fn open_table(&self, name: &str, writable: bool) -> io::Result<Box<dyn TableFile>> {
+        Ok(Box::new(FaultyTable {
+            inner: self.inner.open_table(name, writable)?,
+            faults: self.faults.clone(),
+        }))
+    }
+}
+
+/// A [`TableFile`] whose writes fail under `fail_write` and whose syncs
+/// fail under `fail_sync`.
+struct FaultyTable {
+    inner: Box<dyn TableFile>,
+    faults: Arc<Faults>,
+}
+
+impl TableFile for FaultyTable {
+    fn len_bytes(&self) -> io::Result<u64> {
+        self.inner.len_bytes()
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
+        self.inner.read_at(offset, buf)
+    }
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        if self.faults.fail_write.load(Ordering::SeqCst) {
+            return Err(eio());
+        }
+        self.inner.write_at(offset, data)
+    }
+    fn sync(&self) -> io::Result<()> {
+        if self.faults.fail_sync.load(Ordering::SeqCst) {
+            return Err(eio());
+        }
+        self.inner.sync()
     }
 }
 

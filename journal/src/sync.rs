@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
-use crate::ids::Lsn;
+use crate::ids::{Lsn, PersistenceId};
 use crate::storage::{SegmentSync, Storage};
+use crate::table::SnapshotTable;
 use crate::Durability;
 
 /// Why an LSN will never become durable.
@@ -178,12 +179,14 @@ pub(crate) enum SyncMsg {
     },
     /// The writer saved a snapshot (readable from `pending` until then):
     /// write `bytes` to `tmp`, make it durable as `name`, then drop `bytes`
-    /// from `pending`.
+    /// from `pending`; with `table`, write it to the id's pair of the
+    /// snapshot table instead (`name` is then only its key in `pending`).
     Snapshot {
         tmp: String,
         name: String,
         bytes: Arc<Vec<u8>>,
         pending: PendingSnapshots,
+        table: Option<TableJob>,
     },
     /// Sync everything written and exit.
     Shutdown,
@@ -209,7 +212,69 @@ enum MetaJob {
         name: String,
         bytes: Arc<Vec<u8>>,
         pending: PendingSnapshots,
+        table: Option<TableJob>,
     },
+}
+
+/// A snapshot save that goes to the snapshot table: the table and the id.
+pub(crate) type TableJob = (Arc<SnapshotTable>, PersistenceId);
+
+/// How long the meta thread gathers table writes before one sync covers
+/// them all (ms): nothing waits for a snapshot but a segment removal
+/// (which syncs the table first) and the journal's close.
+const TABLE_SYNC_WINDOW: Duration = Duration::from_millis(10);
+
+/// Table writes not synced yet, and the saves they make durable once they
+/// are.
+#[derive(Default)]
+struct TableBatch {
+    table: Option<Arc<SnapshotTable>>,
+    since: Option<Instant>,
+    unsettled: Vec<(String, Arc<Vec<u8>>, PendingSnapshots)>,
+}
+
+impl TableBatch {
+    /// Writes save `bytes` (key `name` in `pending`) of `job`'s id.
+    fn write(
+        &mut self,
+        job: &TableJob,
+        name: String,
+        bytes: Arc<Vec<u8>>,
+        pending: PendingSnapshots,
+    ) -> Result<(), String> {
+        let (table, pid) = job;
+        table
+            .write(pid, &bytes)
+            .map_err(|e| format!("writing the snapshot of {pid} to the snapshot table failed: {e}"))?;
+        self.table = Some(table.clone());
+        self.since.get_or_insert_with(Instant::now);
+        self.unsettled.push((name, bytes, pending));
+        Ok(())
+    }
+
+    fn dirty(&self) -> bool {
+        self.since.is_some()
+    }
+
+    /// When the batch is due for its sync.
+    fn deadline(&self) -> Option<Instant> {
+        self.since.map(|t| t + TABLE_SYNC_WINDOW)
+    }
+
+    /// Syncs the table and settles the saves written since the last sync.
+    fn sync(&mut self) -> Result<(), String> {
+        if self.since.take().is_none() {
+            return Ok(());
+        }
+        if let Some(t) = &self.table {
+            t.sync()
+                .map_err(|e| format!("fdatasync of the snapshot table failed: {e}"))?;
+        }
+        for (name, bytes, pending) in self.unsettled.drain(..) {
+            settle(&pending, &name, &bytes);
+        }
+        Ok(())
+    }
 }
 
 /// The snapshot files the meta thread put in place this run, by name (a
@@ -304,7 +369,8 @@ fn settle(pending: &PendingSnapshots, name: &str, bytes: &Arc<Vec<u8>>) {
 /// durable (a segment removal, the end of the thread), whichever is first.
 #[derive(Default)]
 struct Owed {
-    names: std::collections::HashSet<String, foldhash::fast::RandomState>,
+    /// By key in `pending`; a save to the snapshot table has its job.
+    names: std::collections::HashMap<String, Option<TableJob>, foldhash::fast::RandomState>,
     pending: Option<PendingSnapshots>,
 }
 
@@ -315,11 +381,12 @@ impl Owed {
         storage: &dyn Storage,
         spares: &mut SnapshotSpares,
         dir_dirty: &mut bool,
+        batch: &mut TableBatch,
     ) -> Result<(), String> {
         let Some(pending) = self.pending.clone() else {
             return Ok(());
         };
-        for name in std::mem::take(&mut self.names) {
+        for (name, table) in std::mem::take(&mut self.names) {
             let latest = pending
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -328,6 +395,10 @@ impl Owed {
             let Some(bytes) = latest else {
                 continue;
             };
+            if let Some(job) = table {
+                batch.write(&job, name, bytes, pending.clone())?;
+                continue;
+            }
             let tmp = format!("{name}.owed{}", crate::format::TMP_SUFFIX);
             save_snapshot_file(storage, spares, &tmp, &name, &bytes)
                 .map_err(|e| format!("making snapshot {name} durable failed: {e}"))?;
@@ -355,9 +426,16 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
     // beside them (see `save_snapshot_file`).
     let mut spares = SnapshotSpares::default();
     let mut owed = Owed::default();
+    // Snapshot table writes waiting for their sync.
+    let mut batch = TableBatch::default();
     loop {
-        let job = if dir_dirty {
-            rx.try_recv().ok()
+        let job = if dir_dirty || batch.dirty() {
+            // Table writes wait out their window for more saves to share
+            // the sync; a directory sync alone waits for nothing.
+            let wait = batch
+                .deadline()
+                .map_or(Duration::ZERO, |d| d.saturating_duration_since(Instant::now()));
+            rx.recv_timeout(wait).ok()
         } else {
             match rx.recv() {
                 Ok(j) => Some(j),
@@ -365,7 +443,9 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
                     if !failed && !owed.names.is_empty() {
                         // The writer closed: what was skipped is written
                         // now (then the directory synced, next round).
-                        if let Err(reason) = owed.pay(&*storage, &mut spares, &mut dir_dirty) {
+                        if let Err(reason) =
+                            owed.pay(&*storage, &mut spares, &mut dir_dirty, &mut batch)
+                        {
                             shared.poison(reason);
                             failed = true;
                         }
@@ -379,6 +459,7 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
             failed = true;
             if job.is_none() {
                 dir_dirty = false;
+                batch = TableBatch::default();
             }
             continue;
         }
@@ -386,7 +467,17 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
         // A removal relies on every snapshot saved before it being
         // durable: a skipped one is written first.
         if matches!(job, Some(MetaJob::Remove { .. })) {
-            if let Err(reason) = owed.pay(&*storage, &mut spares, &mut dir_dirty) {
+            if let Err(reason) = owed.pay(&*storage, &mut spares, &mut dir_dirty, &mut batch) {
+                shared.poison(reason);
+                failed = true;
+                continue;
+            }
+        }
+        // Table writes are synced before anything else too (a removal
+        // relies on them; an index or the end of the queue is a natural
+        // point to settle them).
+        if batch.dirty() && !is_snapshot {
+            if let Err(reason) = batch.sync() {
                 shared.poison(reason);
                 failed = true;
                 continue;
@@ -425,12 +516,20 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
                 name,
                 bytes,
                 pending,
+                table,
             }) => match standing(&pending, &name, &bytes) {
                 Standing::Durable => Ok(()),
                 Standing::Superseded => {
-                    owed.names.insert(name);
+                    owed.names.insert(name, table);
                     owed.pending = Some(pending);
                     Ok(())
+                }
+                Standing::Latest if table.is_some() => {
+                    owed.names.remove(&name);
+                    match &table {
+                        Some(job) => batch.write(job, name, bytes, pending),
+                        None => Ok(()),
+                    }
                 }
                 Standing::Latest => save_snapshot_file(&*storage, &mut spares, &tmp, &name, &bytes)
                     .map_err(|e| format!("making snapshot {name} durable failed: {e}"))
@@ -705,12 +804,14 @@ pub(crate) fn run(
                     name,
                     bytes,
                     pending,
+                    table,
                 } => {
                     let _ = meta_tx.send(MetaJob::Snapshot {
                         tmp,
                         name,
                         bytes,
                         pending,
+                        table,
                     });
                     Ok(())
                 }

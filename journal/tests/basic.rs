@@ -147,6 +147,14 @@ fn wait_for_snapshot_on_disk(dir: &std::path::Path, seq: u64) {
     }
 }
 
+/// Snapshot data too large for a slot of the snapshot table (a file of
+/// its own).
+fn big_state(seq: u64) -> Vec<u8> {
+    let mut b = format!("state@{seq}").into_bytes();
+    b.resize(400, b'.');
+    b
+}
+
 #[test]
 fn repeated_snapshots_on_disk_reopen_with_the_last_one() {
     // The second and later saves of a snapshot file exchange it with a
@@ -158,25 +166,20 @@ fn repeated_snapshots_on_disk_reopen_with_the_last_one() {
     for seq in 1..=5 {
         j.append(&p, SequenceNr(seq), WriterEpoch(0), &payload("c", seq))
             .unwrap();
-        j.save_snapshot(
-            &p,
-            SequenceNr(seq),
-            WriterEpoch(0),
-            format!("state@{seq}").as_bytes(),
-        )
-        .unwrap();
+        j.save_snapshot(&p, SequenceNr(seq), WriterEpoch(0), &big_state(seq))
+            .unwrap();
         // Each save reaches the disk before the next is made (a save that
         // a newer one overtakes in the journal's queue is not written).
         wait_for_snapshot_on_disk(dir.path(), seq);
     }
-    assert_eq!(j.load_snapshot(&p).unwrap().unwrap().data, b"state@5");
+    assert_eq!(j.load_snapshot(&p).unwrap().unwrap().data, big_state(5));
     j.close().unwrap();
     let (j, report) = Journal::open(dir.path(), opts(4096, Durability::Always, 0)).unwrap();
     let r = j.recover(&p).unwrap();
     let snap = r.snapshot.unwrap();
     assert_eq!(
         (snap.sequence_nr, snap.data.as_slice()),
-        (SequenceNr(5), &b"state@5"[..])
+        (SequenceNr(5), big_state(5).as_slice())
     );
     assert!(r.events.is_empty());
     assert!(
