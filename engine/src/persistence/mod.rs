@@ -519,6 +519,21 @@ impl EventLog for CoreLog {
             .map(|e| e.0)
             .or(snapshot.as_ref().map(|s| s.0))
             .unwrap_or(0);
+        // What was recovered must reach the highest sequence number any of
+        // the journals holds for the id: a snapshot that is missing or
+        // damaged while the segments it covered are gone would otherwise
+        // recover an older state without a word.
+        let known = std::iter::once(self.journal.highest_sequence_nr(pid).0)
+            .chain(self.foreign.iter().map(|r| r.highest_sequence_nr(pid).0))
+            .max()
+            .unwrap_or(0);
+        if highest < known {
+            return Err(format!(
+                "events of {} up to {known} are not all recoverable: what is left reaches {highest} \
+                 (a snapshot that covered the rest is missing or damaged)",
+                pid.as_str()
+            ));
+        }
         Ok(Recovered {
             snapshot,
             events,
@@ -962,6 +977,46 @@ mod core_journal_tests {
             "a taken journal is gone"
         );
         assert!(b.log().is_ok(), "the other core's journal stays");
+    }
+
+    #[test]
+    fn a_recovery_that_cannot_reach_the_highest_sequence_number_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cdir = core_dir(dir.path(), 0);
+        let small = || JournalOptions {
+            segment_size_bytes: 4096,
+            durability: Durability::Always,
+            ..JournalOptions::default()
+        };
+        let p = pid("t|1");
+        let (mut j, _) = Journal::open(&cdir, small()).expect("open");
+        for s in 1..=60 {
+            j.append(&p, SequenceNr(s), WriterEpoch(1), &[1u8; 100])
+                .expect("append");
+        }
+        j.close().expect("close");
+        let (mut j, _) = Journal::open(&cdir, small()).expect("reopen");
+        // Too large for a slot of the snapshot table: a file of its own,
+        // and the sealed segments it covers go.
+        j.save_snapshot(&p, SequenceNr(60), WriterEpoch(1), &[7u8; 600])
+            .expect("snapshot");
+        j.close().expect("close");
+        let none = crate::config::Durability::Named(crate::config::DurabilityName::None);
+        {
+            let mut log = CoreLog::open(dir.path(), 0, &none).expect("open");
+            let r = log.recover(&p, WriterEpoch(1)).expect("recover");
+            assert_eq!(r.highest, 60);
+        }
+        // The snapshot file is lost: what is left of the events does not
+        // reach 60, and the recovery says so instead of starting older.
+        for e in std::fs::read_dir(&cdir).expect("dir").flatten() {
+            if e.file_name().to_string_lossy().ends_with(".snap") {
+                std::fs::remove_file(e.path()).expect("remove");
+            }
+        }
+        let mut log = CoreLog::open(dir.path(), 0, &none).expect("open");
+        let err = log.recover(&p, WriterEpoch(1)).expect_err("refused");
+        assert!(err.contains("not all recoverable"), "{err}");
     }
 
     #[test]
