@@ -889,20 +889,23 @@ pub(crate) enum TableSlot {
     Unreadable,
 }
 
-/// Encodes snapshot encoding `encoded` (at most
-/// [`TABLE_SNAPSHOT_MAX_BYTES`]) as one table slot written with `serial`:
-/// length `u32` LE | serial `u64` LE | the encoding | CRC32C `u32` LE of
-/// everything before it | zeros to [`TABLE_SLOT_BYTES`].
-pub(crate) fn encode_table_slot(encoded: &[u8], serial: u64) -> [u8; TABLE_SLOT_BYTES] {
-    debug_assert!(encoded.len() <= TABLE_SNAPSHOT_MAX_BYTES);
+/// Encodes snapshot encoding `encoded` as one table slot written with
+/// `serial`: length `u32` LE | serial `u64` LE | the encoding | CRC32C
+/// `u32` LE of everything before it | zeros to [`TABLE_SLOT_BYTES`].
+/// `None` when `encoded` is empty or longer than
+/// [`TABLE_SNAPSHOT_MAX_BYTES`].
+pub(crate) fn encode_table_slot(encoded: &[u8], serial: u64) -> Option<[u8; TABLE_SLOT_BYTES]> {
+    let n = encoded.len();
+    if n == 0 || n > TABLE_SNAPSHOT_MAX_BYTES {
+        return None;
+    }
     let mut slot = [0u8; TABLE_SLOT_BYTES];
-    let n = encoded.len().min(TABLE_SNAPSHOT_MAX_BYTES);
     slot[..4].copy_from_slice(&(n as u32).to_le_bytes());
     slot[4..12].copy_from_slice(&serial.to_le_bytes());
     slot[12..12 + n].copy_from_slice(&encoded[..n]);
     let crc = crc32c::crc32c(&slot[..12 + n]);
     slot[12 + n..16 + n].copy_from_slice(&crc.to_le_bytes());
-    slot
+    Some(slot)
 }
 
 /// Decodes one table slot (`slot`: [`TABLE_SLOT_BYTES`] bytes, or fewer at

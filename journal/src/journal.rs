@@ -282,7 +282,8 @@ impl Catalog {
         Ok(match (in_table, in_file) {
             (Some(t), Some(f)) if f.sequence_nr > t.sequence_nr => (Some(f), false),
             (Some(t), _) => (Some(t), suspect),
-            (None, f) => (f, false),
+            (None, Some(f)) => (Some(f), false),
+            (None, None) => (None, suspect),
         })
     }
 
@@ -319,14 +320,9 @@ impl Catalog {
             op: format!("reading the snapshot table for {pid}"),
             source,
         })?;
-        match r.snapshot {
-            Some(s) => Ok((Some(s), r.unreadable_slot)),
-            // The pair held a snapshot of `pid` at open and holds none now.
-            None => Err(SnapshotError::Corrupt {
-                file: format!("{} (the pair of {pid})", format::SNAPSHOT_TABLE_NAME),
-                reason: format::FileDecodeError::BadChecksum,
-            }),
-        }
+        // A pair that holds no valid snapshot of `pid` any more comes back
+        // as none, suspect: recovery then checks what is left.
+        Ok((r.snapshot, r.unreadable_slot))
     }
 
     /// After recovering `pid` from a table pair with an unreadable slot (or
@@ -1131,9 +1127,13 @@ impl Journal {
     /// Saves `data` as the latest snapshot of `pid` at `sequence_nr`,
     /// replacing any older one. The caller's thread only encodes it (no
     /// file I/O: on a data core a file's creation and write cost more than
-    /// the events it covers); the journal's meta thread writes it to a
-    /// temporary file, makes it durable (`fsync`), renames it into place and
-    /// syncs the directory.
+    /// the events it covers); the journal's meta thread writes it: to the
+    /// id's slot pair in the snapshot table when the encoding fits a slot
+    /// (at most [`format::TABLE_SNAPSHOT_MAX_BYTES`]), made durable by the
+    /// table's next sync (one per 10 ms batch of saves), else to a
+    /// temporary file that it makes durable (`fsync`), renames into place
+    /// and whose directory it syncs (FORMAT.md, "Snapshot table" and
+    /// "Snapshot file").
     /// Until then the previous snapshot file and every event stay on disk:
     /// segments that the new snapshot makes obsolete are removed only after
     /// it is durable (the removal is queued behind it), so a crash at any

@@ -12,7 +12,9 @@
 //!    00000000000000000001.idx   its index: per persistence id, seq -> offset
 //!    00000000000000004711.seg   open segment, preallocated, mmap'd
 //!    spare-...tmp               next segment, being preallocated
-//!    1a2b3c4d-0.snap            latest snapshot of one persistence id
+//!    snapshots.tbl              latest snapshot of every id whose snapshot is small
+//!                               (a pair of 256-byte slots per id)
+//!    1a2b3c4d-0.snap            latest snapshot of one id too large for a slot
 //!    journal.state              checkpoint, written when segments are removed
 //! ```
 //!
@@ -20,7 +22,8 @@
 //! per data core); it appends with `memcpy` into the mapped segment and
 //! never flushes. A sync thread per journal runs every flush that an
 //! acknowledgement waits for (crossbeam channel), a meta thread makes index,
-//! checkpoint and snapshot files durable in order (behind the sync thread),
+//! checkpoint and snapshot files and the snapshot table durable in order
+//! (behind the sync thread),
 //! a helper thread preallocates the next segment, and
 //! [`DurabilityWatcher`] tells any thread when an LSN is durable (poll,
 //! block, or callback). [`JournalReader`] opens another writer's directory

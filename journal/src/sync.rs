@@ -192,7 +192,8 @@ pub(crate) enum SyncMsg {
     Shutdown,
 }
 
-/// Snapshots written but not yet renamed into place, by file name: the
+/// Snapshots saved but not durable yet: by file name those not renamed
+/// into place, by table key those whose table slot is not synced. The
 /// writer's process reads them from here until the meta thread made them
 /// durable.
 pub(crate) type PendingSnapshots = Arc<Mutex<std::collections::HashMap<String, Arc<Vec<u8>>>>>;
@@ -243,9 +244,9 @@ impl TableBatch {
         pending: PendingSnapshots,
     ) -> Result<(), String> {
         let (table, pid) = job;
-        table
-            .write(pid, &bytes)
-            .map_err(|e| format!("writing the snapshot of {pid} to the snapshot table failed: {e}"))?;
+        table.write(pid, &bytes).map_err(|e| {
+            format!("writing the snapshot of {pid} to the snapshot table failed: {e}")
+        })?;
         self.table = Some(table.clone());
         self.since.get_or_insert_with(Instant::now);
         self.unsettled.push((name, bytes, pending));
@@ -432,9 +433,9 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
         let job = if dir_dirty || batch.dirty() {
             // Table writes wait out their window for more saves to share
             // the sync; a directory sync alone waits for nothing.
-            let wait = batch
-                .deadline()
-                .map_or(Duration::ZERO, |d| d.saturating_duration_since(Instant::now()));
+            let wait = batch.deadline().map_or(Duration::ZERO, |d| {
+                d.saturating_duration_since(Instant::now())
+            });
             rx.recv_timeout(wait).ok()
         } else {
             match rx.recv() {
@@ -475,8 +476,10 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
         }
         // Table writes are synced before anything else too (a removal
         // relies on them; an index or the end of the queue is a natural
-        // point to settle them).
-        if batch.dirty() && !is_snapshot {
+        // point to settle them), and when their window is over even while
+        // more snapshots keep coming.
+        let due = batch.deadline().is_some_and(|d| Instant::now() >= d);
+        if batch.dirty() && (!is_snapshot || due) {
             if let Err(reason) = batch.sync() {
                 shared.poison(reason);
                 failed = true;
@@ -526,10 +529,9 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
                 }
                 Standing::Latest if table.is_some() => {
                     owed.names.remove(&name);
-                    match &table {
-                        Some(job) => batch.write(job, name, bytes, pending),
-                        None => Ok(()),
-                    }
+                    table
+                        .as_ref()
+                        .map_or(Ok(()), |job| batch.write(job, name, bytes, pending))
                 }
                 Standing::Latest => save_snapshot_file(&*storage, &mut spares, &tmp, &name, &bytes)
                     .map_err(|e| format!("making snapshot {name} durable failed: {e}"))

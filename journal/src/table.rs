@@ -146,6 +146,15 @@ impl SnapshotTable {
             }
             offset += n as u64;
         }
+        if writable {
+            // What the scan found counts as synced from here on (the next
+            // write of an id goes to its other slot): make it so. A write of
+            // the last run that a crash caught before its sync is still in
+            // the page cache and reads as valid; without this sync the next
+            // save could overwrite the id's last durable slot while that
+            // write is not durable either.
+            file.sync()?;
+        }
         let pairs = best.into_entries().map(|(pid, (p, _))| (pid, p)).collect();
         let table = SnapshotTable {
             file,
@@ -168,7 +177,8 @@ impl SnapshotTable {
         self.lock().pairs.get(pid.as_str()).is_some()
     }
 
-    /// Reads `pid`'s pair: its newest valid snapshot of `pid`.
+    /// Reads `pid`'s pair: its newest valid snapshot of `pid` (none, with
+    /// `unreadable_slot`, when the pair no longer holds a valid one).
     ///
     /// # Errors
     /// The I/O error of the read.
@@ -203,6 +213,11 @@ impl SnapshotTable {
                 }
             }
         }
+        // The pair held a snapshot of `pid` when the table was opened (or
+        // written): one that reads as none now is damage.
+        if out.snapshot.is_none() {
+            out.unreadable_slot = true;
+        }
         Ok(out)
     }
 
@@ -225,31 +240,45 @@ impl SnapshotTable {
             unsynced,
         } = &mut *guard;
         let hash = pid_hash(pid.as_str());
-        let mut new_pair = false;
-        let fresh = Pair {
-            index: *next_pair,
+        let existing = pairs.get_pid(hash, pid).copied();
+        let (index, slot) = match existing {
+            Some(p) if p.synced => (p.index, 1 - p.latest),
+            Some(p) => (p.index, p.latest),
+            None if *next_pair == u32::MAX => {
+                return Err(io::Error::other(
+                    "the snapshot table is full (2^32 - 1 pairs)",
+                ))
+            }
             // A new pair's first write goes to slot 0.
-            latest: 1,
-            synced: true,
+            None => (*next_pair, 0),
         };
-        let p = pairs.get_or_insert_with(hash, pid, || {
-            new_pair = true;
-            fresh
-        });
-        if new_pair {
-            *next_pair = next_pair
-                .checked_add(1)
-                .ok_or_else(|| io::Error::other("the snapshot table is full (2^32 pairs)"))?;
-        }
-        let slot = if p.synced { 1 - p.latest } else { p.latest };
-        let offset = u64::from(p.index) * TABLE_PAIR_BYTES as u64
-            + u64::from(slot) * TABLE_SLOT_BYTES as u64;
-        self.file
-            .write_at(offset, &encode_table_slot(encoded, *next_serial))?;
+        let bytes = encode_table_slot(encoded, *next_serial).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "a snapshot of {} bytes does not fit a table slot",
+                    encoded.len()
+                ),
+            )
+        })?;
+        let offset =
+            u64::from(index) * TABLE_PAIR_BYTES as u64 + u64::from(slot) * TABLE_SLOT_BYTES as u64;
+        self.file.write_at(offset, &bytes)?;
         *next_serial += 1;
+        if existing.is_none() {
+            *next_pair += 1;
+        }
+        // Listed once per sync: only when it goes from synced to not.
+        if existing.is_none_or(|p| p.synced) {
+            unsynced.push(pid.clone());
+        }
+        let p = pairs.get_or_insert_with(hash, pid, || Pair {
+            index,
+            latest: slot,
+            synced: false,
+        });
         p.latest = slot;
         p.synced = false;
-        unsynced.push(pid.clone());
         Ok(())
     }
 
@@ -319,7 +348,10 @@ mod tests {
         t.write(&b, &snap(&b, 100, b"b100")).unwrap();
         // Not synced: the next write of `a` overwrites the same slot.
         t.write(&a, &snap(&a, 200, b"a200")).unwrap();
-        assert!(matches!(decode_table_slot(&slot_bytes(&s, 0, 1)), TableSlot::Empty));
+        assert!(matches!(
+            decode_table_slot(&slot_bytes(&s, 0, 1)),
+            TableSlot::Empty
+        ));
         t.sync().unwrap();
         // Synced: the next one goes to the other slot, the synced one stays.
         t.write(&a, &snap(&a, 300, b"a300")).unwrap();
@@ -333,8 +365,14 @@ mod tests {
         drop(t);
         let (t, scan) = open(&s);
         assert_eq!(scan.unreadable_slots, 0);
-        assert_eq!(t.read(&a).unwrap().snapshot.unwrap().sequence_nr, SequenceNr(300));
-        assert_eq!(t.read(&b).unwrap().snapshot.unwrap().sequence_nr, SequenceNr(100));
+        assert_eq!(
+            t.read(&a).unwrap().snapshot.unwrap().sequence_nr,
+            SequenceNr(300)
+        );
+        assert_eq!(
+            t.read(&b).unwrap().snapshot.unwrap().sequence_nr,
+            SequenceNr(100)
+        );
         // The reopened table starts from synced pairs: `a`'s next write
         // leaves its newest (slot 1) alone.
         t.write(&a, &snap(&a, 400, b"a400")).unwrap();
@@ -345,7 +383,10 @@ mod tests {
         // A new id gets the next pair.
         let c = pid("counter|c");
         t.write(&c, &snap(&c, 5, b"c5")).unwrap();
-        assert!(matches!(decode_table_slot(&slot_bytes(&s, 2, 0)), TableSlot::Valid(..)));
+        assert!(matches!(
+            decode_table_slot(&slot_bytes(&s, 2, 0)),
+            TableSlot::Valid(..)
+        ));
     }
 
     #[test]

@@ -100,7 +100,10 @@ fn a_snapshot_that_outgrows_its_slot_gets_a_file_and_the_newest_source_wins() {
         .unwrap();
     j.save_snapshot(&p, SequenceNr(2), WriterEpoch(0), &[b'x'; 600])
         .unwrap();
-    assert_eq!(j.load_snapshot(&p).unwrap().unwrap().sequence_nr, SequenceNr(2));
+    assert_eq!(
+        j.load_snapshot(&p).unwrap().unwrap().sequence_nr,
+        SequenceNr(2)
+    );
     j.close().unwrap();
     let mut j = open(&s, 1 << 20);
     let r = j.recover(&p).unwrap();
@@ -164,7 +167,10 @@ fn a_damaged_newest_slot_whose_events_are_gone_is_reported_not_replayed_short() 
     let j = open(&s, 4096);
     let r = j.recover(&p).unwrap();
     assert_eq!(r.snapshot.unwrap().data, b"a@60");
-    assert!(j.replay(&p, SequenceNr(31)).unwrap().is_empty(), "segments kept");
+    assert!(
+        j.replay(&p, SequenceNr(31)).unwrap().is_empty(),
+        "segments kept"
+    );
     j.close().unwrap();
     // Damage the slot holding 60: the slot holding 30 is valid, but events
     // 31..=60 are gone.
@@ -262,10 +268,8 @@ fn a_storage_without_tables_keeps_a_file_per_snapshot() {
     let names = s.list().unwrap();
     assert!(names.iter().any(|n| n.ends_with(".snap")), "{names:?}");
     assert!(!names.iter().any(|n| n == SNAPSHOT_TABLE_NAME), "{names:?}");
-    let (j, _) = Journal::open_with_storage(
-        Arc::new(NoTables(s)),
-        opts(1 << 20, Durability::Always, 0),
-    )
-    .unwrap();
+    let (j, _) =
+        Journal::open_with_storage(Arc::new(NoTables(s)), opts(1 << 20, Durability::Always, 0))
+            .unwrap();
     assert_eq!(j.recover(&p).unwrap().snapshot.unwrap().data, b"a@2");
 }

@@ -418,11 +418,39 @@ struct JournalView {
     last_timestamp_ms: u64,
 }
 
-fn fold(dir: &Path, rec: Recovery) -> Result<JournalView, CoordinatorJournalError> {
+/// Folds one journal's recovery of a coordinator (`highest`: the id's
+/// highest sequence number in that journal). A coordinator appends its
+/// records with sequence numbers one above the journal's highest, so they
+/// must run without a gap from the snapshot to `highest`: anything else is
+/// a damaged or missing snapshot whose covered records were removed, and
+/// folding what is left would recover an older allocation state.
+fn fold(
+    dir: &Path,
+    rec: Recovery,
+    highest: SequenceNr,
+) -> Result<JournalView, CoordinatorJournalError> {
     let corrupt = |reason: String| CoordinatorJournalError::Corrupt {
         dir: dir.to_path_buf(),
         reason,
     };
+    let mut next = rec.snapshot.as_ref().map_or(1, |s| s.sequence_nr.0 + 1);
+    for r in &rec.events {
+        if r.sequence_nr.0 != next {
+            return Err(corrupt(format!(
+                "records are not contiguous: expected sequence number {next}, found {}",
+                r.sequence_nr.0
+            )));
+        }
+        next += 1;
+    }
+    if next - 1 < highest.0 {
+        return Err(corrupt(format!(
+            "what is left reaches sequence number {} of {}: a snapshot that covered \
+             the rest is missing or damaged",
+            next - 1,
+            highest.0
+        )));
+    }
     let mut v = JournalView::default();
     if let Some(s) = rec.snapshot {
         match decode_record(&s.data).map_err(corrupt)? {
@@ -605,7 +633,8 @@ impl ControlJournal {
                         dir: self.dir.clone(),
                         source,
                     })?;
-            views.push((self.dir.clone(), fold(&self.dir, rec)?));
+            let highest = self.journal.highest_sequence_nr(&pid);
+            views.push((self.dir.clone(), fold(&self.dir, rec, highest)?));
         }
         for d in self.foreign_dirs() {
             let r = match JournalReader::open(&d) {
@@ -626,7 +655,7 @@ impl ControlJournal {
                     dir: d.clone(),
                     source,
                 })?;
-            let v = fold(&d, rec)?;
+            let v = fold(&d, rec, r.highest_sequence_nr(&pid))?;
             views.push((d, v));
         }
         let highest_epoch = views
@@ -993,6 +1022,38 @@ mod tests {
             number_of_shards: n,
             hash_name: shardline_core::sharding::SHARD_ID_HASH_NAME.to_string(),
         }
+    }
+
+    #[test]
+    fn a_journal_whose_records_do_not_run_to_its_highest_is_corrupt_not_folded() {
+        let pid = persistence_id("counter").expect("pid");
+        let state = |seq: u64| shardline_journal::Record {
+            lsn: Lsn(seq),
+            persistence_id: pid.clone(),
+            sequence_nr: SequenceNr(seq),
+            writer_epoch: WriterEpoch(1),
+            timestamp_ms: seq,
+            payload: encode_state(&CoordinatorState::default(), &cfg(12)),
+        };
+        let dir = Path::new("/nowhere");
+        let whole = Recovery {
+            snapshot: None,
+            events: vec![state(1), state(2), state(3)],
+        };
+        assert!(fold(dir, whole.clone(), SequenceNr(3)).is_ok());
+        // A gap: records 2..=4 of a snapshot that is gone were removed.
+        let gap = Recovery {
+            snapshot: None,
+            events: vec![state(1), state(5)],
+        };
+        let err = fold(dir, gap, SequenceNr(5)).expect_err("gap");
+        assert!(err.to_string().contains("not contiguous"), "{err}");
+        // Short: the journal holds sequence number 5, what is left ends at 3.
+        let err = fold(dir, whole, SequenceNr(5)).expect_err("short");
+        assert!(
+            err.to_string().contains("reaches sequence number 3 of 5"),
+            "{err}"
+        );
     }
 
     fn member(n: u64) -> UniqueAddress {
