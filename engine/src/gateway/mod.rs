@@ -265,8 +265,9 @@ mod tests {
             let mut h = fronts.state();
             h.native.opened(7, a.clone());
             h.native.opened(8, b.clone());
-            h.native.begun(7, 1, b"echo");
-            h.native.begun(7, 2, b"nosuchtype");
+            h.native.begun(7, 1, b"echo", std::time::Instant::now());
+            h.native
+                .begun(7, 2, b"nosuchtype", std::time::Instant::now());
         }
         assert!(fronts.reply(7, 1, Status::Ok, b"hi".to_vec()).delivered());
         assert!(fronts

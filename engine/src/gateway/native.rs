@@ -77,8 +77,15 @@ impl NativeState {
         self.counters.open = self.counters.open.saturating_sub(1);
     }
 
-    /// A request was read: its answer is counted by [`deliver`].
-    pub(super) fn begun(&mut self, conn: ConnId, request_id: u64, type_name: &[u8]) {
+    /// A request was read at `read_at`: its answer is counted by
+    /// [`deliver`], with its latency from then.
+    pub(super) fn begun(
+        &mut self,
+        conn: ConnId,
+        request_id: u64,
+        type_name: &[u8],
+        read_at: Instant,
+    ) {
         let type_index = match self.types.iter().position(|t| t.as_bytes() == type_name) {
             Some(i) => i,
             None if self.types.len() < MAX_NATIVE_TYPE_NAMES => {
@@ -95,7 +102,7 @@ impl NativeState {
         self.in_flight.insert(
             (conn, request_id),
             InFlight {
-                started: Instant::now(),
+                started: read_at,
                 type_index,
             },
         );
@@ -187,10 +194,14 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
             }
         }
         let mut bad = None;
+        // One clock read per read from the socket, not per request: a
+        // request's latency counts from the read that brought it, so the
+        // requests before it in the same read are counted in it too.
+        let read_at = Instant::now();
         loop {
             match reader.next_frame_bytes() {
                 Ok(Some(body)) => {
-                    if let Err(e) = on_frame(&port, &fronts, &outbox, conn, &body) {
+                    if let Err(e) = on_frame(&port, &fronts, &outbox, conn, &body, read_at) {
                         bad = Some(e);
                         break;
                     }
@@ -254,6 +265,7 @@ fn on_frame<P: DataPort>(
     outbox: &Rc<Outbox>,
     conn: ConnId,
     body: &bytes::Bytes,
+    read_at: Instant,
 ) -> Result<(), FrameError> {
     match access::<ClientFrame>(body)? {
         ArchivedClientFrame::Request {
@@ -267,7 +279,7 @@ fn on_frame<P: DataPort>(
             fronts
                 .state()
                 .native
-                .begun(conn, request_id, type_name.as_slice());
+                .begun(conn, request_id, type_name.as_slice(), read_at);
             port.client_request(
                 conn,
                 request_id,
