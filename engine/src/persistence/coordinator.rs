@@ -713,7 +713,17 @@ impl ControlJournal {
         config: &CoordinatorConfig,
     ) -> Result<Lsn, CoordinatorJournalError> {
         let pid = persistence_id(type_name)?;
-        let seq = SequenceNr(self.journal.highest_sequence_nr(&pid).0 + 1);
+        // Above the snapshot too: under durability "none" a power loss can
+        // keep a snapshot (synced by the journal's meta thread) and lose
+        // the records before it, and a takeover record numbered below the
+        // snapshot would be hidden behind it at the next recovery.
+        let saved = self
+            .journal
+            .load_snapshot(&pid)
+            .ok()
+            .flatten()
+            .map_or(0, |s| s.sequence_nr.0);
+        let seq = SequenceNr(self.journal.highest_sequence_nr(&pid).0.max(saved) + 1);
         let lsn = self
             .journal
             .append(&pid, seq, epoch, &encode_state(state, config))?;
@@ -1289,6 +1299,48 @@ mod tests {
         assert_eq!(
             decode_record(&bytes),
             Ok(CoordinatorRecord::State(c.state().clone(), cfg(12)))
+        );
+    }
+
+    #[test]
+    fn a_takeover_after_its_records_were_lost_is_numbered_after_the_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().join("n1").join("control");
+        {
+            let mut j = ControlJournal::open_dir(&d, &ALWAYS).unwrap();
+            j.begin(
+                "counter",
+                WriterEpoch(1),
+                &CoordinatorState::default(),
+                &cfg(12),
+            )
+            .unwrap();
+            let ev = CoordinatorEvent::ShardRegionRegistered { region: rid(1) };
+            j.append("counter", WriterEpoch(1), &ev).unwrap();
+            let mut st = CoordinatorState::default();
+            st.apply(&ev);
+            j.save_snapshot("counter", &st, &cfg(12)).unwrap();
+        }
+        // What a power loss under durability "none" can leave: the
+        // snapshot (at 2) without the records (every segment gone).
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let n = e.file_name().to_string_lossy().to_string();
+            if n.ends_with(".seg") || n.ends_with(".idx") {
+                std::fs::remove_file(e.path()).unwrap();
+            }
+        }
+        let mut j = ControlJournal::open_dir(&d, &ALWAYS).unwrap();
+        let r = j.recover("counter", &cfg(12)).unwrap();
+        assert_eq!(r.highest_epoch, WriterEpoch(1));
+        j.begin("counter", WriterEpoch(2), &r.state, &cfg(12))
+            .unwrap();
+        drop(j);
+        let j = ControlJournal::open_dir(&d, &ALWAYS).unwrap();
+        let r = j.recover("counter", &cfg(12)).unwrap();
+        assert_eq!(
+            r.highest_epoch,
+            WriterEpoch(2),
+            "the takeover record is hidden behind the snapshot"
         );
     }
 
