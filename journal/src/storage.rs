@@ -829,6 +829,9 @@ pub struct Faults {
     /// Every segment sync waits while set (a slow disk): it polls the flag
     /// every millisecond, then goes on.
     pub stall_sync: AtomicBool,
+    /// [`Storage::open_table`] answers `Unsupported` while set (a storage
+    /// without tables: the journal keeps a file per snapshot).
+    pub no_tables: AtomicBool,
 }
 
 /// Wraps a storage and injects faults as [`Faults`] says.
@@ -961,6 +964,9 @@ impl<S: Storage> Storage for FaultyStorage<S> {
         self.inner.sync_dir()
     }
     fn open_table(&self, name: &str, writable: bool) -> io::Result<Box<dyn TableFile>> {
+        if self.faults.no_tables.load(Ordering::SeqCst) {
+            return Err(io::ErrorKind::Unsupported.into());
+        }
         Ok(Box::new(FaultyTable {
             inner: self.inner.open_table(name, writable)?,
             faults: self.faults.clone(),

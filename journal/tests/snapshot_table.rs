@@ -207,56 +207,15 @@ fn a_pair_with_no_readable_slot_makes_recovery_check_for_missing_events() {
 
 #[test]
 fn a_storage_without_tables_keeps_a_file_per_snapshot() {
-    // FaultyStorage passes tables through; a plain wrapper that does not
-    // implement them gets the files.
-    #[derive(Debug, Clone)]
-    struct NoTables(MemoryStorage);
-    impl Storage for NoTables {
-        fn list(&self) -> std::io::Result<Vec<String>> {
-            self.0.list()
-        }
-        fn create_segment(
-            &self,
-            name: &str,
-            size_bytes: u64,
-        ) -> std::io::Result<Box<dyn shardline_journal::storage::SegmentFile>> {
-            self.0.create_segment(name, size_bytes)
-        }
-        fn open_segment(
-            &self,
-            name: &str,
-            writable: bool,
-        ) -> std::io::Result<Box<dyn shardline_journal::storage::SegmentFile>> {
-            self.0.open_segment(name, writable)
-        }
-        fn truncate(&self, name: &str, len_bytes: u64) -> std::io::Result<()> {
-            self.0.truncate(name, len_bytes)
-        }
-        fn read_file(&self, name: &str) -> std::io::Result<Vec<u8>> {
-            self.0.read_file(name)
-        }
-        fn write_file_durable(&self, name: &str, bytes: &[u8]) -> std::io::Result<()> {
-            self.0.write_file_durable(name, bytes)
-        }
-        fn write_file(&self, name: &str, bytes: &[u8]) -> std::io::Result<()> {
-            self.0.write_file(name, bytes)
-        }
-        fn sync_file(&self, name: &str) -> std::io::Result<()> {
-            self.0.sync_file(name)
-        }
-        fn rename(&self, from: &str, to: &str) -> std::io::Result<()> {
-            self.0.rename(from, to)
-        }
-        fn remove(&self, name: &str) -> std::io::Result<()> {
-            self.0.remove(name)
-        }
-        fn sync_dir(&self) -> std::io::Result<()> {
-            self.0.sync_dir()
-        }
-    }
+    use shardline_journal::storage::FaultyStorage;
     let s = MemoryStorage::new();
+    let plain = FaultyStorage::new(s.clone());
+    plain
+        .faults()
+        .no_tables
+        .store(true, std::sync::atomic::Ordering::SeqCst);
     let (mut j, _) = Journal::open_with_storage(
-        Arc::new(NoTables(s.clone())),
+        Arc::new(plain.clone()),
         opts(1 << 20, Durability::Always, 0),
     )
     .unwrap();
@@ -269,7 +228,6 @@ fn a_storage_without_tables_keeps_a_file_per_snapshot() {
     assert!(names.iter().any(|n| n.ends_with(".snap")), "{names:?}");
     assert!(!names.iter().any(|n| n == SNAPSHOT_TABLE_NAME), "{names:?}");
     let (j, _) =
-        Journal::open_with_storage(Arc::new(NoTables(s)), opts(1 << 20, Durability::Always, 0))
-            .unwrap();
+        Journal::open_with_storage(Arc::new(plain), opts(1 << 20, Durability::Always, 0)).unwrap();
     assert_eq!(j.recover(&p).unwrap().snapshot.unwrap().data, b"a@2");
 }
