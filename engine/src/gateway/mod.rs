@@ -19,7 +19,6 @@ pub(crate) mod port;
 pub use native::LINGER;
 
 use std::cell::{RefCell, RefMut};
-use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -27,12 +26,7 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 
 use crate::envelope::Status;
-
-/// A hash map with foldhash's per-map random seed: the fronts' per-request
-/// maps (in flight, connections, counters by type) hashed with SipHash cost
-/// about 1 % of a data core's time per request; a random seed per map
-/// keeps the protection against chosen colliding keys.
-pub(crate) type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+use crate::FastMap;
 
 /// The `type` label of requests for entity types the cluster does not host.
 const UNKNOWN_TYPE_LABEL: &str = "_unknown";

@@ -54,11 +54,11 @@ struct InFlight {
 #[derive(Default)]
 pub(in crate::gateway) struct NativeState {
     /// Open native connections and their output queues.
-    conns: super::FastMap<ConnId, Rc<Outbox>>,
+    conns: crate::FastMap<ConnId, Rc<Outbox>>,
     /// Requests, latencies and connections.
     pub(in crate::gateway) counters: FrontCounters,
     /// Requests without an answer, by (connection, request id).
-    in_flight: super::FastMap<(ConnId, u64), InFlight>,
+    in_flight: crate::FastMap<(ConnId, u64), InFlight>,
     /// The type names seen, for the latency labels (at most
     /// [`MAX_NATIVE_TYPE_NAMES`]).
     types: Vec<String>,

@@ -34,6 +34,7 @@ use crate::envelope::{encode_frame, DataFrame, Status};
 use crate::gateway::{Delivered, Fronts, MetricsBoard};
 use crate::runtime::{RingReceiver, RingSender};
 use crate::transport::{self, Outbox};
+use crate::FastMap;
 
 mod lanes;
 mod port;
@@ -67,10 +68,6 @@ const TICK: Duration = Duration::from_millis(5);
 const STOP_DRAIN: Duration = Duration::from_millis(1000);
 /// Most time an exiting executor waits for its connections' writers.
 const EXIT_WRITE_WAIT: Duration = Duration::from_secs(2);
-
-/// A hash map with foldhash's per-process random seed: fast, and not
-/// predictable by a client choosing entity ids.
-type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// Outputs [`DataExecutor::drain_outputs`] carries out per clock read.
 const DRAIN_CLOCK_EVERY: u32 = 32;

@@ -52,6 +52,7 @@ use crate::envelope::{access, ArchivedDataFrame, DataFrame, FrameError, Status};
 use crate::node::msg::{ReplyTo, ToControl, UserEnvelope};
 use crate::node::watch::{EntityKey, SystemMsg};
 use crate::node::EntitySettings;
+use crate::FastMap;
 
 /// How long a forwarded message without an ask deadline may wait for its
 /// reply before the sender is answered `TimedOut`.
@@ -64,10 +65,6 @@ pub const FORWARD_GRACE: Duration = Duration::from_millis(500);
 pub const BACKOFF_MIN: Duration = Duration::from_millis(100);
 /// Largest reconnect backoff of a data lane.
 pub const BACKOFF_MAX: Duration = Duration::from_secs(2);
-
-/// A hash map with foldhash's per-process random seed: fast, and not
-/// predictable by a client choosing entity ids.
-type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// The region type of a data core: user payload bytes, answered to a
 /// [`ReplyTo`]; each live entity's table entry also holds the host's

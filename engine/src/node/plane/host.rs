@@ -44,7 +44,7 @@
 //! using the plane's entity outputs directly.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -61,12 +61,9 @@ use crate::envelope::Status;
 use crate::node::msg::{ReplyTo, UserEnvelope};
 use crate::node::watch::{EntityKey, SystemMsg, WatchBook};
 use crate::status::WorkerPoolStatus;
+use crate::FastMap;
 
 mod workers;
-
-/// A hash map with foldhash's per-process random seed: fast, and not
-/// predictable by a client choosing entity ids.
-type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// The token under which a handler's reply can be deferred
 /// ([`EntityContext::defer_reply`]) until the journal made its events
