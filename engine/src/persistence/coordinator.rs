@@ -433,24 +433,12 @@ fn fold(
         dir: dir.to_path_buf(),
         reason,
     };
-    let mut next = rec.snapshot.as_ref().map_or(1, |s| s.sequence_nr.0 + 1);
-    for r in &rec.events {
-        if r.sequence_nr.0 != next {
-            return Err(corrupt(format!(
-                "records are not contiguous: expected sequence number {next}, found {}",
-                r.sequence_nr.0
-            )));
-        }
-        next += 1;
-    }
-    if next - 1 < highest.0 {
-        return Err(corrupt(format!(
-            "what is left reaches sequence number {} of {}: a snapshot that covered \
-             the rest is missing or damaged",
-            next - 1,
-            highest.0
-        )));
-    }
+    super::check_history(
+        rec.snapshot.as_ref().map_or(0, |s| s.sequence_nr.0),
+        rec.events.iter().map(|r| r.sequence_nr.0),
+        highest.0,
+    )
+    .map_err(|e| corrupt(format!("records are {e}")))?;
     let mut v = JournalView::default();
     if let Some(s) = rec.snapshot {
         match decode_record(&s.data).map_err(corrupt)? {

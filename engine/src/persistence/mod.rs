@@ -41,6 +41,63 @@ use shardline_journal::{
     Durability, Journal, JournalOptions, Lsn, PersistenceId, SequenceNr, WriterEpoch,
 };
 
+/// How a recovered history of one persistence id falls short of whole
+/// (see [`check_history`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum HistoryGap {
+    /// A sequence number is missing between the snapshot and the last
+    /// event.
+    #[error("not contiguous: expected sequence number {expected}, found {found}")]
+    Gap {
+        /// The sequence number that should have come next.
+        expected: u64,
+        /// The one that came.
+        found: u64,
+    },
+    /// The history ends below the highest sequence number the journals
+    /// hold: a snapshot that covered the rest is missing or damaged.
+    #[error(
+        "not all recoverable: what is left reaches sequence number {reached} of {highest} \
+         (a snapshot that covered the rest is missing or damaged)"
+    )]
+    Short {
+        /// The highest sequence number recovered.
+        reached: u64,
+        /// The highest the journals hold.
+        highest: u64,
+    },
+}
+
+/// Checks a recovered history of one id: the sequence numbers `seqs` of
+/// the events after the snapshot at `from` (0: no snapshot), in order, run
+/// without a gap from `from + 1`, and the history reaches `highest`, the
+/// highest sequence number the journals hold for the id (0: no such
+/// requirement). Returns the highest sequence number recovered. Every
+/// writer of the engine numbers an id's records one above the last, so
+/// anything else is damage, not a history.
+///
+/// # Errors
+/// [`HistoryGap::Gap`] at the first missing number; [`HistoryGap::Short`]
+/// when the history ends below `highest`.
+pub(crate) fn check_history(
+    from: u64,
+    seqs: impl IntoIterator<Item = u64>,
+    highest: u64,
+) -> Result<u64, HistoryGap> {
+    let mut reached = from;
+    for found in seqs {
+        let expected = reached + 1;
+        if found != expected {
+            return Err(HistoryGap::Gap { expected, found });
+        }
+        reached = found;
+    }
+    if reached < highest {
+        return Err(HistoryGap::Short { reached, highest });
+    }
+    Ok(reached)
+}
+
 /// The journal operations durable entities need, so that entity logic can
 /// be tested against an in-memory log.
 pub trait EventLog {
@@ -504,36 +561,16 @@ impl EventLog for CoreLog {
             .collect();
         events.sort_by_key(|e| e.0);
         events.dedup_by_key(|e| e.0);
-        for (i, e) in events.iter().enumerate() {
-            if e.0 != from + 1 + i as u64 {
-                return Err(format!(
-                    "events of {} are not contiguous: expected {}, found {}",
-                    pid.as_str(),
-                    from + 1 + i as u64,
-                    e.0
-                ));
-            }
-        }
-        let highest = events
-            .last()
-            .map(|e| e.0)
-            .or(snapshot.as_ref().map(|s| s.0))
-            .unwrap_or(0);
-        // What was recovered must reach the highest sequence number any of
-        // the journals holds for the id: a snapshot that is missing or
-        // damaged while the segments it covered are gone would otherwise
+        // What was recovered must also reach the highest sequence number
+        // any of the journals holds for the id: a snapshot that is missing
+        // or damaged while the segments it covered are gone would otherwise
         // recover an older state without a word.
         let known = std::iter::once(self.journal.highest_sequence_nr(pid).0)
             .chain(self.foreign.iter().map(|r| r.highest_sequence_nr(pid).0))
             .max()
             .unwrap_or(0);
-        if highest < known {
-            return Err(format!(
-                "events of {} up to {known} are not all recoverable: what is left reaches {highest} \
-                 (a snapshot that covered the rest is missing or damaged)",
-                pid.as_str()
-            ));
-        }
+        let highest = check_history(from, events.iter().map(|e| e.0), known)
+            .map_err(|e| format!("events of {} are {e}", pid.as_str()))?;
         Ok(Recovered {
             snapshot,
             events,

@@ -420,17 +420,14 @@ pub fn claim_and_read(
             &[&pid, &(from as i64)],
         )
         .map_err(err)?;
+    if check_gaps {
+        super::check_history(from, rows.iter().map(|r| r.get::<_, i64>(0) as u64), 0)
+            .map_err(|e| PgError::Rejected(format!("events of {pid} are {e}")))?;
+    }
     let mut events = Vec::with_capacity(rows.len());
-    for (i, r) in rows.iter().enumerate() {
-        let seq = r.get::<_, i64>(0) as u64;
-        if check_gaps && seq != from + 1 + i as u64 {
-            return Err(PgError::Rejected(format!(
-                "events of {pid} are not contiguous: expected {}, found {seq}",
-                from + 1 + i as u64
-            )));
-        }
+    for r in &rows {
         if !r.get::<_, bool>(2) {
-            events.push((seq, r.get::<_, Vec<u8>>(1)));
+            events.push((r.get::<_, i64>(0) as u64, r.get::<_, Vec<u8>>(1)));
         }
     }
     Ok(Recovered {
