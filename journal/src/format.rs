@@ -902,7 +902,7 @@ pub(crate) fn encode_table_slot(encoded: &[u8], serial: u64) -> Option<[u8; TABL
     let mut slot = [0u8; TABLE_SLOT_BYTES];
     slot[..4].copy_from_slice(&(n as u32).to_le_bytes());
     slot[4..12].copy_from_slice(&serial.to_le_bytes());
-    slot[12..12 + n].copy_from_slice(&encoded[..n]);
+    slot[12..12 + n].copy_from_slice(encoded);
     let crc = crc32c::crc32c(&slot[..12 + n]);
     slot[12 + n..16 + n].copy_from_slice(&crc.to_le_bytes());
     Some(slot)

@@ -169,6 +169,24 @@ fn table_key(pid: &PersistenceId) -> String {
     format!("\0table\0{pid}")
 }
 
+/// Opens the snapshot table of `storage` (see [`SnapshotTable::open`]),
+/// sharing the ids of `pids`; and whether its scan found unreadable slots
+/// ([`Catalog::table_suspect`]).
+fn open_snapshot_table(
+    storage: &dyn Storage,
+    writable: bool,
+    pids: &PidMap<PidState>,
+) -> Result<(Option<Arc<SnapshotTable>>, bool), OpenError> {
+    let opened = SnapshotTable::open(storage, writable, |p| {
+        pids.get_key_value(p.as_str()).map(|(k, _)| k.clone())
+    })
+    .map_err(open_io("opening the snapshot table"))?;
+    Ok(match opened {
+        Some((t, scan)) => (Some(Arc::new(t)), scan.unreadable_slots > 0),
+        None => (None, false),
+    })
+}
+
 fn snapshot_hash(pid: &PersistenceId) -> String {
     format!("{:08x}", crc32c::crc32c(pid.as_bytes()))
 }
@@ -270,6 +288,28 @@ impl Catalog {
             .collect()
     }
 
+    /// `pid`'s latest snapshot and the events after it, read by `replay`
+    /// (from a sequence number), checked against `last` (the id's highest
+    /// sequence number in the journal) when the snapshot is suspect.
+    fn recover(
+        &self,
+        pid: &PersistenceId,
+        replay: impl FnOnce(SequenceNr) -> Result<Vec<Record>, ReplayError>,
+        last: impl FnOnce() -> SequenceNr,
+    ) -> Result<Recovery, ReplayError> {
+        let (snapshot, suspect) = self
+            .load_snapshot_checked(pid)
+            .map_err(snapshot_to_replay)?;
+        let from = snapshot
+            .as_ref()
+            .map_or(SequenceNr(1), |s| SequenceNr(s.sequence_nr.0 + 1));
+        let events = replay(from)?;
+        if suspect || self.table_suspect {
+            self.check_after_suspect_snapshot(pid, from, last(), &events)?;
+        }
+        Ok(Recovery { snapshot, events })
+    }
+
     /// `pid`'s newest snapshot, in the table or in a file, and whether it
     /// came from a table pair with an unreadable slot (see
     /// [`Catalog::check_after_suspect_snapshot`]).
@@ -312,9 +352,6 @@ impl Catalog {
                 reason,
             })?;
             return Ok((Some(snap), false));
-        }
-        if !table.contains(pid) {
-            return Ok((None, false));
         }
         let r = table.read(pid).map_err(|source| SnapshotError::Io {
             op: format!("reading the snapshot table for {pid}"),
@@ -583,12 +620,7 @@ impl Journal {
         }
         // The snapshot table, created when missing (its entry is made
         // durable by the directory sync below).
-        let table = SnapshotTable::open(&*storage, true, |p| {
-            rec.pids.get_key_value(p.as_str()).map(|(k, _)| k.clone())
-        })
-        .map_err(open_io("opening the snapshot table"))?;
-        let table_suspect = table.as_ref().is_some_and(|(_, s)| s.unreadable_slots > 0);
-        let table = table.map(|(t, _)| Arc::new(t));
+        let (table, table_suspect) = open_snapshot_table(&*storage, true, &rec.pids)?;
         storage
             .sync_dir()
             .map_err(open_io("syncing the journal directory"))?;
@@ -1108,20 +1140,11 @@ impl Journal {
     /// [`ReplayError`] from replaying; a snapshot that cannot be loaded is
     /// reported as [`ReplayError::Io`] with kind `InvalidData`.
     pub fn recover(&self, pid: &PersistenceId) -> Result<Recovery, ReplayError> {
-        let (snapshot, suspect) = self
-            .catalog
-            .load_snapshot_checked(pid)
-            .map_err(snapshot_to_replay)?;
-        let from = snapshot
-            .as_ref()
-            .map_or(SequenceNr(1), |s| SequenceNr(s.sequence_nr.0 + 1));
-        let events = self.replay(pid, from)?;
-        if suspect || self.catalog.table_suspect {
-            let last = self.highest_sequence_nr(pid);
-            self.catalog
-                .check_after_suspect_snapshot(pid, from, last, &events)?;
-        }
-        Ok(Recovery { snapshot, events })
+        self.catalog.recover(
+            pid,
+            |from| self.replay(pid, from),
+            || self.highest_sequence_nr(pid),
+        )
     }
 
     /// Saves `data` as the latest snapshot of `pid` at `sequence_nr`,
@@ -1198,26 +1221,12 @@ impl Journal {
             data: data.to_vec(),
         };
         let encoded = snap.encode();
-        if let Some(table) = &self.catalog.table {
-            if encoded.len() <= format::TABLE_SNAPSHOT_MAX_BYTES {
-                // A slot of the table: no file, and the meta thread's one
-                // sync covers a batch of saves.
-                let key = table_key(pid);
-                let bytes = Arc::new(encoded);
-                self.catalog
-                    .pending_snapshots
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(key.clone(), bytes.clone());
-                let msg = SyncMsg::Snapshot {
-                    tmp: String::new(),
-                    name: key,
-                    bytes,
-                    pending: self.catalog.pending_snapshots.clone(),
-                    table: Some((table.clone(), pid.clone())),
-                };
-                return self.queued_snapshot(msg, pid, sequence_nr);
-            }
+        let fits = encoded.len() <= format::TABLE_SNAPSHOT_MAX_BYTES;
+        if let Some(table) = self.catalog.table.clone().filter(|_| fits) {
+            // A slot of the table: no file, and the meta thread's one sync
+            // covers a batch of saves.
+            let key = table_key(pid);
+            return self.queue_snapshot(pid, sequence_nr, key, String::new(), encoded, Some(table));
         }
         let name = match self
             .catalog
@@ -1239,12 +1248,36 @@ impl Journal {
                 }
             }
         };
-        let bytes = Arc::new(encoded);
         // A fresh temporary name per save. The meta thread writes and renames
         // saves in order, so this is no longer needed for correctness (it was
         // when this thread wrote the file while an earlier save waited).
         self.snapshot_serial += 1;
         let tmp = format!("{name}.{}{TMP_SUFFIX}", self.snapshot_serial);
+        self.catalog.snapshot_files.insert(name.clone());
+        self.catalog
+            .snapshot_names
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(pid.clone(), name.clone());
+        self.queue_snapshot(pid, sequence_nr, name, tmp, encoded, None)
+    }
+
+    /// Queues the save of snapshot encoding `encoded` of `pid` at
+    /// `sequence_nr` for the meta thread (readable from the pending
+    /// snapshots under `name` until it is durable: a file written to `tmp`
+    /// and put in place as `name`, or with `table` a slot of the table),
+    /// then removes the segments it makes obsolete (queued behind it, so
+    /// only once it is durable).
+    fn queue_snapshot(
+        &mut self,
+        pid: &PersistenceId,
+        sequence_nr: SequenceNr,
+        name: String,
+        tmp: String,
+        encoded: Vec<u8>,
+        table: Option<Arc<SnapshotTable>>,
+    ) -> Result<(), SnapshotError> {
+        let bytes = Arc::new(encoded);
         self.catalog
             .pending_snapshots
             .lock()
@@ -1252,29 +1285,11 @@ impl Journal {
             .insert(name.clone(), bytes.clone());
         let msg = SyncMsg::Snapshot {
             tmp,
-            name: name.clone(),
+            name,
             bytes,
             pending: self.catalog.pending_snapshots.clone(),
-            table: None,
+            table: table.map(|t| (t, pid.clone())),
         };
-        self.catalog.snapshot_files.insert(name.clone());
-        self.catalog
-            .snapshot_names
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(pid.clone(), name);
-        self.queued_snapshot(msg, pid, sequence_nr)
-    }
-
-    /// Queues snapshot save `msg` of `pid` at `sequence_nr` for the meta
-    /// thread, then removes the segments it makes obsolete (queued behind
-    /// it, so only once it is durable).
-    fn queued_snapshot(
-        &mut self,
-        msg: SyncMsg,
-        pid: &PersistenceId,
-        sequence_nr: SequenceNr,
-    ) -> Result<(), SnapshotError> {
         if self.tx.send(msg).is_err() {
             let reason = "sync thread stopped".to_string();
             self.poison(reason.clone());
@@ -1395,12 +1410,7 @@ impl JournalReader {
     pub fn open_with_storage(storage: Arc<dyn Storage>) -> Result<JournalReader, OpenError> {
         let rec = recover(&*storage, RecoveryMode::Strict, false, false, true)?;
         let sealed = rec.segments.into_iter().map(|s| (s.index.id, s)).collect();
-        let table = SnapshotTable::open(&*storage, false, |p| {
-            rec.pids.get_key_value(p.as_str()).map(|(k, _)| k.clone())
-        })
-        .map_err(open_io("opening the snapshot table"))?;
-        let table_suspect = table.as_ref().is_some_and(|(_, s)| s.unreadable_slots > 0);
-        let table = table.map(|(t, _)| Arc::new(t));
+        let (table, table_suspect) = open_snapshot_table(&*storage, false, &rec.pids)?;
         Ok(JournalReader {
             catalog: Catalog {
                 storage,
@@ -1479,19 +1489,10 @@ impl JournalReader {
     /// # Errors
     /// As [`Journal::recover`].
     pub fn recover(&self, pid: &PersistenceId) -> Result<Recovery, ReplayError> {
-        let (snapshot, suspect) = self
-            .catalog
-            .load_snapshot_checked(pid)
-            .map_err(snapshot_to_replay)?;
-        let from = snapshot
-            .as_ref()
-            .map_or(SequenceNr(1), |s| SequenceNr(s.sequence_nr.0 + 1));
-        let events = self.replay(pid, from)?;
-        if suspect || self.catalog.table_suspect {
-            let last = self.highest_sequence_nr(pid);
-            self.catalog
-                .check_after_suspect_snapshot(pid, from, last, &events)?;
-        }
-        Ok(Recovery { snapshot, events })
+        self.catalog.recover(
+            pid,
+            |from| self.replay(pid, from),
+            || self.highest_sequence_nr(pid),
+        )
     }
 }

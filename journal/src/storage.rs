@@ -384,10 +384,7 @@ impl SegmentFile for MmapSegment {
     }
     fn write_at(&mut self, offset: u64, data: &[u8]) -> io::Result<()> {
         let Map::Rw(m) = &mut self.map else {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                "segment is open read-only",
-            ));
+            return Err(read_only("segment"));
         };
         let start = usize::try_from(offset).map_err(|_| past_end())?;
         let end = start.checked_add(data.len()).ok_or_else(past_end)?;
@@ -399,6 +396,15 @@ impl SegmentFile for MmapSegment {
     fn syncer(&self) -> Arc<dyn SegmentSync> {
         Arc::new(FileSync(self.file.clone()))
     }
+}
+
+/// The error of a write through a handle opened read-only (`what`: the
+/// kind of file).
+fn read_only(what: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::PermissionDenied,
+        format!("{what} is open read-only"),
+    )
 }
 
 fn past_end() -> io::Error {
@@ -596,10 +602,7 @@ impl TableFile for FsTable {
     fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         use std::os::unix::fs::FileExt;
         if !self.writable {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                "table is open read-only",
-            ));
+            return Err(read_only("table"));
         }
         self.file.write_all_at(data, offset)
     }
@@ -676,10 +679,7 @@ impl SegmentFile for MemSegment {
     }
     fn write_at(&mut self, offset: u64, data: &[u8]) -> io::Result<()> {
         if !self.writable {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                "segment is open read-only",
-            ));
+            return Err(read_only("segment"));
         }
         let mut g = lock(&self.file);
         let start = usize::try_from(offset).map_err(|_| past_end())?;
@@ -793,10 +793,7 @@ impl TableFile for MemTable {
     }
     fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         if !self.writable {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                "table is open read-only",
-            ));
+            return Err(read_only("table"));
         }
         let mut g = lock(&self.file);
         let start = usize::try_from(offset).map_err(|_| past_end())?;

@@ -520,26 +520,26 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
                 bytes,
                 pending,
                 table,
-            }) => match standing(&pending, &name, &bytes) {
-                Standing::Durable => Ok(()),
-                Standing::Superseded => {
+            }) => match (standing(&pending, &name, &bytes), table) {
+                (Standing::Durable, _) => Ok(()),
+                (Standing::Superseded, table) => {
                     owed.names.insert(name, table);
                     owed.pending = Some(pending);
                     Ok(())
                 }
-                Standing::Latest if table.is_some() => {
+                (Standing::Latest, Some(job)) => {
                     owed.names.remove(&name);
-                    table
-                        .as_ref()
-                        .map_or(Ok(()), |job| batch.write(job, name, bytes, pending))
+                    batch.write(&job, name, bytes, pending)
                 }
-                Standing::Latest => save_snapshot_file(&*storage, &mut spares, &tmp, &name, &bytes)
-                    .map_err(|e| format!("making snapshot {name} durable failed: {e}"))
-                    .map(|()| {
-                        dir_dirty = true;
-                        settle(&pending, &name, &bytes);
-                        owed.names.remove(&name);
-                    }),
+                (Standing::Latest, None) => {
+                    save_snapshot_file(&*storage, &mut spares, &tmp, &name, &bytes)
+                        .map_err(|e| format!("making snapshot {name} durable failed: {e}"))
+                        .map(|()| {
+                            dir_dirty = true;
+                            settle(&pending, &name, &bytes);
+                            owed.names.remove(&name);
+                        })
+                }
             },
         };
         if let Err(reason) = r {

@@ -172,11 +172,6 @@ impl SnapshotTable {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether `pid` has a pair.
-    pub(crate) fn contains(&self, pid: &PersistenceId) -> bool {
-        self.lock().pairs.get(pid.as_str()).is_some()
-    }
-
     /// Reads `pid`'s pair: its newest valid snapshot of `pid` (none, with
     /// `unreadable_slot`, when the pair no longer holds a valid one).
     ///
