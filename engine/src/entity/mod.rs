@@ -673,6 +673,54 @@ pub trait Entity: 'static {
     }
 }
 
+/// A boxed entity is an entity: every call goes to the box's content (so
+/// a [`supervision::Supervisor`] can hold any child, boxed, or a known
+/// one inline).
+impl Entity for Box<dyn Entity> {
+    fn on_start(&mut self, ctx: &mut EntityContext<'_>) {
+        (**self).on_start(ctx)
+    }
+    fn handle(&mut self, ctx: &mut EntityContext<'_>, message: &[u8]) -> Result<(), EntityError> {
+        (**self).handle(ctx, message)
+    }
+    fn on_timer(&mut self, ctx: &mut EntityContext<'_>, key: u64) {
+        (**self).on_timer(ctx, key)
+    }
+    fn on_durable(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        durable_lsn: u64,
+    ) -> Result<(), EntityError> {
+        (**self).on_durable(ctx, durable_lsn)
+    }
+    fn on_stopping(&mut self) -> bool {
+        (**self).on_stopping()
+    }
+    fn may_stop_waiting(&mut self) -> bool {
+        (**self).may_stop_waiting()
+    }
+    fn on_stop(&mut self, ctx: &mut EntityContext<'_>) {
+        (**self).on_stop(ctx)
+    }
+    fn on_ask_reply(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        ask: AskId,
+        reply: Result<Vec<u8>, EntityAskError>,
+    ) -> Result<(), EntityError> {
+        (**self).on_ask_reply(ctx, ask, reply)
+    }
+    fn on_terminated(
+        &mut self,
+        ctx: &mut EntityContext<'_>,
+        type_name: &str,
+        entity_id: &EntityId,
+        reason: TerminatedReason,
+    ) {
+        (**self).on_terminated(ctx, type_name, entity_id, reason)
+    }
+}
+
 /// How long a stopping incarnation is kept before
 /// [`Entity::may_stop_waiting`] is asked (5 s: a few database reads,
 /// well within a hand-off's timeout).
@@ -828,12 +876,13 @@ pub fn builtin_factory_full(
             let to: Arc<str> = to.into();
             Arc::new(move |_| Box::new(Aggregate::new(to.clone(), every)))
         }
-        crate::config::EntityKind::Counter => Arc::new(move |_| {
-            Box::new(persistent::Persistent::new(
-                Counter::default(),
-                snapshot_every,
-            ))
-        }),
+        crate::config::EntityKind::Counter => {
+            // Held inline by its supervisor: one allocation per counter.
+            return supervision::supervised_inline(
+                Arc::new(move |_| persistent::Persistent::new(Counter::default(), snapshot_every)),
+                supervisor,
+            );
+        }
     };
     supervision::supervised(inner, supervisor)
 }

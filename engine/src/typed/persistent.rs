@@ -194,15 +194,17 @@ impl Sharding<'_> {
         let factory = Arc::new(factory);
         self.start(
             key.name(),
-            crate::entity::supervision::supervised(
+            // The supervisor, the persistent host and the typed host with
+            // the entity and its state: one allocation per entity.
+            crate::entity::supervision::supervised_inline(
                 Arc::new(move |id| {
-                    Box::new(Persistent::new(
-                        Box::new(Host {
+                    Persistent::new(
+                        Host {
                             entity: factory(id),
                             state: E::State::default(),
-                        }),
+                        },
                         snapshot_every,
-                    ))
+                    )
                 }),
                 crate::entity::supervision::SupervisorSettings::default(),
             ),
