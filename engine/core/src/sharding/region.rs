@@ -256,21 +256,36 @@ impl ClusterShardingStats {
     }
 }
 
-#[derive(Debug)]
-enum Entity<M, S> {
-    Active {
-        last_message_at: Duration,
-    },
-    /// Stop requested; new messages wait here until it has stopped
-    /// (boxed: an active entity, the common case, stays 24 bytes).
-    #[allow(clippy::box_collection)]
-    Passivating {
-        buffer: Box<VecDeque<Envelope<M, S>>>,
-    },
+/// The region's state of a live entity, in 8 bytes: while it is active,
+/// when it last got a message (ns of the region's clock); once a stop was
+/// requested, [`Entity::PASSIVATING`], and its new messages wait in its
+/// shard's `passivating` buffers until it has stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entity(u64);
+
+impl Entity {
+    /// Stop requested.
+    const PASSIVATING: Entity = Entity(u64::MAX);
+
+    /// Active, last messaged at `now` (584 years of ns fit below the
+    /// marker).
+    fn active(now: Duration) -> Self {
+        Entity(u64::try_from(now.as_nanos()).map_or(u64::MAX - 1, |n| n.min(u64::MAX - 1)))
+    }
+
+    /// When an active entity last got a message; `None` while it stops.
+    fn last_message_at(self) -> Option<Duration> {
+        (self != Self::PASSIVATING).then(|| Duration::from_nanos(self.0))
+    }
+
+    fn is_active(self) -> bool {
+        self != Self::PASSIVATING
+    }
 }
 
-// What a region keeps per active entity (beside its id): 16 bytes.
-const _: () = assert!(std::mem::size_of::<Entity<Vec<u8>, u64>>() <= 16);
+// What a region keeps per live entity beside its id and the host's slot:
+// 8 bytes (a table entry of the data plane is then 64: id, state, slot).
+const _: () = assert!(std::mem::size_of::<Entity>() == 8);
 
 /// A live entity in its shard's table: the region's state of it and the
 /// host's slot `H` ([`ShardRegion::host_slot_mut`]), so that the runtime
@@ -280,8 +295,8 @@ const _: () = assert!(std::mem::size_of::<Entity<Vec<u8>, u64>>() <= 16);
 /// live here and dropped when the region learns it stopped
 /// ([`ShardRegion::handle_entity_stopped`]).
 #[derive(Debug)]
-struct Slot<M, S, H> {
-    state: Entity<M, S>,
+struct Slot<H> {
+    state: Entity,
     host: H,
 }
 
@@ -303,7 +318,11 @@ enum ShardState<M, S> {
 struct Shard<M, S, H> {
     generation: Generation,
     state: ShardState<M, S>,
-    entities: DetHashMap<EntityId, Slot<M, S, H>>,
+    entities: DetHashMap<EntityId, Slot<H>>,
+    /// The messages that came for each entity of `entities` that is
+    /// stopping ([`Entity::PASSIVATING`]), in order; they start its next
+    /// incarnation once it stopped.
+    passivating: DetHashMap<EntityId, VecDeque<Envelope<M, S>>>,
 }
 
 impl<M, S, H> Shard<M, S, H> {
@@ -841,10 +860,8 @@ impl<M, S, H: Default> ShardRegion<M, S, H> {
             if let ShardState::Recovering { pending, .. } = &mut sh.state {
                 keep(pending, *s);
             }
-            for e in sh.entities.values_mut() {
-                if let Entity::Passivating { buffer } = &mut e.state {
-                    keep(buffer, *s);
-                }
+            for buffer in sh.passivating.values_mut() {
+                keep(buffer, *s);
             }
         }
         self.buffers.retain(|_, q| !q.is_empty());
@@ -874,6 +891,7 @@ impl<M, S, H: Default> ShardRegion<M, S, H> {
                 generation,
                 state,
                 entities: DetHashMap::default(),
+                passivating: DetHashMap::default(),
             },
         );
     }
@@ -911,9 +929,7 @@ impl<M, S, H: Default> ShardRegion<M, S, H> {
         shard.entities.insert(
             entity.clone(),
             Slot {
-                state: Entity::Active {
-                    last_message_at: now,
-                },
+                state: Entity::active(now),
                 host: H::default(),
             },
         );
@@ -939,9 +955,9 @@ impl<M, S, H: Default> ShardRegion<M, S, H> {
             .get_mut(&envelope.entity)
             .map(|e| &mut e.state)
         {
-            Some(Entity::Active { last_message_at }) => {
+            Some(state) if state.is_active() => {
                 if !passive {
-                    *last_message_at = now;
+                    *state = Entity::active(now);
                     if self.uses_policy() {
                         self.policy.on_access(&(s, envelope.entity.clone()));
                     }
@@ -951,17 +967,21 @@ impl<M, S, H: Default> ShardRegion<M, S, H> {
                     new_incarnation: false,
                 });
             }
-            Some(Entity::Passivating { .. }) | None if passive => {
+            Some(_) | None if passive => {
                 self.effects.push_back(RegionEffect::NotActive { envelope });
             }
-            Some(Entity::Passivating { buffer }) => {
+            Some(_) => {
                 if self.buffered_total >= self.settings.buffer_size {
                     return self.fail(envelope, FailureReason::BufferFull);
                 }
                 let d = envelope.deadline;
                 let mut envelope = envelope;
                 Self::detach(self.on_buffer, &mut envelope);
-                buffer.push_back(envelope);
+                shard
+                    .passivating
+                    .entry(envelope.entity.clone())
+                    .or_default()
+                    .push_back(envelope);
                 self.buffered_total += 1;
                 self.note_deadline(d);
             }
@@ -990,12 +1010,10 @@ impl<M, S, H: Default> ShardRegion<M, S, H> {
         let Some(e) = shard.entities.get_mut(entity) else {
             return false;
         };
-        if !matches!(e.state, Entity::Active { .. }) {
+        if !e.state.is_active() {
             return false;
         }
-        e.state = Entity::Passivating {
-            buffer: Box::default(),
-        };
+        e.state = Entity::PASSIVATING;
         self.active_count -= 1;
         if self.uses_policy() {
             self.policy.on_remove(&(*s, entity.clone()));
@@ -1119,7 +1137,7 @@ impl<M, S, H: Default> ShardRegion<M, S, H> {
         self.shards
             .get(&shard)
             .and_then(|sh| sh.entities.get(entity))
-            .is_some_and(|e| matches!(e.state, Entity::Passivating { .. }))
+            .is_some_and(|e| !e.state.is_active())
     }
 
     /// Makes entity `entity` of `shard` live here for a message the host
@@ -1157,22 +1175,19 @@ impl<M, S, H: Default> ShardRegion<M, S, H> {
             return;
         };
         let stopping = matches!(sh.state, ShardState::Stopping);
-        match e.state {
-            Entity::Active { .. } => {
-                self.active_count -= 1;
-                if self.uses_policy() {
-                    self.policy.on_remove(&(shard, entity.clone()));
-                }
+        if e.state.is_active() {
+            self.active_count -= 1;
+            if self.uses_policy() {
+                self.policy.on_remove(&(shard, entity.clone()));
             }
-            Entity::Passivating { buffer } => {
-                if stopping {
-                    self.buffered_total -= buffer.len();
-                    self.drain_before_hand_off(now, shard, entity, *buffer);
-                } else {
-                    self.buffered_total -= buffer.len();
-                    for env in *buffer {
-                        self.route(now, env);
-                    }
+        } else {
+            let buffer = sh.passivating.remove(entity).unwrap_or_default();
+            self.buffered_total -= buffer.len();
+            if stopping {
+                self.drain_before_hand_off(now, shard, entity, buffer);
+            } else {
+                for env in buffer {
+                    self.route(now, env);
                 }
             }
         }
@@ -1427,7 +1442,7 @@ impl<M, S, H: Default> ShardRegion<M, S, H> {
         let active: Vec<EntityId> = sh
             .entities
             .iter()
-            .filter(|(_, e)| matches!(e.state, Entity::Active { .. }))
+            .filter(|(_, e)| e.state.is_active())
             .map(|(id, _)| id.clone())
             .collect();
         let mut active = active;
@@ -1583,8 +1598,8 @@ impl<M, S, H: Default> ShardRegion<M, S, H> {
                         continue;
                     }
                     for (id, e) in &sh.entities {
-                        if let Entity::Active { last_message_at } = &e.state {
-                            if *last_message_at + idle <= now {
+                        if let Some(last_message_at) = e.state.last_message_at() {
+                            if last_message_at + idle <= now {
                                 idle_entities.push((*s, id.clone()));
                             }
                         }
