@@ -20,7 +20,7 @@ use crate::format::{
 };
 use crate::ids::{Lsn, PersistenceId, SequenceNr, WriterEpoch};
 use crate::recovery::{
-    pid_hash, recover, PidMap, PidState, RecoveryReport, SealedSegment, SegmentIndex,
+    pid_hash, raise_deleted, recover, PidMap, PidState, RecoveryReport, SealedSegment, SegmentIndex,
 };
 use crate::storage::{MmapStorage, SegmentFile, Storage};
 use crate::sync::{self, DurabilityError, DurabilityWatcher, PendingSnapshots, Shared, SyncMsg};
@@ -144,6 +144,9 @@ struct Catalog {
     storage: Arc<dyn Storage>,
     sealed: BTreeMap<Lsn, SealedSegment>,
     pids: PidMap<PidState>,
+    /// How far each id with a deletion marker has its events deleted
+    /// (apart from `pids`: few ids delete).
+    deleted: PidMap<SequenceNr>,
     /// Sorted, so that the files of one id hash are a range (a journal may
     /// hold a snapshot per entity: hundreds of thousands).
     snapshot_files: std::collections::BTreeSet<String>,
@@ -275,8 +278,13 @@ impl Catalog {
     }
 
     fn start_seq(&self, pid: &PersistenceId, from: SequenceNr) -> Option<SequenceNr> {
-        let st = self.pids.get(pid.as_str())?;
-        Some(from.max(SequenceNr(st.deleted_to.0 + 1)))
+        self.pids.get(pid.as_str())?;
+        Some(from.max(SequenceNr(self.deleted_to(pid.as_str()).0 + 1)))
+    }
+
+    /// How far `pid`'s events are deleted (0: none).
+    fn deleted_to(&self, pid: &str) -> SequenceNr {
+        self.deleted.get(pid).copied().unwrap_or_default()
     }
 
     fn snapshot_candidates(&self, pid: &PersistenceId) -> Vec<String> {
@@ -383,7 +391,7 @@ impl Catalog {
         let reached = events
             .last()
             .map_or(from.0.saturating_sub(1), |e| e.sequence_nr.0);
-        let deleted_to = self.pids.get(pid.as_str()).map_or(0, |st| st.deleted_to.0);
+        let deleted_to = self.deleted_to(pid.as_str()).0;
         if reached >= last.0 || deleted_to >= last.0 {
             return Ok(());
         }
@@ -657,6 +665,7 @@ impl Journal {
                 storage,
                 sealed,
                 pids: rec.pids,
+                deleted: rec.deleted,
                 snapshot_files: rec.snapshot_files.into_iter().collect(),
                 snapshot_names: Default::default(),
                 pending_snapshots: Default::default(),
@@ -858,7 +867,7 @@ impl Journal {
             });
         }
         let to = to.min(st.last_seq);
-        if to <= st.deleted_to {
+        if to <= self.catalog.deleted_to(pid.as_str()) {
             return Ok(None);
         }
         let lsn = self.write_record(
@@ -926,7 +935,7 @@ impl Journal {
         st.max_epoch = st.max_epoch.max(epoch);
         match kind {
             RecordKind::Event => st.last_seq = seq,
-            RecordKind::Deletion => st.deleted_to = st.deleted_to.max(seq),
+            RecordKind::Deletion => raise_deleted(&mut self.catalog.deleted, pid, seq),
         }
         self.next_lsn = Lsn(lsn.0 + 1);
         // Release: the record's bytes (and a roll sent before them) are
@@ -1025,9 +1034,8 @@ impl Journal {
             if e.events.is_empty() {
                 return true;
             }
-            let st = self.catalog.pids.get(p).copied().unwrap_or_default();
             let snap = self.snapshot_seqs.get(p).copied().unwrap_or_default();
-            e.last_event_seq() <= st.deleted_to.max(snap)
+            e.last_event_seq() <= self.catalog.deleted_to(p).max(snap)
         };
         for (id, s) in &self.catalog.sealed {
             if let Some(p) = only {
@@ -1070,9 +1078,8 @@ impl Journal {
             .iter()
             .map(|(p, c)| {
                 let mut c = *c;
-                if let Some(st) = self.catalog.pids.get(p.as_str()) {
-                    c.deleted_to = c.deleted_to.max(st.deleted_to.min(c.last_seq));
-                }
+                let deleted_to = self.catalog.deleted_to(p.as_str());
+                c.deleted_to = c.deleted_to.max(deleted_to.min(c.last_seq));
                 (p.clone(), c)
             })
             .collect();
@@ -1416,6 +1423,7 @@ impl JournalReader {
                 storage,
                 sealed,
                 pids: rec.pids,
+                deleted: rec.deleted,
                 snapshot_files: rec.snapshot_files.into_iter().collect(),
                 snapshot_names: Default::default(),
                 pending_snapshots: Default::default(),

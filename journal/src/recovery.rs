@@ -279,32 +279,43 @@ pub(crate) struct SealedSegment {
     pub(crate) file: OnceLock<Box<dyn SegmentFile>>,
 }
 
-/// Per persistence id state.
+/// Per persistence id state (16 bytes: every id the journal holds has
+/// one; how far an id's events are deleted is kept apart, in the
+/// catalog's `deleted` map, as few ids delete).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct PidState {
     pub(crate) last_seq: SequenceNr,
     pub(crate) max_epoch: WriterEpoch,
-    pub(crate) deleted_to: SequenceNr,
 }
+
+const _: () = assert!(std::mem::size_of::<PidState>() == 16);
 
 impl PidState {
     pub(crate) fn merge_checkpoint(&mut self, c: &PidCheckpoint) {
         self.last_seq = self.last_seq.max(c.last_seq);
         self.max_epoch = self.max_epoch.max(c.max_epoch);
-        self.deleted_to = self.deleted_to.max(c.deleted_to);
     }
-    /// Merges `pid`'s entry `e` of segment `index`.
-    pub(crate) fn merge_entry(&mut self, index: &SegmentIndex, pid: &str, e: &PidEntry) {
+    /// Merges an id's entry `e` of a segment.
+    pub(crate) fn merge_entry(&mut self, e: &PidEntry) {
         self.last_seq = self.last_seq.max(e.last_event_seq());
         self.max_epoch = self.max_epoch.max(e.max_epoch);
-        self.deleted_to = self.deleted_to.max(index.deleted_to(pid));
     }
-    pub(crate) fn to_checkpoint(self) -> PidCheckpoint {
+    /// The id's checkpoint entry, with its events deleted up to
+    /// `deleted_to`.
+    pub(crate) fn to_checkpoint(self, deleted_to: SequenceNr) -> PidCheckpoint {
         PidCheckpoint {
             last_seq: self.last_seq,
             max_epoch: self.max_epoch,
-            deleted_to: self.deleted_to,
+            deleted_to,
         }
+    }
+}
+
+/// Raises `pid`'s entry of `deleted` to `to` (no entry is made for 0).
+pub(crate) fn raise_deleted(deleted: &mut PidMap<SequenceNr>, pid: &PersistenceId, to: SequenceNr) {
+    if to > SequenceNr(0) {
+        let d = deleted.entry_or_default(pid);
+        *d = (*d).max(to);
     }
 }
 
@@ -363,6 +374,8 @@ pub struct RecoveryReport {
 pub(crate) struct Recovered {
     pub(crate) segments: Vec<SealedSegment>,
     pub(crate) pids: PidMap<PidState>,
+    /// How far each id with a deletion marker has its events deleted.
+    pub(crate) deleted: PidMap<SequenceNr>,
     /// Merge of the checkpoint and every sealed segment (no deletions
     /// beyond those).
     pub(crate) checkpoint_state: PidMap<PidCheckpoint>,
@@ -722,14 +735,18 @@ pub(crate) fn recover(
     }
 
     let mut pids: PidMap<PidState> = PidMap::default();
+    let mut deleted: PidMap<SequenceNr> = PidMap::default();
     for (p, c) in &checkpoint.pids {
         pids.entry_or_default(p).merge_checkpoint(c);
+        raise_deleted(&mut deleted, p, c.deleted_to);
     }
     let mut next_lsn = next_expected.max(Lsn(checkpoint.removed_up_to_lsn.0 + 1));
     for s in &out {
         for (p, e) in s.index.pids.iter() {
-            pids.entry_or_default(p)
-                .merge_entry(&s.index, p.as_str(), e);
+            pids.entry_or_default(p).merge_entry(e);
+        }
+        for (p, d) in s.index.deleted.iter() {
+            raise_deleted(&mut deleted, p, *d);
         }
         next_lsn = next_lsn.max(Lsn(s.index.last_lsn.0 + 1));
         report.records += s.index.records;
@@ -742,11 +759,15 @@ pub(crate) fn recover(
     report.persistence_ids = pids.len() as u64;
     let checkpoint_state = pids
         .iter()
-        .map(|(p, s)| (p.clone(), s.to_checkpoint()))
+        .map(|(p, s)| {
+            let d = deleted.get(p.as_str()).copied().unwrap_or_default();
+            (p.clone(), s.to_checkpoint(d))
+        })
         .collect();
     Ok(Recovered {
         segments: out,
         pids,
+        deleted,
         checkpoint_state,
         next_lsn,
         max_segment_epoch: prev_epoch.max(checkpoint.max_segment_epoch),
