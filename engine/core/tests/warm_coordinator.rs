@@ -550,3 +550,111 @@ fn a_recovered_coordinator_names_no_home_before_that_region_registers_again() {
     assert!(!pushed.contains_key(&stopping));
     assert!(!d.homes_told(&second).contains_key(&stopping));
 }
+
+/// Shards per region of the coordinator's state.
+fn loads(c: &ShardCoordinator) -> BTreeMap<RegionId, usize> {
+    c.state()
+        .regions
+        .iter()
+        .map(|(r, s)| (r.clone(), s.len()))
+        .collect()
+}
+
+/// Runs the coordinator's timers from `from` to `until` in `step`s, every
+/// hand-off answered at once, with `membership` (in time order) fed at its
+/// time; returns the time the regions first differed by at most one shard
+/// once every event was fed, if they did.
+fn run_rounds(
+    c: &mut ShardCoordinator,
+    from: Duration,
+    until: Duration,
+    step: Duration,
+    mut membership: Vec<(Duration, MembershipEvent)>,
+) -> Option<Duration> {
+    let mut now = from;
+    let mut balanced_at = None;
+    while now <= until {
+        while membership.first().is_some_and(|(at, _)| *at <= now) {
+            let (_, e) = membership.remove(0);
+            c.handle_membership(now, e);
+            let d = drain(c);
+            answer_hand_offs(c, now, d);
+        }
+        if c.poll_timeout().is_some_and(|t| t <= now) {
+            c.handle_timeout(now);
+            let d = drain(c);
+            answer_hand_offs(c, now, d);
+        }
+        let l = loads(c);
+        let (min, max) = (l.values().min().unwrap(), l.values().max().unwrap());
+        let every_region_up = membership.is_empty();
+        if every_region_up && max - min <= 1 && balanced_at.is_none() {
+            balanced_at = Some(now);
+        }
+        now += step;
+    }
+    balanced_at
+}
+
+/// Member 1 hosts every shard of a warm cluster; members 2 and 3 start
+/// together: their regions register while both are Joining, member 2 is
+/// Up 50 ms later and member 3 two seconds later (`up3`, the membership
+/// input that makes it Up). Returns how long after that member 3's region
+/// was balanced with the others (`None`: not within 35 s) and the loads.
+fn join_while_joining(up3: MembershipEvent) -> (Option<Duration>, BTreeMap<RegionId, usize>) {
+    const N: u32 = 100;
+    let t0 = Duration::ZERO;
+    let mut c = ShardCoordinator::new(
+        settings(N),
+        Box::new(LeastShardAllocationStrategy::default()),
+        t0,
+    );
+    c.handle_membership(t0, up(&[1]));
+    register(&mut c, t0, rid(1, 0));
+    c.handle_timeout(t0 + SETTLE);
+    assert_eq!(drain(&mut c).allocated.len(), N as usize);
+    let t1 = Duration::from_secs(3);
+    register(&mut c, t1, rid(2, 0));
+    register(&mut c, t1, rid(3, 0));
+    drain(&mut c);
+    let up3_at = t1 + Duration::from_secs(2);
+    let balanced_at = run_rounds(
+        &mut c,
+        t1,
+        up3_at + Duration::from_secs(35),
+        Duration::from_millis(50),
+        vec![
+            (
+                t1 + Duration::from_millis(50),
+                MembershipEvent::MemberUp(member(2)),
+            ),
+            (up3_at, up3),
+        ],
+    );
+    assert_eq!(c.state().shards.len(), N as usize);
+    assert!(c.rebalance_in_progress().next().is_none());
+    (balanced_at.map(|t| t - up3_at), loads(&c))
+}
+
+/// The regions of joining members register as soon as their node learns
+/// where the coordinator runs, which can be before the leader makes the
+/// member Up; they may host shards only once it is Up. A round of the fast
+/// window that ran in between found nothing to move and ended the window,
+/// so the joiner got its share at one round per `rebalance_interval` (10 s,
+/// 10 shards each): 35/35/30 thirty seconds after the join (the spawned
+/// three-node cluster's `wait_balanced` timeout). The fast rounds start
+/// when the joiner is Up.
+#[test]
+fn a_joiner_whose_region_registered_before_it_was_up_gets_its_share_in_fast_rounds() {
+    let (took, loads) = join_while_joining(MembershipEvent::MemberUp(member(3)));
+    assert!(
+        took.is_some_and(|t| t < Duration::from_secs(5)),
+        "member 3 balanced {took:?} after it was Up (fast rounds take a second or two): {loads:?}"
+    );
+    // The same when the coordinator learns it from a whole membership view.
+    let (took, loads) = join_while_joining(up(&[1, 2, 3]));
+    assert!(
+        took.is_some_and(|t| t < Duration::from_secs(5)),
+        "member 3 balanced {took:?} after it was Up: {loads:?}"
+    );
+}

@@ -402,8 +402,17 @@ pub struct ShardCoordinator {
     /// follow each other every `warm_settle` while they find shards to
     /// move (each round within the strategy's limits), so the joiner gets
     /// its share of the (mostly still unused) shards in seconds instead of
-    /// one round per `rebalance_interval`.
+    /// one round per `rebalance_interval`. Starts once the joiner may host
+    /// shards: its first region registered and its member is Up.
     fast_rebalance_until: Option<Duration>,
+    /// Members whose first region registered with a warm cluster before
+    /// the member was Up (a joiner's regions register as soon as its node
+    /// knows where the coordinator runs, which can be before the leader
+    /// makes it Up). Their fast rebalance rounds start when they become
+    /// Up: a round before that finds nothing to move to them (their
+    /// regions may not host shards yet) and would end the window, leaving
+    /// them one round per `rebalance_interval`.
+    joining: BTreeSet<UniqueAddress>,
 }
 
 impl std::fmt::Debug for ShardCoordinator {
@@ -481,6 +490,7 @@ impl ShardCoordinator {
             warm_at,
             warm_batches: 0,
             fast_rebalance_until: None,
+            joining: BTreeSet::new(),
         }
     }
 
@@ -627,6 +637,18 @@ impl ShardCoordinator {
         match event {
             MembershipEvent::CurrentMembers(list) => {
                 self.members = list.into_iter().collect();
+                // Joiners now Up start the fast rounds; those no longer
+                // listed (or Leaving) never will.
+                let up = self
+                    .joining
+                    .iter()
+                    .any(|m| self.members.get(m) == Some(&MemberStatus::Up));
+                let members = &self.members;
+                self.joining
+                    .retain(|m| members.get(m).is_some_and(|s| *s != MemberStatus::Up));
+                if up {
+                    self.start_fast_rebalance(now);
+                }
                 let dead: Vec<RegionId> = self
                     .state
                     .regions
@@ -641,16 +663,23 @@ impl ShardCoordinator {
             }
             MembershipEvent::MemberUp(m) => {
                 if !self.removed.contains(&m) {
+                    if self.joining.remove(&m) {
+                        // Its regions registered while it was Joining: they
+                        // may host shards from now on.
+                        self.start_fast_rebalance(now);
+                    }
                     self.members.insert(m, MemberStatus::Up);
                     self.warm_later(now);
                 }
             }
             MembershipEvent::MemberLeaving(m) => {
+                self.joining.remove(&m);
                 if let Some(s) = self.members.get_mut(&m) {
                     *s = MemberStatus::Leaving;
                 }
             }
             MembershipEvent::MemberRemoved(m) => {
+                self.joining.remove(&m);
                 self.members.remove(&m);
                 let dead: Vec<RegionId> = self
                     .state
@@ -731,11 +760,13 @@ impl ShardCoordinator {
                         && !self.state.shards.is_empty()
                         && !self.state.regions.keys().any(|r| r.member == region.member);
                     if joined {
-                        // A member joined a warm cluster: rebalance at once
-                        // and round after round while shards move.
-                        self.fast_rebalance_until = Some(now + self.settings.rebalance_interval);
-                        self.next_rebalance_at =
-                            self.next_rebalance_at.min(now + self.settings.warm_settle);
+                        if self.members.get(&region.member) == Some(&MemberStatus::Up) {
+                            self.start_fast_rebalance(now);
+                        } else {
+                            // Not Up yet: its regions may not host shards,
+                            // so the fast rounds start when it is Up.
+                            self.joining.insert(region.member.clone());
+                        }
                     }
                     self.persist(CoordinatorEvent::ShardRegionRegistered {
                         region: region.clone(),
@@ -1412,6 +1443,15 @@ impl ShardCoordinator {
             }
         }
         round
+    }
+
+    /// A member joined a warm cluster and may host shards now: rebalance at
+    /// once (after `warm_settle`, so that the regions of its other cores
+    /// register too) and round after round while shards move, for one
+    /// `rebalance_interval` (see `fast_rebalance_until`).
+    fn start_fast_rebalance(&mut self, now: Duration) {
+        self.fast_rebalance_until = Some(now + self.settings.rebalance_interval);
+        self.next_rebalance_at = self.next_rebalance_at.min(now + self.settings.warm_settle);
     }
 
     /// The region the strategy would allocate `shard` to once it left
