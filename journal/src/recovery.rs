@@ -199,56 +199,91 @@ impl PidEntry {
 }
 
 /// The (sequence number, offset in bytes) of one id's events in a
-/// segment, in order: none, one inline, or a list from the second (16
-/// bytes: the list is a `ThinVec`, one pointer to its length, capacity
-/// and elements, so that an id with one event, the most common, costs a
-/// 40-byte entry less 8 in each segment index).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// segment, in order, in 16 bytes: none or one inline (an id written once
+/// in the segment, the most common, has no heap block), or a list from the
+/// second event whose length and capacity are in the entry itself, so
+/// that appending to a hot id's list writes its next element without first
+/// loading a header from the heap (a `ThinVec` did: one cache miss per
+/// append).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Events {
-    /// No events (only deletion markers).
-    #[default]
-    None,
-    /// One event.
-    One(SequenceNr, u32),
+    /// None or one.
+    One(OneEvent),
     /// Two or more.
-    Many(thin_vec::ThinVec<(SequenceNr, u32)>),
+    Many(EventList),
+}
+
+/// No event (sequence number 0: events are numbered from 1; only deletion
+/// markers) or one, in 12 bytes aligned to 4, so that it fits beside an
+/// [`EventList`]'s fields before the capacity's niche.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
+pub(crate) struct OneEvent {
+    /// The sequence number's low and high halves.
+    seq: [u32; 2],
+    offset: u32,
+}
+
+impl OneEvent {
+    const NONE: OneEvent = OneEvent {
+        seq: [0, 0],
+        offset: 0,
+    };
+
+    fn new(seq: SequenceNr, offset: u32) -> Self {
+        OneEvent {
+            seq: [seq.0 as u32, (seq.0 >> 32) as u32],
+            offset,
+        }
+    }
+
+    fn get(self) -> Option<(SequenceNr, u32)> {
+        let seq = u64::from(self.seq[0]) | (u64::from(self.seq[1]) << 32);
+        (seq > 0).then_some((SequenceNr(seq), self.offset))
+    }
+}
+
+impl Default for Events {
+    fn default() -> Self {
+        Events::One(OneEvent::NONE)
+    }
 }
 
 impl Events {
     fn push(&mut self, seq: SequenceNr, offset: u32) {
         match self {
-            Events::None => *self = Events::One(seq, offset),
-            Events::One(s, o) => *self = Events::Many(thin_vec::thin_vec![(*s, *o), (seq, offset)]),
+            Events::One(one) => match one.get() {
+                None => *one = OneEvent::new(seq, offset),
+                Some(first) => {
+                    *self = Events::Many(EventList::from(vec![first, (seq, offset)]));
+                }
+            },
             Events::Many(v) => v.push((seq, offset)),
         }
     }
 
     /// Whether there are none.
     pub(crate) fn is_empty(&self) -> bool {
-        matches!(self, Events::None)
+        matches!(self, Events::One(one) if one.get().is_none())
     }
 
     /// The last event.
     pub(crate) fn last(&self) -> Option<(SequenceNr, u32)> {
         match self {
-            Events::None => None,
-            Events::One(s, o) => Some((*s, *o)),
-            Events::Many(v) => v.last().copied(),
+            Events::One(one) => one.get(),
+            Events::Many(v) => v.as_slice().last().copied(),
         }
     }
 
     /// The events with a sequence number at least `from`, in order.
     pub(crate) fn since(&self, from: SequenceNr) -> impl Iterator<Item = (SequenceNr, u32)> + '_ {
-        let many: &[(SequenceNr, u32)] = match self {
+        let (one, many): (Option<(SequenceNr, u32)>, &[(SequenceNr, u32)]) = match self {
+            Events::One(one) => (one.get().filter(|(s, _)| *s >= from), &[]),
             Events::Many(v) => {
+                let v = v.as_slice();
                 let start = v.partition_point(|(s, _)| *s < from);
-                &v[start..]
+                (None, &v[start..])
             }
-            _ => &[],
-        };
-        let one = match self {
-            Events::One(s, o) if *s >= from => Some((*s, *o)),
-            _ => None,
         };
         one.into_iter().chain(many.iter().copied())
     }
@@ -256,6 +291,100 @@ impl Events {
     /// Every event, in order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (SequenceNr, u32)> + '_ {
         self.since(SequenceNr(0))
+    }
+}
+
+/// A list of two or more events of [`Events::Many`]: a `Vec`'s pointer,
+/// length and capacity, the last two as `u32` (a segment's offsets are
+/// `u32`, so it holds fewer than 2^32 records) and the capacity non-zero,
+/// which leaves [`Events::One`] room beside it: 16 bytes (in this field
+/// order, with the capacity's zero, at the end, the one value that tells
+/// the variants apart; a `NonNull` pointer would offer it at the start,
+/// where `One` does not fit beside it).
+#[repr(C)]
+pub(crate) struct EventList {
+    ptr: *mut (SequenceNr, u32),
+    len: u32,
+    cap: std::num::NonZeroU32,
+}
+
+// SAFETY: an `EventList` owns its block as a `Vec` does (no shared state).
+unsafe impl Send for EventList {}
+// SAFETY: as above; `&EventList` only reads.
+unsafe impl Sync for EventList {}
+
+impl From<Vec<(SequenceNr, u32)>> for EventList {
+    /// Takes `v`'s block. Panics when `v` has no block or holds 2^32
+    /// events or more (a segment holds fewer records).
+    fn from(v: Vec<(SequenceNr, u32)>) -> Self {
+        let mut v = std::mem::ManuallyDrop::new(v);
+        let len = u32::try_from(v.len()).expect("fewer than 2^32 events per segment");
+        let cap = u32::try_from(v.capacity())
+            .ok()
+            .and_then(std::num::NonZeroU32::new)
+            .expect("a list with a block of fewer than 2^32 events");
+        EventList {
+            ptr: v.as_mut_ptr(),
+            len,
+            cap,
+        }
+    }
+}
+
+impl EventList {
+    /// The list as the `Vec` it was made from, owning the block; the
+    /// caller must not drop both.
+    fn as_vec(&self) -> std::mem::ManuallyDrop<Vec<(SequenceNr, u32)>> {
+        // SAFETY: `ptr`, `len` and `cap` are those of a `Vec` of this
+        // element type (taken in `from`, or written back by `push`), and
+        // the `ManuallyDrop` keeps the block from being freed twice.
+        std::mem::ManuallyDrop::new(unsafe {
+            Vec::from_raw_parts(self.ptr, self.len as usize, self.cap.get() as usize)
+        })
+    }
+
+    fn push(&mut self, event: (SequenceNr, u32)) {
+        let mut v = self.as_vec();
+        v.push(event);
+        // Written back at once (`push` may have moved the block); the old
+        // fields are forgotten, not dropped: their block is `v`'s now, or
+        // freed by its growth.
+        std::mem::forget(std::mem::replace(
+            self,
+            EventList::from(std::mem::ManuallyDrop::into_inner(v)),
+        ));
+    }
+
+    fn as_slice(&self) -> &[(SequenceNr, u32)] {
+        // SAFETY: the first `len` elements of the block are initialised
+        // and live as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len as usize) }
+    }
+}
+
+impl Drop for EventList {
+    fn drop(&mut self) {
+        drop(std::mem::ManuallyDrop::into_inner(self.as_vec()));
+    }
+}
+
+impl Clone for EventList {
+    fn clone(&self) -> Self {
+        EventList::from(self.as_slice().to_vec())
+    }
+}
+
+impl PartialEq for EventList {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for EventList {}
+
+impl std::fmt::Debug for EventList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.as_slice()).finish()
     }
 }
 
@@ -807,12 +936,38 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_event_list_grows_clones_and_compares_as_the_vec_it_holds() {
+        let mut e = Events::default();
+        let mut want = Vec::new();
+        for i in 1..=1000u64 {
+            // Sequence numbers above 2^32 keep their high half inline.
+            let seq = SequenceNr(i + (1 << 33));
+            e.push(seq, i as u32 * 7);
+            want.push((seq, i as u32 * 7));
+            assert_eq!(e.last(), Some((seq, i as u32 * 7)));
+        }
+        assert!(matches!(e, Events::Many(_)));
+        assert_eq!(e.iter().collect::<Vec<_>>(), want);
+        let from = SequenceNr(500 + (1 << 33));
+        assert_eq!(e.since(from).count(), 501);
+        let c = e.clone();
+        assert_eq!(c, e);
+        drop(e);
+        assert_eq!(c.iter().collect::<Vec<_>>(), want);
+        assert_eq!(format!("{c:?}").matches("SequenceNr").count(), 1000);
+        let mut one = Events::default();
+        one.push(SequenceNr(u64::MAX), u32::MAX);
+        assert_eq!(one.last(), Some((SequenceNr(u64::MAX), u32::MAX)));
+        assert_ne!(one, c);
+    }
+
+    #[test]
     fn an_entry_keeps_its_events_in_order_inline_then_boxed_and_round_trips_its_file_form() {
         let mut e = PidEntry::default();
         assert!(e.events.is_empty());
         assert_eq!(e.last_event_seq(), SequenceNr(0));
         e.events.push(SequenceNr(3), 100);
-        assert!(matches!(e.events, Events::One(..)));
+        assert!(matches!(e.events, Events::One(_)));
         assert_eq!(e.last_event_seq(), SequenceNr(3));
         assert_eq!(e.events.since(SequenceNr(4)).count(), 0);
         assert_eq!(
