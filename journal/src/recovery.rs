@@ -277,7 +277,8 @@ impl Events {
 
     /// The events with a sequence number at least `from`, in order.
     pub(crate) fn since(&self, from: SequenceNr) -> impl Iterator<Item = (SequenceNr, u32)> + '_ {
-        let (one, many): (Option<(SequenceNr, u32)>, &[(SequenceNr, u32)]) = match self {
+        type Event = (SequenceNr, u32);
+        let (one, many): (Option<Event>, &[Event]) = match self {
             Events::One(one) => (one.get().filter(|(s, _)| *s >= from), &[]),
             Events::Many(v) => {
                 let v = v.as_slice();
