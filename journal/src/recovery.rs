@@ -155,7 +155,7 @@ impl SegmentIndex {
 
 /// One persistence id's records in one segment, in memory (the index
 /// file's [`IndexEntry`], compacted; its deletion marker is in
-/// [`SegmentIndex::deleted`]): 32 bytes, and no heap block for an id with
+/// [`SegmentIndex::deleted`]): 24 bytes, and no heap block for an id with
 /// a single event in the segment (the common case: a million entities
 /// written once each), where a `Vec` and its one-element block took 40
 /// more.
@@ -199,7 +199,10 @@ impl PidEntry {
 }
 
 /// The (sequence number, offset in bytes) of one id's events in a
-/// segment, in order, in 16 bytes: none or one inline (an id written once
+/// segment, in order, in 16 bytes: none or one inline (an event numbered
+/// 0, which this journal's writer never appends and a scan or an index
+/// file could only bring from elsewhere, counts as none: replay starts at
+/// sequence number 1, so it was never read anyway) (an id written once
 /// in the segment, the most common, has no heap block), or a list from the
 /// second event whose length and capacity are in the entry itself, so
 /// that appending to a hot id's list writes its next element without first
@@ -345,15 +348,25 @@ impl EventList {
     }
 
     fn push(&mut self, event: (SequenceNr, u32)) {
+        // Kept undroppable: should `push` unwind, `self` still owns the
+        // block (a `Vec` panics on growth before it moves its block).
         let mut v = self.as_vec();
         v.push(event);
-        // Written back at once (`push` may have moved the block); the old
-        // fields are forgotten, not dropped: their block is `v`'s now, or
-        // freed by its growth.
-        std::mem::forget(std::mem::replace(
-            self,
-            EventList::from(std::mem::ManuallyDrop::into_inner(v)),
-        ));
+        // Written back at once: `push` may have moved the block. A length
+        // or capacity of 2^32 cannot happen (a segment holds fewer
+        // records); were it to, unwinding here would leave `self` naming a
+        // freed block, so the process aborts, as on a failed allocation.
+        let (Ok(len), Some(cap)) = (
+            u32::try_from(v.len()),
+            u32::try_from(v.capacity())
+                .ok()
+                .and_then(std::num::NonZeroU32::new),
+        ) else {
+            std::process::abort();
+        };
+        self.ptr = v.as_mut_ptr();
+        self.len = len;
+        self.cap = cap;
     }
 
     fn as_slice(&self) -> &[(SequenceNr, u32)] {
