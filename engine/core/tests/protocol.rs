@@ -11,6 +11,7 @@ use shardline_core::sharding::{
     Envelope, FailureReason, Generation, HandOffPhase, LeastShardAllocationStrategy, LruPolicy,
     MemberStatus, MembershipEvent, PassivationSettings, RegionEffect, RegionMsg, RegionSettings,
     ShardAllocationStrategy, ShardCoordinator, ShardRegion, StopReason, StrategyError,
+    HANDOFF_RESEND_INTERVAL,
 };
 
 type Region = ShardRegion<u32, u32>;
@@ -55,6 +56,10 @@ struct World {
     /// A frozen region (process stopped): what is sent to it waits here.
     frozen: Option<usize>,
     held: Vec<Pkt>,
+    /// Control messages to regions that the links lose: each matching
+    /// message is dropped (and counted in `lost`) while it returns true.
+    lose: Option<fn(usize, &RegionMsg) -> bool>,
+    lost: Vec<(usize, RegionMsg)>,
 }
 
 impl World {
@@ -91,6 +96,8 @@ impl World {
             auto_stop: true,
             frozen: None,
             held: Vec::new(),
+            lose: None,
+            lost: Vec::new(),
         };
         w.pump();
         w
@@ -163,6 +170,12 @@ impl World {
             if let (Pkt::ToRegion(i, _) | Pkt::User(i, _), Some(f)) = (&p, self.frozen) {
                 if *i == f {
                     self.held.push(p);
+                    continue;
+                }
+            }
+            if let (Pkt::ToRegion(i, m), Some(lose)) = (&p, self.lose) {
+                if lose(*i, m) {
+                    self.lost.push((*i, m.clone()));
                     continue;
                 }
             }
@@ -307,6 +320,60 @@ fn rebalance_hands_off_after_all_acks_and_reallocates() {
     let counts: Vec<usize> = w.coord.state().regions.values().map(|s| s.len()).collect();
     assert_eq!(counts.len(), 2);
     assert!(counts[0].abs_diff(counts[1]) <= 1, "{counts:?}");
+}
+
+/// A `BeginHandOff` lost on the way (a link that reconnects drops control
+/// frames) is sent again after `HANDOFF_RESEND_INTERVAL`: the hand-off
+/// completes in seconds, not at the 60 s hand-off timeout, so the next
+/// round can start.
+#[test]
+fn a_lost_begin_hand_off_is_sent_again() {
+    let cs = CoordinatorSettings::default();
+    let mut w = World::new(1, quiet_settings(), cs.clone());
+    for s in 0..6u32 {
+        w.send(0, &format!("e{s}"), s, s);
+    }
+    let now = w.now;
+    w.coord
+        .handle_membership(now, MembershipEvent::MemberUp(member(2)));
+    w.regions.push(Region::new(
+        rid(2),
+        quiet_settings(),
+        Box::new(LruPolicy::new()),
+        now,
+    ));
+    w.pump();
+    // Region 2 loses every BeginHandOff.
+    w.lose = Some(|i, m| matches!((i, m), (1, RegionMsg::BeginHandOff { .. })));
+    w.advance(cs.rebalance_interval);
+    let moving: Vec<ShardId> = w.coord.rebalance_in_progress().collect();
+    assert_eq!(moving.len(), 1);
+    let s = moving[0];
+    assert_eq!(w.lost.len(), 1, "{:?}", w.lost);
+    assert!(w.stopping.is_empty(), "no HandOff without every ack");
+    // Before the interval nothing is repeated; at it, the BeginHandOff is,
+    // and lost again; the next one arrives.
+    w.advance(HANDOFF_RESEND_INTERVAL - Duration::from_millis(1));
+    assert_eq!(w.lost.len(), 1);
+    w.advance(Duration::from_millis(1));
+    assert_eq!(w.lost.len(), 2, "{:?}", w.lost);
+    assert_eq!(w.coord.rebalance_in_progress().count(), 1);
+    w.lose = None;
+    w.advance(HANDOFF_RESEND_INTERVAL);
+    assert_eq!(w.coord.rebalance_in_progress().count(), 0, "completed");
+    assert!(w.coord.take_abandoned_hand_offs().is_empty());
+    assert_eq!(
+        (
+            w.regions[0].hand_offs_begun(),
+            w.regions[0].hand_offs_completed()
+        ),
+        (1, 1)
+    );
+    // A message for the moved shard allocates it on the new region and
+    // reaches it there.
+    w.send(0, &format!("e{}", s.0), s.0, 500);
+    assert_eq!(w.home(s.0).expect("re-allocated").0, rid(2));
+    assert!(w.delivered.iter().any(|d| d.2 == 500 && d.0 == 1));
 }
 
 /// The allocation table shows every home, its generation and a hand-off

@@ -361,7 +361,30 @@ struct HandOffState {
     since: Duration,
     deadline: Duration,
     planned_target: Option<RegionId>,
+    /// When `BeginHandOff` is sent again to the regions that have not
+    /// acknowledged it ([`HANDOFF_RESEND_INTERVAL`]).
+    resend_at: Duration,
 }
+
+/// How often the coordinator sends a hand-off's `BeginHandOff` again to
+/// every region that has not acknowledged it (3 s). The links between
+/// nodes drop control frames while they reconnect; without a repeat, one
+/// lost `BeginHandOff` or acknowledgement would hold the hand-off, and
+/// with it every later rebalance round (the default strategy starts none
+/// while one is in progress), until `handoff_timeout` abandons it (60 s by
+/// default). A region answers a repeat as it answered the first: it
+/// acknowledges again (through the owner, behind what it forwarded to it,
+/// as before); the coordinator ignores acknowledgements it no longer waits
+/// for. (Akka's coordinator sends each step once and relies on its links;
+/// ours are allowed to drop.)
+///
+/// `HandOff` is sent once: a region that no longer hosts the shard answers
+/// `ShardStopped` at once, which a repeat could draw from a region that
+/// dropped the shard while its entities were still stopping (a leave that
+/// timed out), letting the shard start elsewhere before its older messages
+/// were processed (the simulation's `cluster-leave-timeout` showed it). A
+/// lost `HandOff` still waits for `handoff_timeout`.
+pub const HANDOFF_RESEND_INTERVAL: Duration = Duration::from_secs(3);
 
 /// The shard coordinator state machine (one per cluster, on the oldest
 /// member).
@@ -579,7 +602,11 @@ impl ShardCoordinator {
     /// The earliest time at which [`handle_timeout`](Self::handle_timeout)
     /// must be called.
     pub fn poll_timeout(&self) -> Option<Duration> {
-        let d = self.rebalance.values().map(|h| h.deadline).min();
+        let d = self
+            .rebalance
+            .values()
+            .map(|h| h.deadline.min(h.resend_at))
+            .min();
         let t = match d {
             Some(d) => d.min(self.next_rebalance_at),
             None => self.next_rebalance_at,
@@ -795,6 +822,7 @@ impl ShardCoordinator {
                                 since: now,
                                 deadline: now + self.settings.handoff_timeout,
                                 planned_target: None,
+                                resend_at: now + HANDOFF_RESEND_INTERVAL,
                             },
                         );
                         continue;
@@ -962,6 +990,7 @@ impl ShardCoordinator {
                 since: now,
                 deadline: now + self.settings.handoff_timeout,
                 planned_target,
+                resend_at: now + HANDOFF_RESEND_INTERVAL,
             },
         );
         self.maybe_send_handoff(shard);
@@ -1382,8 +1411,37 @@ impl ShardCoordinator {
             }
             self.answer_deferred(s);
         }
+        self.resend_begin_hand_offs(now);
         if now >= self.next_rebalance_at {
             let _ = self.rebalance_round(now);
+        }
+    }
+
+    /// Sends `BeginHandOff` again to the regions that have not
+    /// acknowledged it, for every hand-off waiting for acknowledgements
+    /// whose [`HANDOFF_RESEND_INTERVAL`] passed.
+    fn resend_begin_hand_offs(&mut self, now: Duration) {
+        let mut sends = Vec::new();
+        for (s, h) in self.rebalance.iter_mut() {
+            if h.resend_at > now {
+                continue;
+            }
+            h.resend_at = now + HANDOFF_RESEND_INTERVAL;
+            if !h.handoff_sent {
+                for r in &h.waiting_acks {
+                    sends.push((
+                        r.clone(),
+                        RegionMsg::BeginHandOff {
+                            shard: *s,
+                            generation: h.generation,
+                            owner: h.owner.clone(),
+                        },
+                    ));
+                }
+            }
+        }
+        for (to, msg) in sends {
+            self.send(to, msg);
         }
     }
 
