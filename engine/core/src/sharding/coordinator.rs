@@ -378,12 +378,11 @@ struct HandOffState {
 /// for. (Akka's coordinator sends each step once and relies on its links;
 /// ours are allowed to drop.)
 ///
-/// `HandOff` is sent once: a region that no longer hosts the shard answers
-/// `ShardStopped` at once, which a repeat could draw from a region that
-/// dropped the shard while its entities were still stopping (a leave that
-/// timed out), letting the shard start elsewhere before its older messages
-/// were processed (the simulation's `cluster-leave-timeout` showed it). A
-/// lost `HandOff` still waits for `handoff_timeout`.
+/// `HandOff` is sent once: repeating it as well let a sender's messages be
+/// processed out of order in the simulation's `cluster-leave-timeout`
+/// (a leaving member whose entities take seconds to stop); the likely
+/// cause is a region's at-once `ShardStopped` for a `HandOff` of a shard
+/// it does not host. A lost `HandOff` still waits for `handoff_timeout`.
 pub const HANDOFF_RESEND_INTERVAL: Duration = Duration::from_secs(3);
 
 /// The shard coordinator state machine (one per cluster, on the oldest
