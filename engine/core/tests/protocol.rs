@@ -259,14 +259,14 @@ fn generations_start_above_min_generation() {
     assert_eq!(w.home(4).expect("allocated").1, Generation(1_002));
 }
 
-#[test]
-fn rebalance_hands_off_after_all_acks_and_reallocates() {
+/// Six shards on region 1 (one entity each, default coordinator
+/// settings), then region 2 joins: the next rebalance round moves one.
+fn six_shards_and_a_joining_region() -> (World, CoordinatorSettings) {
     let cs = CoordinatorSettings::default();
     let mut w = World::new(1, quiet_settings(), cs.clone());
     for s in 0..6u32 {
         w.send(0, &format!("e{s}"), s, s);
     }
-    // A second region joins.
     let now = w.now;
     w.coord
         .handle_membership(now, MembershipEvent::MemberUp(member(2)));
@@ -277,6 +277,12 @@ fn rebalance_hands_off_after_all_acks_and_reallocates() {
         now,
     ));
     w.pump();
+    (w, cs)
+}
+
+#[test]
+fn rebalance_hands_off_after_all_acks_and_reallocates() {
+    let (mut w, cs) = six_shards_and_a_joining_region();
     w.auto_stop = false;
     w.advance(cs.rebalance_interval);
     // 10% of 6 shards, at least 1: one shard moves per round.
@@ -328,21 +334,7 @@ fn rebalance_hands_off_after_all_acks_and_reallocates() {
 /// round can start.
 #[test]
 fn a_lost_begin_hand_off_is_sent_again() {
-    let cs = CoordinatorSettings::default();
-    let mut w = World::new(1, quiet_settings(), cs.clone());
-    for s in 0..6u32 {
-        w.send(0, &format!("e{s}"), s, s);
-    }
-    let now = w.now;
-    w.coord
-        .handle_membership(now, MembershipEvent::MemberUp(member(2)));
-    w.regions.push(Region::new(
-        rid(2),
-        quiet_settings(),
-        Box::new(LruPolicy::new()),
-        now,
-    ));
-    w.pump();
+    let (mut w, cs) = six_shards_and_a_joining_region();
     // Region 2 loses every BeginHandOff.
     w.lose = Some(|i, m| matches!((i, m), (1, RegionMsg::BeginHandOff { .. })));
     w.advance(cs.rebalance_interval);

@@ -409,18 +409,25 @@ fn answer_hand_offs(c: &mut ShardCoordinator, now: Duration, d: Drained) -> Drai
     }
 }
 
-#[test]
-fn a_member_joining_a_warm_cluster_gets_its_share_in_fast_rounds() {
+/// A coordinator of `n` shards, all allocated in one warm batch to the
+/// one region of member 1 (time 0 + the settle time).
+fn warm_on_member_1(n: u32) -> ShardCoordinator {
     let t0 = Duration::ZERO;
     let mut c = ShardCoordinator::new(
-        settings(SHARDS),
+        settings(n),
         Box::new(LeastShardAllocationStrategy::default()),
         t0,
     );
     c.handle_membership(t0, up(&[1]));
     register(&mut c, t0, rid(1, 0));
     c.handle_timeout(t0 + SETTLE);
-    assert_eq!(drain(&mut c).allocated.len(), SHARDS as usize);
+    assert_eq!(drain(&mut c).allocated.len(), n as usize);
+    c
+}
+
+#[test]
+fn a_member_joining_a_warm_cluster_gets_its_share_in_fast_rounds() {
+    let mut c = warm_on_member_1(SHARDS);
     // Member 2 joins; its region registers.
     let t1 = Duration::from_secs(3);
     c.handle_membership(t1, MembershipEvent::MemberUp(member(2)));
@@ -603,16 +610,7 @@ fn run_rounds(
 /// was balanced with the others (`None`: not within 35 s) and the loads.
 fn join_while_joining(up3: MembershipEvent) -> (Option<Duration>, BTreeMap<RegionId, usize>) {
     const N: u32 = 100;
-    let t0 = Duration::ZERO;
-    let mut c = ShardCoordinator::new(
-        settings(N),
-        Box::new(LeastShardAllocationStrategy::default()),
-        t0,
-    );
-    c.handle_membership(t0, up(&[1]));
-    register(&mut c, t0, rid(1, 0));
-    c.handle_timeout(t0 + SETTLE);
-    assert_eq!(drain(&mut c).allocated.len(), N as usize);
+    let mut c = warm_on_member_1(N);
     let t1 = Duration::from_secs(3);
     register(&mut c, t1, rid(2, 0));
     register(&mut c, t1, rid(3, 0));

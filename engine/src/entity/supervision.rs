@@ -435,29 +435,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn panic_restarts_with_fresh_state_and_answers_failure() {
-        let f = supervised(Arc::new(|_| Box::new(Fragile { n: 0 })), settings(5));
-        let id = EntityId::new("a").unwrap();
-        let mut e = f(&id);
-        e.on_start(&mut EntityContext::new(
-            &id,
-            &mut crate::entity::EntityServices::default(),
-        ));
-        assert_eq!(send(e.as_mut(), &id, "x"), (Status::Ok, "1".into()));
-        let (s, why) = send(e.as_mut(), &id, "boom");
-        assert_eq!(s, Status::EntityFailed);
-        assert!(why.contains("boom requested"), "{why}");
-        // Zero backoff: the next message restarts a fresh child.
-        assert_eq!(send(e.as_mut(), &id, "x"), (Status::Ok, "1".into()));
-        let (s, _) = send(e.as_mut(), &id, "err");
-        assert_eq!(s, Status::EntityFailed);
-        assert_eq!(send(e.as_mut(), &id, "x"), (Status::Ok, "1".into()));
-    }
-
-    #[test]
-    fn an_inline_child_restarts_fresh_and_is_held_without_a_box() {
-        let f = supervised_inline(Arc::new(|_| Fragile { n: 0 }), settings(5));
+    /// Entity `a` of `f` (a `Fragile` child, zero backoff): a panic and an
+    /// error each answer `EntityFailed` and restart a fresh child.
+    fn check_restarts_fresh(f: EntityFactory) {
         let id = EntityId::new("a").unwrap();
         let mut e = f(&id);
         e.on_start(&mut EntityContext::new(
@@ -469,7 +449,27 @@ mod tests {
         let (s, why) = send(e.as_mut(), &id, "boom");
         assert_eq!(s, Status::EntityFailed);
         assert!(why.contains("boom requested"), "{why}");
+        // Zero backoff: the next message restarts a fresh child.
         assert_eq!(send(e.as_mut(), &id, "x"), (Status::Ok, "1".into()));
+        let (s, _) = send(e.as_mut(), &id, "err");
+        assert_eq!(s, Status::EntityFailed);
+        assert_eq!(send(e.as_mut(), &id, "x"), (Status::Ok, "1".into()));
+    }
+
+    #[test]
+    fn panic_restarts_with_fresh_state_and_answers_failure() {
+        check_restarts_fresh(supervised(
+            Arc::new(|_| Box::new(Fragile { n: 0 })),
+            settings(5),
+        ));
+    }
+
+    #[test]
+    fn an_inline_child_restarts_fresh_and_is_held_without_a_box() {
+        check_restarts_fresh(supervised_inline(
+            Arc::new(|_| Fragile { n: 0 }),
+            settings(5),
+        ));
         // The child sits in the supervisor: the factory's pointer, the
         // child and the null failure history.
         assert_eq!(
