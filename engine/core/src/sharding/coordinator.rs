@@ -379,10 +379,13 @@ struct HandOffState {
 /// ours are allowed to drop.)
 ///
 /// `HandOff` is sent once: repeating it as well let a sender's messages be
-/// processed out of order in the simulation's `cluster-leave-timeout`
-/// (a leaving member whose entities take seconds to stop); the likely
-/// cause is a region's at-once `ShardStopped` for a `HandOff` of a shard
-/// it does not host. A lost `HandOff` still waits for `handoff_timeout`.
+/// processed out of order in the simulation's `cluster-leave-timeout`. A
+/// hand-off abandoned while its owner was still stopping the shard names
+/// that owner as the home again, so other regions forward into its
+/// stopping buffer; a repeated `HandOff` of a second hand-off then drew a
+/// `ShardStopped` of the new generation once the shard was gone, and the
+/// shard moved with those older messages behind newer ones (see
+/// `docs/node.md`). A lost `HandOff` still waits for `handoff_timeout`.
 pub const HANDOFF_RESEND_INTERVAL: Duration = Duration::from_secs(3);
 
 /// The shard coordinator state machine (one per cluster, on the oldest
