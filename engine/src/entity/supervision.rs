@@ -84,7 +84,8 @@ impl SupervisorSettings {
 
 /// Wraps every entity `inner` makes in a [`Supervisor`].
 pub fn supervised(inner: EntityFactory, settings: SupervisorSettings) -> EntityFactory {
-    supervised_inline(std::sync::Arc::new(move |id| inner(id)), settings)
+    // An entity factory is the child factory of a boxed child.
+    supervised_inline(inner, settings)
 }
 
 /// Makes a child of type `C` for an entity id (a [`Supervisor`]'s factory,
