@@ -20,7 +20,8 @@ use crate::format::{
 };
 use crate::ids::{Lsn, PersistenceId, SequenceNr, WriterEpoch};
 use crate::recovery::{
-    pid_hash, raise_deleted, recover, PidMap, PidState, RecoveryReport, SealedSegment, SegmentIndex,
+    deleted_to, pid_hash, raise_deleted, recover, PidMap, PidState, RecoveryReport, SealedSegment,
+    SegmentIndex,
 };
 use crate::storage::{MmapStorage, SegmentFile, Storage};
 use crate::sync::{self, DurabilityError, DurabilityWatcher, PendingSnapshots, Shared, SyncMsg};
@@ -278,13 +279,15 @@ impl Catalog {
     }
 
     fn start_seq(&self, pid: &PersistenceId, from: SequenceNr) -> Option<SequenceNr> {
-        self.pids.get(pid.as_str())?;
+        if !self.pids.contains_key(pid.as_str()) {
+            return None;
+        }
         Some(from.max(SequenceNr(self.deleted_to(pid.as_str()).0 + 1)))
     }
 
     /// How far `pid`'s events are deleted (0: none).
     fn deleted_to(&self, pid: &str) -> SequenceNr {
-        self.deleted.get(pid).copied().unwrap_or_default()
+        deleted_to(&self.deleted, pid)
     }
 
     fn snapshot_candidates(&self, pid: &PersistenceId) -> Vec<String> {

@@ -199,15 +199,16 @@ impl PidEntry {
 }
 
 /// The (sequence number, offset in bytes) of one id's events in a
-/// segment, in order, in 16 bytes: none or one inline (an event numbered
-/// 0, which this journal's writer never appends and a scan or an index
-/// file could only bring from elsewhere, counts as none: replay starts at
-/// sequence number 1, so it was never read anyway) (an id written once
-/// in the segment, the most common, has no heap block), or a list from the
-/// second event whose length and capacity are in the entry itself, so
-/// that appending to a hot id's list writes its next element without first
-/// loading a header from the heap (a `ThinVec` did: one cache miss per
-/// append).
+/// segment, in order, in 16 bytes:
+/// - none or one, inline: an id written once in the segment, the most
+///   common case, has no heap block. An event numbered 0 counts as none;
+///   this journal's writer never appends one, only a scan or an index
+///   file could bring it from elsewhere, and replay starts at sequence
+///   number 1, so it was never read anyway;
+/// - from the second event, a list whose length and capacity are in the
+///   entry itself, so that appending to a hot id's list writes its next
+///   element without first loading a header from the heap (a `ThinVec`
+///   did: one cache miss per append).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Events {
     /// None or one.
@@ -322,20 +323,22 @@ impl From<Vec<(SequenceNr, u32)>> for EventList {
     /// events or more (a segment holds fewer records).
     fn from(v: Vec<(SequenceNr, u32)>) -> Self {
         let mut v = std::mem::ManuallyDrop::new(v);
-        let len = u32::try_from(v.len()).expect("fewer than 2^32 events per segment");
-        let cap = u32::try_from(v.capacity())
-            .ok()
-            .and_then(std::num::NonZeroU32::new)
-            .expect("a list with a block of fewer than 2^32 events");
-        EventList {
-            ptr: v.as_mut_ptr(),
-            len,
-            cap,
-        }
+        EventList::parts(&mut v).expect("a list with a block of fewer than 2^32 events")
     }
 }
 
 impl EventList {
+    /// The fields naming `v`'s block; `None` when it has none or its
+    /// length or capacity does not fit a `u32`. The caller must not drop
+    /// `v` as well.
+    fn parts(v: &mut Vec<(SequenceNr, u32)>) -> Option<EventList> {
+        Some(EventList {
+            len: u32::try_from(v.len()).ok()?,
+            cap: std::num::NonZeroU32::new(u32::try_from(v.capacity()).ok()?)?,
+            ptr: v.as_mut_ptr(),
+        })
+    }
+
     /// The list as the `Vec` it was made from, owning the block; the
     /// caller must not drop both.
     fn as_vec(&self) -> std::mem::ManuallyDrop<Vec<(SequenceNr, u32)>> {
@@ -356,17 +359,12 @@ impl EventList {
         // or capacity of 2^32 cannot happen (a segment holds fewer
         // records); were it to, unwinding here would leave `self` naming a
         // freed block, so the process aborts, as on a failed allocation.
-        let (Ok(len), Some(cap)) = (
-            u32::try_from(v.len()),
-            u32::try_from(v.capacity())
-                .ok()
-                .and_then(std::num::NonZeroU32::new),
-        ) else {
+        let Some(parts) = EventList::parts(&mut v) else {
             std::process::abort();
         };
-        self.ptr = v.as_mut_ptr();
-        self.len = len;
-        self.cap = cap;
+        // The old fields are overwritten, not dropped: their block is
+        // `v`'s now, or freed by its growth.
+        std::mem::forget(std::mem::replace(self, parts));
     }
 
     fn as_slice(&self) -> &[(SequenceNr, u32)] {
@@ -452,6 +450,11 @@ impl PidState {
             deleted_to,
         }
     }
+}
+
+/// How far `pid`'s events are deleted in `deleted` (0: none).
+pub(crate) fn deleted_to(deleted: &PidMap<SequenceNr>, pid: &str) -> SequenceNr {
+    deleted.get(pid).copied().unwrap_or_default()
 }
 
 /// Raises `pid`'s entry of `deleted` to `to` (no entry is made for 0).
@@ -902,10 +905,7 @@ pub(crate) fn recover(
     report.persistence_ids = pids.len() as u64;
     let checkpoint_state = pids
         .iter()
-        .map(|(p, s)| {
-            let d = deleted.get(p.as_str()).copied().unwrap_or_default();
-            (p.clone(), s.to_checkpoint(d))
-        })
+        .map(|(p, s)| (p.clone(), s.to_checkpoint(deleted_to(&deleted, p.as_str()))))
         .collect();
     Ok(Recovered {
         segments: out,
