@@ -362,8 +362,17 @@ struct HandOffState {
     deadline: Duration,
     planned_target: Option<RegionId>,
     /// When `BeginHandOff` is sent again to the regions that have not
-    /// acknowledged it ([`HANDOFF_RESEND_INTERVAL`]).
+    /// acknowledged it ([`HANDOFF_RESEND_INTERVAL`]); only while
+    /// `handoff_sent` is false ([`HandOffState::next_resend`]).
     resend_at: Duration,
+}
+
+impl HandOffState {
+    /// When `BeginHandOff` is due again: `None` once every region
+    /// acknowledged it (`HandOff` is sent once).
+    fn next_resend(&self) -> Option<Duration> {
+        (!self.handoff_sent).then_some(self.resend_at)
+    }
 }
 
 /// How often the coordinator sends a hand-off's `BeginHandOff` again to
@@ -607,7 +616,7 @@ impl ShardCoordinator {
         let d = self
             .rebalance
             .values()
-            .map(|h| h.deadline.min(h.resend_at))
+            .map(|h| h.next_resend().map_or(h.deadline, |r| h.deadline.min(r)))
             .min();
         let t = match d {
             Some(d) => d.min(self.next_rebalance_at),
@@ -1425,21 +1434,19 @@ impl ShardCoordinator {
     fn resend_begin_hand_offs(&mut self, now: Duration) {
         let mut sends = Vec::new();
         for (s, h) in self.rebalance.iter_mut() {
-            if h.resend_at > now {
+            if h.next_resend().is_none_or(|r| r > now) {
                 continue;
             }
             h.resend_at = now + HANDOFF_RESEND_INTERVAL;
-            if !h.handoff_sent {
-                for r in &h.waiting_acks {
-                    sends.push((
-                        r.clone(),
-                        RegionMsg::BeginHandOff {
-                            shard: *s,
-                            generation: h.generation,
-                            owner: h.owner.clone(),
-                        },
-                    ));
-                }
+            for r in &h.waiting_acks {
+                sends.push((
+                    r.clone(),
+                    RegionMsg::BeginHandOff {
+                        shard: *s,
+                        generation: h.generation,
+                        owner: h.owner.clone(),
+                    },
+                ));
             }
         }
         for (to, msg) in sends {

@@ -270,12 +270,12 @@ impl Entity {
     /// Active, last messaged at `now` (584 years of ns fit below the
     /// marker).
     fn active(now: Duration) -> Self {
-        Entity(u64::try_from(now.as_nanos()).map_or(u64::MAX - 1, |n| n.min(u64::MAX - 1)))
+        Entity(now.as_nanos().min(u128::from(Self::PASSIVATING.0 - 1)) as u64)
     }
 
     /// When an active entity last got a message; `None` while it stops.
     fn last_message_at(self) -> Option<Duration> {
-        (self != Self::PASSIVATING).then(|| Duration::from_nanos(self.0))
+        self.is_active().then(|| Duration::from_nanos(self.0))
     }
 
     fn is_active(self) -> bool {
