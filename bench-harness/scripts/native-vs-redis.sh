@@ -2,12 +2,20 @@
 # Native protocol vs redis: a Shardline node with one data core and a
 # redis-server (no persistence), both pinned to the same core, are driven
 # alternately from another core with the same shape of load: 50
-# connections, closed loop, depth (requests in flight per connection) 1 and
-# 16, over 10,000 keys, for ROUNDS rounds.
+# connections, closed loop, depth (requests per batch on each connection) 1
+# and 16, over 10,000 keys, for ROUNDS rounds.
 #
-#   counter add  (shardline-bench --op counter-add)  vs  redis INCR
-#   counter get  (shardline-bench --op counter-get)  vs  redis GET
-#   echo         (shardline-bench --op echo)         vs  redis ECHO
+#   counter add  (shardline-bench pipelined --op counter-add)  vs  redis INCR
+#   counter get  (shardline-bench pipelined --op counter-get)  vs  redis GET
+#   echo         (shardline-bench pipelined --op echo)         vs  redis ECHO
+#
+# `shardline-bench pipelined` is a client in redis-benchmark's shape: one
+# event loop over the connections, each writing a batch of DEPTH requests
+# and waiting for their replies. CLIENTS="pipelined run" also drives the
+# node with `shardline-bench run` (a writer and a reader thread per
+# connection, sliding window): its sleeping reader threads make the node
+# pay a thread wake-up per reply, so its CPU per request is higher for a
+# reason that is the client's, and is shown apart as "shardline(DUR,run)".
 #
 # For each run it prints req/s, p50/p99 (HdrHistogram in shardline-bench,
 # redis-benchmark's own percentiles for redis) and the server's CPU per
@@ -27,6 +35,7 @@ cd "$(dirname "$0")/../.."
 ROUNDS=${1:-3}
 DURATION=${2:-10}
 DURABILITIES=${DURABILITIES:-none}
+CLIENTS=${CLIENTS:-pipelined}
 CONNS=50
 KEYS=10000
 SERVER_CORE=0
@@ -112,13 +121,19 @@ CLK_TCK=$(getconf CLK_TCK)
 # cpu_ticks PID: utime + stime of the process (all its threads), in ticks.
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
-# sl_run OP DEPTH: prints "rps p50_us p99_us cpu_us_per_request errors".
+# sl_run CLIENT OP DEPTH: prints "rps p50_us p99_us cpu_us_per_request errors".
 sl_run() {
   local c0 c1 j=$WORK/run.json
   c0=$(cpu_ticks "$sl_pid")
-  taskset -c $LOAD_CORE "$BENCH" run --connect "127.0.0.1:17202" --op "$1" \
-    --connections $CONNS --pipeline "$2" --entities $KEYS --duration "${DURATION}s" \
-    --no-progress --json "$j" > "$WORK/bench.out" 2>&1
+  if [ "$1" = run ]; then
+    taskset -c $LOAD_CORE "$BENCH" run --connect "127.0.0.1:17202" --op "$2" \
+      --connections $CONNS --pipeline "$3" --entities $KEYS --duration "${DURATION}s" \
+      --no-progress --json "$j" > "$WORK/bench.out" 2>&1
+  else
+    taskset -c $LOAD_CORE "$BENCH" pipelined --connect "127.0.0.1:17202" --op "$2" \
+      --connections $CONNS --pipeline "$3" --entities $KEYS --duration "${DURATION}s" \
+      --json "$j" > "$WORK/bench.out" 2>&1
+  fi
   c1=$(cpu_ticks "$sl_pid")
   python3 - "$j" <<'PY' | awk -v a="$c0" -v b="$c1" -v hz="$CLK_TCK" \
     '{printf "%s %s %s %.2f %s\n", $1, $2, $3, (b - a) * 1e6 / hz / $4, $5}'
@@ -149,6 +164,8 @@ redis_run() {
 median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
 
 declare -A RPS CPU P50 P99
+# sl_key DURABILITY CLIENT: the row name of a Shardline run.
+sl_key() { if [ "$2" = pipelined ]; then echo "shardline($1)"; else echo "shardline($1,$2)"; fi; }
 redis_cmd() {
   case "$1" in
     counter-add) echo "INCR counter:__rand_int__" ;;
@@ -178,11 +195,13 @@ for dur in $DURABILITIES; do
           RPS[$k]="${RPS[$k]:-} $rps"; CPU[$k]="${CPU[$k]:-} $cpu"
           P50[$k]="${P50[$k]:-} $p50"; P99[$k]="${P99[$k]:-} $p99"
         fi
-        read -r rps p50 p99 cpu errs < <(sl_run "$op" "$depth")
-        k="shardline($dur) $op d$depth"
-        printf '%-34s %5s %10s %9s %9s %11s %7s\n' "$k" "$r" "$rps" "$p50" "$p99" "$cpu" "$errs"
-        RPS[$k]="${RPS[$k]:-} $rps"; CPU[$k]="${CPU[$k]:-} $cpu"
-        P50[$k]="${P50[$k]:-} $p50"; P99[$k]="${P99[$k]:-} $p99"
+        for client in $CLIENTS; do
+          read -r rps p50 p99 cpu errs < <(sl_run "$client" "$op" "$depth")
+          k="$(sl_key "$dur" "$client") $op d$depth"
+          printf '%-34s %5s %10s %9s %9s %11s %7s\n' "$k" "$r" "$rps" "$p50" "$p99" "$cpu" "$errs"
+          RPS[$k]="${RPS[$k]:-} $rps"; CPU[$k]="${CPU[$k]:-} $cpu"
+          P50[$k]="${P50[$k]:-} $p50"; P99[$k]="${P99[$k]:-} $p99"
+        done
       done
     done
   done
@@ -195,12 +214,13 @@ for dur in $DURABILITIES; do
   for depth in 1 16; do
     for op in counter-add counter-get echo; do
       rk="redis $op d$depth"
-      sk="shardline($dur) $op d$depth"
-      for k in "$rk" "$sk"; do
+      sks=()
+      for client in $CLIENTS; do sks+=("$(sl_key "$dur" "$client") $op d$depth"); done
+      for k in "$rk" "${sks[@]}"; do
         [ "$k" = "$rk" ] && [ "$dur" != "$(echo $DURABILITIES | awk '{print $1}')" ] && continue
         rps=$(echo "${RPS[$k]}" | median); cpu=$(echo "${CPU[$k]}" | median)
         p50=$(echo "${P50[$k]}" | median); p99=$(echo "${P99[$k]}" | median)
-        if [ "$k" = "$sk" ]; then
+        if [ "$k" != "$rk" ]; then
           rc=$(echo "${CPU[$rk]}" | median); rr=$(echo "${RPS[$rk]}" | median)
           printf '%-34s %10.0f %9.0f %9.0f %11.2f %10.2f %10.2f\n' "$k" "$rps" "$p50" "$p99" "$cpu" \
             "$(awk -v s="$cpu" -v r="$rc" 'BEGIN {print s / r}')" "$(awk -v s="$rps" -v r="$rr" 'BEGIN {print s / r}')"

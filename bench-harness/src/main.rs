@@ -12,8 +12,9 @@
 //!
 //! Subcommands: `run` (any load against `--connect` or `--spawn` targets)
 //! and `demo` (the main job: a 3-node cluster replaying the OLTP trace),
-//! `journal` (the journal against raw `pwrite` + `fdatasync`) and `durable`
-//! (durable counter adds per data core against that raw baseline).
+//! `journal` (the journal against raw `pwrite` + `fdatasync`), `durable`
+//! (durable counter adds per data core against that raw baseline) and
+//! `pipelined` (closed-loop load in redis-benchmark's shape).
 //!
 //! `shardline-bench node --config FILE` (hidden) runs a node exactly as
 //! `shardline node` does: the same entry point ([`shardline::cli::main`]),
@@ -27,6 +28,7 @@ mod driver;
 mod durable;
 mod journal_bench;
 mod native;
+mod pipelined;
 mod plot;
 mod report;
 mod run;
@@ -68,6 +70,10 @@ enum Command {
     /// policy and depth, with p50/p99/p99.9, against the raw write +
     /// fdatasync baseline measured in the same run.
     Durable(durable::DurableArgs),
+    /// Closed-loop load in redis-benchmark's shape (one event loop; each
+    /// connection writes a batch of requests and waits for its replies), for
+    /// comparing a node's CPU per request with redis under the same client.
+    Pipelined(pipelined::PipelinedArgs),
 }
 
 fn exit_code(verify: Option<&verify::Verdict>) -> ExitCode {
@@ -107,6 +113,10 @@ fn main() -> anyhow::Result<ExitCode> {
         }
         Command::Durable(args) => {
             durable::run(&args, connector)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Pipelined(args) => {
+            pipelined::run(args)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo(args) => {
