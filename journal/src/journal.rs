@@ -130,7 +130,31 @@ pub struct Recovery {
     pub events: Vec<Record>,
 }
 
+/// Wall-clock time in ms for record and header timestamps: the kernel's
+/// `CLOCK_REALTIME_COARSE` (its time at the last timer tick, 1-4 ms old),
+/// which costs a memory read where a precise read costs a timer read per
+/// append (about 1 % of a data core at 500 k appends/s).
+#[cfg(target_os = "linux")]
 fn now_ms() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec for the call.
+    if unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut ts) } == 0 {
+        return (ts.tv_sec as u64)
+            .saturating_mul(1000)
+            .saturating_add(ts.tv_nsec as u64 / 1_000_000);
+    }
+    precise_now_ms()
+}
+
+#[cfg(not(target_os = "linux"))]
+fn now_ms() -> u64 {
+    precise_now_ms()
+}
+
+fn precise_now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)

@@ -21,7 +21,7 @@ pub use native::LINGER;
 use std::cell::{RefCell, RefMut};
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 
@@ -177,16 +177,18 @@ impl Fronts {
     /// order, or a native response frame), and counts it. Says what became
     /// of it: written (the payload's buffer handed back for reuse), kept by
     /// the HTTP front, or dropped because `conn` is no open front
-    /// connection (it closed, or it is a data lane's).
+    /// connection (it closed, or it is a data lane's). `at` is the current
+    /// time as the caller last read it: the request's latency counts to it.
     pub(crate) fn reply(
         &self,
         conn: port::ConnId,
         request_id: u64,
         status: Status,
         payload: Vec<u8>,
+        at: Instant,
     ) -> Delivered {
-        if let Some(payload) = http::serve::deliver(self, conn, request_id, status, payload) {
-            return native::deliver(self, conn, request_id, status, payload);
+        if let Some(payload) = http::serve::deliver(self, conn, request_id, status, payload, at) {
+            return native::deliver(self, conn, request_id, status, payload, at);
         }
         Delivered::Kept
     }
@@ -263,13 +265,23 @@ mod tests {
             h.native
                 .begun(7, 2, b"nosuchtype", std::time::Instant::now());
         }
-        assert!(fronts.reply(7, 1, Status::Ok, b"hi".to_vec()).delivered());
         assert!(fronts
-            .reply(7, 2, Status::UnknownEntityType, b"no".to_vec())
+            .reply(7, 1, Status::Ok, b"hi".to_vec(), Instant::now())
+            .delivered());
+        assert!(fronts
+            .reply(
+                7,
+                2,
+                Status::UnknownEntityType,
+                b"no".to_vec(),
+                Instant::now()
+            )
             .delivered());
         // Not a front connection of this executor (e.g. a data lane's), or
         // closed: dropped, and said so.
-        assert!(!fronts.reply(9, 1, Status::Ok, b"lost".to_vec()).delivered());
+        assert!(!fronts
+            .reply(9, 1, Status::Ok, b"lost".to_vec(), Instant::now())
+            .delivered());
         assert_eq!(
             frames(&a.buf.borrow()),
             vec![
@@ -282,7 +294,9 @@ mod tests {
             "nothing for the other connection"
         );
         fronts.state().native.closed(8);
-        assert!(!fronts.reply(8, 5, Status::Ok, Vec::new()).delivered());
+        assert!(!fronts
+            .reply(8, 5, Status::Ok, Vec::new(), Instant::now())
+            .delivered());
 
         // Published to the node's board, by executor; unknown types are
         // one label.

@@ -21,7 +21,7 @@
 
 use std::future::Future;
 use std::rc::Rc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use shardline_core::ids::ShardId;
 
@@ -56,7 +56,10 @@ pub(crate) trait DataPort: Clone + 'static {
     /// Routes one entity request (`type_name`, `entity_id` as read from the
     /// wire, not yet validated). Its answer, an error for a bad type or id
     /// included, comes through [`super::Fronts::reply`] with the same
-    /// `conn` and `request_id`, possibly before this returns.
+    /// `conn` and `request_id`, possibly before this returns. `read_at` is
+    /// when the front read it (a clock read of the front's, at most a few
+    /// tens of µs old): the data plane takes it as the current time instead
+    /// of reading the clock again.
     fn client_request(
         &self,
         conn: ConnId,
@@ -64,6 +67,7 @@ pub(crate) trait DataPort: Clone + 'static {
         type_name: &[u8],
         entity_id: &[u8],
         payload: bytes::Bytes,
+        read_at: Instant,
     );
 
     /// The homes of `shard` this executor's regions have cached from the

@@ -353,12 +353,15 @@ impl DataExecutor {
     /// sink, dropped when its connection is gone), an inbound data lane,
     /// another core's ring, an API ask, or an entity's ask (through this
     /// core's own inbox). A system message's failure is the host's.
-    fn reply(&mut self, to: ReplyTo, status: Status, payload: Vec<u8>) {
+    /// `now` (since the executor's epoch) is the current time, at most a
+    /// few tens of µs old: a front's reply counts its latency to it.
+    fn reply(&mut self, to: ReplyTo, status: Status, payload: Vec<u8>, now: Duration) {
         match to {
             ReplyTo::Nobody => {}
             ReplyTo::Client { conn, request_id } => {
+                let at = self.epoch + now;
                 if let Delivered::Written(buf) =
-                    self.fronts.reply(conn, request_id, status, payload)
+                    self.fronts.reply(conn, request_id, status, payload, at)
                 {
                     self.host.recycle_reply(buf);
                 }
@@ -436,7 +439,9 @@ impl DataExecutor {
     // ----- client requests -----
 
     /// Routes one entity request of a front (see
-    /// [`DataPort::client_request`]).
+    /// [`DataPort::client_request`]): the front's read time `read_at` is
+    /// the plane's current time for it and its effects (no clock read of
+    /// its own).
     pub(crate) fn client_request(
         &mut self,
         conn: u64,
@@ -444,11 +449,12 @@ impl DataExecutor {
         type_name: &[u8],
         entity_id: &[u8],
         payload: bytes::Bytes,
+        read_at: Instant,
     ) {
-        let now = self.now();
+        let now = read_at.saturating_duration_since(self.epoch);
         self.plane
             .handle_client_request(now, conn, request_id, type_name, entity_id, payload);
-        self.run_effects();
+        self.run_effects_at(now);
     }
 
     /// Hands a user message to this core's region of `t` and runs the effects
@@ -466,7 +472,14 @@ impl DataExecutor {
     /// the plane more), then routes the host's lifecycle messages, bounded
     /// per call (the rest waits for the next tick).
     fn run_effects(&mut self) {
-        self.drain_outputs();
+        let now = self.now();
+        self.run_effects_at(now);
+    }
+
+    /// [`Self::run_effects`] with the current time `now` (since the
+    /// executor's epoch) read by the caller.
+    fn run_effects_at(&mut self, now: Duration) {
+        self.drain_outputs(now);
         if self.flushing_system {
             return;
         }
@@ -479,21 +492,23 @@ impl DataExecutor {
             for (t, env) in system {
                 let now = self.now();
                 self.plane.handle_message(now, &t, env);
-                self.drain_outputs();
+                self.drain_outputs(now);
             }
         }
         self.flushing_system = false;
     }
 
-    fn drain_outputs(&mut self) {
+    /// Carries out the plane's and the host's outputs, starting at the
+    /// current time `now` (since the executor's epoch) read by the caller.
+    fn drain_outputs(&mut self, mut now: Duration) {
         // One clock read per DRAIN_CLOCK_EVERY outputs, not one per output
         // (a counter add's outputs read the clock two to three times here,
         // about 1 % of the data core): the plane and the host see a time at
         // most that many outputs old (tens of µs), against timeouts of ms.
-        let mut now = self.now();
+        // A reply's latency counts to that time too.
         let mut since_clock = 0u32;
         loop {
-            self.carry_host_outputs();
+            self.carry_host_outputs(now);
             if since_clock == DRAIN_CLOCK_EVERY {
                 now = self.now();
                 since_clock = 0;
@@ -510,7 +525,7 @@ impl DataExecutor {
                     to,
                     status,
                     payload,
-                } => self.reply(to, status, payload),
+                } => self.reply(to, status, payload, now),
                 DataOutput::ToControl(m) => {
                     let _ = self.to_control.send(m);
                 }
@@ -581,14 +596,14 @@ impl DataExecutor {
 
     /// Carries out what the host asked (replies, messages between
     /// entities through this core's own inbox).
-    fn carry_host_outputs(&mut self) {
+    fn carry_host_outputs(&mut self, now: Duration) {
         while let Some(o) = self.host.poll_output() {
             match o {
                 HostOutput::Reply {
                     to,
                     status,
                     payload,
-                } => self.reply(to, status, payload),
+                } => self.reply(to, status, payload, now),
                 HostOutput::Send {
                     type_name,
                     envelope,
@@ -603,6 +618,7 @@ impl DataExecutor {
                             envelope.sender,
                             Status::BufferFull,
                             b"core inbox full".to_vec(),
+                            now,
                         );
                     }
                 }

@@ -200,6 +200,7 @@ pub(in crate::gateway) fn deliver(
     request_id: u64,
     status: Status,
     payload: Vec<u8>,
+    at: Instant,
 ) -> Option<Vec<u8>> {
     let Some(c) = fronts.state().http.conns.get(&conn).cloned() else {
         return Some(payload);
@@ -208,7 +209,10 @@ pub(in crate::gateway) fn deliver(
         return None; // answered already (timed out)
     };
     let r = Response::from_status(status, payload);
-    let micros = f.started.elapsed().as_micros().min(u128::from(u64::MAX)) as u64;
+    let micros = at
+        .saturating_duration_since(f.started)
+        .as_micros()
+        .min(u128::from(u64::MAX)) as u64;
     // Unknown type names are not labels: a client could create any number.
     let label = if status == Status::UnknownEntityType {
         UNKNOWN_TYPE_LABEL
@@ -800,6 +804,7 @@ fn handle<P: DataPort>(
                 type_name.as_str().as_bytes(),
                 entity_id.as_str().as_bytes(),
                 payload.into(),
+                now,
             );
         }
         Action::Admin(_) if stopped => {

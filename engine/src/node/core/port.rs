@@ -104,9 +104,10 @@ impl DataPort for DataExecutorRef {
         type_name: &[u8],
         entity_id: &[u8],
         payload: bytes::Bytes,
+        read_at: std::time::Instant,
     ) {
         self.borrow_mut()
-            .client_request(conn, request_id, type_name, entity_id, payload);
+            .client_request(conn, request_id, type_name, entity_id, payload, read_at);
     }
 
     fn cached_homes(&self, shard: ShardId) -> Vec<crate::gateway::http::CachedHome> {
