@@ -230,6 +230,65 @@ fn segments_covered_by_snapshots_go_once_their_last_blocking_id_is_covered() {
 }
 
 #[test]
+fn segments_go_once_all_their_ids_are_covered_in_any_order() {
+    // Many ids per segment, covered in an order unrelated to the segment
+    // index's: a segment goes only once its last id is covered, and then
+    // it does (each check resumes where the one before stopped).
+    let dir = tempfile::tempdir().unwrap();
+    let ids: Vec<_> = (0..200).map(|i| pid(&format!("id-{i}"))).collect();
+    let kept = 100;
+    let (mut j, _) = Journal::open(dir.path(), opts(4096, Durability::Always, 0)).unwrap();
+    let mut last = Lsn(0);
+    for seq in 1..=2 {
+        for p in &ids {
+            last = j
+                .append(p, SequenceNr(seq), WriterEpoch(0), &[3u8; 40])
+                .unwrap();
+        }
+    }
+    j.wait_durable(last).unwrap();
+    let before = common::segment_files(dir.path()).len();
+    assert!(before >= 6, "{before} segments");
+    let odd = ids.iter().enumerate().filter(|(i, _)| i % 2 == 1);
+    let even = ids.iter().enumerate().filter(|(i, _)| i % 2 == 0).rev();
+    for (i, p) in odd.chain(even) {
+        if i != kept {
+            j.save_snapshot(p, SequenceNr(2), WriterEpoch(0), b"s")
+                .unwrap();
+        }
+    }
+    assert_eq!(j.replay(&ids[kept], SequenceNr(1)).unwrap().len(), 2);
+    j.close().unwrap();
+    let mid = common::segment_files(dir.path()).len();
+    assert!(mid < before, "{mid} segments left of {before}");
+    assert!(
+        mid >= 2,
+        "the segments of the uncovered id stay: {mid} left"
+    );
+    let (mut j, _) = Journal::open(dir.path(), opts(4096, Durability::Always, 0)).unwrap();
+    let r = j.recover(&ids[kept]).unwrap();
+    assert!(r.snapshot.is_none());
+    assert_eq!(r.events.len(), 2, "the uncovered id keeps its events");
+    for (i, p) in ids.iter().enumerate() {
+        if i != kept {
+            assert_eq!(j.recover(p).unwrap().snapshot.unwrap().data, b"s");
+        }
+    }
+    // Every id covered (again, in this session): its segments go too.
+    for p in ids.iter().rev() {
+        j.save_snapshot(p, SequenceNr(2), WriterEpoch(0), b"t")
+            .unwrap();
+    }
+    j.close().unwrap();
+    let after = common::segment_files(dir.path()).len();
+    assert!(after < mid, "{after} segments left of {mid}");
+    let (j, _) = Journal::open(dir.path(), opts(4096, Durability::Always, 0)).unwrap();
+    for p in &ids {
+        assert_eq!(j.recover(p).unwrap().snapshot.unwrap().data, b"t");
+    }
+}
+
+#[test]
 fn delete_removes_fully_deleted_segments() {
     let dir = tempfile::tempdir().unwrap();
     let (mut j, _) = Journal::open(dir.path(), opts(4096, Durability::Always, 0)).unwrap();
