@@ -85,6 +85,10 @@ pub(crate) struct DataExecutor {
     index: u16,
     me: UniqueAddress,
     epoch: Instant,
+    /// The latest time (since `epoch`) handed to the plane: a front's read
+    /// time can be older than a clock read made since, and the plane's
+    /// time must not go back.
+    last_now: std::cell::Cell<Duration>,
     config: NodeConfig,
     /// Every connection of this executor (the fronts' and inbound data
     /// lanes'), closed when the stop drain ends.
@@ -166,6 +170,7 @@ pub(crate) async fn run(init: DataExecutorInit) {
             index: init.index,
             me,
             epoch: init.epoch,
+            last_now: std::cell::Cell::new(Duration::ZERO),
             config: init.config,
             conns: FastMap::default(),
             next_conn: 1,
@@ -331,7 +336,20 @@ pub(crate) async fn run(init: DataExecutorInit) {
 
 impl DataExecutor {
     pub(crate) fn now(&self) -> Duration {
-        self.epoch.elapsed()
+        let now = self.epoch.elapsed().max(self.last_now.get());
+        self.last_now.set(now);
+        now
+    }
+
+    /// The plane's time for an event that happened at `at` (a front's read
+    /// time): `at` since the epoch, never earlier than a time already
+    /// handed to the plane.
+    fn now_at(&self, at: Instant) -> Duration {
+        let now = at
+            .saturating_duration_since(self.epoch)
+            .max(self.last_now.get());
+        self.last_now.set(now);
+        now
     }
 
     // ----- connections -----
@@ -451,7 +469,7 @@ impl DataExecutor {
         payload: bytes::Bytes,
         read_at: Instant,
     ) {
-        let now = read_at.saturating_duration_since(self.epoch);
+        let now = self.now_at(read_at);
         self.plane
             .handle_client_request(now, conn, request_id, type_name, entity_id, payload);
         self.run_effects_at(now);
