@@ -177,7 +177,7 @@ redis_cmd() {
 # Seed redis' keys so that GET finds values (as the counters get theirs).
 redis-benchmark -p $PORT_REDIS -c $CONNS -P 16 -n $(( KEYS * 20 )) -r $KEYS -q INCR counter:__rand_int__ >/dev/null
 
-printf '%-34s %5s %10s %9s %9s %11s %7s\n' "run" "round" "req/s" "p50_us" "p99_us" "cpu_us/req" "errors"
+printf '%-40s %5s %10s %9s %9s %11s %7s\n' "run" "round" "req/s" "p50_us" "p99_us" "cpu_us/req" "errors"
 for dur in $DURABILITIES; do
   stop_node
   start_node "$dur"
@@ -191,14 +191,14 @@ for dur in $DURABILITIES; do
         if [ "$dur" = "$(echo $DURABILITIES | awk '{print $1}')" ]; then
           read -r rps p50 p99 cpu errs < <(redis_run "$(redis_cmd $op)" "$depth")
           k="redis $op d$depth"
-          printf '%-34s %5s %10s %9s %9s %11s %7s\n' "$k" "$r" "$rps" "$p50" "$p99" "$cpu" "$errs"
+          printf '%-40s %5s %10s %9s %9s %11s %7s\n' "$k" "$r" "$rps" "$p50" "$p99" "$cpu" "$errs"
           RPS[$k]="${RPS[$k]:-} $rps"; CPU[$k]="${CPU[$k]:-} $cpu"
           P50[$k]="${P50[$k]:-} $p50"; P99[$k]="${P99[$k]:-} $p99"
         fi
         for client in $CLIENTS; do
           read -r rps p50 p99 cpu errs < <(sl_run "$client" "$op" "$depth")
           k="$(sl_key "$dur" "$client") $op d$depth"
-          printf '%-34s %5s %10s %9s %9s %11s %7s\n' "$k" "$r" "$rps" "$p50" "$p99" "$cpu" "$errs"
+          printf '%-40s %5s %10s %9s %9s %11s %7s\n' "$k" "$r" "$rps" "$p50" "$p99" "$cpu" "$errs"
           RPS[$k]="${RPS[$k]:-} $rps"; CPU[$k]="${CPU[$k]:-} $cpu"
           P50[$k]="${P50[$k]:-} $p50"; P99[$k]="${P99[$k]:-} $p99"
         done
@@ -209,7 +209,7 @@ done
 
 echo
 echo "medians of $ROUNDS rounds; ratio = shardline / redis (CPU: lower is better; req/s: higher is better)"
-printf '%-34s %10s %9s %9s %11s %10s %10s\n' "run" "req/s" "p50_us" "p99_us" "cpu_us/req" "cpu_ratio" "rps_ratio"
+printf '%-40s %10s %9s %9s %11s %10s %10s\n' "run" "req/s" "p50_us" "p99_us" "cpu_us/req" "cpu_ratio" "rps_ratio"
 for dur in $DURABILITIES; do
   for depth in 1 16; do
     for op in counter-add counter-get echo; do
@@ -222,10 +222,10 @@ for dur in $DURABILITIES; do
         p50=$(echo "${P50[$k]}" | median); p99=$(echo "${P99[$k]}" | median)
         if [ "$k" != "$rk" ]; then
           rc=$(echo "${CPU[$rk]}" | median); rr=$(echo "${RPS[$rk]}" | median)
-          printf '%-34s %10.0f %9.0f %9.0f %11.2f %10.2f %10.2f\n' "$k" "$rps" "$p50" "$p99" "$cpu" \
+          printf '%-40s %10.0f %9.0f %9.0f %11.2f %10.2f %10.2f\n' "$k" "$rps" "$p50" "$p99" "$cpu" \
             "$(awk -v s="$cpu" -v r="$rc" 'BEGIN {print s / r}')" "$(awk -v s="$rps" -v r="$rr" 'BEGIN {print s / r}')"
         else
-          printf '%-34s %10.0f %9.0f %9.0f %11.2f\n' "$k" "$rps" "$p50" "$p99" "$cpu"
+          printf '%-40s %10.0f %9.0f %9.0f %11.2f\n' "$k" "$rps" "$p50" "$p99" "$cpu"
         fi
       done
     done

@@ -65,7 +65,8 @@ pub struct PipelinedArgs {
     /// Warm-up before the measured time (not in the figures).
     #[arg(long, value_parser = parse_duration, default_value = "0s")]
     pub warmup: Duration,
-    /// A batch without all its replies after this long fails the run.
+    /// A batch not written, or without all its replies, this long after
+    /// its write began fails the run.
     #[arg(long, value_parser = parse_duration, default_value = "5s")]
     pub request_timeout: Duration,
     /// Seed of the entity choices.
@@ -133,8 +134,7 @@ async fn drive(
     let (mut filled, mut next_id) = (0usize, 0u64);
     let mut body: Vec<u8> = Vec::with_capacity(128);
     loop {
-        let sent_at = Instant::now();
-        if sent_at >= end {
+        if Instant::now() >= end {
             return Ok(());
         }
         batch.clear();
@@ -152,7 +152,17 @@ async fn drive(
             encode_frame(&request, &mut frame)?;
             batch.extend_from_slice(&frame);
         }
-        stream.write_all(&batch).await?;
+        // The batch's time: after the encoding, as redis-benchmark's.
+        let sent_at = Instant::now();
+        let give_up = tokio::time::Instant::from_std(sent_at + args.request_timeout);
+        tokio::time::timeout_at(give_up, stream.write_all(&batch))
+            .await
+            .with_context(|| {
+                format!(
+                    "connection {index}: batch not written within {:?}",
+                    args.request_timeout
+                )
+            })??;
         let mut replies = 0;
         while replies < args.pipeline {
             // Every complete frame in the buffer first.
@@ -201,11 +211,11 @@ async fn drive(
                 }
                 input.resize(bigger, 0);
             }
-            let n = tokio::time::timeout(args.request_timeout, stream.read(&mut input[filled..]))
+            let n = tokio::time::timeout_at(give_up, stream.read(&mut input[filled..]))
                 .await
                 .with_context(|| {
                     format!(
-                        "connection {index}: no reply within {:?}",
+                        "connection {index}: the batch's replies not in within {:?}",
                         args.request_timeout
                     )
                 })??;

@@ -208,6 +208,12 @@ impl Fronts {
     }
 }
 
+/// Requests of one socket read that share one clock read, in both fronts:
+/// the read's time is theirs, and the data plane's current time while it
+/// handles them. 32 requests take a few tens of µs, against timeouts of
+/// ms.
+pub(crate) const READ_CLOCK_EVERY: u32 = 32;
+
 /// What became of a reply handed to [`Fronts::reply`].
 #[derive(Debug)]
 pub(crate) enum Delivered {

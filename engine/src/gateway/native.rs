@@ -42,11 +42,6 @@ const LINGER_MAX_BYTES: usize = 64 << 20;
 /// `_unknown` when answered).
 const MAX_NATIVE_TYPE_NAMES: usize = 256;
 
-/// Requests of one socket read that share one clock read (the read's time
-/// is theirs, and the data plane's current time while it handles them):
-/// 32 requests take a few tens of µs, against timeouts of ms.
-const READ_CLOCK_EVERY: u32 = 32;
-
 /// A native request without an answer yet.
 struct InFlight {
     started: Instant,
@@ -213,7 +208,7 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
             match reader.next_frame_bytes() {
                 Ok(Some(body)) => {
                     since_clock += 1;
-                    if since_clock > READ_CLOCK_EVERY {
+                    if since_clock > super::READ_CLOCK_EVERY {
                         read_at = Instant::now();
                         since_clock = 1;
                     }

@@ -371,13 +371,14 @@ impl DataExecutor {
     /// sink, dropped when its connection is gone), an inbound data lane,
     /// another core's ring, an API ask, or an entity's ask (through this
     /// core's own inbox). A system message's failure is the host's.
-    /// `now` (since the executor's epoch) is the current time, at most a
-    /// few tens of µs old: a front's reply counts its latency to it.
-    fn reply(&mut self, to: ReplyTo, status: Status, payload: Vec<u8>, now: Duration) {
+    fn reply(&mut self, to: ReplyTo, status: Status, payload: Vec<u8>) {
         match to {
             ReplyTo::Nobody => {}
             ReplyTo::Client { conn, request_id } => {
-                let at = self.epoch + now;
+                // The reply's own clock read: its latency includes the
+                // entity's handler (the drain's time may be the request's
+                // read time).
+                let at = Instant::now();
                 if let Delivered::Written(buf) =
                     self.fronts.reply(conn, request_id, status, payload, at)
                 {
@@ -523,13 +524,15 @@ impl DataExecutor {
         // (a counter add's outputs read the clock two to three times here,
         // about 1 % of the data core): the plane and the host see a time at
         // most that many outputs old (tens of µs), against timeouts of ms.
-        // A reply's latency counts to that time too.
         let mut since_clock = 0u32;
         loop {
-            self.carry_host_outputs(now);
+            self.carry_host_outputs();
             if since_clock == DRAIN_CLOCK_EVERY {
                 now = self.now();
                 since_clock = 0;
+            } else {
+                // Not behind a time a nested call handed the plane.
+                now = now.max(self.last_now.get());
             }
             since_clock += 1;
             let Some(o) = self.plane.poll_output(now) else {
@@ -543,7 +546,7 @@ impl DataExecutor {
                     to,
                     status,
                     payload,
-                } => self.reply(to, status, payload, now),
+                } => self.reply(to, status, payload),
                 DataOutput::ToControl(m) => {
                     let _ = self.to_control.send(m);
                 }
@@ -614,14 +617,14 @@ impl DataExecutor {
 
     /// Carries out what the host asked (replies, messages between
     /// entities through this core's own inbox).
-    fn carry_host_outputs(&mut self, now: Duration) {
+    fn carry_host_outputs(&mut self) {
         while let Some(o) = self.host.poll_output() {
             match o {
                 HostOutput::Reply {
                     to,
                     status,
                     payload,
-                } => self.reply(to, status, payload, now),
+                } => self.reply(to, status, payload),
                 HostOutput::Send {
                     type_name,
                     envelope,
@@ -636,7 +639,6 @@ impl DataExecutor {
                             envelope.sender,
                             Status::BufferFull,
                             b"core inbox full".to_vec(),
-                            now,
                         );
                     }
                 }

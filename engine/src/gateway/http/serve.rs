@@ -465,14 +465,22 @@ fn take_requests<P: DataPort>(
     if decoder.is_poisoned() {
         return Taken::Stop;
     }
-    // One clock read per batch of requests.
-    let now = Instant::now();
+    // One clock read per batch of requests (and per READ_CLOCK_EVERY
+    // requests of a long one): their read time, and the data plane's
+    // current time while it handles them.
+    let mut now = Instant::now();
+    let mut since_clock = 0u32;
     loop {
         if conn.queue.borrow().in_flight() >= MAX_IN_FLIGHT {
             return Taken::Full;
         }
         match decoder.next_request() {
             Ok(Some(req)) => {
+                since_clock += 1;
+                if since_clock > crate::gateway::READ_CLOCK_EVERY {
+                    now = Instant::now();
+                    since_clock = 1;
+                }
                 let keep_alive = req.keep_alive;
                 handle(port, front, conn, conn_id, req, now, false);
                 if !keep_alive {
