@@ -677,6 +677,73 @@ fn abandoned_handoff_keeps_one_owner_with_a_new_generation() {
     assert_eq!(w.home(s.0).unwrap(), (rid(1), g));
 }
 
+/// A hand-off abandoned while its owner still stops the shard: no new
+/// hand-off of that shard starts until the owner reports the stop (the
+/// owner would ignore its `HandOff`, being stopping already, and report
+/// the old generation: the new hand-off would wait out its whole
+/// timeout); once it did, the shard moves like any other.
+#[test]
+fn no_second_hand_off_of_a_shard_whose_owner_still_stops_it() {
+    let cs = CoordinatorSettings {
+        handoff_timeout: Duration::from_secs(30),
+        rebalance_interval: Duration::from_secs(35),
+        ..CoordinatorSettings::default()
+    };
+    let mut w = World::new(1, quiet_settings(), cs.clone());
+    for s in 0..4u32 {
+        w.send(0, &format!("e{s}"), s, s);
+    }
+    let now = w.now;
+    w.coord
+        .handle_membership(now, MembershipEvent::MemberUp(member(2)));
+    w.regions.push(Region::new(
+        rid(2),
+        quiet_settings(),
+        Box::new(LruPolicy::new()),
+        now,
+    ));
+    w.pump();
+    w.auto_stop = false; // the owner is slow to stop
+    w.advance(cs.rebalance_interval);
+    let first: Vec<ShardId> = w.coord.rebalance_in_progress().collect();
+    assert!(!first.is_empty());
+    w.advance(Duration::from_secs(31));
+    assert_eq!(w.coord.take_abandoned_hand_offs().len(), first.len());
+    // The next round, with the owner still stopping those shards.
+    w.advance(Duration::from_secs(5));
+    let second: Vec<ShardId> = w.coord.rebalance_in_progress().collect();
+    for s in &first {
+        assert!(
+            !second.contains(s),
+            "{s:?} handed off again while still stopping"
+        );
+    }
+    // The owner finishes its stops: the shards restart there, and later
+    // rounds move two of the four without a hand-off running out its time.
+    w.auto_stop = true;
+    w.pump();
+    for _ in 0..4 {
+        w.advance(cs.rebalance_interval);
+    }
+    assert!(
+        w.coord.take_abandoned_hand_offs().is_empty(),
+        "a hand-off ran out its time"
+    );
+    assert_eq!(w.coord.rebalance_in_progress().count(), 0);
+    // A moved shard gets its home on its next message.
+    for s in 0..4u32 {
+        w.send(0, &format!("e{s}"), s, 100 + s);
+    }
+    w.pump();
+    for s in 0..4u32 {
+        assert!(w.delivered.iter().any(|d| d.2 == 100 + s), "e{s} answered");
+    }
+    let on_2 = (0..4u32)
+        .filter(|s| w.home(*s).map(|h| h.0) == Some(rid(2)))
+        .count();
+    assert_eq!(on_2, 2, "balanced");
+}
+
 struct PanickingStrategy;
 impl ShardAllocationStrategy for PanickingStrategy {
     fn allocate_shard(

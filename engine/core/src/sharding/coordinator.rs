@@ -17,6 +17,9 @@
 //!   `Persist(ShardHomeDeallocated)` → deferred `GetShardHome`s are answered
 //!   with a new allocation. A hand-off not finished within `handoff_timeout`
 //!   is abandoned: the shard stays with its owner under a new generation.
+//!   When `HandOff` had been sent, the owner may still be stopping the
+//!   shard: no new hand-off of it starts until the owner reports that stop
+//!   (or one more `handoff_timeout` passes).
 //!   An operator may run a round at once ([`ShardCoordinator::rebalance_now`]);
 //!   [`ShardCoordinator::allocation`] is the allocation table they read.
 //!
@@ -352,6 +355,23 @@ pub struct RebalanceRound {
     pub in_progress: usize,
 }
 
+/// A shard whose hand-off was abandoned after its owner was sent `HandOff`
+/// (see `ShardCoordinator::still_stopping`).
+#[derive(Debug, Clone)]
+struct StillStopping {
+    /// The owner, which keeps the shard.
+    owner: RegionId,
+    /// The abandoned hand-off's generation: the owner's `ShardStopped`
+    /// names it when its stop ends.
+    generation: Generation,
+    /// When the coordinator stops waiting for that report (one more
+    /// `handoff_timeout`: the `HandOff` may have been lost).
+    until: Duration,
+    /// A hand-off was asked for meanwhile (the owner's region is shutting
+    /// down): it starts when the wait ends.
+    handoff_wanted: bool,
+}
+
 #[derive(Debug, Clone)]
 struct HandOffState {
     generation: Generation,
@@ -394,7 +414,9 @@ impl HandOffState {
 /// stopping buffer; a repeated `HandOff` of a second hand-off then drew a
 /// `ShardStopped` of the new generation once the shard was gone, and the
 /// shard moved with those older messages behind newer ones (see
-/// `docs/node.md`). A lost `HandOff` still waits for `handoff_timeout`.
+/// `docs/node.md`). A second hand-off of such a shard now waits for the
+/// owner's stop (`ShardCoordinator::still_stopping`), but `HandOff` is
+/// still sent once: a lost `HandOff` waits for `handoff_timeout`.
 pub const HANDOFF_RESEND_INTERVAL: Duration = Duration::from_secs(3);
 
 /// The shard coordinator state machine (one per cluster, on the oldest
@@ -422,6 +444,15 @@ pub struct ShardCoordinator {
     /// Hand-offs abandoned since the runtime last took them (bounded: the
     /// oldest are dropped beyond 1,024).
     abandoned: VecDeque<AbandonedHandOff>,
+    /// Shards whose hand-off was abandoned after `HandOff` was sent: their
+    /// owner may still be stopping them (its entities slower to stop than
+    /// `handoff_timeout`), and it ignores another `HandOff` until that
+    /// stop ends, then reports the old generation. No new hand-off of such
+    /// a shard starts until the owner reported the stop (or one more
+    /// `handoff_timeout` passed): one started earlier would wait out its
+    /// whole timeout, and every region's `GetShardHome` for the shard
+    /// with it.
+    still_stopping: BTreeMap<ShardId, StillStopping>,
     /// Recovered regions and proxies that have not registered again yet.
     unconfirmed: BTreeSet<RegionId>,
     reregister_deadline: Duration,
@@ -519,6 +550,7 @@ impl ShardCoordinator {
             effects: VecDeque::new(),
             strategy_errors: 0,
             abandoned: VecDeque::new(),
+            still_stopping: BTreeMap::new(),
             unconfirmed,
             reregister_deadline,
             warm_at,
@@ -626,6 +658,11 @@ impl ShardCoordinator {
             Some(w) => t.min(w),
             None => t,
         };
+        let t = self
+            .still_stopping
+            .values()
+            .map(|w| w.until)
+            .fold(t, Duration::min);
         Some(if self.unconfirmed.is_empty() {
             t
         } else {
@@ -752,6 +789,7 @@ impl ShardCoordinator {
                     self.persist(CoordinatorEvent::ShardUnallocated { shard: s });
                 }
                 self.rebalance.remove(&s);
+                self.still_stopping.remove(&s);
                 freed.push(s);
             }
             self.persist(CoordinatorEvent::ShardRegionTerminated { region: r.clone() });
@@ -942,6 +980,16 @@ impl ShardCoordinator {
             } => {
                 let done = matches!(self.rebalance.get(&shard),
                     Some(h) if h.handoff_sent && h.generation == generation && h.owner == region);
+                let late = matches!(self.still_stopping.get(&shard),
+                    Some(w) if w.generation == generation && w.owner == region);
+                if late {
+                    // The owner's stop of an abandoned hand-off ended; it
+                    // restarted the shard (it is still its home).
+                    let w = self.still_stopping.remove(&shard).expect("present");
+                    if w.handoff_wanted && !self.rebalance.contains_key(&shard) {
+                        self.start_handoff(now, shard, None);
+                    }
+                }
                 if done {
                     self.rebalance.remove(&shard);
                     self.persist(CoordinatorEvent::ShardHomeDeallocated { shard, generation });
@@ -960,7 +1008,9 @@ impl ShardCoordinator {
                 if let Some(shards) = self.state.regions.get(&region).cloned() {
                     self.shutting_down.insert(region);
                     for s in shards {
-                        if !self.rebalance.contains_key(&s) {
+                        if let Some(w) = self.still_stopping.get_mut(&s) {
+                            w.handoff_wanted = true;
+                        } else if !self.rebalance.contains_key(&s) {
                             self.start_handoff(now, s, None);
                         }
                     }
@@ -1405,6 +1455,17 @@ impl ShardCoordinator {
             // Abandon: the shard keeps its owner, under a new generation so
             // that a late ShardStopped or ack of this round changes nothing.
             if self.state.shards.get(&s).map(|(r, _)| r) == Some(&h.owner) {
+                if h.handoff_sent {
+                    self.still_stopping.insert(
+                        s,
+                        StillStopping {
+                            owner: h.owner.clone(),
+                            generation: h.generation,
+                            until: now + self.settings.handoff_timeout,
+                            handoff_wanted: self.shutting_down.contains(&h.owner),
+                        },
+                    );
+                }
                 let generation = Generation(self.state.last_generation.0 + 1);
                 self.persist(CoordinatorEvent::ShardHomeAllocated {
                     shard: s,
@@ -1421,6 +1482,18 @@ impl ShardCoordinator {
                 );
             }
             self.answer_deferred(s);
+        }
+        let waited: Vec<ShardId> = self
+            .still_stopping
+            .iter()
+            .filter(|(_, w)| w.until <= now)
+            .map(|(s, _)| *s)
+            .collect();
+        for s in waited {
+            let w = self.still_stopping.remove(&s).expect("present");
+            if w.handoff_wanted && !self.rebalance.contains_key(&s) {
+                self.start_handoff(now, s, None);
+            }
         }
         self.resend_begin_hand_offs(now);
         if now >= self.next_rebalance_at {
@@ -1469,7 +1542,12 @@ impl ShardCoordinator {
             return round;
         }
         let current = self.eligible();
-        let in_progress: BTreeSet<ShardId> = self.rebalance.keys().copied().collect();
+        let in_progress: BTreeSet<ShardId> = self
+            .rebalance
+            .keys()
+            .chain(self.still_stopping.keys())
+            .copied()
+            .collect();
         let chosen = catch_unwind(AssertUnwindSafe(|| {
             self.strategy.rebalance(&current, &in_progress)
         }));
@@ -1480,7 +1558,7 @@ impl ShardCoordinator {
                     let Some((owner, _)) = self.state.shards.get(&s).cloned() else {
                         continue;
                     };
-                    if self.rebalance.contains_key(&s) {
+                    if self.rebalance.contains_key(&s) || self.still_stopping.contains_key(&s) {
                         continue;
                     }
                     let target = self.plan_target(&mut planned, &owner, s);
