@@ -620,8 +620,11 @@ fn idle_entities_passivate() {
     assert_eq!(w.stopping[0].3, StopReason::IdleTimeout);
 }
 
-#[test]
-fn abandoned_handoff_keeps_one_owner_with_a_new_generation() {
+/// Four shards on region 1, a second member Up with region 2, and an
+/// owner slow to stop (entities stop only once `auto_stop` is set again);
+/// hand-offs time out after 30 s, rounds every 35 s. Returns the world
+/// and its coordinator settings, before the first round.
+fn four_shards_a_joiner_and_a_slow_owner() -> (World, CoordinatorSettings) {
     let cs = CoordinatorSettings {
         handoff_timeout: Duration::from_secs(30),
         rebalance_interval: Duration::from_secs(35),
@@ -641,7 +644,13 @@ fn abandoned_handoff_keeps_one_owner_with_a_new_generation() {
         now,
     ));
     w.pump();
-    w.auto_stop = false; // the owner is slow to stop
+    w.auto_stop = false;
+    (w, cs)
+}
+
+#[test]
+fn abandoned_handoff_keeps_one_owner_with_a_new_generation() {
+    let (mut w, cs) = four_shards_a_joiner_and_a_slow_owner();
     w.advance(cs.rebalance_interval);
     let s = w.coord.rebalance_in_progress().next().expect("a hand-off");
     let g_before = w.home(s.0).unwrap().1;
@@ -684,26 +693,7 @@ fn abandoned_handoff_keeps_one_owner_with_a_new_generation() {
 /// timeout); once it did, the shard moves like any other.
 #[test]
 fn no_second_hand_off_of_a_shard_whose_owner_still_stops_it() {
-    let cs = CoordinatorSettings {
-        handoff_timeout: Duration::from_secs(30),
-        rebalance_interval: Duration::from_secs(35),
-        ..CoordinatorSettings::default()
-    };
-    let mut w = World::new(1, quiet_settings(), cs.clone());
-    for s in 0..4u32 {
-        w.send(0, &format!("e{s}"), s, s);
-    }
-    let now = w.now;
-    w.coord
-        .handle_membership(now, MembershipEvent::MemberUp(member(2)));
-    w.regions.push(Region::new(
-        rid(2),
-        quiet_settings(),
-        Box::new(LruPolicy::new()),
-        now,
-    ));
-    w.pump();
-    w.auto_stop = false; // the owner is slow to stop
+    let (mut w, cs) = four_shards_a_joiner_and_a_slow_owner();
     w.advance(cs.rebalance_interval);
     let first: Vec<ShardId> = w.coord.rebalance_in_progress().collect();
     assert!(!first.is_empty());
