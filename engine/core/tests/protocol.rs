@@ -368,6 +368,45 @@ fn a_lost_begin_hand_off_is_sent_again() {
     assert!(w.delivered.iter().any(|d| d.2 == 500 && d.0 == 1));
 }
 
+/// A lost `HandOff` is sent again every [`HANDOFF_RESEND_INTERVAL`] until
+/// the owner reports the shard stopped; the hand-off completes in seconds
+/// instead of waiting out `handoff_timeout`. A repeat that reaches an owner
+/// already stopping the shard changes nothing.
+#[test]
+fn a_lost_hand_off_is_sent_again() {
+    let (mut w, cs) = six_shards_and_a_joining_region();
+    // The owner (region 1) loses every HandOff, and is slow to stop.
+    w.lose = Some(|i, m| matches!((i, m), (0, RegionMsg::HandOff { .. })));
+    w.auto_stop = false;
+    w.advance(cs.rebalance_interval);
+    let moving: Vec<ShardId> = w.coord.rebalance_in_progress().collect();
+    assert_eq!(moving.len(), 1);
+    assert_eq!(w.lost.len(), 1, "{:?}", w.lost);
+    assert!(w.stopping.is_empty(), "the HandOff was lost");
+    w.advance(HANDOFF_RESEND_INTERVAL);
+    assert_eq!(w.lost.len(), 2, "sent again, lost again: {:?}", w.lost);
+    w.lose = None;
+    w.advance(HANDOFF_RESEND_INTERVAL);
+    assert!(
+        !w.stopping.is_empty(),
+        "the repeat arrived: the owner stops"
+    );
+    // Still stopping at the next repeat: ignored, one stop.
+    w.advance(HANDOFF_RESEND_INTERVAL);
+    assert_eq!(w.regions[0].hand_offs_begun(), 1);
+    w.auto_stop = true;
+    w.pump();
+    assert_eq!(w.coord.rebalance_in_progress().count(), 0, "completed");
+    assert!(w.coord.take_abandoned_hand_offs().is_empty());
+    assert_eq!(
+        (
+            w.regions[0].hand_offs_begun(),
+            w.regions[0].hand_offs_completed()
+        ),
+        (1, 1)
+    );
+}
+
 /// The allocation table shows every home, its generation and a hand-off
 /// in progress (since when, planned target, phase); `rebalance_now` runs a
 /// round at once, long before the rebalance interval, and answers what it
