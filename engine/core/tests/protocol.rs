@@ -332,6 +332,20 @@ fn rebalance_hands_off_after_all_acks_and_reallocates() {
 /// frames) is sent again after `HANDOFF_RESEND_INTERVAL`: the hand-off
 /// completes in seconds, not at the 60 s hand-off timeout, so the next
 /// round can start.
+/// No hand-off in progress, none abandoned, and region 1 began and
+/// completed exactly one.
+fn assert_one_hand_off_completed_in_time(w: &mut World) {
+    assert_eq!(w.coord.rebalance_in_progress().count(), 0, "completed");
+    assert!(w.coord.take_abandoned_hand_offs().is_empty());
+    assert_eq!(
+        (
+            w.regions[0].hand_offs_begun(),
+            w.regions[0].hand_offs_completed()
+        ),
+        (1, 1)
+    );
+}
+
 #[test]
 fn a_lost_begin_hand_off_is_sent_again() {
     let (mut w, cs) = six_shards_and_a_joining_region();
@@ -352,15 +366,7 @@ fn a_lost_begin_hand_off_is_sent_again() {
     assert_eq!(w.coord.rebalance_in_progress().count(), 1);
     w.lose = None;
     w.advance(HANDOFF_RESEND_INTERVAL);
-    assert_eq!(w.coord.rebalance_in_progress().count(), 0, "completed");
-    assert!(w.coord.take_abandoned_hand_offs().is_empty());
-    assert_eq!(
-        (
-            w.regions[0].hand_offs_begun(),
-            w.regions[0].hand_offs_completed()
-        ),
-        (1, 1)
-    );
+    assert_one_hand_off_completed_in_time(&mut w);
     // A message for the moved shard allocates it on the new region and
     // reaches it there.
     w.send(0, &format!("e{}", s.0), s.0, 500);
@@ -396,15 +402,7 @@ fn a_lost_hand_off_is_sent_again() {
     assert_eq!(w.regions[0].hand_offs_begun(), 1);
     w.auto_stop = true;
     w.pump();
-    assert_eq!(w.coord.rebalance_in_progress().count(), 0, "completed");
-    assert!(w.coord.take_abandoned_hand_offs().is_empty());
-    assert_eq!(
-        (
-            w.regions[0].hand_offs_begun(),
-            w.regions[0].hand_offs_completed()
-        ),
-        (1, 1)
-    );
+    assert_one_hand_off_completed_in_time(&mut w);
 }
 
 /// The allocation table shows every home, its generation and a hand-off
