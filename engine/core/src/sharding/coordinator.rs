@@ -19,7 +19,7 @@
 //!   is abandoned: the shard stays with its owner under a new generation.
 //!   When `HandOff` had been sent, the owner may still be stopping the
 //!   shard: no new hand-off of it starts until the owner reports that stop
-//!   (or one more `handoff_timeout` passes).
+//!   (or [`STILL_STOPPING_WAIT_TIMEOUTS`] more `handoff_timeout`s pass).
 //!   An operator may run a round at once ([`ShardCoordinator::rebalance_now`]);
 //!   [`ShardCoordinator::allocation`] is the allocation table they read.
 //!
@@ -364,8 +364,8 @@ struct StillStopping {
     /// The abandoned hand-off's generation: the owner's `ShardStopped`
     /// names it when its stop ends.
     generation: Generation,
-    /// When the coordinator stops waiting for that report (one more
-    /// `handoff_timeout`: the `HandOff` may have been lost).
+    /// When the coordinator stops waiting for that report (see
+    /// [`STILL_STOPPING_WAIT_TIMEOUTS`]).
     until: Duration,
     /// A hand-off was asked for meanwhile (the owner's region is shutting
     /// down): it starts when the wait ends.
@@ -423,6 +423,19 @@ impl HandOffState {
 /// violations in 2,000 seeds of that scenario.
 pub const HANDOFF_RESEND_INTERVAL: Duration = Duration::from_secs(3);
 
+/// How many `handoff_timeout`s the coordinator waits, after abandoning a
+/// hand-off whose `HandOff` was sent, for the owner's report that it
+/// stopped the shard, before the shard may be handed off again (10: 10
+/// minutes by default). The wait ends early with the report; it runs out
+/// only if the report was lost (the shard then stays out of rebalance
+/// rounds that long, still served by its owner), or if the owner still
+/// stops the shard after all that time: a hand-off started then may wait
+/// out its timeout, and messages that other regions forwarded into the
+/// owner's stopping buffer may reach the next home behind newer ones. A
+/// short wait made that second case likelier; a long one only delays the
+/// rebalancing of a shard whose report was lost.
+pub const STILL_STOPPING_WAIT_TIMEOUTS: u32 = 10;
+
 /// The shard coordinator state machine (one per cluster, on the oldest
 /// member).
 ///
@@ -452,10 +465,10 @@ pub struct ShardCoordinator {
     /// owner may still be stopping them (its entities slower to stop than
     /// `handoff_timeout`), and it ignores another `HandOff` until that
     /// stop ends, then reports the old generation. No new hand-off of such
-    /// a shard starts until the owner reported the stop (or one more
-    /// `handoff_timeout` passed): one started earlier would wait out its
-    /// whole timeout, and every region's `GetShardHome` for the shard
-    /// with it.
+    /// a shard starts until the owner reported the stop (or
+    /// [`STILL_STOPPING_WAIT_TIMEOUTS`] more `handoff_timeout`s passed):
+    /// one started earlier would wait out its whole timeout, and every
+    /// region's `GetShardHome` for the shard with it.
     still_stopping: BTreeMap<ShardId, StillStopping>,
     /// Recovered regions and proxies that have not registered again yet.
     unconfirmed: BTreeSet<RegionId>,
@@ -1466,7 +1479,8 @@ impl ShardCoordinator {
                         StillStopping {
                             owner: h.owner.clone(),
                             generation: h.generation,
-                            until: now + self.settings.handoff_timeout,
+                            until: now
+                                + self.settings.handoff_timeout * STILL_STOPPING_WAIT_TIMEOUTS,
                             handoff_wanted: self.shutting_down.contains(&h.owner),
                         },
                     );
