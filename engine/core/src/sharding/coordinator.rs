@@ -381,18 +381,10 @@ struct HandOffState {
     since: Duration,
     deadline: Duration,
     planned_target: Option<RegionId>,
-    /// When `BeginHandOff` is sent again to the regions that have not
-    /// acknowledged it ([`HANDOFF_RESEND_INTERVAL`]); only while
-    /// `handoff_sent` is false ([`HandOffState::next_resend`]).
+    /// When the unanswered step is sent again ([`HANDOFF_RESEND_INTERVAL`]):
+    /// `BeginHandOff` to the regions that have not acknowledged it, or,
+    /// once `handoff_sent`, `HandOff` to the owner.
     resend_at: Duration,
-}
-
-impl HandOffState {
-    /// When `BeginHandOff` (to the regions that have not acknowledged it)
-    /// or, once every region did, `HandOff` (to the owner) is due again.
-    fn next_resend(&self) -> Option<Duration> {
-        Some(self.resend_at)
-    }
 }
 
 /// How often the coordinator repeats a hand-off's step that has not been
@@ -665,7 +657,7 @@ impl ShardCoordinator {
         let d = self
             .rebalance
             .values()
-            .map(|h| h.next_resend().map_or(h.deadline, |r| h.deadline.min(r)))
+            .map(|h| h.deadline.min(h.resend_at))
             .min();
         let t = match d {
             Some(d) => d.min(self.next_rebalance_at),
@@ -1002,10 +994,7 @@ impl ShardCoordinator {
                 if late {
                     // The owner's stop of an abandoned hand-off ended; it
                     // restarted the shard (it is still its home).
-                    let w = self.still_stopping.remove(&shard).expect("present");
-                    if w.handoff_wanted && !self.rebalance.contains_key(&shard) {
-                        self.start_handoff(now, shard, None);
-                    }
+                    self.end_still_stopping(now, shard);
                 }
                 if done {
                     self.rebalance.remove(&shard);
@@ -1509,24 +1498,33 @@ impl ShardCoordinator {
             .map(|(s, _)| *s)
             .collect();
         for s in waited {
-            let w = self.still_stopping.remove(&s).expect("present");
-            if w.handoff_wanted && !self.rebalance.contains_key(&s) {
-                self.start_handoff(now, s, None);
-            }
+            self.end_still_stopping(now, s);
         }
-        self.resend_begin_hand_offs(now);
+        self.resend_hand_off_steps(now);
         if now >= self.next_rebalance_at {
             let _ = self.rebalance_round(now);
         }
     }
 
-    /// Sends `BeginHandOff` again to the regions that have not
-    /// acknowledged it, for every hand-off waiting for acknowledgements
-    /// whose [`HANDOFF_RESEND_INTERVAL`] passed.
-    fn resend_begin_hand_offs(&mut self, now: Duration) {
+    /// Ends the wait for `shard`'s still-stopping owner (see
+    /// `still_stopping`), starting the hand-off a shutdown asked for
+    /// meanwhile.
+    fn end_still_stopping(&mut self, now: Duration, shard: ShardId) {
+        let Some(w) = self.still_stopping.remove(&shard) else {
+            return;
+        };
+        if w.handoff_wanted && !self.rebalance.contains_key(&shard) {
+            self.start_handoff(now, shard, None);
+        }
+    }
+
+    /// Sends the unanswered step of every hand-off whose
+    /// [`HANDOFF_RESEND_INTERVAL`] passed again: `BeginHandOff` to the
+    /// regions that have not acknowledged it, or `HandOff` to the owner.
+    fn resend_hand_off_steps(&mut self, now: Duration) {
         let mut sends = Vec::new();
         for (s, h) in self.rebalance.iter_mut() {
-            if h.next_resend().is_none_or(|r| r > now) {
+            if h.resend_at > now {
                 continue;
             }
             h.resend_at = now + HANDOFF_RESEND_INTERVAL;

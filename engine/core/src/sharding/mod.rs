@@ -49,7 +49,7 @@ mod strategy;
 pub use coordinator::{
     AbandonedHandOff, CoordinatorEffect, CoordinatorEvent, CoordinatorSettings, CoordinatorState,
     HandOffPhase, HandOffView, RebalanceRound, RebalanceStart, ShardAllocation, ShardCoordinator,
-    HANDOFF_RESEND_INTERVAL, WARM_HOMES_PER_MESSAGE,
+    HANDOFF_RESEND_INTERVAL, STILL_STOPPING_WAIT_TIMEOUTS, WARM_HOMES_PER_MESSAGE,
 };
 pub use extractor::{
     shard_id_of, HashCodeExtractor, MessageExtractor, ShardingEnvelope, SHARD_ID_HASH_NAME,
