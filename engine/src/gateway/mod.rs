@@ -177,18 +177,16 @@ impl Fronts {
     /// order, or a native response frame), and counts it. Says what became
     /// of it: written (the payload's buffer handed back for reuse), kept by
     /// the HTTP front, or dropped because `conn` is no open front
-    /// connection (it closed, or it is a data lane's). `at` is the current
-    /// time as the caller last read it: the request's latency counts to it.
+    /// connection (it closed, or it is a data lane's).
     pub(crate) fn reply(
         &self,
         conn: port::ConnId,
         request_id: u64,
         status: Status,
         payload: Vec<u8>,
-        at: Instant,
     ) -> Delivered {
-        if let Some(payload) = http::serve::deliver(self, conn, request_id, status, payload, at) {
-            return native::deliver(self, conn, request_id, status, payload, at);
+        if let Some(payload) = http::serve::deliver(self, conn, request_id, status, payload) {
+            return native::deliver(self, conn, request_id, status, payload);
         }
         Delivered::Kept
     }
@@ -212,7 +210,34 @@ impl Fronts {
 /// the read's time is theirs, and the data plane's current time while it
 /// handles them. 32 requests take a few tens of µs, against timeouts of
 /// ms.
-pub(crate) const READ_CLOCK_EVERY: u32 = 32;
+const READ_CLOCK_EVERY: u32 = 32;
+
+/// A front's clock for the requests of one socket read: read once at the
+/// read, and again every [`READ_CLOCK_EVERY`] requests of a long one.
+pub(crate) struct ReadClock {
+    at: Instant,
+    since: u32,
+}
+
+impl ReadClock {
+    /// Reads the clock (at a socket read).
+    pub(crate) fn new() -> ReadClock {
+        ReadClock {
+            at: Instant::now(),
+            since: 0,
+        }
+    }
+
+    /// The read time of the next request.
+    pub(crate) fn next(&mut self) -> Instant {
+        self.since += 1;
+        if self.since > READ_CLOCK_EVERY {
+            self.at = Instant::now();
+            self.since = 1;
+        }
+        self.at
+    }
+}
 
 /// What became of a reply handed to [`Fronts::reply`].
 #[derive(Debug)]
@@ -271,23 +296,13 @@ mod tests {
             h.native
                 .begun(7, 2, b"nosuchtype", std::time::Instant::now());
         }
+        assert!(fronts.reply(7, 1, Status::Ok, b"hi".to_vec()).delivered());
         assert!(fronts
-            .reply(7, 1, Status::Ok, b"hi".to_vec(), Instant::now())
-            .delivered());
-        assert!(fronts
-            .reply(
-                7,
-                2,
-                Status::UnknownEntityType,
-                b"no".to_vec(),
-                Instant::now()
-            )
+            .reply(7, 2, Status::UnknownEntityType, b"no".to_vec())
             .delivered());
         // Not a front connection of this executor (e.g. a data lane's), or
         // closed: dropped, and said so.
-        assert!(!fronts
-            .reply(9, 1, Status::Ok, b"lost".to_vec(), Instant::now())
-            .delivered());
+        assert!(!fronts.reply(9, 1, Status::Ok, b"lost".to_vec()).delivered());
         assert_eq!(
             frames(&a.buf.borrow()),
             vec![
@@ -300,9 +315,7 @@ mod tests {
             "nothing for the other connection"
         );
         fronts.state().native.closed(8);
-        assert!(!fronts
-            .reply(8, 5, Status::Ok, Vec::new(), Instant::now())
-            .delivered());
+        assert!(!fronts.reply(8, 5, Status::Ok, Vec::new()).delivered());
 
         // Published to the node's board, by executor; unknown types are
         // one label.

@@ -110,16 +110,14 @@ impl NativeState {
 }
 
 /// Writes the answer of a native request to its connection, counting it by
-/// type and mapped status code, with its latency (from its read to `at`).
-/// `false` when `conn` is no open native connection (the answer is
-/// dropped).
+/// type and mapped status code, with its latency. `false` when `conn` is no
+/// open native connection (the answer is dropped).
 pub(super) fn deliver(
     fronts: &Fronts,
     conn: ConnId,
     request_id: u64,
     status: Status,
     payload: Vec<u8>,
-    at: Instant,
 ) -> super::Delivered {
     let outbox = {
         let mut guard = fronts.state();
@@ -129,8 +127,7 @@ pub(super) fn deliver(
             return super::Delivered::NoConnection;
         };
         if let Some(f) = n.in_flight.remove(&(conn, request_id)) {
-            let micros = u64::try_from(at.saturating_duration_since(f.started).as_micros())
-                .unwrap_or(u64::MAX);
+            let micros = u64::try_from(f.started.elapsed().as_micros()).unwrap_or(u64::MAX);
             let code = super::http::status_code_of(status);
             // Unknown type names are not labels: a client could create any
             // number.
@@ -202,16 +199,11 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
         // request's latency counts from the read that brought it, so the
         // requests before it in the same read are counted in it too, and
         // the data plane takes that time as the current one.
-        let mut read_at = Instant::now();
-        let mut since_clock = 0u32;
+        let mut clock = super::ReadClock::new();
         loop {
             match reader.next_frame_bytes() {
                 Ok(Some(body)) => {
-                    since_clock += 1;
-                    if since_clock > super::READ_CLOCK_EVERY {
-                        read_at = Instant::now();
-                        since_clock = 1;
-                    }
+                    let read_at = clock.next();
                     if let Err(e) = on_frame(&port, &fronts, &outbox, conn, &body, read_at) {
                         bad = Some(e);
                         break;

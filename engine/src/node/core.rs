@@ -336,9 +336,7 @@ pub(crate) async fn run(init: DataExecutorInit) {
 
 impl DataExecutor {
     pub(crate) fn now(&self) -> Duration {
-        let now = self.epoch.elapsed().max(self.last_now.get());
-        self.last_now.set(now);
-        now
+        self.now_at(Instant::now())
     }
 
     /// The plane's time for an event that happened at `at` (a front's read
@@ -375,12 +373,11 @@ impl DataExecutor {
         match to {
             ReplyTo::Nobody => {}
             ReplyTo::Client { conn, request_id } => {
-                // The reply's own clock read: its latency includes the
-                // entity's handler (the drain's time may be the request's
-                // read time).
-                let at = Instant::now();
+                // The reply's latency is read at its delivery: it includes
+                // the entity's handler (the drain's time may be the
+                // request's read time).
                 if let Delivered::Written(buf) =
-                    self.fronts.reply(conn, request_id, status, payload, at)
+                    self.fronts.reply(conn, request_id, status, payload)
                 {
                     self.host.recycle_reply(buf);
                 }

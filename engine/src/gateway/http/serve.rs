@@ -200,7 +200,6 @@ pub(in crate::gateway) fn deliver(
     request_id: u64,
     status: Status,
     payload: Vec<u8>,
-    at: Instant,
 ) -> Option<Vec<u8>> {
     let Some(c) = fronts.state().http.conns.get(&conn).cloned() else {
         return Some(payload);
@@ -209,10 +208,7 @@ pub(in crate::gateway) fn deliver(
         return None; // answered already (timed out)
     };
     let r = Response::from_status(status, payload);
-    let micros = at
-        .saturating_duration_since(f.started)
-        .as_micros()
-        .min(u128::from(u64::MAX)) as u64;
+    let micros = f.started.elapsed().as_micros().min(u128::from(u64::MAX)) as u64;
     // Unknown type names are not labels: a client could create any number.
     let label = if status == Status::UnknownEntityType {
         UNKNOWN_TYPE_LABEL
@@ -468,19 +464,14 @@ fn take_requests<P: DataPort>(
     // One clock read per batch of requests (and per READ_CLOCK_EVERY
     // requests of a long one): their read time, and the data plane's
     // current time while it handles them.
-    let mut now = Instant::now();
-    let mut since_clock = 0u32;
+    let mut clock = crate::gateway::ReadClock::new();
     loop {
         if conn.queue.borrow().in_flight() >= MAX_IN_FLIGHT {
             return Taken::Full;
         }
         match decoder.next_request() {
             Ok(Some(req)) => {
-                since_clock += 1;
-                if since_clock > crate::gateway::READ_CLOCK_EVERY {
-                    now = Instant::now();
-                    since_clock = 1;
-                }
+                let now = clock.next();
                 let keep_alive = req.keep_alive;
                 handle(port, front, conn, conn_id, req, now, false);
                 if !keep_alive {
