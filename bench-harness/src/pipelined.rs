@@ -30,9 +30,9 @@ use hdrhistogram::Histogram;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
+use shardline::client::encode_request;
 use shardline::envelope::{
-    access, encode_frame, ClientFrame, ServerFrame, Status, FRAME_HEADER_BYTES,
-    MAX_FRAME_SIZE_BYTES,
+    access, next_frame, ServerFrame, Status, FRAME_HEADER_BYTES, MAX_FRAME_SIZE_BYTES,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -128,7 +128,6 @@ async fn drive(
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed.wrapping_add(index as u64));
     let (type_name, payload) = (args.op.type_name(), args.op.payload());
     let mut batch = Vec::with_capacity(args.pipeline * 64);
-    let mut frame = Vec::with_capacity(128);
     let mut entity = String::with_capacity(20);
     let mut input = vec![0u8; 64 << 10];
     let (mut filled, mut next_id) = (0usize, 0u64);
@@ -141,16 +140,8 @@ async fn drive(
         for _ in 0..args.pipeline {
             entity.clear();
             let _ = write!(entity, "{}", rng.gen_range(0..args.entities.max(1)));
-            frame.clear();
-            let request = ClientFrame::Request {
-                request_id: next_id,
-                type_name: type_name.as_bytes().to_vec(),
-                entity_id: entity.as_bytes().to_vec(),
-                payload: payload.to_vec(),
-            };
+            encode_request(&mut batch, next_id, type_name, &entity, payload)?;
             next_id += 1;
-            encode_frame(&request, &mut frame)?;
-            batch.extend_from_slice(&frame);
         }
         // The batch's time: after the encoding, as redis-benchmark's.
         let sent_at = Instant::now();
@@ -167,18 +158,12 @@ async fn drive(
         while replies < args.pipeline {
             // Every complete frame in the buffer first.
             let mut at = 0;
-            while filled - at >= FRAME_HEADER_BYTES && replies < args.pipeline {
-                let len = u32::from_le_bytes(
-                    input[at..at + FRAME_HEADER_BYTES]
-                        .try_into()
-                        .expect("4 bytes"),
-                ) as usize;
-                if len > MAX_FRAME_SIZE_BYTES {
-                    bail!("connection {index}: reply frame of {len} bytes");
-                }
-                if filled - at - FRAME_HEADER_BYTES < len {
+            while replies < args.pipeline {
+                let Some(len) = next_frame(&input[at..filled], MAX_FRAME_SIZE_BYTES)
+                    .with_context(|| format!("connection {index}: reply frame"))?
+                else {
                     break;
-                }
+                };
                 let start = at + FRAME_HEADER_BYTES;
                 // A copy, for the archive's alignment.
                 body.clear();

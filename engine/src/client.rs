@@ -234,6 +234,30 @@ impl Client {
     }
 }
 
+/// Appends the frame of one entity request to `out`: what
+/// [`RequestWriter::send`] writes, for a client that does its own I/O (an
+/// event loop).
+///
+/// # Errors
+/// [`ClientError::Protocol`] when the request exceeds the frame limit
+/// ([`crate::envelope::MAX_FRAME_SIZE_BYTES`]); `out` is then left as it
+/// was.
+pub fn encode_request(
+    out: &mut Vec<u8>,
+    request_id: u64,
+    type_name: &str,
+    entity_id: &str,
+    payload: &[u8],
+) -> Result<(), ClientError> {
+    let f = ClientFrame::Request {
+        request_id,
+        type_name: type_name.as_bytes().to_vec(),
+        entity_id: entity_id.as_bytes().to_vec(),
+        payload: payload.to_vec(),
+    };
+    encode_frame(&f, out).map_err(|e| ClientError::Protocol(e.to_string()))
+}
+
 /// The writing half of a split [`Client`].
 pub struct RequestWriter {
     out: BufWriter<TcpStream>,
@@ -254,13 +278,7 @@ impl RequestWriter {
         payload: &[u8],
     ) -> Result<(), ClientError> {
         self.buf.clear();
-        let f = ClientFrame::Request {
-            request_id,
-            type_name: type_name.as_bytes().to_vec(),
-            entity_id: entity_id.as_bytes().to_vec(),
-            payload: payload.to_vec(),
-        };
-        encode_frame(&f, &mut self.buf).map_err(|e| ClientError::Protocol(e.to_string()))?;
+        encode_request(&mut self.buf, request_id, type_name, entity_id, payload)?;
         self.out.write_all(&self.buf)?;
         Ok(())
     }
