@@ -546,10 +546,11 @@ pub struct Journal {
     snapshot_serial: u64,
     /// For a sealed segment checked for obsolescence after a snapshot of
     /// one of its ids: its ids whose events in it were not all deleted or
-    /// covered by a snapshot at the first such check. Coverage only grows (deletions and snapshot sequence numbers
-    /// never go down), so each check resumes where the last one stopped
-    /// and an id is found covered once in the segment's life: a segment of
-    /// n ids costs O(n) over all checks. (Keeping only the first uncovered
+    /// covered by a snapshot at the first such check. Coverage only grows
+    /// (deletions and snapshot sequence numbers never go down), so each
+    /// check resumes where the last one stopped and an id is found covered
+    /// once in the segment's life: a segment of n ids costs O(n) over all
+    /// checks. (Keeping only the first uncovered
     /// id and scanning again from the segment's first id once it was
     /// covered cost a scan of the covered ones before it per snapshot of
     /// that id: short while few are covered, O(n) per save when ids are
