@@ -71,19 +71,23 @@ pub fn record<M, S, H: Default>(
     let mut payload = Vec::with_capacity(1 + entity.as_str().len());
     payload.push(kind);
     payload.extend_from_slice(entity.as_str().as_bytes());
-    let seq = {
-        let e = journal
-            .remember_seq
-            .entry(pid.as_str().to_string())
-            .or_insert(0);
-        *e += 1;
-        *e
-    };
+    // The shard's next sequence number, kept only once the append took
+    // it: an append that failed (a segment that could not be allocated)
+    // leaves no gap in the shard's numbers.
+    let seq = journal.remember_seq.get(pid.as_str()).copied().unwrap_or(0) + 1;
     let res = journal
         .log()
         .and_then(|l| l.append(&pid, SequenceNr(seq), epoch, &payload));
-    if let Err(e) = res {
-        tracing::warn!(pid = pid.as_str(), error = %e, "remember-entities event not stored");
+    match res {
+        Ok(_) => match journal.remember_seq.get_mut(pid.as_str()) {
+            Some(last) => *last = seq,
+            None => {
+                journal.remember_seq.insert(pid.as_str().to_string(), seq);
+            }
+        },
+        Err(e) => {
+            tracing::warn!(pid = pid.as_str(), error = %e, "remember-entities event not stored")
+        }
     }
 }
 
@@ -188,6 +192,7 @@ fn fold(journal: &mut CoreJournal, pid: &PersistenceId, rec: &Recovered) -> Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::persistence::EventLog;
     use shardline_core::ids::{Address, MemberUid, RegionId, UniqueAddress};
     use shardline_core::sharding::RegionSettings;
 
@@ -220,6 +225,85 @@ mod tests {
             shard: ShardId(shard),
             entity: EntityId::new(id).expect("id"),
         }
+    }
+
+    /// A log that refuses appends while `refuse` is set (as a journal
+    /// that cannot allocate its next segment does) and keeps the
+    /// sequence numbers of those it took.
+    struct Refusing {
+        inner: Box<dyn EventLog>,
+        refuse: std::rc::Rc<std::cell::Cell<bool>>,
+        taken: std::rc::Rc<std::cell::RefCell<Vec<u64>>>,
+    }
+
+    impl EventLog for Refusing {
+        fn append(
+            &mut self,
+            pid: &PersistenceId,
+            seq: SequenceNr,
+            epoch: WriterEpoch,
+            payload: &[u8],
+        ) -> Result<shardline_journal::Lsn, String> {
+            if self.refuse.get() {
+                return Err("no segment could be allocated".into());
+            }
+            self.taken.borrow_mut().push(seq.0);
+            self.inner.append(pid, seq, epoch, payload)
+        }
+        fn recover(
+            &mut self,
+            pid: &PersistenceId,
+            epoch: WriterEpoch,
+        ) -> Result<crate::persistence::Recovered, String> {
+            self.inner.recover(pid, epoch)
+        }
+        fn save_snapshot(
+            &mut self,
+            pid: &PersistenceId,
+            seq: SequenceNr,
+            epoch: WriterEpoch,
+            data: &[u8],
+        ) -> Result<(), String> {
+            self.inner.save_snapshot(pid, seq, epoch, data)
+        }
+        fn durable_lsn(&self) -> shardline_journal::Lsn {
+            self.inner.durable_lsn()
+        }
+        fn highest_sequence_nr(&self, pid: &PersistenceId) -> u64 {
+            self.inner.highest_sequence_nr(pid)
+        }
+        fn wait_durable(&mut self, lsn: shardline_journal::Lsn) -> Result<(), String> {
+            self.inner.wait_durable(lsn)
+        }
+    }
+
+    #[test]
+    fn a_refused_remember_event_leaves_no_gap_in_the_shards_numbers() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let none = crate::config::Durability::Named(crate::config::DurabilityName::None);
+        let mut opened = CoreJournal::open_local(dir.path(), 0, &none, None).expect("open");
+        let refuse = std::rc::Rc::new(std::cell::Cell::new(false));
+        let taken = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let mut j = CoreJournal::with_log_installed(Box::new(Refusing {
+            inner: opened.take().expect("a journal"),
+            refuse: refuse.clone(),
+            taken: taken.clone(),
+        }));
+        let r = region();
+        record(&mut j, "t", &r, &started(3, "a"));
+        refuse.set(true);
+        record(&mut j, "t", &r, &started(3, "b"));
+        refuse.set(false);
+        record(&mut j, "t", &r, &started(3, "c"));
+        record(&mut j, "t", &r, &started(4, "z"));
+        // Shard 3's numbers run 1, 2 (the refused event took none); shard
+        // 4 has its own.
+        assert_eq!(*taken.borrow(), vec![1, 2, 1]);
+        let ids: Vec<String> = read(&mut j, "t", &r, ShardId(3))
+            .into_iter()
+            .map(|i| i.as_str().to_string())
+            .collect();
+        assert_eq!(ids, vec!["a", "c"]);
     }
 
     #[test]
