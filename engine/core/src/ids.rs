@@ -33,6 +33,17 @@ pub enum IdError {
         /// Which kind of id.
         kind: &'static str,
     },
+    /// A type name held `|` or began with `__`: the journal names an
+    /// entity's events `{type}|{id}` and the engine's own records
+    /// `__shard|…` (remember entities), so such a name could share a
+    /// persistence id with another type's entity.
+    #[error("{kind} {reason}")]
+    Reserved {
+        /// Which kind of id.
+        kind: &'static str,
+        /// What in it is reserved.
+        reason: &'static str,
+    },
 }
 
 /// Maximum length of an [`EntityId`] or [`TypeName`], in bytes.
@@ -51,11 +62,29 @@ fn check(kind: &'static str, s: &str) -> Result<(), IdError> {
     Ok(())
 }
 
+/// [`check`], plus what a type name may not hold ([`IdError::Reserved`]).
+fn check_type_name(kind: &'static str, s: &str) -> Result<(), IdError> {
+    check(kind, s)?;
+    if s.contains('|') {
+        return Err(IdError::Reserved {
+            kind,
+            reason: "contains '|', which separates the type from the entity id in a persistence id",
+        });
+    }
+    if s.starts_with("__") {
+        return Err(IdError::Reserved {
+            kind,
+            reason: "starts with '__', which is reserved for the engine's own persistence ids",
+        });
+    }
+    Ok(())
+}
+
 // Ids are stored as `CompactString`s: up to 24 bytes inline (no heap
 // allocation, 24 bytes like a `String`), longer ones on the heap. An entity
 // id is kept by its region and its core, and built for every request.
 macro_rules! string_id {
-    ($(#[$doc:meta])* $name:ident, $kind:literal) => {
+    ($(#[$doc:meta])* $name:ident, $kind:literal, $check:ident) => {
         $(#[$doc])*
         #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
         pub struct $name(CompactString);
@@ -65,10 +94,10 @@ macro_rules! string_id {
             ///
             /// # Errors
             /// [`IdError::Empty`] for an empty string, [`IdError::TooLong`]
-            /// above 255 bytes.
+            /// above 255 bytes; for a type name, [`IdError::Reserved`].
             pub fn new(s: impl AsRef<str>) -> Result<Self, IdError> {
                 let s = s.as_ref();
-                check($kind, s)?;
+                $check($kind, s)?;
                 Ok(Self(CompactString::new(s)))
             }
 
@@ -82,7 +111,7 @@ macro_rules! string_id {
                     return Err(IdError::TooLong { kind: $kind, len_bytes: b.len() });
                 }
                 let s = std::str::from_utf8(b).map_err(|_| IdError::NotUtf8 { kind: $kind })?;
-                check($kind, s)?;
+                $check($kind, s)?;
                 Ok(Self(CompactString::new(s)))
             }
 
@@ -101,14 +130,19 @@ macro_rules! string_id {
 }
 
 string_id!(
-    /// The name of an entity type (`type_name`), 1 to 255 bytes of UTF-8.
+    /// The name of an entity type (`type_name`), 1 to 255 bytes of UTF-8,
+    /// without `|` and not starting with `__` ([`IdError::Reserved`]): an
+    /// entity's persistence id is `{type}|{id}`, which names one entity
+    /// only when the type holds no `|`, and `__shard|…` is the engine's.
     TypeName,
-    "type name"
+    "type name",
+    check_type_name
 );
 string_id!(
     /// The id of an entity within its type, 1 to 255 bytes of UTF-8.
     EntityId,
-    "entity id"
+    "entity id",
+    check
 );
 
 /// A shard number in `0..number_of_shards`.
@@ -182,5 +216,24 @@ mod tests {
             EntityId::from_bytes(&[0xff, 0xfe]),
             Err(IdError::NotUtf8 { .. })
         ));
+    }
+
+    #[test]
+    fn a_type_name_cannot_share_a_persistence_id_with_another_type() {
+        // "a" + "b|c" and "a|b" + "c" would both be persistence id "a|b|c".
+        assert!(EntityId::new("b|c").is_ok());
+        assert!(matches!(
+            TypeName::new("a|b"),
+            Err(IdError::Reserved { .. })
+        ));
+        assert!(matches!(
+            TypeName::from_bytes(b"a|b"),
+            Err(IdError::Reserved { .. })
+        ));
+        // "__shard" + "counter|3" would read remember-entities records.
+        let e = TypeName::new("__shard").unwrap_err();
+        assert!(e.to_string().contains("reserved"), "{e}");
+        assert!(TypeName::new("_counter").is_ok());
+        assert!(TypeName::new("counter").is_ok());
     }
 }

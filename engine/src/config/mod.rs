@@ -104,7 +104,8 @@ impl EntityKind {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EntityTypeConfig {
-    /// The type name clients address (1..=255 bytes).
+    /// The type name clients address (1..=255 bytes, no `|`, not starting
+    /// with `__`: see [`shardline_core::ids::TypeName`]).
     pub name: String,
     /// Which built-in implementation hosts it.
     pub kind: EntityKind,
@@ -1021,6 +1022,12 @@ active_entity_limit = 0
             "durability = \"sometimes\"",
         );
         assert!(NodeConfig::from_toml(&text, Path::new("x.toml")).is_err());
+        // Type names that could share a persistence id with another type.
+        for name in ["a|b", "__shard"] {
+            let text = format!("{GOOD}\n[[entity_types]]\nname = \"{name}\"\nkind = \"counter\"\n");
+            let e = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap_err();
+            assert!(e.to_string().contains("entity_types[1].name"), "{e}");
+        }
     }
 
     #[test]
