@@ -13,7 +13,8 @@ use crate::envelope::Status;
 pub struct MemberStatusView {
     /// Cluster address.
     pub address: String,
-    /// Incarnation uid.
+    /// Incarnation uid (a JSON string, as everywhere: see `uid_string`).
+    #[serde(with = "uid_string")]
     pub uid: u64,
     /// Joining, WeaklyUp, Up, Leaving, Exiting, Down, Removed.
     pub status: String,
@@ -100,7 +101,8 @@ pub struct WorkerPoolStatus {
 pub struct NodeStatus {
     /// This node's cluster address.
     pub address: String,
-    /// This incarnation's uid.
+    /// This incarnation's uid (a JSON string).
+    #[serde(with = "uid_string")]
     pub uid: u64,
     /// This node's client address.
     pub client_address: String,
@@ -202,7 +204,8 @@ impl RegionShardStats {
 pub struct MemberShardStats {
     /// The member's cluster address.
     pub address: String,
-    /// Its incarnation uid.
+    /// Its incarnation uid (a JSON string).
+    #[serde(with = "uid_string")]
     pub uid: u64,
     /// Its regions of the asked type, by core.
     pub regions: Vec<RegionShardStats>,
@@ -214,7 +217,8 @@ pub struct MemberShardStats {
 pub struct FailedMember {
     /// The member's cluster address.
     pub address: String,
-    /// Its incarnation uid.
+    /// Its incarnation uid (a JSON string).
+    #[serde(with = "uid_string")]
     pub uid: u64,
     /// `"unreachable"` (the failure detector marks it; not asked) or
     /// `"no answer within N ms"`.
@@ -388,3 +392,58 @@ pub enum CoordinatorCommand {
 /// status whose HTTP code the HTTP front's `status_code_of` gives,
 /// and the reason).
 pub type AdminAnswer = Result<Vec<u8>, (Status, String)>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_uid_is_a_json_string() {
+        let uid = u64::MAX - 1; // above 2^53: a double would round it
+        let st = NodeStatus {
+            address: "127.0.0.1:1".into(),
+            uid,
+            client_address: "127.0.0.1:2".into(),
+            members: vec![MemberStatusView {
+                address: "127.0.0.1:1".into(),
+                uid,
+                status: "Up".into(),
+                reachable: true,
+            }],
+            leader: None,
+            coordinator: None,
+            coordinator_here: false,
+            regions: Vec::new(),
+            coordinators: Vec::new(),
+            cluster_name: "shardline".into(),
+            cluster_id: None,
+            journal_identity: String::new(),
+        };
+        let json = serde_json::to_value(&st).unwrap();
+        assert_eq!(json["uid"], serde_json::json!(uid.to_string()));
+        assert_eq!(
+            json["members"][0]["uid"],
+            serde_json::json!(uid.to_string())
+        );
+        let back: NodeStatus = serde_json::from_value(json).unwrap();
+        assert_eq!(back, st);
+        let stats = ClusterShardingStats {
+            members: vec![MemberShardStats {
+                address: "a".into(),
+                uid,
+                regions: Vec::new(),
+            }],
+            failed: vec![FailedMember {
+                address: "b".into(),
+                uid,
+                reason: "unreachable".into(),
+            }],
+        };
+        let json = serde_json::to_value(&stats).unwrap();
+        assert_eq!(
+            json["members"][0]["uid"],
+            serde_json::json!(uid.to_string())
+        );
+        assert_eq!(json["failed"][0]["uid"], serde_json::json!(uid.to_string()));
+    }
+}
