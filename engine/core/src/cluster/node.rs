@@ -1361,7 +1361,12 @@ impl ClusterNode {
                 changed |= self.gossip.reachability.reachable(&me, u);
             }
         }
-        // Records about members this node no longer monitors are cleared.
+        // Records about members this node no longer monitors are cleared,
+        // except a Down member's: it is no longer monitored because it is
+        // Down, and it stays unreachable until it is removed (as in Akka,
+        // whose reachability drops a member's records at its removal), so
+        // that no `ReachableMember` is published for a member that never
+        // answered again.
         let stale: Vec<UniqueAddress> = self
             .gossip
             .reachability
@@ -1370,7 +1375,14 @@ impl ClusterNode {
             .map(|r| {
                 r.unreachable
                     .iter()
-                    .filter(|u| !self.monitored.contains_key(*u))
+                    .filter(|u| {
+                        !self.monitored.contains_key(*u)
+                            && self
+                                .gossip
+                                .members
+                                .get(*u)
+                                .is_none_or(|m| m.status != MemberStatus::Down)
+                    })
                     .cloned()
                     .collect()
             })

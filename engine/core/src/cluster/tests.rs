@@ -268,6 +268,18 @@ fn crashed_member_is_downed_and_removed_by_keep_majority() {
             ..
         }
     )));
+    // It never answered again: no survivor reports it reachable, before or
+    // after it was downed.
+    for i in [0, 1] {
+        assert!(
+            !net.events[i].iter().any(|e| matches!(
+                e,
+                ClusterEvent::ReachableMember(m) if m.unique_address.address == addr(2)
+            )),
+            "node {i}: {:?}",
+            net.events[i]
+        );
+    }
 }
 
 #[test]
