@@ -375,12 +375,14 @@ impl Refusal {
     }
 }
 
-/// The refusal of a member whose journal identity differs from ours while
-/// one side hosts durable types, naming `journal.backend`.
+/// The refusal of a connecting member (`peer`) whose journal identity
+/// differs from the accepting member's while one side hosts durable types,
+/// naming `journal.backend`. Both sides are named by role, not as "this
+/// node": the refused member prints the accepting member's reason.
 pub fn journal_mismatch(peer: &str, peer_journal: &str, own_journal: &str) -> String {
     format!(
-        "journal mismatch: member {peer} keeps its durable state in {peer_journal}, this node in \
-         {own_journal}; with journal.backend = \"local\" a durable entity recovers only from the \
+        "journal mismatch: connecting member {peer} keeps its durable state in {peer_journal}, \
+         the member it connected to in {own_journal}; with journal.backend = \"local\" a durable entity recovers only from the \
          journals under its node's data root, so members on different data roots (machines) \
          would start entities whose shard moved without their events. Refusing to join: put \
          every data_dir under one data root on one machine, or give every member the same \
@@ -388,7 +390,10 @@ pub fn journal_mismatch(peer: &str, peer_journal: &str, own_journal: &str) -> St
     )
 }
 
-/// Checks a peer's [`Hello`] against this node's fingerprint.
+/// Checks a connecting peer's [`Hello`] against this (the accepting)
+/// node's fingerprint. The reason names both sides by role (connecting
+/// member, the member it connected to): it is logged here and sent to the
+/// peer, which prints it.
 ///
 /// # Errors
 /// A [`Refusal`] naming the mismatch: protocol version or sharding
@@ -407,15 +412,17 @@ pub fn check_hello(h: &Hello, fp: &Fingerprint) -> Result<(), Refusal> {
     if h.hash_name != fp.hash_name || h.number_of_shards != fp.number_of_shards {
         return Err(Refusal {
             reason: format!(
-                "sharding fingerprint mismatch: peer {}/{} shards, ours {}/{} shards",
-                h.hash_name, h.number_of_shards, fp.hash_name, fp.number_of_shards
+                "sharding fingerprint mismatch: connecting member {} has {}/{} shards, the member \
+                 it connected to {}/{} shards",
+                h.address, h.hash_name, h.number_of_shards, fp.hash_name, fp.number_of_shards
             ),
             fatal: false,
         });
     }
     if h.cluster_name != fp.cluster_name {
         return Err(Refusal::fatal(format!(
-            "cluster name mismatch: member {} is of cluster {:?}, this node of {:?}",
+            "cluster name mismatch: connecting member {} is of cluster {:?}, the member it \
+             connected to of {:?}",
             h.address, h.cluster_name, fp.cluster_name
         )));
     }
@@ -602,6 +609,16 @@ mod tests {
         // Another shard count: refused, not for good (as before).
         let mut h = hello("local:a", false);
         h.number_of_shards = 11;
-        assert!(!check_hello(&h, &fp("local:a", false)).unwrap_err().fatal);
+        let r = check_hello(&h, &fp("local:a", false)).unwrap_err();
+        assert!(!r.fatal);
+        // Each side's value is named by its role, so that the refused
+        // member, which prints the reason, does not read its own value as
+        // the other's.
+        assert!(
+            r.reason.contains("connecting member 127.0.0.1:1 has ")
+                && r.reason.contains("/11 shards, the member it connected to "),
+            "{}",
+            r.reason
+        );
     }
 }
