@@ -290,7 +290,10 @@ pub struct NodeConfig {
     /// Number of data executors (regions) on this node. Default 1.
     #[serde(default = "default_data_cores")]
     pub data_cores: u16,
-    /// Pin executors to cores when the machine has them. Default true.
+    /// Pin executors to cores when the machine has them: data core `i` to
+    /// CPU `i % cpus`. Nodes that share a machine would all pin to the same
+    /// CPUs, so their configs set it false (`configs/cluster-3`). Default
+    /// true.
     #[serde(default = "default_true")]
     pub pin_cores: bool,
     /// The cluster's name; every member must have the same one (checked at
