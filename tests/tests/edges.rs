@@ -622,8 +622,12 @@ fn a_first_seed_refused_by_the_seeds_never_forms_its_own_cluster() {
         "the exit names the refusal:\n{log}"
     );
     assert!(
-        log.contains("sharding fingerprint mismatch"),
-        "and its reason:\n{log}"
+        log.contains("sharding fingerprint mismatch: connecting member"),
+        "and its reason, naming the sides by role:\n{log}"
+    );
+    assert!(
+        !log.contains('\u{1b}'),
+        "a log written to a file has no colour codes:\n{log}"
     );
     assert!(exiting.ready.try_recv().is_err(), "never ready:\n{log}");
 }

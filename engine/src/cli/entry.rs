@@ -86,6 +86,9 @@ fn run(cli: Cli) -> Result<ExitCode, BoxError> {
                         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
                 )
                 .with_writer(std::io::stderr)
+                // Colour codes only for a terminal: a log file or a pipe
+                // gets plain text.
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .try_init();
             super::node::run(&args)?;
         }
@@ -108,9 +111,12 @@ fn chain<'a>(
 }
 
 fn is_broken_pipe(e: &(dyn std::error::Error + 'static)) -> bool {
+    let broken = |io: &std::io::Error| io.kind() == std::io::ErrorKind::BrokenPipe;
     chain(e).any(|c| {
-        c.downcast_ref::<std::io::Error>()
-            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+        c.downcast_ref::<std::io::Error>().is_some_and(broken)
+            // `CliError::Io` is transparent: the I/O error is not its
+            // source, so the chain never shows it.
+            || matches!(c.downcast_ref::<super::CliError>(), Some(super::CliError::Io(io)) if broken(io))
     })
 }
 
@@ -155,6 +161,13 @@ mod tests {
         assert!(!is_broken_pipe(&e));
         let pipe = Outer(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
         assert!(is_broken_pipe(&pipe));
+        // As a command returns it (`status ... | head -1`).
+        let boxed: BoxError =
+            super::super::CliError::from(std::io::Error::from(std::io::ErrorKind::BrokenPipe))
+                .into();
+        assert!(is_broken_pipe(&*boxed));
+        let boxed: BoxError = super::super::CliError::from(std::io::Error::other("disk")).into();
+        assert!(!is_broken_pipe(&*boxed));
     }
 
     #[test]
