@@ -21,7 +21,9 @@
 //!   answers a larger body `413` and the native front a `TooLarge` status
 //!   (a frame longer than the limit plus the envelope overhead: a
 //!   `TooLarge` frame, then the connection closes), while a message at
-//!   the limit is served;
+//!   the limit is served; and a handshake that stalls on the cluster port
+//!   is closed when it times out (it used to stay open until the peer
+//!   closed it);
 //! - a first seed restarted with a mismatched `number_of_shards` is refused
 //!   by the other seeds and does not form a cluster of its own;
 //! - the coordinator visible and steerable: three nodes joining two are
@@ -41,7 +43,7 @@ mod http_support;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::Path;
 
 use http_support::{config_text_with, post_bytes, shardline_bin, start_nodes_with, Conn, Ports};
@@ -528,6 +530,33 @@ fn one_message_size_limit_on_both_fronts() {
     let mut n = shardline::client::Client::connect(ports.client(0)).expect("connect");
     let r = n.ask("counter", "size", b"get", t).expect("ask");
     assert_eq!(r.payload, b"1");
+    // A peer on the cluster port that starts a handshake frame and stalls
+    // is closed once the handshake times out (5 s), its buffer with it:
+    // the socket used to stay open, with the read still pending, until the
+    // peer closed it.
+    let mut stalled = std::net::TcpStream::connect(ports.cluster(0)).expect("connect");
+    stalled
+        .write_all(&(1u32 << 20).to_le_bytes())
+        .and_then(|()| stalled.write_all(&[0u8; 4096]))
+        .expect("write");
+    stalled
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .expect("timeout");
+    let t0 = Instant::now();
+    let mut buf = [0u8; 64];
+    let end = loop {
+        match stalled.read(&mut buf) {
+            Ok(0) => break Ok(()),
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break Ok(()),
+            Err(e) => break Err(e),
+        }
+    };
+    assert!(
+        end.is_ok(),
+        "the node kept a stalled handshake open for {:?}: {end:?}",
+        t0.elapsed()
+    );
 }
 
 /// Reproduction 5 of the issue: node 0 (the first seed) is restarted with
