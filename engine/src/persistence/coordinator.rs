@@ -552,11 +552,14 @@ impl ControlJournal {
             segment_size_bytes: CONTROL_SEGMENT_SIZE_BYTES,
             ..JournalOptions::default()
         };
-        let (journal, _) =
+        let (journal, report) =
             Journal::open(dir, options).map_err(|source| CoordinatorJournalError::Open {
                 dir: dir.to_path_buf(),
                 source,
             })?;
+        if let Some(w) = super::recovery_warning(dir, &report) {
+            tracing::warn!("{w}");
+        }
         Ok(ControlJournal {
             journal,
             none: matches!(durability, shardline_journal::Durability::None),

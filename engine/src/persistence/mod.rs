@@ -370,7 +370,10 @@ impl CoreLog {
             segment_size_bytes: SEGMENT_SIZE_BYTES,
             ..JournalOptions::default()
         };
-        let (journal, _report) = Journal::open(&dir, options)?;
+        let (journal, report) = Journal::open(&dir, options)?;
+        if let Some(w) = recovery_warning(&dir, &report) {
+            tracing::warn!("{w}");
+        }
         Ok(CoreLog {
             journal,
             none: matches!(durability, Durability::None),
@@ -507,6 +510,27 @@ impl CoreLog {
 /// The journal directory of core `index` under a node's `data_dir`.
 pub fn core_dir(data_dir: &Path, index: u16) -> PathBuf {
     data_dir.join("journal").join(format!("core-{index}"))
+}
+
+/// What a journal's opening cut, as the line to log at warn level (`None`
+/// when it found the journal as it was left): the torn tail of its newest
+/// segment, records past the last complete one, with the file, the offset
+/// and the bytes cut. Those are writes a crash tore: not acknowledged
+/// under `always`; under `none` or `interval`, possibly writes after the
+/// last flush. (The empty segment and temporary files a run leaves are
+/// removed at every opening: not worth a warning.)
+pub fn recovery_warning(dir: &Path, report: &shardline_journal::RecoveryReport) -> Option<String> {
+    report.torn_tail.as_ref().map(|t| {
+        format!(
+            "journal {}: torn tail cut: {} at offset {} ({} bytes cut: {}); records past the \
+             last complete one were dropped",
+            dir.display(),
+            t.file,
+            t.offset,
+            t.bytes_cut,
+            t.reason
+        )
+    })
 }
 
 /// The journal policy of a node config's `durability`.
@@ -957,6 +981,57 @@ impl Hooks {
 #[cfg(test)]
 mod core_journal_tests {
     use super::*;
+
+    #[test]
+    fn a_torn_tail_cut_at_open_is_reported_for_the_log() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let none = crate::config::Durability::Named(crate::config::DurabilityName::None);
+        let pid = PersistenceId::new("counter|a").expect("pid");
+        {
+            let mut j = CoreJournal::open_local(dir.path(), 0, &none, None).expect("open");
+            let log = j.log().expect("log");
+            for seq in 1..=3 {
+                log.append(&pid, SequenceNr(seq), WriterEpoch(1), b"12345678")
+                    .expect("append");
+            }
+        }
+        let core = core_dir(dir.path(), 0);
+        // Opened as the core opens it.
+        let options = || JournalOptions {
+            durability: journal_durability(&none),
+            segment_size_bytes: SEGMENT_SIZE_BYTES,
+            ..JournalOptions::default()
+        };
+        // The newest segment (the only one): its records end where its
+        // non-zero bytes do (segments are zero-filled; an event's payload
+        // is its last field). Bytes that are no record right after them:
+        // a torn write.
+        let seg = std::fs::read_dir(&core)
+            .expect("dir")
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "seg"))
+            .max()
+            .expect("a segment");
+        let bytes = std::fs::read(&seg).expect("read");
+        let end = bytes.iter().rposition(|b| *b != 0).expect("records") as u64 + 1;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&seg)
+            .expect("seg");
+        std::os::unix::fs::FileExt::write_all_at(&f, &[0xAB; 40], end).expect("write");
+        drop(f);
+        let (_, report) = Journal::open(&core, options()).expect("reopen");
+        let w = recovery_warning(&core, &report).expect("a warning");
+        assert!(w.contains("torn tail cut") && w.contains(".seg"), "{w}");
+        assert!(w.contains(&format!("at offset {end}")), "{w}");
+        // The three acknowledged events are intact.
+        let mut j = CoreJournal::open_local(dir.path(), 0, &none, None).expect("open");
+        assert_eq!(j.log().expect("log").highest_sequence_nr(&pid), 3);
+        drop(j);
+        // A journal closed cleanly opens with nothing to report.
+        let (_, report) = Journal::open(&core, options()).expect("reopen");
+        assert_eq!(recovery_warning(&core, &report), None, "{report:?}");
+    }
 
     #[test]
     fn an_incarnation_waits_once_per_round_in_the_order_added() {
