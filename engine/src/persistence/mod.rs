@@ -406,10 +406,16 @@ impl CoreLog {
             };
             for c in cores.flatten() {
                 let p = c.path();
+                // A core's journal is a directory `core-<index>` (or a link
+                // to one); a file of another name or kind there is no
+                // journal (a stray `core-7x` file made every recovery
+                // fail, naming it unreadable).
                 let is_core = p
                     .file_name()
                     .and_then(|f| f.to_str())
-                    .is_some_and(|f| f.starts_with("core-"));
+                    .and_then(|f| f.strip_prefix("core-"))
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                    && c.file_type().is_ok_and(|t| t.is_dir() || t.is_symlink());
                 let canon = std::fs::canonicalize(&p).unwrap_or_else(|_| p.clone());
                 if is_core && canon != own {
                     out.push(p);
@@ -981,6 +987,32 @@ impl Hooks {
 #[cfg(test)]
 mod core_journal_tests {
     use super::*;
+
+    #[test]
+    fn stray_files_beside_the_cores_journals_are_not_read_as_journals() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let none = crate::config::Durability::Named(crate::config::DurabilityName::None);
+        let pid = PersistenceId::new("counter|moved").expect("pid");
+        {
+            // Core 1 hosted the entity first.
+            let mut j = CoreJournal::open_local(dir.path(), 1, &none, None).expect("open");
+            let log = j.log().expect("log");
+            log.append(&pid, SequenceNr(1), WriterEpoch(1), b"first")
+                .expect("append");
+        }
+        let journals = dir.path().join("journal");
+        std::fs::write(journals.join("core-7x"), b"q").expect("stray file");
+        std::fs::write(journals.join("core-9"), b"q").expect("stray file");
+        std::fs::create_dir(journals.join("core-backup")).expect("stray dir");
+        // Core 0 recovers it from core 1's journal, past the strays.
+        let mut j = CoreJournal::open_local(dir.path(), 0, &none, None).expect("open");
+        let r = j
+            .log()
+            .expect("log")
+            .recover(&pid, WriterEpoch(2))
+            .expect("recovered");
+        assert_eq!(r.events, vec![(1, b"first".to_vec())]);
+    }
 
     #[test]
     fn a_torn_tail_cut_at_open_is_reported_for_the_log() {
