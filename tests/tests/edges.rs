@@ -21,9 +21,10 @@
 //!   answers a larger body `413` and the native front a `TooLarge` status
 //!   (a frame longer than the limit plus the envelope overhead: a
 //!   `TooLarge` frame, then the connection closes), while a message at
-//!   the limit is served; and a handshake that stalls on the cluster port
-//!   is closed when it times out (it used to stay open until the peer
-//!   closed it);
+//!   the limit is served; a native connection that stalls mid-frame is
+//!   closed after `requests.frame_timeout_ms`, and a handshake that stalls
+//!   on the cluster port when it times out (both used to stay open until
+//!   the peer closed them);
 //! - a first seed restarted with a mismatched `number_of_shards` is refused
 //!   by the other seeds and does not form a cluster of its own;
 //! - the coordinator visible and steerable: three nodes joining two are
@@ -493,7 +494,7 @@ fn one_message_size_limit_on_both_fronts() {
         ports,
         1,
         1,
-        "max_body_size_bytes = 1000\n[requests]\nmax_message_size_bytes = 1000",
+        "max_body_size_bytes = 1000\n[requests]\nmax_message_size_bytes = 1000\nframe_timeout_ms = 1000",
     );
     wait_cluster(ports.client(0), 1, None);
     // HTTP: at the limit served, one byte over 413 at once.
@@ -530,6 +531,36 @@ fn one_message_size_limit_on_both_fronts() {
     let mut n = shardline::client::Client::connect(ports.client(0)).expect("connect");
     let r = n.ask("counter", "size", b"get", t).expect("ask");
     assert_eq!(r.payload, b"1");
+    // A client that stalls mid-frame on the native port is closed once the
+    // frame is `requests.frame_timeout_ms` (1 s here) late; one between
+    // frames is not. (Both used to be held for ever.)
+    let mut idle = std::net::TcpStream::connect(ports.client(0)).expect("connect");
+    let mut stalled = std::net::TcpStream::connect(ports.client(0)).expect("connect");
+    stalled
+        .write_all(&100u32.to_le_bytes())
+        .and_then(|()| stalled.write_all(&[0u8; 10]))
+        .expect("write");
+    stalled
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let t0 = Instant::now();
+    let mut buf = [0u8; 64];
+    let end = loop {
+        match stalled.read(&mut buf) {
+            Ok(0) => break Ok(t0.elapsed()),
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break Ok(t0.elapsed()),
+            Err(e) => break Err(e),
+        }
+    };
+    let took = end.expect("the stalled frame's connection is closed");
+    assert!(took >= Duration::from_millis(900), "closed after {took:?}");
+    idle.set_nonblocking(true).expect("nonblocking");
+    assert!(
+        matches!(idle.read(&mut buf), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "the idle connection stays open"
+    );
+    drop(idle);
     // A peer on the cluster port that starts a handshake frame and stalls
     // is closed once the handshake times out (5 s), its buffer with it:
     // the socket used to stay open, with the read still pending, until the

@@ -868,16 +868,21 @@ active_entity_limit = 0
         assert_eq!(c.requests, RequestsConfig::default());
         assert_eq!(c.requests.ask_timeout(), Duration::from_secs(12));
         assert_eq!(c.requests.max_message_size_bytes, (16 << 20) - 1024);
+        assert_eq!(c.requests.frame_timeout(), Duration::from_secs(15));
         let with = |t: &str| format!("{GOOD}\n[requests]\n{t}\n");
         let c = NodeConfig::from_toml(
-            &with("ask_timeout_ms = 1500\nmax_message_size_bytes = 2097152"),
+            &with(
+                "ask_timeout_ms = 1500\nmax_message_size_bytes = 2097152\nframe_timeout_ms = 700",
+            ),
             Path::new("x.toml"),
         )
         .unwrap();
         assert_eq!(c.requests.ask_timeout_ms, 1500);
+        assert_eq!(c.requests.frame_timeout_ms, 700);
         assert_eq!(c.requests.max_request_frame_bytes(), (2 << 20) + 1024);
         for (t, key) in [
             ("ask_timeout_ms = 5", "requests.ask_timeout_ms"),
+            ("frame_timeout_ms = 99", "requests.frame_timeout_ms"),
             (
                 "max_message_size_bytes = 0",
                 "requests.max_message_size_bytes",

@@ -24,6 +24,10 @@ pub const MAX_MESSAGE_SIZE_BYTES: u64 = MAX_FRAME_SIZE_BYTES as u64 - ENVELOPE_O
 /// Default of [`RequestsConfig::ask_timeout_ms`]: 12 s.
 pub const DEFAULT_ASK_TIMEOUT_MS: u64 = 12_000;
 
+/// Default of [`RequestsConfig::frame_timeout_ms`]: 15 s (the HTTP
+/// front's `http.body_timeout_ms` default).
+pub const DEFAULT_FRAME_TIMEOUT_MS: u64 = 15_000;
+
 /// How long the HTTP front waits past a request's ask deadline before it
 /// answers `504` itself (in ms): time for a "not delivered" answer from a
 /// buffer or from another node to arrive first.
@@ -52,6 +56,14 @@ pub struct RequestsConfig {
     /// may not exceed it. Default and maximum [`MAX_MESSAGE_SIZE_BYTES`]
     /// (16 MiB less 1 KiB, what a node-to-node frame carries); at least 1.
     pub max_message_size_bytes: u64,
+    /// How long a request frame on the native port may take to arrive
+    /// whole, in milliseconds from the read that brought its first byte.
+    /// A connection whose frame is still incomplete then is closed (a
+    /// client that stalls mid-frame would otherwise hold the connection
+    /// and up to a frame's worth of buffer for ever). A connection with
+    /// no partial frame waits for its next request without limit, as a
+    /// pooled client connection does. Default 15000; 100..=3600000.
+    pub frame_timeout_ms: u64,
 }
 
 impl Default for RequestsConfig {
@@ -59,6 +71,7 @@ impl Default for RequestsConfig {
         RequestsConfig {
             ask_timeout_ms: DEFAULT_ASK_TIMEOUT_MS,
             max_message_size_bytes: MAX_MESSAGE_SIZE_BYTES,
+            frame_timeout_ms: DEFAULT_FRAME_TIMEOUT_MS,
         }
     }
 }
@@ -67,6 +80,11 @@ impl RequestsConfig {
     /// [`Self::ask_timeout_ms`] as a Duration.
     pub fn ask_timeout(&self) -> Duration {
         Duration::from_millis(self.ask_timeout_ms)
+    }
+
+    /// [`Self::frame_timeout_ms`] as a Duration.
+    pub fn frame_timeout(&self) -> Duration {
+        Duration::from_millis(self.frame_timeout_ms)
     }
 
     /// The longest a request frame on the native port may be, in bytes
@@ -89,6 +107,12 @@ impl RequestsConfig {
             return Err(bad(
                 "requests.ask_timeout_ms",
                 format!("{} is not in 100..=3600000", self.ask_timeout_ms),
+            ));
+        }
+        if !(100..=3_600_000).contains(&self.frame_timeout_ms) {
+            return Err(bad(
+                "requests.frame_timeout_ms",
+                format!("{} is not in 100..=3600000", self.frame_timeout_ms),
             ));
         }
         if self.max_message_size_bytes == 0 || self.max_message_size_bytes > MAX_MESSAGE_SIZE_BYTES

@@ -177,6 +177,9 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
     let max_frame = port.max_request_frame_bytes();
     let mut reader = FrameReader::new(max_frame.min(MAX_FRAME_SIZE_BYTES));
     let mut linger = false;
+    let frame_timeout = port.frame_timeout();
+    // When the frame being received (not yet whole) began to arrive.
+    let mut partial_since: Option<Instant> = None;
     loop {
         // Back-pressure: a client that does not read its responses is not read.
         while outbox.buf.borrow().len() > OUTBOX_HIGH_WATER_BYTES {
@@ -185,7 +188,25 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
             }
             monoio::time::sleep(Duration::from_millis(1)).await;
         }
-        match reader.fill(&mut r).await {
+        let filled = match partial_since {
+            None => reader.fill(&mut r).await,
+            Some(since) => {
+                let left = (since + frame_timeout).saturating_duration_since(Instant::now());
+                match monoio::time::timeout(left, reader.fill(&mut r)).await {
+                    Ok(res) => res,
+                    Err(_) => {
+                        tracing::info!(
+                            ?peer,
+                            pending_bytes = reader.pending_bytes(),
+                            timeout_ms = frame_timeout.as_millis() as u64,
+                            "request frame not received whole in time (requests.frame_timeout_ms); closing the connection"
+                        );
+                        break;
+                    }
+                }
+            }
+        };
+        match filled {
             Ok(0) => break,
             Ok(_) => {}
             Err(e) => {
@@ -193,6 +214,7 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
                 break;
             }
         }
+        let mut completed = false;
         let mut bad = None;
         // One clock read per read from the socket (and per
         // READ_CLOCK_EVERY requests of a long one), not per request: a
@@ -203,6 +225,7 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
         loop {
             match reader.next_frame_bytes() {
                 Ok(Some(body)) => {
+                    completed = true;
                     let read_at = clock.next();
                     if let Err(e) = on_frame(&port, &fronts, &outbox, conn, &body, read_at) {
                         bad = Some(e);
@@ -235,6 +258,12 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
         if outbox.closed.get() {
             break;
         }
+        partial_since = match (reader.pending_bytes() > 0, partial_since) {
+            (false, _) => None,
+            // The frame that began before this read is still incomplete.
+            (true, Some(since)) if !completed => Some(since),
+            (true, _) => Some(Instant::now()),
+        };
     }
     if linger {
         // The writer sends the TooLarge frame; the input (the rest of the

@@ -53,6 +53,10 @@ pub(crate) trait DataPort: Clone + 'static {
     /// (`requests.max_message_size_bytes` plus the envelope's overhead).
     fn max_request_frame_bytes(&self) -> usize;
 
+    /// How long a request frame on the native port may take to arrive
+    /// whole (`requests.frame_timeout_ms`).
+    fn frame_timeout(&self) -> std::time::Duration;
+
     /// Routes one entity request (`type_name`, `entity_id` as read from the
     /// wire, not yet validated). Its answer, an error for a bad type or id
     /// included, comes through [`super::Fronts::reply`] with the same

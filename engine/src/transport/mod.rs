@@ -208,6 +208,12 @@ impl FrameReader {
         }
     }
 
+    /// Bytes received and not yet returned as a frame (count): above 0
+    /// once every complete frame was taken, a frame is partly received.
+    pub fn pending_bytes(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+
     /// The bytes of a range returned by [`Self::next_frame`].
     pub fn body(&self, r: Range<usize>) -> &[u8] {
         &self.buf[r]

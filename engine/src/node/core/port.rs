@@ -97,6 +97,10 @@ impl DataPort for DataExecutorRef {
         self.borrow().max_request_frame_bytes()
     }
 
+    fn frame_timeout(&self) -> std::time::Duration {
+        self.borrow().config.requests.frame_timeout()
+    }
+
     fn client_request(
         &self,
         conn: ConnId,
