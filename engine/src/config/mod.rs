@@ -652,6 +652,31 @@ impl NodeConfig {
                 "must differ from cluster_address".to_string(),
             ));
         }
+        if let Some(http) = self.http_address {
+            for (other, key) in [
+                (self.cluster_address, "cluster_address"),
+                (self.client_address, "client_address"),
+            ] {
+                if http == other {
+                    return Err(bad("http_address", format!("must differ from {key}")));
+                }
+            }
+        }
+        // The node keeps its lock, identity, journals and coordinator state
+        // in data_dir, and reads its siblings' journals beside it: it needs
+        // a directory with a parent (the data root).
+        if self.data_dir.as_os_str().is_empty() {
+            return Err(bad("data_dir", "is empty".into()));
+        }
+        if self.data_dir.parent().is_none() {
+            return Err(bad(
+                "data_dir",
+                format!(
+                    "{} has no parent directory to be the data root; use a directory of its own, e.g. /var/lib/shardline/node-1",
+                    self.data_dir.display()
+                ),
+            ));
+        }
         if let Durability::Interval { interval_ms } = self.durability {
             if interval_ms == 0 {
                 return Err(bad("durability.interval_ms", "must be at least 1".into()));
@@ -1030,6 +1055,35 @@ active_entity_limit = 0
             "durability = \"sometimes\"",
         );
         assert!(NodeConfig::from_toml(&text, Path::new("x.toml")).is_err());
+        // Addresses that collide, and data dirs without a data root.
+        for (from, to, key) in [
+            (
+                "data_dir         = \"/tmp/shardline/node-1\"",
+                "data_dir = \"\"",
+                "data_dir",
+            ),
+            (
+                "data_dir         = \"/tmp/shardline/node-1\"",
+                "data_dir = \"/\"",
+                "data_dir",
+            ),
+        ] {
+            assert!(GOOD.contains(from), "{from}");
+            let e =
+                NodeConfig::from_toml(&GOOD.replace(from, to), Path::new("x.toml")).unwrap_err();
+            assert!(e.to_string().contains(key), "{to}: {e}");
+        }
+        let client = GOOD
+            .lines()
+            .find(|l| l.starts_with("client_address"))
+            .and_then(|l| l.split('"').nth(1))
+            .expect("GOOD names a client_address");
+        let text = format!("http_address = \"{client}\"\n{GOOD}");
+        let e = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap_err();
+        assert!(
+            e.to_string().contains("http_address") && e.to_string().contains("must differ"),
+            "{e}"
+        );
         // Type names that could share a persistence id with another type.
         for name in ["a|b", "__shard"] {
             let text = format!("{GOOD}\n[[entity_types]]\nname = \"{name}\"\nkind = \"counter\"\n");
