@@ -623,6 +623,7 @@ impl Control {
             ToControl::Registered { core, all, warm } => {
                 self.plane.handle_registered(now, core, all, warm)
             }
+            ToControl::JournalFailed { core } => self.plane.handle_journal_failed(now, core),
             ToControl::ShutdownComplete { core } => self.plane.handle_shutdown_complete(now, core),
             ToControl::Status { reply } => {
                 let _ = reply.send(self.view());

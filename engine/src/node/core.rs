@@ -231,8 +231,11 @@ pub(crate) async fn run(init: DataExecutorInit) {
                     c.host.set_journal(journal);
                 }
                 Err(e) => {
-                    tracing::error!(core = c.index, error = %e, "cannot open the core's journal; durable entities fail");
+                    tracing::error!(core = c.index, error = %e, "cannot open the core's journal; durable entities fail; the node is not ready");
                     c.journal_error = Some(e.to_string());
+                    let _ = c
+                        .to_control
+                        .send(ToControl::JournalFailed { core: c.index });
                 }
             }
         }

@@ -189,6 +189,12 @@ pub enum ToControl {
         /// shards that lost their home again at once.
         remember_entities: bool,
     },
+    /// A core's journal did not open (its durable entities fail until the
+    /// node restarts): the node is not ready, as `/health/ready` says.
+    JournalFailed {
+        /// The core's index.
+        core: u16,
+    },
     /// A core's regions' registration state changed.
     Registered {
         /// The core's index.

@@ -365,6 +365,9 @@ pub struct ControlPlane {
     on_join_refused: crate::config::OnJoinRefused,
     singleton: bool,
     registered: Vec<bool>,
+    /// Per data core: its journal did not open (see
+    /// [`ControlPlane::handle_journal_failed`]).
+    journal_failed: Vec<bool>,
     /// Per data core: every region knows every shard's home.
     warm: Vec<bool>,
     /// Routing was warm (or its wait ran out) once since the node started:
@@ -420,6 +423,7 @@ impl ControlPlane {
             on_join_refused: config.on_join_refused,
             singleton: false,
             registered: vec![false; n],
+            journal_failed: vec![false; n],
             warm: vec![false; n],
             warmed: false,
             warm_deadline: None,
@@ -808,6 +812,17 @@ impl ControlPlane {
         self.drive(now);
     }
 
+    /// Data core `core`'s journal did not open: the node is not ready
+    /// (the stdout ready line, [`ControlEvent::Ready`]) while it is so,
+    /// the condition `/health/ready` also checks; a core's journal opens
+    /// once, at its start.
+    pub fn handle_journal_failed(&mut self, now: Duration, core: u16) {
+        if let Some(f) = self.journal_failed.get_mut(usize::from(core)) {
+            *f = true;
+        }
+        self.drive(now);
+    }
+
     /// Data core `core` finished its graceful hand-off: once every core
     /// did, the member leaves the cluster.
     pub fn handle_shutdown_complete(&mut self, now: Duration, core: u16) {
@@ -1172,10 +1187,13 @@ impl ControlPlane {
         }
     }
 
-    /// Readiness but for warm routing: Up, every core's regions registered
-    /// and not stopped.
+    /// Readiness but for warm routing: Up, every core's regions registered,
+    /// every core's journal open, and not stopped.
     fn ready_but_warm(&self) -> bool {
-        self.is_up() && self.registered.iter().all(|r| *r) && !self.stopped
+        self.is_up()
+            && self.registered.iter().all(|r| *r)
+            && !self.journal_failed.iter().any(|f| *f)
+            && !self.stopped
     }
 
     /// Reports [`ControlEvent::OldestUp`] when this member became the
@@ -2080,6 +2098,29 @@ mod tests {
             .events
             .iter()
             .any(|e| matches!(e, ControlEvent::Ready(false))));
+    }
+
+    #[test]
+    fn a_core_whose_journal_did_not_open_keeps_the_node_unready() {
+        let (mut p, mut now) = until_recover(1);
+        recover_empty(&mut p, now);
+        drain(&mut p);
+        p.handle_journal_failed(now, 0);
+        p.handle_registered(now, 0, true, true);
+        // Past the warm wait too: never ready, as /health/ready says.
+        let timeout = crate::config::CoordinatorConfig::default().ready_warm_timeout();
+        let until = now + timeout + Duration::from_secs(5);
+        while now < until {
+            now += Duration::from_millis(10);
+            p.handle_timeout(now);
+            assert!(
+                !drain(&mut p)
+                    .events
+                    .iter()
+                    .any(|e| matches!(e, ControlEvent::Ready(true))),
+                "ready at {now:?} with core 0's journal failed"
+            );
+        }
     }
 
     #[test]
