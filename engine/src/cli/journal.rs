@@ -23,8 +23,10 @@ pub struct JournalArgs {
 /// The `journal` subcommands.
 #[derive(Debug, clap::Subcommand)]
 pub enum JournalCommand {
-    /// Check every segment; exit 0 when the journal is usable (a torn tail
-    /// is usable: opening cuts it), 1 when it is corrupt.
+    /// Check every segment, then open the journal read-only as a node's
+    /// recovery would (its state checkpoint, indexes and snapshot table);
+    /// exit 0 when the journal is usable (a torn tail is usable: opening
+    /// cuts it), 1 when it is corrupt or does not open.
     Verify {
         /// The journal directory.
         dir: PathBuf,
@@ -39,7 +41,9 @@ pub enum JournalCommand {
         #[arg(long)]
         yes: bool,
     },
-    /// List records: `LSN SEQ KIND EPOCH TIMESTAMP_MS LEN PERSISTENCE_ID PAYLOAD`.
+    /// List records: `LSN SEQ KIND EPOCH TIMESTAMP_MS LEN PERSISTENCE_ID PAYLOAD`,
+    /// up to the first corruption; exit 1 (after a `# CORRUPT: ...` line)
+    /// when the journal has one, as `verify` would.
     Inspect {
         /// The journal directory.
         dir: PathBuf,
@@ -81,7 +85,7 @@ pub enum JournalCliError {
 }
 
 /// Runs a `journal` subcommand, writing its report to `out`. Returns
-/// whether the journal is usable (`inspect` always returns true).
+/// whether the journal is usable (`repair` always returns true).
 ///
 /// # Errors
 /// [`JournalCliError::Read`] when the directory cannot be listed or a
@@ -93,7 +97,7 @@ pub fn run(args: &JournalArgs, out: &mut impl Write) -> Result<bool, JournalCliE
         JournalCommand::Inspect {
             dir,
             persistence_id,
-        } => inspect_cmd(dir, persistence_id.as_deref(), out).map(|()| true),
+        } => inspect_cmd(dir, persistence_id.as_deref(), out),
     }
 }
 
@@ -213,13 +217,20 @@ fn verify_cmd(dir: &PathBuf, out: &mut impl Write) -> Result<bool, JournalCliErr
     for t in &torn {
         writeln!(out, "torn tail: {t}")?;
     }
+    // What the segments' scan does not cover: the state checkpoint, the
+    // segment indexes and the snapshot table, read as a recovery reads
+    // them (a damaged journal.state fails every durable entity of a core).
+    let opened = shardline_journal::JournalReader::open(dir);
+    if let Err(e) = &opened {
+        corrupt.push(format!("opening it read-only: {e}"));
+    }
     if corrupt.is_empty() {
         writeln!(out, "corruption: none")?;
     }
     for c in &corrupt {
         writeln!(out, "corruption: {c}")?;
     }
-    let usable = report.usable();
+    let usable = report.usable() && opened.is_ok();
     writeln!(out, "result: {}", if usable { "usable" } else { "CORRUPT" })?;
     Ok(usable)
 }
@@ -240,7 +251,7 @@ fn inspect_cmd(
     dir: &PathBuf,
     persistence_id: Option<&str>,
     out: &mut impl Write,
-) -> Result<(), JournalCliError> {
+) -> Result<bool, JournalCliError> {
     let filter = persistence_id.map(PersistenceId::new).transpose()?;
     let storage = shardline_journal::storage::MmapStorage::existing(dir).map_err(|source| {
         JournalCliError::Read {
@@ -286,6 +297,23 @@ fn inspect_cmd(
     })?;
     io_result?;
     writeln!(out, "# {shown} records")?;
+    // The listing stops at the first corruption: say so, and fail.
+    let report = verify::verify(&storage).map_err(|source| JournalCliError::Read {
+        dir: dir.clone(),
+        source,
+    })?;
+    let mut usable = report.usable();
+    for s in &report.segments {
+        if let Some(SegmentProblem::Corrupt { offset, kind }) = &s.problem {
+            writeln!(out, "# CORRUPT: segment {} offset {offset}: {kind}", s.file)?;
+        }
+    }
+    if !usable {
+        writeln!(
+            out,
+            "# CORRUPT: records past the corruption are not listed (see `journal verify`)"
+        )?;
+    }
     if let Some(p) = &filter {
         match JournalReader::open(dir).map(|r| r.load_snapshot(p)) {
             Ok(Ok(Some(s))) => writeln!(
@@ -298,10 +326,16 @@ fn inspect_cmd(
             )?,
             Ok(Ok(None)) => writeln!(out, "# no snapshot of {p}")?,
             Ok(Err(e)) => writeln!(out, "# snapshot of {p} unreadable: {e}")?,
-            Err(e) => writeln!(out, "# snapshots not read: {e}")?,
+            Err(e) => {
+                usable = false;
+                writeln!(out, "# CORRUPT: the journal does not open read-only: {e}")?
+            }
         }
+    } else if let Err(e) = JournalReader::open(dir) {
+        usable = false;
+        writeln!(out, "# CORRUPT: the journal does not open read-only: {e}")?;
     }
-    Ok(())
+    Ok(usable)
 }
 
 #[cfg(test)]
@@ -357,6 +391,43 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("result: CORRUPT"));
+        // Inspect lists what is before the corruption, says so, and fails.
+        let (ok, text) = run_to_string(JournalCommand::Inspect {
+            dir: dir.path().to_path_buf(),
+            persistence_id: None,
+        });
+        assert!(!ok, "{text}");
+        assert!(text.contains("1 1 event 0 "), "{text}");
+        assert!(
+            text.contains("# CORRUPT: segment 00000000000000000001.seg offset 122"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn verify_and_inspect_fail_on_a_damaged_state_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        sample(dir.path());
+        let state = dir.path().join(shardline_journal::format::CHECKPOINT_NAME);
+        std::fs::write(&state, [0x5a; 100]).unwrap();
+        let (ok, text) = run_to_string(JournalCommand::Verify {
+            dir: dir.path().to_path_buf(),
+        });
+        assert!(!ok, "{text}");
+        assert!(
+            text.contains("corruption: opening it read-only: "),
+            "{text}"
+        );
+        assert!(text.contains("result: CORRUPT"), "{text}");
+        let (ok, text) = run_to_string(JournalCommand::Inspect {
+            dir: dir.path().to_path_buf(),
+            persistence_id: None,
+        });
+        assert!(!ok, "{text}");
+        assert!(
+            text.contains("# CORRUPT: the journal does not open"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -410,10 +481,12 @@ mod tests {
     fn inspect_lists_records_and_snapshot() {
         let dir = tempfile::tempdir().unwrap();
         sample(dir.path());
-        let (_, text) = run_to_string(JournalCommand::Inspect {
+        let (ok, text) = run_to_string(JournalCommand::Inspect {
             dir: dir.path().to_path_buf(),
             persistence_id: Some("counter|a".into()),
         });
+        assert!(ok, "{text}");
+        assert!(!text.contains("CORRUPT"), "{text}");
         assert!(text.contains("1 1 event 0 "), "{text}");
         assert!(text.contains("# 100 records"), "{text}");
         assert!(text.contains("# snapshot of counter|a at seq 50"), "{text}");
