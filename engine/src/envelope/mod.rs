@@ -149,8 +149,18 @@ where
         rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>,
     >,
 {
-    rkyv::access::<T::Archived, rkyv::rancor::Error>(body)
-        .map_err(|e| FrameError::Invalid(e.to_string()))
+    // rkyv's release-build error carries no detail ("failed without error
+    // information ..."): name what was expected and how much came instead.
+    rkyv::access::<T::Archived, rkyv::rancor::Error>(body).map_err(|_| {
+        FrameError::Invalid(format!(
+            "{} bytes that are not a valid {} (a malformed or foreign frame)",
+            body.len(),
+            std::any::type_name::<T>()
+                .rsplit("::")
+                .next()
+                .unwrap_or("frame")
+        ))
+    })
 }
 
 // ===== native client protocol =====
@@ -280,7 +290,14 @@ mod tests {
             Err(FrameError::TooLarge { .. })
         ));
         assert!(next_frame(&[1, 0], MAX_FRAME_SIZE_BYTES).unwrap().is_none());
-        assert!(access::<ClientFrame>(&[0xff; 13]).is_err());
+        let e = match access::<ClientFrame>(&[0xff; 13]) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("garbage accepted"),
+        };
+        assert_eq!(
+            e,
+            "invalid frame body: 13 bytes that are not a valid ClientFrame (a malformed or foreign frame)"
+        );
         assert!(access::<ClientFrame>(&[]).is_err());
     }
 }

@@ -245,7 +245,11 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
                 let f = ServerFrame {
                     request_id: 0,
                     status: Status::TooLarge as u8,
-                    payload: format!("{e} (requests.max_message_size_bytes)").into_bytes(),
+                    payload: format!(
+                        "{e} (requests.max_message_size_bytes plus {} bytes of envelope)",
+                        crate::config::ENVELOPE_OVERHEAD_BYTES
+                    )
+                    .into_bytes(),
                 };
                 let _ = encode_frame(&f, &mut outbox.buf.borrow_mut());
                 outbox.close();
