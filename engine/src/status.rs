@@ -246,9 +246,20 @@ mod uid_string {
         s.collect_str(uid)
     }
 
+    /// Reads a string, or a number as nodes before uids were strings
+    /// everywhere wrote in their status (so a CLI reads both during a
+    /// rolling upgrade).
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-        let t = String::deserialize(d)?;
-        t.parse().map_err(serde::de::Error::custom)
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Uid {
+            Number(u64),
+            Text(String),
+        }
+        match Uid::deserialize(d)? {
+            Uid::Number(n) => Ok(n),
+            Uid::Text(t) => t.parse().map_err(serde::de::Error::custom),
+        }
     }
 }
 
@@ -425,7 +436,13 @@ mod tests {
             json["members"][0]["uid"],
             serde_json::json!(uid.to_string())
         );
-        let back: NodeStatus = serde_json::from_value(json).unwrap();
+        let back: NodeStatus = serde_json::from_value(json.clone()).unwrap();
+        assert_eq!(back, st);
+        // A node that wrote them as numbers is still read.
+        let mut old = json;
+        old["uid"] = serde_json::json!(uid);
+        old["members"][0]["uid"] = serde_json::json!(uid);
+        let back: NodeStatus = serde_json::from_value(old).unwrap();
         assert_eq!(back, st);
         let stats = ClusterShardingStats {
             members: vec![MemberShardStats {

@@ -33,10 +33,11 @@ pub enum IdError {
         /// Which kind of id.
         kind: &'static str,
     },
-    /// A type name held `|` or began with `__`: the journal names an
-    /// entity's events `{type}|{id}` and the engine's own records
-    /// `__shard|…` (remember entities), so such a name could share a
-    /// persistence id with another type's entity.
+    /// A type name held `|`, began with `__` or was `coordinator`: the
+    /// journal names an entity's events `{type}|{id}` and the engine's own
+    /// records `__shard|…` (remember entities) and `coordinator|{type}`,
+    /// so such a name could share a persistence id with another type's
+    /// entity or the engine's records.
     #[error("{kind} {reason}")]
     Reserved {
         /// Which kind of id.
@@ -75,6 +76,14 @@ fn check_type_name(kind: &'static str, s: &str) -> Result<(), IdError> {
         return Err(IdError::Reserved {
             kind,
             reason: "starts with '__', which is reserved for the engine's own persistence ids",
+        });
+    }
+    if s == "coordinator" {
+        return Err(IdError::Reserved {
+            kind,
+            reason:
+                "is `coordinator`: the coordinators' persistence ids are `coordinator|{type}`, \
+                     which such a type's entities would share (in a shared journal)",
         });
     }
     Ok(())
@@ -131,9 +140,10 @@ macro_rules! string_id {
 
 string_id!(
     /// The name of an entity type (`type_name`), 1 to 255 bytes of UTF-8,
-    /// without `|` and not starting with `__` ([`IdError::Reserved`]): an
-    /// entity's persistence id is `{type}|{id}`, which names one entity
-    /// only when the type holds no `|`, and `__shard|…` is the engine's.
+    /// without `|`, not starting with `__` and not `coordinator`
+    /// ([`IdError::Reserved`]): an entity's persistence id is
+    /// `{type}|{id}`, which names one entity only when the type holds no
+    /// `|`, and `__shard|…` and `coordinator|…` are the engine's.
     TypeName,
     "type name",
     check_type_name
@@ -233,6 +243,12 @@ mod tests {
         // "__shard" + "counter|3" would read remember-entities records.
         let e = TypeName::new("__shard").unwrap_err();
         assert!(e.to_string().contains("reserved"), "{e}");
+        // "coordinator" + "counter" would be the counter coordinator's id.
+        assert!(matches!(
+            TypeName::new("coordinator"),
+            Err(IdError::Reserved { .. })
+        ));
+        assert!(TypeName::new("coordinators").is_ok());
         assert!(TypeName::new("_counter").is_ok());
         assert!(TypeName::new("counter").is_ok());
     }

@@ -43,7 +43,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// Exit codes: 0 on success (`shardline node`: after a graceful leave on
 /// SIGTERM/SIGINT); 1 when the command fails (the error and its causes are
 /// printed on stderr as `Error: ...`, followed by `Caused by:` lines) and
-/// when `shardline journal verify` finds a corruption; 2 for invalid
+/// when `shardline journal verify` or `inspect` finds a corruption; 2 for invalid
 /// arguments (clap's usage error, printed on stderr). A closed stdout
 /// (`shardline status | head`) ends the output quietly with 0.
 ///

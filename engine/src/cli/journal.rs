@@ -41,9 +41,9 @@ pub enum JournalCommand {
         #[arg(long)]
         yes: bool,
     },
-    /// List records: `LSN SEQ KIND EPOCH TIMESTAMP_MS LEN PERSISTENCE_ID PAYLOAD`,
-    /// up to the first corruption; exit 1 (after a `# CORRUPT: ...` line)
-    /// when the journal has one, as `verify` would.
+    /// List records: `LSN SEQ KIND EPOCH TIMESTAMP_MS LEN PERSISTENCE_ID PAYLOAD`;
+    /// a segment's records after a corrupt one are not listed. Exits 1
+    /// (after `# CORRUPT: ...` lines) when `verify` would.
     Inspect {
         /// The journal directory.
         dir: PathBuf,
@@ -297,22 +297,32 @@ fn inspect_cmd(
     })?;
     io_result?;
     writeln!(out, "# {shown} records")?;
-    // The listing stops at the first corruption: say so, and fail.
+    // A segment's listing stops at its first bad record: say where, and
+    // fail.
     let report = verify::verify(&storage).map_err(|source| JournalCliError::Read {
         dir: dir.clone(),
         source,
     })?;
     let mut usable = report.usable();
     for s in &report.segments {
-        if let Some(SegmentProblem::Corrupt { offset, kind }) = &s.problem {
-            writeln!(out, "# CORRUPT: segment {} offset {offset}: {kind}", s.file)?;
+        match &s.problem {
+            Some(SegmentProblem::Corrupt { offset, kind }) => writeln!(
+                out,
+                "# CORRUPT: segment {} offset {offset}: {kind}; its records after that offset are not listed",
+                s.file
+            )?,
+            Some(SegmentProblem::Stale { epoch, newer_epoch }) => writeln!(
+                out,
+                "# CORRUPT: segment {}: stale writer epoch {epoch} after epoch {newer_epoch}",
+                s.file
+            )?,
+            Some(SegmentProblem::Overlap { expected }) => writeln!(
+                out,
+                "# CORRUPT: segment {}: overlaps earlier segments (next LSN {expected})",
+                s.file
+            )?,
+            _ => {}
         }
-    }
-    if !usable {
-        writeln!(
-            out,
-            "# CORRUPT: records past the corruption are not listed (see `journal verify`)"
-        )?;
     }
     if let Some(p) = &filter {
         match JournalReader::open(dir).map(|r| r.load_snapshot(p)) {

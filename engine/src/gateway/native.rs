@@ -109,6 +109,20 @@ impl NativeState {
     }
 }
 
+/// When the frame a connection is receiving began to arrive, after a read
+/// that left `partial` bytes of a frame not yet whole and `completed` one
+/// or more frames (`since`: the answer before that read). A frame that
+/// began in an earlier read and is still not whole keeps its start; one
+/// that began in this read starts now (a read that completed a frame and
+/// began the next); none without a partial frame.
+fn frame_started(partial: bool, completed: bool, since: Option<Instant>) -> Option<Instant> {
+    match (partial, since) {
+        (false, _) => None,
+        (true, Some(since)) if !completed => Some(since),
+        (true, _) => Some(Instant::now()),
+    }
+}
+
 /// Writes the answer of a native request to its connection, counting it by
 /// type and mapped status code, with its latency. `false` when `conn` is no
 /// open native connection (the answer is dropped).
@@ -182,22 +196,32 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
     let mut partial_since: Option<Instant> = None;
     loop {
         // Back-pressure: a client that does not read its responses is not read.
-        while outbox.buf.borrow().len() > OUTBOX_HIGH_WATER_BYTES {
-            if outbox.closed.get() {
-                break;
+        if outbox.buf.borrow().len() > OUTBOX_HIGH_WATER_BYTES {
+            let paused = Instant::now();
+            while outbox.buf.borrow().len() > OUTBOX_HIGH_WATER_BYTES {
+                if outbox.closed.get() {
+                    break;
+                }
+                monoio::time::sleep(Duration::from_millis(1)).await;
             }
-            monoio::time::sleep(Duration::from_millis(1)).await;
+            // The frame's clock stops while this side does not read: the
+            // client is not late for bytes nobody asked for.
+            if let Some(since) = &mut partial_since {
+                *since += paused.elapsed();
+            }
         }
         let filled = match partial_since {
             None => reader.fill(&mut r).await,
             Some(since) => {
+                // Before the read takes the buffer.
+                let pending = reader.pending_bytes();
                 let left = (since + frame_timeout).saturating_duration_since(Instant::now());
                 match monoio::time::timeout(left, reader.fill(&mut r)).await {
                     Ok(res) => res,
                     Err(_) => {
                         tracing::info!(
                             ?peer,
-                            pending_bytes = reader.pending_bytes(),
+                            pending_bytes = pending,
                             timeout_ms = frame_timeout.as_millis() as u64,
                             "request frame not received whole in time (requests.frame_timeout_ms); closing the connection"
                         );
@@ -262,12 +286,7 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
         if outbox.closed.get() {
             break;
         }
-        partial_since = match (reader.pending_bytes() > 0, partial_since) {
-            (false, _) => None,
-            // The frame that began before this read is still incomplete.
-            (true, Some(since)) if !completed => Some(since),
-            (true, _) => Some(Instant::now()),
-        };
+        partial_since = frame_started(reader.pending_bytes() > 0, completed, partial_since);
     }
     if linger {
         // The writer sends the TooLarge frame; the input (the rest of the
@@ -374,4 +393,25 @@ fn on_frame<P: DataPort>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_frame_keeps_the_start_of_its_first_byte_until_it_is_whole() {
+        let t0 = Instant::now() - Duration::from_secs(5);
+        // Nothing pending: no frame in transit, whatever came before.
+        assert_eq!(frame_started(false, true, Some(t0)), None);
+        assert_eq!(frame_started(false, false, None), None);
+        // The same frame still incomplete after another read: its start.
+        assert_eq!(frame_started(true, false, Some(t0)), Some(t0));
+        // Frames completed and a new one begun in this read: it starts now.
+        let s = frame_started(true, true, Some(t0)).expect("a frame");
+        assert!(s > t0 + Duration::from_secs(4));
+        // A first partial frame starts now.
+        let s = frame_started(true, false, None).expect("a frame");
+        assert!(s > t0 + Duration::from_secs(4));
+    }
 }

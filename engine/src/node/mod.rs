@@ -302,8 +302,10 @@ impl Node {
         self.uid
     }
 
-    /// Blocks until this member is Up, every region is registered with
-    /// the coordinator and knows the home of every shard (warm routing;
+    /// Blocks until this member is Up, every core's journal opened (a
+    /// core whose journal did not open keeps the node unready: this then
+    /// ends in `NotReady`), and every region is registered with the
+    /// coordinator and knows the home of every shard (warm routing;
     /// bounded by `coordinator.ready_warm_timeout_ms`, after which the node
     /// is ready anyway, see `docs/interfaces.md`).
     ///

@@ -507,8 +507,9 @@ impl DataScope {
                 Some(own) => {
                     return Ok(Learned::Conflict {
                         reason: format!(
-                            "member {address} belongs to a cluster {:?} with id {id}, this node \
-                             to the one with id {own}; two clusters must not share members",
+                            "member {address} belongs to a cluster {:?} with id {id}, the member \
+                             that checked it to the one with id {own}; two clusters must not \
+                             share members",
                             self.cluster_name
                         ),
                         mine: false,

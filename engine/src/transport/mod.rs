@@ -408,7 +408,9 @@ pub fn check_hello(h: &Hello, fp: &Fingerprint) -> Result<(), Refusal> {
     if h.protocol_version != crate::envelope::PROTOCOL_VERSION {
         return Err(Refusal {
             reason: format!(
-                "protocol version {} differs from ours ({})",
+                "protocol version mismatch: connecting member {} speaks {}, the member it \
+                 connected to {}",
+                h.address,
                 h.protocol_version,
                 crate::envelope::PROTOCOL_VERSION
             ),

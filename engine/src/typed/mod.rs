@@ -129,7 +129,8 @@ impl<P> std::fmt::Debug for EntityTypeKey<P> {
 }
 
 impl<P: Protocol> EntityTypeKey<P> {
-    /// The key of type `name` (1..=255 bytes).
+    /// The key of type `name` (1..=255 bytes; no `|`, no leading `__`, not
+    /// `coordinator`: see [`TypeName`]).
     ///
     /// # Errors
     /// [`IdError`] for an invalid type name.

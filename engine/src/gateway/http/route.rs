@@ -21,8 +21,9 @@
 //! (`/v1/entities/t/a%2Fb` is the id `a/b`; `/v1/entities/t/a/b` is `404`).
 //! `.` and `..` segments have no path meaning: `..` is an ordinary id. `+`
 //! is a plus sign, not a space. The decoded type name and id must be UTF-8,
-//! 1 to 255 bytes, and contain no NUL byte; otherwise the answer is `400`
-//! with the reason. The query string is ignored except by the shard-of
+//! 1 to 255 bytes, and contain no NUL byte, and the type name no `|`, no
+//! leading `__` and not be `coordinator` (`TypeName`); otherwise the answer
+//! is `400` with the reason. The query string is ignored except by the shard-of
 //! and rebalance routes.
 
 use shardline_core::ids::{EntityId, IdError, TypeName};
