@@ -144,9 +144,21 @@ impl DataDirLock {
     /// [`IdentityError::Locked`] when another open file description holds
     /// the lock (another process, or another node in this process), with
     /// the holder's pid; [`IdentityError::Io`] when the directory or file
-    /// cannot be created.
+    /// cannot be created, or when the directory resolves to the
+    /// filesystem root (`/tmp/..`, a link to `/`): a `data_dir` needs a
+    /// parent, its data root (the config check sees only the path's text).
     pub fn acquire(data_dir: &Path) -> Result<DataDirLock, IdentityError> {
         std::fs::create_dir_all(data_dir).map_err(io(data_dir))?;
+        let resolved = std::fs::canonicalize(data_dir).map_err(io(data_dir))?;
+        if resolved.parent().is_none() {
+            return Err(IdentityError::Io {
+                path: data_dir.to_path_buf(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "data_dir resolves to the filesystem root; it needs a parent directory to be its data root",
+                ),
+            });
+        }
         let path = data_dir.join(LOCK_FILE);
         let mut file = OpenOptions::new()
             .read(true)
@@ -604,6 +616,18 @@ impl DataScope {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_data_dir_that_resolves_to_the_root_is_refused_before_anything_is_written() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("to-root");
+        std::os::unix::fs::symlink("/", &root).unwrap();
+        for d in [root.clone(), PathBuf::from("/tmp/..")] {
+            let e = DataDirLock::acquire(&d).unwrap_err();
+            assert!(e.to_string().contains("filesystem root"), "{e}");
+        }
+        assert!(!Path::new("/").join(LOCK_FILE).exists());
+    }
 
     #[test]
     fn a_second_lock_on_one_data_dir_is_refused_with_the_holders_pid() {
