@@ -382,8 +382,8 @@ fn sweep(fronts: &Fronts) {
 enum ReadEnd {
     /// The read completed.
     Done(std::io::Result<usize>, Vec<u8>),
-    /// The sweep woke `expired` (the read was cancelled, its buffer
-    /// dropped).
+    /// The sweep woke `expired` and the read was cancelled before any
+    /// byte came (bytes that came first end it as [`ReadEnd::Done`]).
     Expired,
     /// The node's stop drain ended; no bytes came within [`STOP_READ_GRACE`]
     /// (the read was cancelled, its buffer dropped).
@@ -394,21 +394,24 @@ enum ReadEnd {
 /// node's stop drain ended (`stop` closed; the read then gets
 /// [`STOP_READ_GRACE`] more to complete, so bytes already on their way are
 /// not lost with a cancelled read).
-async fn read_or_expire<R: AsyncReadRent>(
+async fn read_or_expire<R: monoio::io::CancelableAsyncReadRent>(
     r: &mut R,
     buf: Vec<u8>,
     expired: &crate::runtime::LocalNotify,
     stop: &Outbox,
 ) -> ReadEnd {
-    let mut read = std::pin::pin!(r.read(buf));
+    let canceller = monoio::io::Canceller::new();
+    let mut read = std::pin::pin!(r.cancelable_read(buf, canceller.handle()));
     let mut wait = std::pin::pin!(expired.wait());
     let mut stopped = std::pin::pin!(stop.notify.wait());
+    let mut woken = false;
     let first = std::future::poll_fn(|cx| {
         if let std::task::Poll::Ready((res, b)) = read.as_mut().poll(cx) {
             return std::task::Poll::Ready(Some(ReadEnd::Done(res, b)));
         }
         if wait.as_mut().poll(cx).is_ready() {
-            return std::task::Poll::Ready(Some(ReadEnd::Expired));
+            woken = true;
+            return std::task::Poll::Ready(None);
         }
         // `stop` is only ever notified by its close.
         let _ = stopped.as_mut().poll(cx);
@@ -420,6 +423,18 @@ async fn read_or_expire<R: AsyncReadRent>(
     .await;
     if let Some(end) = first {
         return end;
+    }
+    if woken {
+        // Cancel the read and wait for its end instead of dropping it: bytes
+        // the kernel put in the buffer before the cancel took effect are
+        // kept (a dropped read lost them, and the connection's next request
+        // with them).
+        let _ = canceller.cancel();
+        let (res, b) = read.await;
+        return match res {
+            Err(e) if e.raw_os_error() == Some(libc::ECANCELED) => ReadEnd::Expired,
+            res => ReadEnd::Done(res, b),
+        };
     }
     match monoio::time::timeout(STOP_READ_GRACE, read).await {
         Ok((res, b)) => ReadEnd::Done(res, b),
