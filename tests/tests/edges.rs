@@ -535,27 +535,11 @@ fn one_message_size_limit_on_both_fronts() {
     // frame is `requests.frame_timeout_ms` (1 s here) late; one between
     // frames is not. (Both used to be held for ever.)
     let mut idle = std::net::TcpStream::connect(ports.client(0)).expect("connect");
-    let mut stalled = std::net::TcpStream::connect(ports.client(0)).expect("connect");
-    stalled
-        .write_all(&100u32.to_le_bytes())
-        .and_then(|()| stalled.write_all(&[0u8; 10]))
-        .expect("write");
-    stalled
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    let t0 = Instant::now();
-    let mut buf = [0u8; 64];
-    let end = loop {
-        match stalled.read(&mut buf) {
-            Ok(0) => break Ok(t0.elapsed()),
-            Ok(_) => continue,
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break Ok(t0.elapsed()),
-            Err(e) => break Err(e),
-        }
-    };
-    let took = end.expect("the stalled frame's connection is closed");
+    let took = stall_and_wait_for_close(ports.client(0), &100u32.to_le_bytes(), 10, 10)
+        .expect("the stalled frame's connection is closed");
     assert!(took >= Duration::from_millis(900), "closed after {took:?}");
     idle.set_nonblocking(true).expect("nonblocking");
+    let mut buf = [0u8; 64];
     assert!(
         matches!(idle.read(&mut buf), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
         "the idle connection stays open"
@@ -565,29 +549,37 @@ fn one_message_size_limit_on_both_fronts() {
     // is closed once the handshake times out (5 s), its buffer with it:
     // the socket used to stay open, with the read still pending, until the
     // peer closed it.
-    let mut stalled = std::net::TcpStream::connect(ports.cluster(0)).expect("connect");
-    stalled
-        .write_all(&(1u32 << 20).to_le_bytes())
-        .and_then(|()| stalled.write_all(&[0u8; 4096]))
-        .expect("write");
-    stalled
-        .set_read_timeout(Some(Duration::from_secs(15)))
-        .expect("timeout");
-    let t0 = Instant::now();
-    let mut buf = [0u8; 64];
-    let end = loop {
-        match stalled.read(&mut buf) {
-            Ok(0) => break Ok(()),
-            Ok(_) => continue,
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break Ok(()),
-            Err(e) => break Err(e),
-        }
-    };
+    let end = stall_and_wait_for_close(ports.cluster(0), &(1u32 << 20).to_le_bytes(), 4096, 15);
     assert!(
         end.is_ok(),
-        "the node kept a stalled handshake open for {:?}: {end:?}",
-        t0.elapsed()
+        "the node kept a stalled handshake open: {end:?}"
     );
+}
+
+/// Connects to `addr`, writes the length prefix `head` and `body_bytes`
+/// zeros of a frame that never completes, and waits up to `wait_s` seconds
+/// for the node to close the connection: how long that took, or the read
+/// error (a timeout: still open).
+fn stall_and_wait_for_close(
+    addr: std::net::SocketAddr,
+    head: &[u8],
+    body_bytes: usize,
+    wait_s: u64,
+) -> std::io::Result<Duration> {
+    let mut stalled = std::net::TcpStream::connect(addr)?;
+    stalled.write_all(head)?;
+    stalled.write_all(&vec![0u8; body_bytes])?;
+    stalled.set_read_timeout(Some(Duration::from_secs(wait_s)))?;
+    let t0 = Instant::now();
+    let mut buf = [0u8; 64];
+    loop {
+        match stalled.read(&mut buf) {
+            Ok(0) => return Ok(t0.elapsed()),
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Ok(t0.elapsed()),
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Reproduction 5 of the issue: node 0 (the first seed) is restarted with
