@@ -86,6 +86,16 @@ pub enum IdentityError {
         /// The configured cluster name.
         configured: String,
     },
+    /// The `data_dir` resolves to the filesystem root (`/tmp/..`, a link
+    /// to `/`): it has no parent to be its data root.
+    #[error(
+        "key `data_dir`: {dir} resolves to the filesystem root; a data_dir needs a parent \
+         directory to be its data root"
+    )]
+    DataDirIsRoot {
+        /// The configured `data_dir`.
+        dir: PathBuf,
+    },
     /// A file could not be read or written.
     #[error("{path}: {source}")]
     Io {
@@ -143,20 +153,17 @@ impl DataDirLock {
     /// # Errors
     /// [`IdentityError::Locked`] when another open file description holds
     /// the lock (another process, or another node in this process), with
-    /// the holder's pid; [`IdentityError::Io`] when the directory or file
-    /// cannot be created, or when the directory resolves to the
-    /// filesystem root (`/tmp/..`, a link to `/`): a `data_dir` needs a
-    /// parent, its data root (the config check sees only the path's text).
+    /// the holder's pid; [`IdentityError::DataDirIsRoot`] when the
+    /// directory resolves to the filesystem root (`/tmp/..`, a link to
+    /// `/`): a `data_dir` needs a parent, its data root (the config check
+    /// sees only the path's text); [`IdentityError::Io`] when the directory
+    /// or file cannot be created.
     pub fn acquire(data_dir: &Path) -> Result<DataDirLock, IdentityError> {
         std::fs::create_dir_all(data_dir).map_err(io(data_dir))?;
         let resolved = std::fs::canonicalize(data_dir).map_err(io(data_dir))?;
         if resolved.parent().is_none() {
-            return Err(IdentityError::Io {
-                path: data_dir.to_path_buf(),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::InvalidInput,
-                    "data_dir resolves to the filesystem root; it needs a parent directory to be its data root",
-                ),
+            return Err(IdentityError::DataDirIsRoot {
+                dir: data_dir.to_path_buf(),
             });
         }
         let path = data_dir.join(LOCK_FILE);
