@@ -328,10 +328,6 @@ fn rebalance_hands_off_after_all_acks_and_reallocates() {
     assert!(counts[0].abs_diff(counts[1]) <= 1, "{counts:?}");
 }
 
-/// A `BeginHandOff` lost on the way (a link that reconnects drops control
-/// frames) is sent again after `HANDOFF_RESEND_INTERVAL`: the hand-off
-/// completes in seconds, not at the 60 s hand-off timeout, so the next
-/// round can start.
 /// No hand-off in progress, none abandoned, and region 1 began and
 /// completed exactly one.
 fn assert_one_hand_off_completed_in_time(w: &mut World) {
@@ -346,6 +342,10 @@ fn assert_one_hand_off_completed_in_time(w: &mut World) {
     );
 }
 
+/// A `BeginHandOff` lost on the way (a link that reconnects drops control
+/// frames) is sent again after `HANDOFF_RESEND_INTERVAL`: the hand-off
+/// completes in seconds, not at the 60 s hand-off timeout, so the next
+/// round can start.
 #[test]
 fn a_lost_begin_hand_off_is_sent_again() {
     let (mut w, cs) = six_shards_and_a_joining_region();
