@@ -238,10 +238,11 @@ pub struct ClusterShardingStats {
 
 /// Writes and reads a member uid as a JSON string: uids use all 64 bits,
 /// and JSON readers that parse numbers as IEEE doubles (JavaScript, jq)
-/// would round those above 2^53.
-mod uid_string {
+/// would round those above 2^53. (The HTTP front's JSON uses it too.)
+pub(crate) mod uid_string {
     use serde::{Deserialize, Deserializer, Serializer};
 
+    /// Writes `uid` as a JSON string of its decimal digits.
     pub fn serialize<S: Serializer>(uid: &u64, s: S) -> Result<S::Ok, S::Error> {
         s.collect_str(uid)
     }

@@ -98,17 +98,10 @@ pub fn is_ready(status: &NodeStatus) -> bool {
         && status.regions.iter().all(|r| r.journal_error.is_none())
 }
 
-/// Writes a member uid as a JSON string: uids use all 64 bits, and JSON
-/// readers that parse numbers as IEEE doubles (JavaScript, jq) would round
-/// those above 2^53.
-fn uid_as_string<S: serde::Serializer>(uid: &u64, s: S) -> Result<S::Ok, S::Error> {
-    s.collect_str(uid)
-}
-
 #[derive(Serialize)]
 struct MemberJson<'a> {
     address: &'a str,
-    #[serde(serialize_with = "uid_as_string")]
+    #[serde(serialize_with = "crate::status::uid_string::serialize")]
     uid: u64,
     status: &'a str,
     roles: Vec<String>,
@@ -143,7 +136,7 @@ struct RegionStatsJson<'a> {
 #[derive(Serialize)]
 struct MemberStatsJson<'a> {
     address: &'a str,
-    #[serde(serialize_with = "uid_as_string")]
+    #[serde(serialize_with = "crate::status::uid_string::serialize")]
     uid: u64,
     regions: Vec<RegionStatsJson<'a>>,
 }
@@ -162,7 +155,7 @@ struct StatsJson<'a> {
 #[derive(Serialize)]
 struct FailedJson<'a> {
     address: &'a str,
-    #[serde(serialize_with = "uid_as_string")]
+    #[serde(serialize_with = "crate::status::uid_string::serialize")]
     uid: u64,
     reason: &'a str,
 }
