@@ -324,26 +324,30 @@ fn inspect_cmd(
             _ => {}
         }
     }
-    if let Some(p) = &filter {
-        match JournalReader::open(dir).map(|r| r.load_snapshot(p)) {
-            Ok(Ok(Some(s))) => writeln!(
-                out,
-                "# snapshot of {p} at seq {} (epoch {}, {} bytes): {}",
-                s.sequence_nr,
-                s.writer_epoch,
-                s.data.len(),
-                preview(&s.data)
-            )?,
-            Ok(Ok(None)) => writeln!(out, "# no snapshot of {p}")?,
-            Ok(Err(e)) => writeln!(out, "# snapshot of {p} unreadable: {e}")?,
-            Err(e) => {
-                usable = false;
-                writeln!(out, "# CORRUPT: the journal does not open read-only: {e}")?
+    // Opened as a recovery opens it (checkpoint, indexes, snapshot table),
+    // once: for the asked id's snapshot, and to fail on what the segments'
+    // scan does not see.
+    match JournalReader::open(dir) {
+        Err(e) => {
+            usable = false;
+            writeln!(out, "# CORRUPT: the journal does not open read-only: {e}")?;
+        }
+        Ok(reader) => {
+            if let Some(p) = &filter {
+                match reader.load_snapshot(p) {
+                    Ok(Some(s)) => writeln!(
+                        out,
+                        "# snapshot of {p} at seq {} (epoch {}, {} bytes): {}",
+                        s.sequence_nr,
+                        s.writer_epoch,
+                        s.data.len(),
+                        preview(&s.data)
+                    )?,
+                    Ok(None) => writeln!(out, "# no snapshot of {p}")?,
+                    Err(e) => writeln!(out, "# snapshot of {p} unreadable: {e}")?,
+                }
             }
         }
-    } else if let Err(e) = JournalReader::open(dir) {
-        usable = false;
-        writeln!(out, "# CORRUPT: the journal does not open read-only: {e}")?;
     }
     Ok(usable)
 }
