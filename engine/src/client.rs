@@ -59,7 +59,8 @@ pub enum ClientError {
 /// A response to one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Response {
-    /// The request's id.
+    /// The request's id; 0 for a frame about the connection (a refused
+    /// frame or connection), after which the node closes it.
     pub request_id: u64,
     /// The outcome.
     pub status: Status,
@@ -96,7 +97,11 @@ impl Client {
         })
     }
 
-    /// One request/response round trip (not pipelined).
+    /// One request/response round trip (not pipelined). A response with
+    /// request id 0 is returned as it is: the node refused the frame
+    /// (`TooLarge`) or the connection (`Unavailable`, the core's
+    /// `requests.max_native_connections_per_core`) and closes the
+    /// connection.
     ///
     /// # Errors
     /// [`ClientError::Io`] on a socket error or when no response came within
@@ -114,9 +119,12 @@ impl Client {
         self.writer.send(id, type_name, entity_id, payload)?;
         self.writer.flush()?;
         let r = self.recv_with_timeout(timeout)?;
-        if r.request_id == 0 && r.status == Status::TooLarge {
-            // The node refused the frame before reading its request id
-            // (longer than its message limit) and closes the connection.
+        if r.request_id == 0 {
+            // About the connection, not a request (ids start at 1): the
+            // node refused the frame before reading its request id
+            // (`TooLarge`: longer than its message limit) or refused the
+            // connection (`Unavailable`: the core's connection limit), and
+            // closes the connection.
             return Ok(r);
         }
         if r.request_id != id {

@@ -554,6 +554,32 @@ fn one_message_size_limit_on_both_fronts() {
         end.is_ok(),
         "the node kept a stalled handshake open: {end:?}"
     );
+    // A load balancer's health check aimed at the cluster port, 20 times:
+    // each connection is closed, the node keeps serving, and its log gets
+    // one "bad handshake" line per 10 s, not one per connection.
+    for _ in 0..20 {
+        let mut s = std::net::TcpStream::connect(ports.cluster(0)).expect("connect");
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .expect("write");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        let mut buf = [0u8; 64];
+        match s.read(&mut buf) {
+            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            other => panic!("the cluster port answered a health check: {other:?}"),
+        }
+    }
+    let mut n = shardline::client::Client::connect(ports.client(0)).expect("connect");
+    let r = n.ask("counter", "size", b"get", t).expect("ask");
+    assert_eq!(r.payload, b"1");
+    let log = node_log(dir.path(), 0);
+    let lines = log
+        .lines()
+        .filter(|l| l.contains("bad handshake on the cluster port"))
+        .count();
+    // The stalled handshake's line and at most one more (10 s windows).
+    assert!((1..=2).contains(&lines), "{lines} lines:\n{log}");
 }
 
 /// Connects to `addr`, writes the length prefix `head` and `body_bytes`

@@ -3,7 +3,11 @@
 //! and `body_timeout_ms` answer a slow client `408` and close it while
 //! another connection keeps being served, `idle_timeout_ms` closes an idle
 //! keep-alive connection, and `max_connections_per_core` refuses the
-//! connections over it with `503`. Every timeout configured here is far
+//! connections over it with `503`; on the native port,
+//! `requests.max_native_connections_per_core` refuses a connection over it
+//! with an `Unavailable` frame and a close, and both refusals are counted
+//! in `/metrics`; a client of either front that stops reading its
+//! responses is closed after `requests.send_timeout_ms`. Every timeout configured here is far
 //! below its default (5 s, 15 s, 60 s), so a close within the asserted
 //! bound shows the configured value is used.
 
@@ -17,7 +21,10 @@ const HTTP_TABLE: &str = "max_body_size_bytes = 64
 header_timeout_ms = 400
 body_timeout_ms = 800
 idle_timeout_ms = 2000
-max_connections_per_core = 12";
+max_connections_per_core = 12
+[requests]
+max_native_connections_per_core = 3
+send_timeout_ms = 500";
 
 #[test]
 fn configured_http_limits_and_timeouts_are_enforced() {
@@ -139,5 +146,146 @@ fn configured_http_limits_and_timeouts_are_enforced() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+    probe(&mut keep, "http end");
+
+    // requests.max_native_connections_per_core = 3: three native
+    // connections are served; a fourth gets one frame (request id 0,
+    // `Unavailable`, naming the key) and is closed, and the three keep
+    // serving.
+    let client = ports.client(0);
+    let t = Duration::from_secs(10);
+    let mut held: Vec<shardline::client::Client> = (0..3)
+        .map(|i| {
+            let mut c = shardline::client::Client::connect(client).expect("connect");
+            let r = c
+                .ask("echo", "n", format!("{i}").as_bytes(), t)
+                .expect("ask");
+            assert_eq!(r.status, shardline::client::Status::Ok, "connection {i}");
+            c
+        })
+        .collect();
+    let mut over = shardline::client::Client::connect(client).expect("connect");
+    let r = over
+        .ask("counter", "native-over", b"add 1", t)
+        .expect("refusal frame");
+    assert_eq!(
+        (r.request_id, r.status),
+        (0, shardline::client::Status::Unavailable),
+        "{}",
+        String::from_utf8_lossy(&r.payload)
+    );
+    assert!(
+        String::from_utf8_lossy(&r.payload).contains("max_native_connections_per_core"),
+        "{}",
+        String::from_utf8_lossy(&r.payload)
+    );
+    assert!(over.ask("echo", "n", b"after", t).is_err(), "closed");
+    for (i, c) in held.iter_mut().enumerate() {
+        let r = c.ask("echo", "n", b"still", t).expect("ask");
+        assert_eq!(
+            r.status,
+            shardline::client::Status::Ok,
+            "held connection {i}"
+        );
+    }
+    // Once one closes, a new connection is served; the refused request was
+    // never delivered.
+    held.pop();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut c = shardline::client::Client::connect(client).expect("connect");
+        match c.ask("counter", "native-over", b"get", t) {
+            Ok(r) if r.status == shardline::client::Status::Ok => {
+                assert_eq!(r.payload, b"0", "the refused add was not applied");
+                break;
+            }
+            _ => {}
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no native connection served after one closed"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let r = keep.get("/metrics");
+    assert_eq!(r.code, 200);
+    let text = r.text();
+    let refused = |front: &str| -> f64 {
+        let prefix =
+            format!("shardline_connections_refused_total{{front=\"{front}\",core=\"0\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {prefix} sample in:\n{text}"))
+    };
+    assert!(refused("native") >= 1.0);
+    assert!(refused("http") >= 9.0);
+    probe(&mut keep, "connection refusals");
+    drop(held);
+    // The gauges are published every 250 ms.
+    std::thread::sleep(Duration::from_millis(800));
+
+    // requests.send_timeout_ms = 500: a native client that pipelines
+    // 24 MiB of echo requests and reads none of the answers, and an HTTP
+    // client that pipelines 5,000 `/metrics` requests and reads none, are
+    // closed once their output moved no byte for 0.5 s; the others are
+    // served meanwhile.
+    let open = |keep: &mut Conn, front: &str| -> f64 {
+        let text = keep.get("/metrics").text();
+        let prefix = format!("shardline_connections{{front=\"{front}\",core=\"0\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {prefix} sample in:\n{text}"))
+    };
+    let native_before = open(&mut keep, "native");
+    let http_before = open(&mut keep, "http");
+    let mut bytes = Vec::new();
+    let payload = vec![b'p'; 1 << 20];
+    for i in 0..24 {
+        shardline::client::encode_request(&mut bytes, i + 1, "echo", "stalled", &payload)
+            .expect("encode");
+    }
+    let mut native = std::net::TcpStream::connect(client).expect("connect");
+    native
+        .set_write_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    std::io::Write::write_all(&mut native, &bytes).expect("the node reads 24 MiB");
+    let mut http = Conn::open(addr);
+    http.send(&b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n".repeat(5_000));
+    let t0 = Instant::now();
+    loop {
+        let (n, h) = (open(&mut keep, "native"), open(&mut keep, "http"));
+        if n <= native_before && h <= http_before {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "still open after {:?}: native {n} (before {native_before}), http {h} (before {http_before})",
+            t0.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Both were closed by the node: their reads end (after what was sent).
+    native
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut sink = vec![0u8; 1 << 20];
+    loop {
+        match std::io::Read::read(&mut native, &mut sink) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e) => panic!("the stalled native connection is still open: {e}"),
+        }
+    }
+    assert!(http.closed_within(Duration::from_secs(10)));
+    let log = std::fs::read_to_string(dir.path().join("node-0.log")).unwrap_or_default();
+    assert_eq!(
+        log.matches("client takes no responses (requests.send_timeout_ms)")
+            .count(),
+        2,
+        "{log}"
+    );
     probe(&mut keep, "end");
 }

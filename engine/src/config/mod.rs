@@ -894,20 +894,34 @@ active_entity_limit = 0
         assert_eq!(c.requests.ask_timeout(), Duration::from_secs(12));
         assert_eq!(c.requests.max_message_size_bytes, (16 << 20) - 1024);
         assert_eq!(c.requests.frame_timeout(), Duration::from_secs(15));
+        assert_eq!(c.requests.max_native_connections_per_core, 10_000);
+        assert_eq!(c.requests.send_timeout(), Duration::from_secs(60));
         let with = |t: &str| format!("{GOOD}\n[requests]\n{t}\n");
         let c = NodeConfig::from_toml(
             &with(
-                "ask_timeout_ms = 1500\nmax_message_size_bytes = 2097152\nframe_timeout_ms = 700",
+                "ask_timeout_ms = 1500\nmax_message_size_bytes = 2097152\nframe_timeout_ms = 700\nmax_native_connections_per_core = 3\nsend_timeout_ms = 250",
             ),
             Path::new("x.toml"),
         )
         .unwrap();
         assert_eq!(c.requests.ask_timeout_ms, 1500);
         assert_eq!(c.requests.frame_timeout_ms, 700);
+        assert_eq!(c.requests.max_native_connections_per_core, 3);
+        assert_eq!(c.requests.send_timeout_ms, 250);
         assert_eq!(c.requests.max_request_frame_bytes(), (2 << 20) + 1024);
         for (t, key) in [
             ("ask_timeout_ms = 5", "requests.ask_timeout_ms"),
             ("frame_timeout_ms = 99", "requests.frame_timeout_ms"),
+            ("send_timeout_ms = 99", "requests.send_timeout_ms"),
+            ("send_timeout_ms = 3600001", "requests.send_timeout_ms"),
+            (
+                "max_native_connections_per_core = 0",
+                "requests.max_native_connections_per_core",
+            ),
+            (
+                "max_native_connections_per_core = 1000001",
+                "requests.max_native_connections_per_core",
+            ),
             (
                 "max_message_size_bytes = 0",
                 "requests.max_message_size_bytes",

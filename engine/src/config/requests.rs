@@ -28,6 +28,14 @@ pub const DEFAULT_ASK_TIMEOUT_MS: u64 = 12_000;
 /// front's `http.body_timeout_ms` default).
 pub const DEFAULT_FRAME_TIMEOUT_MS: u64 = 15_000;
 
+/// Default of [`RequestsConfig::max_native_connections_per_core`] (the
+/// HTTP front's `http.max_connections_per_core` default).
+pub const DEFAULT_MAX_NATIVE_CONNECTIONS_PER_CORE: u32 = 10_000;
+
+/// Default of [`RequestsConfig::send_timeout_ms`]: 60 s (nginx's
+/// `send_timeout` default).
+pub const DEFAULT_SEND_TIMEOUT_MS: u64 = 60_000;
+
 /// How long the HTTP front waits past a request's ask deadline before it
 /// answers `504` itself (in ms): time for a "not delivered" answer from a
 /// buffer or from another node to arrive first.
@@ -64,6 +72,23 @@ pub struct RequestsConfig {
     /// no partial frame waits for its next request without limit, as a
     /// pooled client connection does. Default 15000; 100..=3600000.
     pub frame_timeout_ms: u64,
+    /// The most native-protocol client connections one data core keeps
+    /// open (count). A connection accepted over it gets one frame with
+    /// request id 0 and status `Unavailable` (not delivered: retry later
+    /// or on another node) and is closed, so that a connection storm or
+    /// leak cannot exhaust the process's file descriptors and starve the
+    /// cluster port and the journal. The HTTP front has its own limit,
+    /// `http.max_connections_per_core`. Default 10000; 1..=1000000.
+    pub max_native_connections_per_core: u32,
+    /// How long a client connection of either front (native or HTTP) may
+    /// take none of its output, in milliseconds: a write that moves no
+    /// byte for this long closes the connection (nginx's `send_timeout`,
+    /// counted between two successive writes, so a slow reader that keeps
+    /// taking bytes is not cut off). Without it, a client that stops
+    /// reading would hold its connection, its queued responses (up to
+    /// 32 MiB before the front stops reading it) and its socket for ever.
+    /// Default 60000; 100..=3600000.
+    pub send_timeout_ms: u64,
 }
 
 impl Default for RequestsConfig {
@@ -72,6 +97,8 @@ impl Default for RequestsConfig {
             ask_timeout_ms: DEFAULT_ASK_TIMEOUT_MS,
             max_message_size_bytes: MAX_MESSAGE_SIZE_BYTES,
             frame_timeout_ms: DEFAULT_FRAME_TIMEOUT_MS,
+            max_native_connections_per_core: DEFAULT_MAX_NATIVE_CONNECTIONS_PER_CORE,
+            send_timeout_ms: DEFAULT_SEND_TIMEOUT_MS,
         }
     }
 }
@@ -85,6 +112,11 @@ impl RequestsConfig {
     /// [`Self::frame_timeout_ms`] as a Duration.
     pub fn frame_timeout(&self) -> Duration {
         Duration::from_millis(self.frame_timeout_ms)
+    }
+
+    /// [`Self::send_timeout_ms`] as a Duration.
+    pub fn send_timeout(&self) -> Duration {
+        Duration::from_millis(self.send_timeout_ms)
     }
 
     /// The longest a request frame on the native port may be, in bytes
@@ -113,6 +145,21 @@ impl RequestsConfig {
             return Err(bad(
                 "requests.frame_timeout_ms",
                 format!("{} is not in 100..=3600000", self.frame_timeout_ms),
+            ));
+        }
+        if !(100..=3_600_000).contains(&self.send_timeout_ms) {
+            return Err(bad(
+                "requests.send_timeout_ms",
+                format!("{} is not in 100..=3600000", self.send_timeout_ms),
+            ));
+        }
+        if !(1..=1_000_000).contains(&self.max_native_connections_per_core) {
+            return Err(bad(
+                "requests.max_native_connections_per_core",
+                format!(
+                    "{} is not in 1..=1000000",
+                    self.max_native_connections_per_core
+                ),
             ));
         }
         if self.max_message_size_bytes == 0 || self.max_message_size_bytes > MAX_MESSAGE_SIZE_BYTES

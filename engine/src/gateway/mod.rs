@@ -43,6 +43,9 @@ struct FrontCounters {
     open: u64,
     /// Accepted connections since start (count).
     accepted: u64,
+    /// Of those, connections refused at once for the per-core connection
+    /// limit (count).
+    refused: u64,
 }
 
 impl FrontCounters {

@@ -14,8 +14,12 @@
 //! the connection is closed after the frame is written and its input
 //! drained for at most [`LINGER`]. Any other protocol error (a body that
 //! fails validation) closes that connection only, with a logged reason; a
-//! bad entity type or id gets an error response.
+//! bad entity type or id gets an error response. A connection accepted
+//! while the core already has `requests.max_native_connections_per_core`
+//! open gets one `Unavailable` frame with request id 0 and is closed.
 
+use crate::runtime::limited;
+use crate::runtime::log_limit::{LogLimit, LOG_WINDOW_MS};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -37,6 +41,12 @@ use crate::transport::{self, FrameReader, Outbox, OUTBOX_HIGH_WATER_BYTES};
 pub const LINGER: Duration = Duration::from_secs(2);
 /// Most bytes discarded during that linger.
 const LINGER_MAX_BYTES: usize = 64 << 20;
+/// How long a connection refused for the connection limit is read and
+/// discarded after its `Unavailable` frame (shorter than [`LINGER`]: a
+/// storm of refused connections should not pile up).
+const REFUSE_LINGER: Duration = Duration::from_millis(500);
+/// Most bytes discarded from a refused connection.
+const REFUSE_LINGER_MAX_BYTES: usize = 1 << 20;
 /// Most distinct type names the native front remembers for its latency
 /// labels (a client can send any name; unknown ones are labelled
 /// `_unknown` when answered).
@@ -176,6 +186,22 @@ fn write_frame(outbox: &Outbox, request_id: u64, status: Status, payload: Vec<u8
 /// protocol.
 pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: TcpStream) {
     let peer = stream.peer_addr().ok();
+    let limit = port.max_native_connections();
+    let full = {
+        let mut h = fronts.state();
+        h.dirty = true;
+        if h.native.conns.len() >= limit {
+            h.native.counters.accepted += 1;
+            h.native.counters.refused += 1;
+            true
+        } else {
+            false
+        }
+    };
+    if full {
+        refuse(stream, limit).await;
+        return;
+    }
     let outbox = Rc::new(Outbox::default());
     let conn = port.open_conn(outbox.clone());
     {
@@ -183,10 +209,18 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
         h.native.opened(conn, outbox.clone());
         h.dirty = true;
     }
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&stream);
     let (mut r, mut w) = stream.into_split();
     let wb = outbox.clone();
+    let send_timeout = port.send_timeout();
     monoio::spawn(async move {
-        let _ = transport::write_loop(&mut w, wb).await;
+        if let Err(e) = transport::write_loop(&mut w, wb, Some(send_timeout)).await {
+            if e.kind() == std::io::ErrorKind::TimedOut {
+                tracing::info!(?peer, error = %e, "client takes no responses (requests.send_timeout_ms); closing the connection");
+            }
+            // The reader may wait for a request that never comes: end it.
+            transport::shutdown_both(fd);
+        }
     });
     let max_frame = port.max_request_frame_bytes();
     let mut reader = FrameReader::new(max_frame.min(MAX_FRAME_SIZE_BYTES));
@@ -199,10 +233,15 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
         if outbox.buf.borrow().len() > OUTBOX_HIGH_WATER_BYTES {
             let paused = Instant::now();
             while outbox.buf.borrow().len() > OUTBOX_HIGH_WATER_BYTES {
-                if outbox.closed.get() {
+                // Closed, or the writer gave up (`requests.send_timeout_ms`,
+                // a write error): nothing more will be taken from the queue.
+                if outbox.closed.get() || outbox.finished.get() {
                     break;
                 }
                 monoio::time::sleep(Duration::from_millis(1)).await;
+            }
+            if outbox.finished.get() {
+                break;
             }
             // The frame's clock stops while this side does not read: the
             // client is not late for bytes nobody asked for.
@@ -279,11 +318,13 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
                 outbox.close();
                 linger = true;
             } else {
-                tracing::warn!(?peer, error = %e, "protocol error from client; closing the connection");
+                // Garbage from any client: one line per window.
+                static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
+                limited!(LIMIT, warn, ?peer, error = %e, "protocol error from client; closing the connection");
             }
             break;
         }
-        if outbox.closed.get() {
+        if outbox.closed.get() || outbox.finished.get() {
             break;
         }
         partial_since = frame_started(reader.pending_bytes() > 0, completed, partial_since);
@@ -310,6 +351,48 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
     let mut h = fronts.state();
     h.native.closed(conn);
     h.dirty = true;
+}
+
+/// Answers a connection over the core's limit of `limit` native
+/// connections: one frame with request id 0 and status `Unavailable`, then
+/// the write side is shut down and the input discarded for at most
+/// [`REFUSE_LINGER`] (so that the client reads the frame, not a reset),
+/// then the connection is closed.
+async fn refuse(mut stream: TcpStream, limit: usize) {
+    use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt};
+    let f = ServerFrame {
+        request_id: 0,
+        status: Status::Unavailable as u8,
+        payload: format!(
+            "too many native connections on this core ({limit}, requests.max_native_connections_per_core); retry later or on another node"
+        )
+        .into_bytes(),
+    };
+    let mut out = Vec::new();
+    if encode_frame(&f, &mut out).is_err() {
+        return;
+    }
+    let (r, _) = stream.write_all(out).await;
+    if r.is_err() {
+        return;
+    }
+    let _ = stream.shutdown().await;
+    let until = Instant::now() + REFUSE_LINGER;
+    let mut drained = 0usize;
+    let mut buf = vec![0u8; 16 * 1024];
+    while drained < REFUSE_LINGER_MAX_BYTES {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        match monoio::time::timeout(left, stream.read(buf)).await {
+            Ok((Ok(n), b)) if n > 0 => {
+                drained += n;
+                buf = b;
+            }
+            _ => break,
+        }
+    }
 }
 
 /// Handles one frame from a client. `Err` is a protocol error: the

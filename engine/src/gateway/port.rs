@@ -57,6 +57,14 @@ pub(crate) trait DataPort: Clone + 'static {
     /// whole (`requests.frame_timeout_ms`).
     fn frame_timeout(&self) -> std::time::Duration;
 
+    /// The most native connections this executor keeps open
+    /// (`requests.max_native_connections_per_core`).
+    fn max_native_connections(&self) -> usize;
+
+    /// How long a client connection may take none of its output before it
+    /// is closed (`requests.send_timeout_ms`).
+    fn send_timeout(&self) -> std::time::Duration;
+
     /// Routes one entity request (`type_name`, `entity_id` as read from the
     /// wire, not yet validated). Its answer, an error for a bad type or id
     /// included, comes through [`super::Fronts::reply`] with the same

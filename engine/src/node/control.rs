@@ -6,6 +6,8 @@
 //! node's requests; it feeds the plane what happened and carries out what
 //! the plane asks for, and decides nothing about sharding or membership.
 
+use crate::runtime::limited;
+use crate::runtime::log_limit::{LogLimit, LOG_WINDOW_MS};
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::os::fd::IntoRawFd;
@@ -167,7 +169,8 @@ pub(crate) async fn run(init: ControlInit) {
                     monoio::spawn(inbound(actl.clone(), s));
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "cluster accept failed");
+                    static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
+                    limited!(LIMIT, warn, error = %e, "cluster accept failed");
                     monoio::time::sleep(Duration::from_millis(10)).await;
                 }
             }
@@ -778,7 +781,7 @@ async fn run_peer(ctl: ControlRef, addr: String, outbox: Rc<Outbox>) {
         }
         let (mut r, mut w) = s.into_split();
         let wb = outbox.clone();
-        let writer = monoio::spawn(async move { transport::write_loop(&mut w, wb).await });
+        let writer = monoio::spawn(async move { transport::write_loop(&mut w, wb, None).await });
         // The peer writes nothing on this lane; a read returning means it closed.
         let _ = reader.fill(&mut r).await;
         outbox.close();
@@ -878,7 +881,10 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
             return;
         }
         Err(e) => {
-            tracing::warn!(?peer, error = %e, "bad handshake on the cluster port; closing");
+            // A health check or scanner on this port may cause one per
+            // connection.
+            static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
+            limited!(LIMIT, warn, ?peer, error = %e, "bad handshake on the cluster port; closing");
             return;
         }
     };
@@ -889,7 +895,14 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
     if hello.lane == Lane::Data as u8 {
         let core = usize::from(hello.target_core);
         if core >= cores {
-            tracing::warn!(?peer, core, "data lane for a core this node does not have");
+            static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
+            limited!(
+                LIMIT,
+                warn,
+                ?peer,
+                core,
+                "data lane for a core this node does not have"
+            );
             return;
         }
         let fd = s.into_raw_fd();
@@ -906,7 +919,14 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
         return;
     }
     if hello.lane != Lane::Control as u8 {
-        tracing::warn!(?peer, lane = hello.lane, "unknown lane; closing");
+        static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
+        limited!(
+            LIMIT,
+            warn,
+            ?peer,
+            lane = hello.lane,
+            "unknown lane; closing"
+        );
         return;
     }
     let (mut r, _w) = s.into_split();

@@ -15,6 +15,8 @@
 //! ([`DataExecutor::run_effects`]); entities run to completion inside that
 //! borrow.
 
+use crate::runtime::limited;
+use crate::runtime::log_limit::{LogLimit, LOG_WINDOW_MS};
 use std::cell::RefCell;
 use std::collections::{BinaryHeap, HashMap};
 use std::os::fd::FromRawFd;
@@ -266,7 +268,9 @@ pub(crate) async fn run(init: DataExecutorInit) {
                     ));
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
+                    // EMFILE would repeat every 10 ms.
+                    static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
+                    limited!(LIMIT, warn, error = %e, "accept failed");
                     monoio::time::sleep(Duration::from_millis(10)).await;
                 }
             }

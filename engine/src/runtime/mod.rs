@@ -24,6 +24,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError};
 
+pub mod log_limit;
+pub(crate) use log_limit::limited;
+
 /// Turns transparent huge pages off for this whole process
 /// (`prctl(PR_SET_THP_DISABLE, 1)`, inherited by its children); the
 /// `shardline node` command calls it first.

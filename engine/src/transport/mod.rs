@@ -271,17 +271,40 @@ impl Outbox {
 }
 
 /// Writes everything queued in `outbox`, one write per batch, until it is
-/// closed or a write fails.
+/// closed or a write fails. With a `send_timeout`, a write that moves no
+/// byte for that long fails with `ErrorKind::TimedOut` (the peer stopped
+/// reading: nginx's `send_timeout`, counted between two successive
+/// writes, so a slow reader that keeps taking bytes is not cut off); the
+/// write is cancelled. [`Outbox::finished`] is set when it returns.
 ///
 /// # Errors
-/// The write error.
-pub async fn write_loop<W: AsyncWriteRent>(w: &mut W, outbox: Rc<Outbox>) -> std::io::Result<()> {
-    let res = write_all_queued(w, &outbox).await;
+/// The write error, or the timeout.
+pub async fn write_loop<W: AsyncWriteRent>(
+    w: &mut W,
+    outbox: Rc<Outbox>,
+    send_timeout: Option<Duration>,
+) -> std::io::Result<()> {
+    let res = write_all_queued(w, &outbox, send_timeout).await;
     outbox.finished.set(true);
     res
 }
 
-async fn write_all_queued<W: AsyncWriteRent>(w: &mut W, outbox: &Outbox) -> std::io::Result<()> {
+/// Shuts both directions of the socket `fd` down (`shutdown(2)`,
+/// `SHUT_RDWR`): a read pending on it ends (0 bytes), so that a task
+/// reading a connection whose writer gave up sees the end at once. The
+/// caller must hold a half of the connection (the fd stays open).
+pub fn shutdown_both(fd: std::os::fd::RawFd) {
+    // SAFETY: the caller keeps the connection, so `fd` is open for this
+    // borrow.
+    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+    let _ = socket2::SockRef::from(&fd).shutdown(std::net::Shutdown::Both);
+}
+
+async fn write_all_queued<W: AsyncWriteRent>(
+    w: &mut W,
+    outbox: &Outbox,
+    send_timeout: Option<Duration>,
+) -> std::io::Result<()> {
     let mut spare: Vec<u8> = Vec::with_capacity(64 * 1024);
     loop {
         if outbox.buf.borrow().is_empty() {
@@ -292,14 +315,51 @@ async fn write_all_queued<W: AsyncWriteRent>(w: &mut W, outbox: &Outbox) -> std:
             continue;
         }
         std::mem::swap(&mut *outbox.buf.borrow_mut(), &mut spare);
-        let (res, b) = w.write_all(spare).await;
+        let b = match send_timeout {
+            None => {
+                let (res, b) = w.write_all(spare).await;
+                res?;
+                b
+            }
+            Some(t) => write_all_within(w, spare, t).await?,
+        };
         spare = b;
         spare.clear();
         if spare.capacity() > 4 << 20 {
             spare = Vec::with_capacity(64 * 1024);
         }
-        res?;
     }
+}
+
+/// Writes all of `buf`, each write given at most `t` to move a byte.
+async fn write_all_within<W: AsyncWriteRent>(
+    w: &mut W,
+    mut buf: Vec<u8>,
+    t: Duration,
+) -> std::io::Result<Vec<u8>> {
+    use monoio::buf::IoBuf;
+    let len = buf.len();
+    let mut written = 0;
+    while written < len {
+        let Ok((res, slice)) = monoio::time::timeout(t, w.write(buf.slice(written..len))).await
+        else {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "the peer took no byte of its output for {} ms",
+                    t.as_millis()
+                ),
+            ));
+        };
+        buf = slice.into_inner();
+        match res {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => written += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(buf)
 }
 
 /// Writes one frame and waits until it is out (handshakes only).

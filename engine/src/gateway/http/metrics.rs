@@ -85,6 +85,10 @@ pub struct ConnectionCount {
     pub open: u64,
     /// Accepted since start (counter).
     pub accepted: u64,
+    /// Of those, refused at once for the front's per-core connection limit
+    /// (`http.max_connections_per_core`,
+    /// `requests.max_native_connections_per_core`) (counter).
+    pub refused: u64,
 }
 
 /// Everything `/metrics` shows, filled by the node on request. Empty
@@ -127,8 +131,9 @@ pub struct MetricsSnapshot {
     /// `shardline_journal_flush_duration_seconds{core}` (histogram), in
     /// microseconds, one per core with a journal.
     pub journal_flush_micros: Vec<(u16, Histogram<u64>)>,
-    /// `shardline_connections{front,core}` (gauge) and
-    /// `shardline_connections_accepted_total{front,core}`.
+    /// `shardline_connections{front,core}` (gauge),
+    /// `shardline_connections_accepted_total{front,core}` and
+    /// `shardline_connections_refused_total{front,core}`.
     pub connections: Vec<ConnectionCount>,
     /// `shardline_ready` (gauge, 0 or 1).
     pub ready: bool,
@@ -399,6 +404,21 @@ pub fn write_prometheus(m: &MetricsSnapshot) -> String {
             "shardline_connections_accepted_total",
             &[("front", c.front), ("core", &core)],
             c.accepted,
+        );
+    }
+    header(
+        &mut out,
+        "shardline_connections_refused_total",
+        "counter",
+        "Client connections closed at once because the core had its front's most open connections (counted in accepted too), by front and core.",
+    );
+    for c in &m.connections {
+        let core = c.core.to_string();
+        sample(
+            &mut out,
+            "shardline_connections_refused_total",
+            &[("front", c.front), ("core", &core)],
+            c.refused,
         );
     }
     header(

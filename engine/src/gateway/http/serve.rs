@@ -52,6 +52,8 @@
 //! discarded for at most [`LINGER`] (a "lingering close", as nginx does), so
 //! that the client receives the response instead of a reset.
 
+use crate::runtime::limited;
+use crate::runtime::log_limit::{LogLimit, LOG_WINDOW_MS};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::future::Future;
@@ -240,6 +242,9 @@ pub(crate) struct HttpFront {
     idle_timeout: Duration,
     /// Most open connections on this core (count).
     max_conns: usize,
+    /// A connection whose output moves no byte for this long is closed
+    /// (`requests.send_timeout_ms`).
+    send_timeout: Duration,
 }
 
 /// Binds `http_address` (SO_REUSEPORT) for data core `core`, when the config
@@ -262,6 +267,7 @@ pub(crate) fn bind(config: &NodeConfig, core: u16, fronts: &Fronts) -> Option<Ht
             body_timeout: config.http.body_timeout(),
             idle_timeout: config.http.idle_timeout(),
             max_conns: config.http.max_connections_per_core as usize,
+            send_timeout: config.requests.send_timeout(),
         }),
         Err(e) => {
             tracing::error!(core, %addr, error = %e, "cannot bind http_address");
@@ -305,7 +311,11 @@ pub(crate) fn start<P: DataPort>(
                         let mut h = front.fronts.state();
                         h.http.metrics.accepted += 1;
                         h.dirty = true;
-                        h.http.conns.len() >= front.max_conns
+                        let full = h.http.conns.len() >= front.max_conns;
+                        if full {
+                            h.http.metrics.refused += 1;
+                        }
+                        full
                     };
                     if full {
                         monoio::spawn(refuse(stream));
@@ -314,7 +324,8 @@ pub(crate) fn start<P: DataPort>(
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "http accept failed");
+                    static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
+                    limited!(LIMIT, warn, error = %e, "http accept failed");
                     monoio::time::sleep(Duration::from_millis(10)).await;
                 }
             }
@@ -604,6 +615,7 @@ async fn serve_http<P: DataPort>(port: P, front: Rc<HttpFront>, stream: TcpStrea
         h.http.conns.insert(conn_id, conn.clone());
         h.dirty = true;
     }
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&stream);
     let (mut r, mut w) = stream.into_split();
     let wb = outbox.clone();
     let writer_done = Rc::new(crate::runtime::LocalNotify::default());
@@ -611,8 +623,15 @@ async fn serve_http<P: DataPort>(port: P, front: Rc<HttpFront>, stream: TcpStrea
     {
         let writer_done = writer_done.clone();
         let writer_flag = writer_flag.clone();
+        let send_timeout = front.send_timeout;
         monoio::spawn(async move {
-            let _ = transport::write_loop(&mut w, wb).await;
+            if let Err(e) = transport::write_loop(&mut w, wb, Some(send_timeout)).await {
+                if e.kind() == std::io::ErrorKind::TimedOut {
+                    tracing::info!(conn = conn_id, error = %e, "client takes no responses (requests.send_timeout_ms); closing the connection");
+                }
+                // The reader may wait for bytes that never come: end it.
+                transport::shutdown_both(fd);
+            }
             let _ = w.shutdown().await;
             writer_flag.set(true);
             writer_done.notify();
@@ -949,6 +968,7 @@ fn node_metrics(front: &HttpFront, status: &NodeStatus) -> MetricsSnapshot {
                 core: *core,
                 open: cm.open,
                 accepted: cm.accepted,
+                refused: cm.refused,
             });
         }
     }

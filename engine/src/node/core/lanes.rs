@@ -113,7 +113,7 @@ pub(super) async fn run_link(core: DataExecutorRef, to: RegionId, outbox: Rc<Out
         connected.set(true);
         let (mut r, mut w) = stream.into_split();
         let wb = outbox.clone();
-        let writer = monoio::spawn(async move { transport::write_loop(&mut w, wb).await });
+        let writer = monoio::spawn(async move { transport::write_loop(&mut w, wb, None).await });
         loop {
             let range = reader.read_frame(&mut r).await?;
             core.borrow_mut().on_link_frame(reader.body(range))?;
@@ -147,7 +147,7 @@ pub(super) async fn serve_data_lane(
     let (mut r, mut w) = stream.into_split();
     let wb = outbox.clone();
     monoio::spawn(async move {
-        let _ = transport::write_loop(&mut w, wb).await;
+        let _ = transport::write_loop(&mut w, wb, None).await;
     });
     let mut reader = FrameReader::new(MAX_FRAME_SIZE_BYTES);
     let why: String = loop {

@@ -101,6 +101,17 @@ impl DataPort for DataExecutorRef {
         self.borrow().config.requests.frame_timeout()
     }
 
+    fn send_timeout(&self) -> std::time::Duration {
+        self.borrow().config.requests.send_timeout()
+    }
+
+    fn max_native_connections(&self) -> usize {
+        self.borrow()
+            .config
+            .requests
+            .max_native_connections_per_core as usize
+    }
+
     fn client_request(
         &self,
         conn: ConnId,
