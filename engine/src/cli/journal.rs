@@ -74,6 +74,16 @@ pub enum JournalCliError {
     /// `repair` without `--yes`.
     #[error("repair loses every record after the first corruption: run `shardline journal verify` first, stop the node, and add --yes")]
     NotConfirmed,
+    /// The journal could not be opened read-only for a reason that is not
+    /// damage (an I/O error such as a permission, or a file of a newer
+    /// format version): `verify` says nothing about its state then.
+    #[error("cannot open journal {dir} read-only (not a sign of damage): {source}")]
+    Open {
+        /// The directory.
+        dir: PathBuf,
+        /// The journal's error.
+        source: shardline_journal::OpenError,
+    },
     /// The journal could not be opened even in repair mode.
     #[error("cannot repair journal {dir}: {source}")]
     Repair {
@@ -89,7 +99,9 @@ pub enum JournalCliError {
 ///
 /// # Errors
 /// [`JournalCliError::Read`] when the directory cannot be listed or a
-/// segment cannot be opened; [`JournalCliError::Io`] when writing fails.
+/// segment cannot be opened; [`JournalCliError::Open`] when `verify`
+/// cannot open it read-only for a reason that is not damage (an I/O error,
+/// a newer format version); [`JournalCliError::Io`] when writing fails.
 pub fn run(args: &JournalArgs, out: &mut impl Write) -> Result<bool, JournalCliError> {
     match &args.command {
         JournalCommand::Verify { dir } => verify_cmd(dir, out),
@@ -220,19 +232,42 @@ fn verify_cmd(dir: &PathBuf, out: &mut impl Write) -> Result<bool, JournalCliErr
     // What the segments' scan does not cover: the state checkpoint, the
     // segment indexes and the snapshot table, read as a recovery reads
     // them (a damaged journal.state fails every durable entity of a core).
-    let opened = shardline_journal::JournalReader::open(dir);
-    if let Err(e) = &opened {
-        corrupt.push(format!("opening it read-only: {e}"));
-    }
+    let opened = match shardline_journal::JournalReader::open(dir) {
+        Ok(_) => true,
+        Err(e) if !is_damage(&e) => {
+            return Err(JournalCliError::Open {
+                dir: dir.clone(),
+                source: e,
+            })
+        }
+        Err(e) => {
+            corrupt.push(format!("opening it read-only: {e}"));
+            false
+        }
+    };
     if corrupt.is_empty() {
         writeln!(out, "corruption: none")?;
     }
     for c in &corrupt {
         writeln!(out, "corruption: {c}")?;
     }
-    let usable = report.usable() && opened.is_ok();
+    let usable = report.usable() && opened;
     writeln!(out, "result: {}", if usable { "usable" } else { "CORRUPT" })?;
     Ok(usable)
+}
+
+/// Whether a read-only open failed because of what the files hold
+/// (corruption, a stale or overlapping segment, a damaged checkpoint,
+/// index or table), as opposed to the machine (an I/O error: a
+/// permission, a vanished file) or a newer build's format.
+fn is_damage(e: &shardline_journal::OpenError) -> bool {
+    use shardline_journal::{OpenError, RecoveryError};
+    !matches!(
+        e,
+        OpenError::Io { .. }
+            | OpenError::Recovery(RecoveryError::Io { .. })
+            | OpenError::Recovery(RecoveryError::UnsupportedVersion { .. })
+    )
 }
 
 fn preview(payload: &[u8]) -> String {
@@ -416,6 +451,33 @@ mod tests {
             text.contains("# CORRUPT: segment 00000000000000000001.seg offset 122"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn verify_says_a_newer_format_is_not_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        sample(dir.path());
+        // A state checkpoint of format version 99 (a newer build's).
+        let mut b = shardline_journal::format::CHECKPOINT_MAGIC.to_vec();
+        b.extend_from_slice(&99u32.to_le_bytes());
+        b.extend_from_slice(&[0; 12]);
+        let state = dir.path().join(shardline_journal::format::CHECKPOINT_NAME);
+        std::fs::write(&state, b).unwrap();
+        let mut out = Vec::new();
+        let e = run(
+            &JournalArgs {
+                command: JournalCommand::Verify {
+                    dir: dir.path().to_path_buf(),
+                },
+            },
+            &mut out,
+        )
+        .unwrap_err();
+        assert!(matches!(e, JournalCliError::Open { .. }), "{e}");
+        let text = e.to_string();
+        assert!(text.contains("not a sign of damage"), "{text}");
+        assert!(text.contains("format version 99"), "{text}");
+        assert!(!String::from_utf8_lossy(&out).contains("CORRUPT"));
     }
 
     #[test]
