@@ -7,7 +7,10 @@
 //! `requests.max_native_connections_per_core` refuses a connection over it
 //! with an `Unavailable` frame and a close, and both refusals are counted
 //! in `/metrics`; a client of either front that stops reading its
-//! responses is closed after `requests.send_timeout_ms`. Every timeout configured here is far
+//! responses is closed after `requests.send_timeout_ms`; a node whose open
+//! file limit cannot hold its connection limits lowers them to fit, so a
+//! flood of connections is refused by the limit instead of failing
+//! `accept` with `EMFILE`. Every timeout configured here is far
 //! below its default (5 s, 15 s, 60 s), so a close within the asserted
 //! bound shows the configured value is used.
 
@@ -15,7 +18,10 @@ mod http_support;
 
 use std::time::{Duration, Instant};
 
-use http_support::{post_bytes, start_nodes_with, wait_ready, Conn, Ports};
+use http_support::{
+    config_text, post_bytes, shardline_bin, spawn_node_under, start_nodes_with, wait_ready, Conn,
+    Ports,
+};
 
 const HTTP_TABLE: &str = "max_body_size_bytes = 64
 header_timeout_ms = 400
@@ -288,4 +294,62 @@ fn configured_http_limits_and_timeouts_are_enforced() {
         "{log}"
     );
     probe(&mut keep, "end");
+}
+
+/// A node run with an open file limit of 600 (soft and hard, as a service
+/// manager may set it) and the default connection limits (10,000 native
+/// and 10,000 HTTP connections per core) lowers them to fit and says so;
+/// 700 native connections (more than the file limit) then get 172 served and the rest an
+/// `Unavailable` frame, none an `accept` failure, and the node keeps
+/// serving.
+#[test]
+fn connection_limits_are_lowered_to_the_open_file_limit() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ports = Ports { base: 25_700 };
+    let cfg = dir.path().join("node-0.toml");
+    std::fs::write(&cfg, config_text(ports, 0, 1, 1, dir.path())).expect("config");
+    let log = dir.path().join("node-0.log");
+    let mut node = spawn_node_under(
+        &["prlimit", "--nofile=600:600", "--"],
+        &shardline_bin(),
+        &cfg,
+        &log,
+        "info",
+        &[],
+    );
+    let ready = node.ready.recv_timeout(Duration::from_secs(30));
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(ready.is_ok(), "not ready:\n{text}");
+    // 600 less a reserve of 256: 344 descriptors for 20,000 connections.
+    assert!(
+        text.contains("lowered to fit")
+            && text.contains("open_files=600")
+            && text.contains("max_native_connections_per_core=172")
+            && text.contains("max_http_connections_per_core=172"),
+        "{text}"
+    );
+    let t = Duration::from_secs(10);
+    let mut served = Vec::new();
+    let mut refused = 0;
+    for i in 0..700 {
+        let mut c = shardline::client::Client::connect(ports.client(0)).expect("connect");
+        let r = c
+            .ask("echo", "flood", b"x", t)
+            .unwrap_or_else(|e| panic!("connection {i}: no answer: {e}"));
+        match (r.request_id, r.status) {
+            (0, shardline::client::Status::Unavailable) => refused += 1,
+            (_, shardline::client::Status::Ok) => served.push(c),
+            other => panic!("connection {i}: {other:?}"),
+        }
+    }
+    assert_eq!((served.len(), refused), (172, 528));
+    for (i, c) in served.iter_mut().enumerate() {
+        let r = c.ask("counter", "flood", b"add 1", t).expect("ask");
+        assert_eq!(r.status, shardline::client::Status::Ok, "connection {i}");
+    }
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(!text.contains("accept failed"), "{text}");
+    drop(served);
+    let _ = node.child.kill();
+    let _ = node.child.wait();
 }

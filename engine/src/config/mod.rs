@@ -268,6 +268,22 @@ fn default_durability() -> Durability {
     Durability::Named(DurabilityName::None)
 }
 
+/// What [`NodeConfig::fit_connection_limits`] lowered: the per-core
+/// connection limits of both fronts, (configured, in force).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimitsFitted {
+    /// The process's open file limit the limits were fitted to (count).
+    pub open_files: u64,
+    /// Descriptors the configured limits would need on all data cores
+    /// (count).
+    pub needed: u64,
+    /// `requests.max_native_connections_per_core`: configured, in force.
+    pub native: (u32, u32),
+    /// `http.max_connections_per_core`: configured, in force (`None`
+    /// without an `http_address`).
+    pub http: Option<(u32, u32)>,
+}
+
 /// A node's configuration (the whole TOML file).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -609,6 +625,48 @@ impl NodeConfig {
         Ok(cfg)
     }
 
+    /// Lowers the per-core connection limits of both fronts
+    /// (`requests.max_native_connections_per_core`,
+    /// `http.max_connections_per_core`, the latter only with an
+    /// `http_address`) when all data cores at their limits would need more
+    /// descriptors than `open_files` (the process's `RLIMIT_NOFILE`) leaves
+    /// for connections, as redis lowers `maxclients` to its file limit.
+    /// Without this, a connection flood would exhaust the descriptors before
+    /// any limit refused it: `accept` would fail with `EMFILE`, and so would
+    /// the journal's next segment file and the lanes to other members.
+    ///
+    /// A quarter of `open_files`, at least 256, stays for everything else
+    /// (segment files, one per segment while it exists; lanes, listeners,
+    /// io_uring instances). Both limits are scaled by the same factor, each
+    /// at least 1. Returns what was changed, or `None` when the limits fit.
+    pub fn fit_connection_limits(&mut self, open_files: u64) -> Option<ConnectionLimitsFitted> {
+        let reserved = (open_files / 4).max(256);
+        let budget = open_files.saturating_sub(reserved);
+        let cores = u64::from(self.data_cores.max(1));
+        let native = u64::from(self.requests.max_native_connections_per_core);
+        let http = if self.http_address.is_some() {
+            u64::from(self.http.max_connections_per_core)
+        } else {
+            0
+        };
+        let needed = cores * (native + http);
+        if needed <= budget {
+            return None;
+        }
+        let scale = |n: u64| u32::try_from((n * budget / needed).max(1)).unwrap_or(u32::MAX);
+        let fitted = ConnectionLimitsFitted {
+            open_files,
+            needed,
+            native: (self.requests.max_native_connections_per_core, scale(native)),
+            http: (http > 0).then(|| (self.http.max_connections_per_core, scale(http))),
+        };
+        self.requests.max_native_connections_per_core = fitted.native.1;
+        if let Some((_, h)) = fitted.http {
+            self.http.max_connections_per_core = h;
+        }
+        Some(fitted)
+    }
+
     /// Checks value ranges.
     ///
     /// # Errors
@@ -885,6 +943,41 @@ active_entity_limit = 0
             .unwrap_err();
             assert!(e.to_string().contains("cluster_name"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn connection_limits_are_fitted_to_the_open_file_limit() {
+        let mut c = NodeConfig::from_toml(GOOD, Path::new("x.toml")).unwrap();
+        let before = c.clone();
+        // Plenty: nothing changes.
+        assert_eq!(c.fit_connection_limits(1 << 20), None);
+        assert_eq!(c, before);
+        // systemd's default soft limit, one core, no HTTP front: a quarter
+        // (256) stays for the rest, 768 for native connections.
+        c.data_cores = 1;
+        c.http_address = None;
+        let f = c.fit_connection_limits(1024).expect("lowered");
+        assert_eq!(f.needed, 10_000);
+        assert_eq!(f.native, (10_000, 768));
+        assert_eq!(f.http, None);
+        assert_eq!(c.requests.max_native_connections_per_core, 768);
+        // Two cores and both fronts share the budget by their configured
+        // shares (native 3,000, HTTP 1,000 per core: 8,000 needed).
+        let mut c = before.clone();
+        c.data_cores = 2;
+        c.http_address = Some("127.0.0.1:7301".parse().unwrap());
+        c.requests.max_native_connections_per_core = 3_000;
+        c.http.max_connections_per_core = 1_000;
+        let f = c.fit_connection_limits(4_096).expect("lowered");
+        assert_eq!(f.needed, 8_000);
+        // 4096 - 1024 = 3072 for connections: 3/8 of it per core native.
+        assert_eq!(f.native, (3_000, 1_152));
+        assert_eq!(f.http, Some((1_000, 384)));
+        // A limit below the reserve still leaves one connection of each.
+        let mut c = before.clone();
+        c.http_address = Some("127.0.0.1:7301".parse().unwrap());
+        let f = c.fit_connection_limits(100).expect("lowered");
+        assert_eq!((f.native.1, f.http.map(|h| h.1)), (1, Some(1)));
     }
 
     #[test]

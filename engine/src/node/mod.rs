@@ -152,8 +152,19 @@ impl Node {
     /// another `cluster_name`, [`NodeError::Bind`] when an address is
     /// taken (an address in use is retried for up to
     /// [`BIND_RETRY_TIMEOUT`] first), [`NodeError::Spawn`].
-    pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
+    pub fn start(mut config: NodeConfig) -> Result<Node, NodeError> {
         config.validate(std::path::Path::new("<config>"))?;
+        if let Some(f) =
+            crate::runtime::open_file_limit().and_then(|files| config.fit_connection_limits(files))
+        {
+            tracing::warn!(
+                open_files = f.open_files,
+                needed = f.needed,
+                max_native_connections_per_core = f.native.1,
+                max_http_connections_per_core = f.http.map(|h| h.1),
+                "the connection limits need more descriptors than the open file limit leaves for connections; lowered to fit (raise the limit, e.g. systemd's LimitNOFILE, or lower requests.max_native_connections_per_core and http.max_connections_per_core)"
+            );
+        }
         let lock = crate::persistence::DataDirLock::acquire(&config.data_dir)?;
         let mut scope =
             crate::persistence::DataScope::open(&config.data_dir, &config.cluster_name)?;

@@ -62,6 +62,56 @@ pub fn disable_transparent_huge_pages() -> std::io::Result<bool> {
     }
 }
 
+/// Raises this process's soft limit of open files (`RLIMIT_NOFILE`) to its
+/// hard limit, as Go's runtime does at start since 1.19 and nginx's
+/// `worker_rlimit_nofile` does: systemd starts services with a soft limit
+/// of 1024 and a hard one of 524288, and every client connection, segment
+/// file and lane is a descriptor. The `shardline node` command calls it; a
+/// service embedding the engine decides for its own process.
+///
+/// Returns the (soft, hard) limits after the call.
+///
+/// # Errors
+/// The `getrlimit`/`setrlimit` error.
+pub fn raise_open_file_limit() -> std::io::Result<(u64, u64)> {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `l` is a valid rlimit for the call to fill.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if l.rlim_cur < l.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: l.rlim_max,
+            rlim_max: l.rlim_max,
+        };
+        // SAFETY: `raised` is a valid rlimit, read by the call.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        l = raised;
+    }
+    Ok((l.rlim_cur, l.rlim_max))
+}
+
+/// This process's soft limit of open files (`RLIMIT_NOFILE`), or `None`
+/// when it cannot be read or is unlimited.
+pub fn open_file_limit() -> Option<u64> {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `l` is a valid rlimit for the call to fill.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } != 0
+        || l.rlim_cur == libc::RLIM_INFINITY
+    {
+        return None;
+    }
+    Some(l.rlim_cur)
+}
+
 /// The concrete monoio runtime type every executor uses.
 pub type Executor = monoio::Runtime<monoio::time::TimeDriver<monoio::IoUringDriver>>;
 

@@ -14,7 +14,9 @@ mod node_support;
 
 // Not every test binary that includes this module uses each of these.
 #[allow(unused_imports)]
-pub use node_support::{shardline_bin, spawn_node, spawn_node_with_args, status, NodeProc, Ports};
+pub use node_support::{
+    shardline_bin, spawn_node, spawn_node_under, spawn_node_with_args, status, NodeProc, Ports,
+};
 
 /// The config of node `i` of `n`.
 pub fn config_text(ports: Ports, i: usize, n: usize, cores: u16, dir: &Path) -> String {

@@ -277,12 +277,34 @@ pub fn spawn_node_with_args(
     rust_log: &str,
     args: &[&str],
 ) -> NodeProc {
+    spawn_node_under(&[], bin, cfg, log, rust_log, args)
+}
+
+/// [`spawn_node_with_args`] run by the command `wrapper` (e.g. `["prlimit",
+/// "--nofile=600:600", "--"]`, which execs the node in its own process);
+/// no wrapper when empty.
+pub fn spawn_node_under(
+    wrapper: &[&str],
+    bin: &Path,
+    cfg: &Path,
+    log: &Path,
+    rust_log: &str,
+    args: &[&str],
+) -> NodeProc {
     let logf = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(log)
         .expect("log file");
-    let mut child = Command::new(bin)
+    let mut cmd = match wrapper.split_first() {
+        Some((program, rest)) => {
+            let mut c = Command::new(program);
+            c.args(rest).arg(bin);
+            c
+        }
+        None => Command::new(bin),
+    };
+    let mut child = cmd
         .args(["node", "--config"])
         .arg(cfg)
         .args(args)
