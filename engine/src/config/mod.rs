@@ -268,6 +268,15 @@ fn default_durability() -> Durability {
     Durability::Named(DurabilityName::None)
 }
 
+/// Whether listeners on `a` and `b` would share connections: the same port
+/// (not 0, which the OS assigns apart) and the same address, or either one
+/// a wildcard (`0.0.0.0`, `::`).
+fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() == b.port()
+        && a.port() != 0
+        && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
 /// What [`NodeConfig::fit_connection_limits`] lowered: the per-core
 /// connection limits of both fronts, (configured, in force).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -704,10 +713,18 @@ impl NodeConfig {
                 ),
             ));
         }
-        if self.cluster_address == self.client_address {
+        // The listeners bind with SO_REUSEPORT, so two of them on one port
+        // would both bind, and the kernel would hand a connection to
+        // whichever matches best: a wildcard address beside a specific one
+        // on the same port would quietly send some clients to the wrong
+        // front.
+        if overlap(self.cluster_address, self.client_address) {
             return Err(bad(
                 "client_address",
-                "must differ from cluster_address".to_string(),
+                format!(
+                    "{} overlaps cluster_address {} (same port, and the same address or a wildcard one)",
+                    self.client_address, self.cluster_address
+                ),
             ));
         }
         if let Some(http) = self.http_address {
@@ -715,8 +732,13 @@ impl NodeConfig {
                 (self.cluster_address, "cluster_address"),
                 (self.client_address, "client_address"),
             ] {
-                if http == other {
-                    return Err(bad("http_address", format!("must differ from {key}")));
+                if overlap(http, other) {
+                    return Err(bad(
+                        "http_address",
+                        format!(
+                            "{http} overlaps {key} {other} (same port, and the same address or a wildcard one)"
+                        ),
+                    ));
                 }
             }
         }
@@ -1188,9 +1210,33 @@ active_entity_limit = 0
         let text = format!("http_address = \"{client}\"\n{GOOD}");
         let e = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap_err();
         assert!(
-            e.to_string().contains("http_address") && e.to_string().contains("must differ"),
+            e.to_string().contains("http_address") && e.to_string().contains("overlaps"),
             "{e}"
         );
+        // A wildcard address on the client port (SO_REUSEPORT would let both
+        // bind, and split the clients between the fronts); another port of
+        // the wildcard address is fine.
+        let port = client.rsplit(':').next().expect("a port");
+        let text = format!("http_address = \"0.0.0.0:{port}\"\n{GOOD}");
+        let e = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap_err();
+        assert!(
+            e.to_string().contains("http_address") && e.to_string().contains("client_address"),
+            "{e}"
+        );
+        let text = format!("http_address = \"0.0.0.0:1\"\n{GOOD}");
+        NodeConfig::from_toml(&text, Path::new("x.toml")).expect("another port");
+        let wild = GOOD.replace(&format!("\"{client}\""), &format!("\"[::]:{port}\""));
+        assert_ne!(wild, GOOD);
+        let cluster = GOOD
+            .lines()
+            .find(|l| l.starts_with("cluster_address"))
+            .and_then(|l| l.split('"').nth(1))
+            .expect("GOOD names a cluster_address");
+        let cport = cluster.rsplit(':').next().expect("a port");
+        let text = wild.replace(&format!("\"{cluster}\""), &format!("\"127.0.0.1:{port}\""));
+        let e = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap_err();
+        assert!(e.to_string().contains("client_address"), "{e}");
+        assert_ne!(cport, port);
         // Type names that could share a persistence id with another type.
         for name in ["a|b", "__shard"] {
             let text = format!("{GOOD}\n[[entity_types]]\nname = \"{name}\"\nkind = \"counter\"\n");
