@@ -301,7 +301,8 @@ fn configured_http_limits_and_timeouts_are_enforced() {
 /// and 10,000 HTTP connections per core) lowers them to fit and says so;
 /// 700 native connections (more than the file limit) then get 172 served and the rest an
 /// `Unavailable` frame, none an `accept` failure, and the node keeps
-/// serving.
+/// serving. The node logs in JSON (`--log-format json`): every line is
+/// one object, and the lowering's event carries its figures as fields.
 #[test]
 fn connection_limits_are_lowered_to_the_open_file_limit() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -315,18 +316,43 @@ fn connection_limits_are_lowered_to_the_open_file_limit() {
         &cfg,
         &log,
         "info",
-        &[],
+        &["--log-format", "json"],
     );
     let ready = node.ready.recv_timeout(Duration::from_secs(30));
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(ready.is_ok(), "not ready:\n{text}");
+    let events: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    for e in &events {
+        assert!(
+            e["level"].is_string() && e["fields"]["message"].is_string(),
+            "{e}"
+        );
+    }
+    assert!(events
+        .iter()
+        .any(|e| e["fields"]["message"] == "node started"));
     // 600 less a reserve of 256: 344 descriptors for 20,000 connections.
-    assert!(
-        text.contains("lowered to fit")
-            && text.contains("open_files=600")
-            && text.contains("max_native_connections_per_core=172")
-            && text.contains("max_http_connections_per_core=172"),
-        "{text}"
+    let lowered = events
+        .iter()
+        .find(|e| {
+            e["fields"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("lowered to fit"))
+        })
+        .unwrap_or_else(|| panic!("no lowering event:\n{text}"));
+    assert_eq!(lowered["level"], "WARN");
+    let f = &lowered["fields"];
+    assert_eq!(
+        (
+            &f["open_files"],
+            &f["max_native_connections_per_core"],
+            &f["max_http_connections_per_core"]
+        ),
+        (&600.into(), &172.into(), &172.into()),
+        "{lowered}"
     );
     let t = Duration::from_secs(10);
     let mut served = Vec::new();

@@ -83,16 +83,20 @@ fn run(cli: Cli) -> Result<ExitCode, BoxError> {
             // would otherwise have 1024.
             let files = crate::runtime::raise_open_file_limit();
             // `try_init`: a process that already set a subscriber keeps it.
-            let _ = tracing_subscriber::fmt()
+            let fmt = tracing_subscriber::fmt()
                 .with_env_filter(
                     tracing_subscriber::EnvFilter::try_from_default_env()
                         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
                 )
-                .with_writer(std::io::stderr)
-                // Colour codes only for a terminal: a log file or a pipe
-                // gets plain text.
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                .try_init();
+                .with_writer(std::io::stderr);
+            let _ = match args.log_format {
+                super::node::LogFormat::Text => fmt
+                    // Colour codes only for a terminal: a log file or a
+                    // pipe gets plain text.
+                    .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                    .try_init(),
+                super::node::LogFormat::Json => fmt.json().with_ansi(false).try_init(),
+            };
             match files {
                 Ok((soft, hard)) => tracing::info!(soft, hard, "open file limit"),
                 Err(e) => tracing::warn!(error = %e, "cannot read or raise the open file limit"),

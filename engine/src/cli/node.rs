@@ -17,6 +17,20 @@ pub struct NodeArgs {
     /// How long the graceful leave may take after SIGTERM, in milliseconds.
     #[arg(long, default_value_t = 30_000)]
     pub leave_timeout_ms: u64,
+    /// The log's format on stderr: `text` (one line per event, for people)
+    /// or `json` (one JSON object per line, for a log collector: `timestamp`,
+    /// `level`, `target`, `fields` with the message and the event's fields).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// The format of `shardline node`'s log (`--log-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// One line of text per event.
+    Text,
+    /// One JSON object per line (tracing-subscriber's JSON format).
+    Json,
 }
 
 static SIGNALLED: AtomicBool = AtomicBool::new(false);
