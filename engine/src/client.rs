@@ -82,6 +82,16 @@ impl Client {
     /// [`ClientError::Io`] when the connection fails.
     pub fn connect(addr: SocketAddr) -> Result<Client, ClientError> {
         let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+        Client::from_stream(stream)
+    }
+
+    /// A client on a connection made by the caller (e.g. with socket
+    /// options of its own, set before connecting); TCP_NODELAY is turned
+    /// on.
+    ///
+    /// # Errors
+    /// [`ClientError::Io`] when the socket cannot be configured or cloned.
+    pub fn from_stream(stream: TcpStream) -> Result<Client, ClientError> {
         stream.set_nodelay(true)?;
         let read = stream.try_clone()?;
         Ok(Client {
@@ -116,8 +126,23 @@ impl Client {
     ) -> Result<Response, ClientError> {
         let id = self.next_id;
         self.next_id += 1;
-        self.writer.send(id, type_name, entity_id, payload)?;
-        self.writer.flush()?;
+        let sent = self
+            .writer
+            .send(id, type_name, entity_id, payload)
+            .and_then(|()| self.writer.flush());
+        if let Err(e) = sent {
+            // The node may have refused the connection (or the frame) and
+            // closed it while the request was still being written: its
+            // frame about the connection (request id 0) is still readable.
+            if matches!(e, ClientError::Io(_)) {
+                if let Ok(r) = self.recv_with_timeout(timeout.min(Duration::from_secs(1))) {
+                    if r.request_id == 0 {
+                        return Ok(r);
+                    }
+                }
+            }
+            return Err(e);
+        }
         let r = self.recv_with_timeout(timeout)?;
         if r.request_id == 0 {
             // About the connection, not a request (ids start at 1): the

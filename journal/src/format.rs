@@ -166,7 +166,12 @@ impl SegmentHeader {
     ///
     /// # Errors
     /// A [`HeaderError`] naming the first check that failed, in the order
-    /// length, all-zero, magic, version, length field, checksum.
+    /// length, all-zero, magic, version, length field, checksum. A version
+    /// other than this build's is [`HeaderError::UnsupportedVersion`] only
+    /// when the header's own checksum holds (every version keeps the
+    /// magic, version and header length first and the header's CRC32C in
+    /// its last 4 bytes), and [`HeaderError::BadChecksum`] otherwise: a
+    /// flipped bit in the version field is damage, not a newer format.
     pub fn decode(bytes: &[u8]) -> Result<Self, HeaderError> {
         let Some(b) = bytes.get(..SEGMENT_HEADER_LEN_BYTES) else {
             return Err(HeaderError::TooShort {
@@ -181,7 +186,11 @@ impl SegmentHeader {
         }
         let version = u32_at(b, 8).unwrap_or(0);
         if version != FORMAT_VERSION {
-            return Err(HeaderError::UnsupportedVersion { version });
+            return Err(if checksum_of_any_version_holds(bytes) {
+                HeaderError::UnsupportedVersion { version }
+            } else {
+                HeaderError::BadChecksum
+            });
         }
         let len = u32_at(b, 12).unwrap_or(0);
         if len as usize != SEGMENT_HEADER_LEN_BYTES {
@@ -625,8 +634,25 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// Whether a segment header of any format version holds its checksum: the
+/// header length at offset 12 (at least 20 bytes, within `bytes`) and the
+/// CRC32C of the header's bytes before its last 4 in those 4.
+fn checksum_of_any_version_holds(bytes: &[u8]) -> bool {
+    let Some(len) = u32_at(bytes, 12).and_then(|l| usize::try_from(l).ok()) else {
+        return false;
+    };
+    if len < 20 || len > bytes.len() {
+        return false;
+    }
+    u32_at(bytes, len - 4).is_some_and(|crc| crc32c::crc32c(&bytes[..len - 4]) == crc)
+}
+
 /// Checks magic, version and the trailing CRC32C of a small file and returns
-/// the body between the 16-byte preamble and the CRC.
+/// the body between the 16-byte preamble and the CRC. A version other than
+/// this build's is [`FileDecodeError::UnsupportedVersion`] only when the
+/// trailing CRC holds (every version ends its small files with one), and
+/// [`FileDecodeError::BadChecksum`] otherwise: a flipped bit in the version
+/// field is damage, not a newer format.
 fn open_checked<'a>(bytes: &'a [u8], magic: &[u8; 8]) -> Result<&'a [u8], FileDecodeError> {
     if bytes.len() < 20 {
         return Err(FileDecodeError::Malformed(bytes.len() as u64));
@@ -635,12 +661,13 @@ fn open_checked<'a>(bytes: &'a [u8], magic: &[u8; 8]) -> Result<&'a [u8], FileDe
         return Err(FileDecodeError::BadMagic);
     }
     let version = u32_at(bytes, 8).unwrap_or(0);
-    if version != FORMAT_VERSION {
-        return Err(FileDecodeError::UnsupportedVersion(version));
-    }
     let crc_at = bytes.len() - 4;
     let crc = u32_at(bytes, crc_at).unwrap_or(0);
-    if crc32c::crc32c(&bytes[..crc_at]) != crc {
+    let crc_holds = crc32c::crc32c(&bytes[..crc_at]) == crc;
+    if version != FORMAT_VERSION && crc_holds {
+        return Err(FileDecodeError::UnsupportedVersion(version));
+    }
+    if !crc_holds {
         return Err(FileDecodeError::BadChecksum);
     }
     Ok(&bytes[16..crc_at])
@@ -1008,12 +1035,19 @@ mod tests {
         let mut bad = b;
         bad[0] = b'X';
         assert_eq!(SegmentHeader::decode(&bad), Err(HeaderError::BadMagic));
-        let mut bad = b;
-        bad[8] = 2;
+        // A newer format: another version, its own checksum holding.
+        let mut newer = b;
+        newer[8] = 2;
+        let crc = crc32c::crc32c(&newer[..60]);
+        newer[60..64].copy_from_slice(&crc.to_le_bytes());
         assert_eq!(
-            SegmentHeader::decode(&bad),
+            SegmentHeader::decode(&newer),
             Err(HeaderError::UnsupportedVersion { version: 2 })
         );
+        // A flipped bit in the version field: damage.
+        let mut bad = b;
+        bad[8] = 2;
+        assert_eq!(SegmentHeader::decode(&bad), Err(HeaderError::BadChecksum));
         let mut bad = b;
         bad[20] ^= 1;
         assert_eq!(SegmentHeader::decode(&bad), Err(HeaderError::BadChecksum));
@@ -1076,6 +1110,31 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn a_small_file_of_another_version_is_newer_only_when_its_crc_holds() {
+        let c = Checkpoint {
+            max_segment_epoch: WriterEpoch(3),
+            removed_up_to_lsn: Lsn(7),
+            pids: vec![],
+        };
+        let b = c.encode();
+        assert_eq!(Checkpoint::decode(&b), Ok(c));
+        // A flipped bit in the version field: damage.
+        let mut bad = b.clone();
+        bad[8] ^= 2;
+        assert_eq!(Checkpoint::decode(&bad), Err(FileDecodeError::BadChecksum));
+        // A newer build's file: another version, its CRC holding.
+        let mut newer = b;
+        newer[8..12].copy_from_slice(&2u32.to_le_bytes());
+        let at = newer.len() - 4;
+        let crc = crc32c::crc32c(&newer[..at]);
+        newer[at..].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(
+            Checkpoint::decode(&newer),
+            Err(FileDecodeError::UnsupportedVersion(2))
+        );
     }
 
     #[test]

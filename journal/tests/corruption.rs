@@ -225,8 +225,11 @@ fn wrong_format_version_fails_open() {
     let dir = tempfile::tempdir().unwrap();
     journal_with_segments(dir.path(), 120);
     let first = segment_files(dir.path())[0].clone();
+    // A newer build's segment: version 9, its header checksum holding.
     modify(&dir.path().join(&first), |b| {
-        b[8..12].copy_from_slice(&9u32.to_le_bytes())
+        b[8..12].copy_from_slice(&9u32.to_le_bytes());
+        let crc = crc32c::crc32c(&b[..60]);
+        b[60..64].copy_from_slice(&crc.to_le_bytes());
     });
     match reopen(dir.path()) {
         Err(OpenError::Recovery(RecoveryError::UnsupportedVersion { file, version })) => {
@@ -235,6 +238,24 @@ fn wrong_format_version_fails_open() {
         }
         Err(e) => panic!("unexpected {e}"),
         Ok(_) => panic!("opened a journal of an unknown version"),
+    }
+}
+
+#[test]
+fn a_flipped_version_field_is_damage_not_a_newer_format() {
+    let dir = tempfile::tempdir().unwrap();
+    journal_with_segments(dir.path(), 120);
+    let first = segment_files(dir.path())[0].clone();
+    modify(&dir.path().join(&first), |b| b[9] ^= 1);
+    match reopen(dir.path()) {
+        Err(OpenError::Recovery(RecoveryError::Corrupt {
+            file, offset, kind, ..
+        })) => {
+            assert_eq!((file, offset), (first, 0));
+            assert!(kind.to_string().contains("checksum"), "{kind}");
+        }
+        Err(e) => panic!("unexpected {e}"),
+        Ok(_) => panic!("opened a journal with a damaged header"),
     }
 }
 

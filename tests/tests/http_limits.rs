@@ -186,6 +186,16 @@ fn configured_http_limits_and_timeouts_are_enforced() {
         String::from_utf8_lossy(&r.payload)
     );
     assert!(over.ask("echo", "n", b"after", t).is_err(), "closed");
+    // A refused client whose first request is 8 MiB still reads the frame
+    // (the node discards up to a whole frame before it closes).
+    let mut big = shardline::client::Client::connect(client).expect("connect");
+    let r = big
+        .ask("echo", "native-over", &vec![b'b'; 8 << 20], t)
+        .expect("refusal frame after a large request");
+    assert_eq!(
+        (r.request_id, r.status),
+        (0, shardline::client::Status::Unavailable)
+    );
     for (i, c) in held.iter_mut().enumerate() {
         let r = c.ask("echo", "n", b"still", t).expect("ask");
         assert_eq!(
@@ -230,6 +240,41 @@ fn configured_http_limits_and_timeouts_are_enforced() {
     drop(held);
     // The gauges are published every 250 ms.
     std::thread::sleep(Duration::from_millis(800));
+
+    // requests.send_timeout_ms = 500: a slow native reader that keeps
+    // taking bytes (64 KiB every 100 ms: 3 MiB of answers, with a 64 KiB
+    // receive buffer, so that the node's writes block; a blocked write
+    // resumes once a third of the node's 2 MiB send buffer drained, about
+    // 1 s at this pace) is not cut off.
+    let socket =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    socket.set_recv_buffer_size(64 << 10).expect("SO_RCVBUF");
+    socket
+        .connect_timeout(&client.into(), Duration::from_secs(5))
+        .expect("connect");
+    let (mut slow_w, mut slow_r) = shardline::client::Client::from_stream(socket.into())
+        .expect("client")
+        .into_split();
+    let chunk = vec![b's'; 64 << 10];
+    for i in 0..48 {
+        slow_w.send(i + 1, "echo", "slow", &chunk).expect("send");
+    }
+    slow_w.flush().expect("flush");
+    for i in 0..48 {
+        std::thread::sleep(Duration::from_millis(100));
+        let r = slow_r
+            .recv()
+            .unwrap_or_else(|e| panic!("slow reader cut off after {i} answers: {e}"));
+        assert_eq!(
+            (r.request_id, r.status, r.payload.len()),
+            (i + 1, shardline::client::Status::Ok, 64 << 10)
+        );
+        if i % 10 == 9 {
+            // Within the bystander's idle timeout (2 s).
+            probe(&mut keep, "slow reader");
+        }
+    }
+    drop((slow_w, slow_r));
 
     // requests.send_timeout_ms = 500: a native client that pipelines
     // 24 MiB of echo requests and reads none of the answers, and an HTTP

@@ -77,7 +77,7 @@ pub enum JournalCliError {
     /// The journal could not be opened read-only for a reason that is not
     /// damage (an I/O error such as a permission, or a file of a newer
     /// format version): `verify` says nothing about its state then.
-    #[error("cannot open journal {dir} read-only (not a sign of damage): {source}")]
+    #[error("cannot open journal {dir} read-only (not a sign of damage)")]
     Open {
         /// The directory.
         dir: PathBuf,
@@ -166,6 +166,25 @@ fn verify_cmd(dir: &PathBuf, out: &mut impl Write) -> Result<bool, JournalCliErr
         dir: dir.clone(),
         source,
     })?;
+    let mut open_problem = None;
+    // First, so that nothing is printed for a journal this build cannot
+    // read (a newer format) or the machine does not let it read. What the
+    // segments' scan does not cover: the state checkpoint, the
+    // segment indexes and the snapshot table, read as a recovery reads
+    // them (a damaged journal.state fails every durable entity of a core).
+    let opened = match shardline_journal::JournalReader::open(dir) {
+        Ok(_) => true,
+        Err(e) if !is_damage(&e) => {
+            return Err(JournalCliError::Open {
+                dir: dir.clone(),
+                source: e,
+            })
+        }
+        Err(e) => {
+            open_problem = Some(format!("opening it read-only: {e}"));
+            false
+        }
+    };
     writeln!(out, "journal {}", dir.display())?;
     let mut torn = Vec::new();
     let mut corrupt = Vec::new();
@@ -229,22 +248,7 @@ fn verify_cmd(dir: &PathBuf, out: &mut impl Write) -> Result<bool, JournalCliErr
     for t in &torn {
         writeln!(out, "torn tail: {t}")?;
     }
-    // What the segments' scan does not cover: the state checkpoint, the
-    // segment indexes and the snapshot table, read as a recovery reads
-    // them (a damaged journal.state fails every durable entity of a core).
-    let opened = match shardline_journal::JournalReader::open(dir) {
-        Ok(_) => true,
-        Err(e) if !is_damage(&e) => {
-            return Err(JournalCliError::Open {
-                dir: dir.clone(),
-                source: e,
-            })
-        }
-        Err(e) => {
-            corrupt.push(format!("opening it read-only: {e}"));
-            false
-        }
-    };
+    corrupt.extend(open_problem);
     if corrupt.is_empty() {
         writeln!(out, "corruption: none")?;
     }
@@ -259,7 +263,9 @@ fn verify_cmd(dir: &PathBuf, out: &mut impl Write) -> Result<bool, JournalCliErr
 /// Whether a read-only open failed because of what the files hold
 /// (corruption, a stale or overlapping segment, a damaged checkpoint,
 /// index or table), as opposed to the machine (an I/O error: a
-/// permission, a vanished file) or a newer build's format.
+/// permission, a vanished file) or a newer build's format (a file whose
+/// version differs while its checksum holds; a flipped version bit fails
+/// the checksum and is damage).
 fn is_damage(e: &shardline_journal::OpenError) -> bool {
     use shardline_journal::{OpenError, RecoveryError};
     !matches!(
@@ -363,6 +369,12 @@ fn inspect_cmd(
     // once: for the asked id's snapshot, and to fail on what the segments'
     // scan does not see.
     match JournalReader::open(dir) {
+        Err(e) if !is_damage(&e) => {
+            return Err(JournalCliError::Open {
+                dir: dir.clone(),
+                source: e,
+            })
+        }
         Err(e) => {
             usable = false;
             writeln!(out, "# CORRUPT: the journal does not open read-only: {e}")?;
@@ -457,10 +469,13 @@ mod tests {
     fn verify_says_a_newer_format_is_not_damage() {
         let dir = tempfile::tempdir().unwrap();
         sample(dir.path());
-        // A state checkpoint of format version 99 (a newer build's).
+        // A state checkpoint of format version 99 (a newer build's: its
+        // checksum holds).
         let mut b = shardline_journal::format::CHECKPOINT_MAGIC.to_vec();
         b.extend_from_slice(&99u32.to_le_bytes());
         b.extend_from_slice(&[0; 12]);
+        let crc = crc32c::crc32c(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
         let state = dir.path().join(shardline_journal::format::CHECKPOINT_NAME);
         std::fs::write(&state, b).unwrap();
         let mut out = Vec::new();
@@ -474,10 +489,36 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(e, JournalCliError::Open { .. }), "{e}");
-        let text = e.to_string();
-        assert!(text.contains("not a sign of damage"), "{text}");
-        assert!(text.contains("format version 99"), "{text}");
-        assert!(!String::from_utf8_lossy(&out).contains("CORRUPT"));
+        assert!(e.to_string().contains("not a sign of damage"), "{e}");
+        let cause = std::error::Error::source(&e)
+            .expect("the open error")
+            .to_string();
+        assert!(cause.contains("format version 99"), "{cause}");
+        assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
+        // Inspect too.
+        let mut out = Vec::new();
+        let e = run(
+            &JournalArgs {
+                command: JournalCommand::Inspect {
+                    dir: dir.path().to_path_buf(),
+                    persistence_id: None,
+                },
+            },
+            &mut out,
+        )
+        .unwrap_err();
+        assert!(matches!(e, JournalCliError::Open { .. }), "{e}");
+        // The same file with a flipped version bit (the checksum fails):
+        // damage, reported as corruption.
+        let mut b = std::fs::read(&state).unwrap();
+        b[8..12].copy_from_slice(&1u32.to_le_bytes());
+        b[9] ^= 1;
+        std::fs::write(&state, b).unwrap();
+        let (ok, text) = run_to_string(JournalCommand::Verify {
+            dir: dir.path().to_path_buf(),
+        });
+        assert!(!ok, "{text}");
+        assert!(text.contains("result: CORRUPT"), "{text}");
     }
 
     #[test]

@@ -45,8 +45,9 @@ const LINGER_MAX_BYTES: usize = 64 << 20;
 /// discarded after its `Unavailable` frame (shorter than [`LINGER`]: a
 /// storm of refused connections should not pile up).
 const REFUSE_LINGER: Duration = Duration::from_millis(500);
-/// Most bytes discarded from a refused connection.
-const REFUSE_LINGER_MAX_BYTES: usize = 1 << 20;
+/// Most bytes discarded from a refused connection: a whole request frame
+/// (a client that wrote one before reading gets the frame, not a reset).
+const REFUSE_LINGER_MAX_BYTES: usize = MAX_FRAME_SIZE_BYTES;
 /// Most distinct type names the native front remembers for its latency
 /// labels (a client can send any name; unknown ones are labelled
 /// `_unknown` when answered).
@@ -214,9 +215,19 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
     let wb = outbox.clone();
     let send_timeout = port.send_timeout();
     monoio::spawn(async move {
-        if let Err(e) = transport::write_loop(&mut w, wb, Some(send_timeout)).await {
+        if let Err(e) = transport::write_loop(
+            &mut w,
+            wb,
+            Some(transport::SendTimeout {
+                after: send_timeout,
+                fd,
+            }),
+        )
+        .await
+        {
             if e.kind() == std::io::ErrorKind::TimedOut {
-                tracing::info!(?peer, error = %e, "client takes no responses (requests.send_timeout_ms); closing the connection");
+                static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
+                limited!(LIMIT, info, ?peer, error = %e, "client takes no responses (requests.send_timeout_ms); closing the connection");
             }
             // The reader may wait for a request that never comes: end it.
             transport::shutdown_both(fd);
@@ -258,7 +269,10 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
                 match monoio::time::timeout(left, reader.fill(&mut r)).await {
                     Ok(res) => res,
                     Err(_) => {
-                        tracing::info!(
+                        static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
+                        limited!(
+                            LIMIT,
+                            info,
                             ?peer,
                             pending_bytes = pending,
                             timeout_ms = frame_timeout.as_millis() as u64,
@@ -304,7 +318,9 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
         }
         if let Some(e) = bad {
             if let FrameError::TooLarge { .. } = e {
-                tracing::info!(?peer, error = %e, "request frame too large; answered TooLarge, closing the connection");
+                // Also what an HTTP request sent to this port looks like.
+                static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
+                limited!(LIMIT, info, ?peer, error = %e, "request frame too large; answered TooLarge, closing the connection");
                 let f = ServerFrame {
                     request_id: 0,
                     status: Status::TooLarge as u8,

@@ -877,7 +877,9 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
     let hello = match res {
         Ok(h) => h,
         Err(TransportError::Refused(reason)) => {
-            tracing::error!(?peer, reason, "refused a node connection");
+            // A misconfigured node retries its join: one line per window.
+            static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
+            limited!(LIMIT, error, ?peer, reason, "refused a node connection");
             return;
         }
         Err(e) => {

@@ -270,40 +270,54 @@ impl Outbox {
     }
 }
 
+/// A client connection's send timeout (`requests.send_timeout_ms`): how
+/// long its peer may take no byte of its output, and the connection's
+/// socket, whose send queue shows whether the peer takes bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct SendTimeout {
+    /// The longest time without progress.
+    pub after: Duration,
+    /// The connection's socket (kept open by the writer's half).
+    pub fd: std::os::fd::RawFd,
+}
+
+/// Bytes in `fd`'s send queue not yet acknowledged by the peer
+/// (`ioctl(TIOCOUTQ)`, `SIOCOUTQ` in tcp(7)), or `None` when the call
+/// fails.
+fn unacknowledged_bytes(fd: std::os::fd::RawFd) -> Option<i64> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ writes one int to the pointer, which is valid.
+    let rc = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut n) };
+    (rc == 0).then_some(i64::from(n))
+}
+
 /// Writes everything queued in `outbox`, one write per batch, until it is
-/// closed or a write fails. With a `send_timeout`, a write that moves no
-/// byte for that long fails with `ErrorKind::TimedOut` (the peer stopped
-/// reading: nginx's `send_timeout`, counted between two successive
-/// writes, so a slow reader that keeps taking bytes is not cut off); the
-/// write is cancelled. [`Outbox::finished`] is set when it returns.
+/// closed or a write fails. With a `send_timeout`, the connection fails
+/// with `ErrorKind::TimedOut` once a write has waited `after` and the
+/// peer acknowledged no byte of the socket's send queue in that time (it
+/// stopped reading, and its receive window closed): nginx's
+/// `send_timeout`, counted in the peer's progress rather than in our
+/// write calls, because a write on a full socket waits until a third of
+/// the kernel's send buffer (2 MiB here) drained, which a slow reader that
+/// keeps taking bytes may need longer than `after` for. The pending write
+/// is cancelled. [`Outbox::finished`] is set when it returns.
 ///
 /// # Errors
 /// The write error, or the timeout.
 pub async fn write_loop<W: AsyncWriteRent>(
     w: &mut W,
     outbox: Rc<Outbox>,
-    send_timeout: Option<Duration>,
+    send_timeout: Option<SendTimeout>,
 ) -> std::io::Result<()> {
     let res = write_all_queued(w, &outbox, send_timeout).await;
     outbox.finished.set(true);
     res
 }
 
-/// Shuts both directions of the socket `fd` down (`shutdown(2)`,
-/// `SHUT_RDWR`): a read pending on it ends (0 bytes), so that a task
-/// reading a connection whose writer gave up sees the end at once. The
-/// caller must hold a half of the connection (the fd stays open).
-pub fn shutdown_both(fd: std::os::fd::RawFd) {
-    // SAFETY: the caller keeps the connection, so `fd` is open for this
-    // borrow.
-    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-    let _ = socket2::SockRef::from(&fd).shutdown(std::net::Shutdown::Both);
-}
-
 async fn write_all_queued<W: AsyncWriteRent>(
     w: &mut W,
     outbox: &Outbox,
-    send_timeout: Option<Duration>,
+    send_timeout: Option<SendTimeout>,
 ) -> std::io::Result<()> {
     let mut spare: Vec<u8> = Vec::with_capacity(64 * 1024);
     loop {
@@ -331,25 +345,39 @@ async fn write_all_queued<W: AsyncWriteRent>(
     }
 }
 
-/// Writes all of `buf`, each write given at most `t` to move a byte.
+/// Writes all of `buf`; a write that waited `t.after` while the peer
+/// acknowledged nothing fails the connection (see [`write_loop`]).
 async fn write_all_within<W: AsyncWriteRent>(
     w: &mut W,
     mut buf: Vec<u8>,
-    t: Duration,
+    t: SendTimeout,
 ) -> std::io::Result<Vec<u8>> {
     use monoio::buf::IoBuf;
     let len = buf.len();
     let mut written = 0;
     while written < len {
-        let Ok((res, slice)) = monoio::time::timeout(t, w.write(buf.slice(written..len))).await
-        else {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!(
-                    "the peer took no byte of its output for {} ms",
-                    t.as_millis()
-                ),
-            ));
+        let mut write = std::pin::pin!(w.write(buf.slice(written..len)));
+        let mut queued = unacknowledged_bytes(t.fd);
+        let (res, slice) = loop {
+            monoio::select! {
+                done = &mut write => break done,
+                _ = monoio::time::sleep(t.after) => {
+                    let now = unacknowledged_bytes(t.fd);
+                    match (queued, now) {
+                        // The peer took bytes since the last look: wait on.
+                        (Some(before), Some(after)) if after < before => queued = now,
+                        _ => {
+                            return Err(std::io::Error::new(
+                                std::io::ErrorKind::TimedOut,
+                                format!(
+                                    "the peer took no byte of its output for {} ms",
+                                    t.after.as_millis()
+                                ),
+                            ))
+                        }
+                    }
+                }
+            }
         };
         buf = slice.into_inner();
         match res {
@@ -360,6 +388,17 @@ async fn write_all_within<W: AsyncWriteRent>(
         }
     }
     Ok(buf)
+}
+
+/// Shuts both directions of the socket `fd` down (`shutdown(2)`,
+/// `SHUT_RDWR`): a read pending on it ends (0 bytes), so that a task
+/// reading a connection whose writer gave up sees the end at once. The
+/// caller must hold a half of the connection (the fd stays open).
+pub fn shutdown_both(fd: std::os::fd::RawFd) {
+    // SAFETY: the caller keeps the connection, so `fd` is open for this
+    // borrow.
+    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+    let _ = socket2::SockRef::from(&fd).shutdown(std::net::Shutdown::Both);
 }
 
 /// Writes one frame and waits until it is out (handshakes only).

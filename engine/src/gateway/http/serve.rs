@@ -594,6 +594,7 @@ async fn answer_after_stop<R: AsyncReadRent, P: DataPort>(
 /// Serves one HTTP connection until it closes, breaks the protocol or
 /// times out.
 async fn serve_http<P: DataPort>(port: P, front: Rc<HttpFront>, stream: TcpStream) {
+    let peer = stream.peer_addr().ok();
     let outbox = Rc::new(Outbox::default());
     // What the core knows of this connection: closed by the core when its
     // stop drain ends (the connection then answers what it has read and
@@ -625,9 +626,19 @@ async fn serve_http<P: DataPort>(port: P, front: Rc<HttpFront>, stream: TcpStrea
         let writer_flag = writer_flag.clone();
         let send_timeout = front.send_timeout;
         monoio::spawn(async move {
-            if let Err(e) = transport::write_loop(&mut w, wb, Some(send_timeout)).await {
+            if let Err(e) = transport::write_loop(
+                &mut w,
+                wb,
+                Some(transport::SendTimeout {
+                    after: send_timeout,
+                    fd,
+                }),
+            )
+            .await
+            {
                 if e.kind() == std::io::ErrorKind::TimedOut {
-                    tracing::info!(conn = conn_id, error = %e, "client takes no responses (requests.send_timeout_ms); closing the connection");
+                    static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
+                    limited!(LIMIT, info, ?peer, error = %e, "HTTP client takes no responses (requests.send_timeout_ms); closing the connection");
                 }
                 // The reader may wait for bytes that never come: end it.
                 transport::shutdown_both(fd);
