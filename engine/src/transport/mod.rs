@@ -293,9 +293,11 @@ fn unacknowledged_bytes(fd: std::os::fd::RawFd) -> Option<i64> {
 
 /// Writes everything queued in `outbox`, one write per batch, until it is
 /// closed or a write fails. With a `send_timeout`, the connection fails
-/// with `ErrorKind::TimedOut` once a write has waited `after` and the
-/// peer acknowledged no byte of the socket's send queue in that time (it
-/// stopped reading, and its receive window closed): nginx's
+/// with `ErrorKind::TimedOut` once a write has waited and the peer
+/// acknowledged no byte of the socket's send queue for `after` (it stopped
+/// reading, and its receive window closed; the queue is first looked at
+/// `after` into the wait, so this takes between `after` and twice it):
+/// nginx's
 /// `send_timeout`, counted in the peer's progress rather than in our
 /// write calls, because a write on a full socket waits until a third of
 /// the kernel's send buffer (2 MiB here) drained, which a slow reader that
@@ -357,15 +359,19 @@ async fn write_all_within<W: AsyncWriteRent>(
     let mut written = 0;
     while written < len {
         let mut write = std::pin::pin!(w.write(buf.slice(written..len)));
-        let mut queued = unacknowledged_bytes(t.fd);
+        // The send queue at the last look; none before the first tick, so
+        // that a write that does not wait costs no system call.
+        let mut queued: Option<i64> = None;
         let (res, slice) = loop {
             monoio::select! {
                 done = &mut write => break done,
                 _ = monoio::time::sleep(t.after) => {
                     let now = unacknowledged_bytes(t.fd);
                     match (queued, now) {
-                        // The peer took bytes since the last look: wait on.
-                        (Some(before), Some(after)) if after < before => queued = now,
+                        // First look, or the peer took bytes since the
+                        // last one: wait on.
+                        (None, Some(first)) => queued = Some(first),
+                        (Some(before), Some(after)) if after < before => queued = Some(after),
                         _ => {
                             return Err(std::io::Error::new(
                                 std::io::ErrorKind::TimedOut,
