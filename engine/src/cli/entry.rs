@@ -79,9 +79,6 @@ fn run(cli: Cli) -> Result<ExitCode, BoxError> {
             if let Err(e) = crate::runtime::disable_transparent_huge_pages() {
                 eprintln!("shardline: transparent huge pages stay on: {e}");
             }
-            // Every connection is a descriptor: a node started by systemd
-            // would otherwise have 1024.
-            let files = crate::runtime::raise_open_file_limit();
             // `try_init`: a process that already set a subscriber keeps it.
             let fmt = tracing_subscriber::fmt()
                 .with_env_filter(
@@ -97,10 +94,6 @@ fn run(cli: Cli) -> Result<ExitCode, BoxError> {
                     .try_init(),
                 super::node::LogFormat::Json => fmt.json().with_ansi(false).try_init(),
             };
-            match files {
-                Ok((soft, hard)) => tracing::info!(soft, hard, "open file limit"),
-                Err(e) => tracing::warn!(error = %e, "cannot read or raise the open file limit"),
-            }
             super::node::run(&args)?;
         }
         Command::Status(args) => super::status::run(&args, &mut std::io::stdout().lock())?,

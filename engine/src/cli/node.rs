@@ -59,6 +59,12 @@ fn install_signal_handlers() {
 /// downed by the cluster.
 pub fn run(args: &NodeArgs) -> Result<(), super::CliError> {
     let cfg = NodeConfig::from_file(&args.config)?;
+    // Every connection is a descriptor: a node started by systemd would
+    // otherwise have 1024 (see the function's doc).
+    match crate::runtime::raise_open_file_limit() {
+        Ok((soft, hard)) => tracing::info!(soft, hard, "open file limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot read or raise the open file limit"),
+    }
     install_signal_handlers();
     std::fs::create_dir_all(&cfg.data_dir).map_err(|e| {
         super::CliError::Stopped(format!(
