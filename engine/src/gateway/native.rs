@@ -215,23 +215,10 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
     let wb = outbox.clone();
     let send_timeout = port.send_timeout();
     monoio::spawn(async move {
-        if let Err(e) = transport::write_loop(
-            &mut w,
-            wb,
-            Some(transport::SendTimeout {
-                after: send_timeout,
-                fd,
-            }),
-        )
-        .await
-        {
-            if e.kind() == std::io::ErrorKind::TimedOut {
-                static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
-                limited!(LIMIT, info, ?peer, error = %e, "client takes no responses (requests.send_timeout_ms); closing the connection");
-            }
-            // The reader may wait for a request that never comes: end it.
-            transport::shutdown_both(fd);
-        }
+        static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
+        let after = send_timeout;
+        let t = transport::SendTimeout { after, fd };
+        transport::client_writer(&mut w, wb, t, "native", peer, &LIMIT).await;
     });
     let max_frame = port.max_request_frame_bytes();
     let mut reader = FrameReader::new(max_frame.min(MAX_FRAME_SIZE_BYTES));

@@ -396,6 +396,27 @@ async fn write_all_within<W: AsyncWriteRent>(
     Ok(buf)
 }
 
+/// Runs a client connection's writer (either front): [`write_loop`] with
+/// `send_timeout`. When it fails, a timeout is logged through `limit` (one
+/// line per window for `front`'s clients, naming `peer`), and the socket is
+/// shut down so that the connection's reader, which may be waiting for
+/// bytes that never come, ends too. Returns when the writer is done.
+pub async fn client_writer<W: AsyncWriteRent>(
+    w: &mut W,
+    outbox: Rc<Outbox>,
+    send_timeout: SendTimeout,
+    front: &'static str,
+    peer: Option<SocketAddr>,
+    limit: &'static crate::runtime::log_limit::LogLimit,
+) {
+    if let Err(e) = write_loop(w, outbox, Some(send_timeout)).await {
+        if e.kind() == std::io::ErrorKind::TimedOut {
+            crate::runtime::limited!(limit, info, front, ?peer, error = %e, "client takes no responses (requests.send_timeout_ms); closing the connection");
+        }
+        shutdown_both(send_timeout.fd);
+    }
+}
+
 /// Shuts both directions of the socket `fd` down (`shutdown(2)`,
 /// `SHUT_RDWR`): a read pending on it ends (0 bytes), so that a task
 /// reading a connection whose writer gave up sees the end at once. The

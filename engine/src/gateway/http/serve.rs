@@ -626,23 +626,10 @@ async fn serve_http<P: DataPort>(port: P, front: Rc<HttpFront>, stream: TcpStrea
         let writer_flag = writer_flag.clone();
         let send_timeout = front.send_timeout;
         monoio::spawn(async move {
-            if let Err(e) = transport::write_loop(
-                &mut w,
-                wb,
-                Some(transport::SendTimeout {
-                    after: send_timeout,
-                    fd,
-                }),
-            )
-            .await
-            {
-                if e.kind() == std::io::ErrorKind::TimedOut {
-                    static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
-                    limited!(LIMIT, info, ?peer, error = %e, "HTTP client takes no responses (requests.send_timeout_ms); closing the connection");
-                }
-                // The reader may wait for bytes that never come: end it.
-                transport::shutdown_both(fd);
-            }
+            static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
+            let after = send_timeout;
+            let t = transport::SendTimeout { after, fd };
+            transport::client_writer(&mut w, wb, t, "http", peer, &LIMIT).await;
             let _ = w.shutdown().await;
             writer_flag.set(true);
             writer_done.notify();
