@@ -409,13 +409,19 @@ fn connection_limits_are_lowered_to_the_open_file_limit() {
     let t = Duration::from_secs(10);
     let mut served = Vec::new();
     let mut refused = 0;
+    // Refused connections are kept open too, as a flood's would be: the
+    // node must not hold a descriptor for each of them meanwhile.
+    let mut refused_conns = Vec::new();
     for i in 0..700 {
         let mut c = shardline::client::Client::connect(ports.client(0)).expect("connect");
         let r = c
             .ask("echo", "flood", b"x", t)
             .unwrap_or_else(|e| panic!("connection {i}: no answer: {e}"));
         match (r.request_id, r.status) {
-            (0, shardline::client::Status::Unavailable) => refused += 1,
+            (0, shardline::client::Status::Unavailable) => {
+                refused += 1;
+                refused_conns.push(c);
+            }
             (_, shardline::client::Status::Ok) => served.push(c),
             other => panic!("connection {i}: {other:?}"),
         }
@@ -427,7 +433,28 @@ fn connection_limits_are_lowered_to_the_open_file_limit() {
     }
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(!text.contains("accept failed"), "{text}");
-    drop(served);
+    drop((served, refused_conns));
     let _ = node.child.kill();
     let _ = node.child.wait();
+    // An error that ends the node is a JSON line too (a config that cannot
+    // be read), with exit code 1.
+    let out = std::process::Command::new(shardline_bin())
+        .args(["node", "--log-format", "json", "--config"])
+        .arg(dir.path().join("missing.toml"))
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<serde_json::Value> = stderr
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert_eq!(lines[0]["level"], "ERROR");
+    assert!(
+        lines[0]["fields"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("missing.toml")),
+        "{stderr}"
+    );
 }

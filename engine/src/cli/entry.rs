@@ -94,7 +94,15 @@ fn run(cli: Cli) -> Result<ExitCode, BoxError> {
                     .try_init(),
                 super::node::LogFormat::Json => fmt.json().with_ansi(false).try_init(),
             };
-            super::node::run(&args)?;
+            if let Err(e) = super::node::run(&args) {
+                if args.log_format == super::node::LogFormat::Json {
+                    // The reason for the exit is one JSON line like the
+                    // rest of the log, not text a log collector cannot read.
+                    tracing::error!(error = %report(&e), "the node exits with an error");
+                    return Ok(ExitCode::FAILURE);
+                }
+                return Err(e.into());
+            }
         }
         Command::Status(args) => super::status::run(&args, &mut std::io::stdout().lock())?,
         Command::Rebalance(args) => super::rebalance::run(&args, &mut std::io::stdout().lock())?,

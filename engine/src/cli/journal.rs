@@ -300,6 +300,20 @@ fn inspect_cmd(
             source,
         }
     })?;
+    // Opened as a recovery opens it (checkpoint, indexes, snapshot table),
+    // once: for the asked id's snapshot, and to fail on what the segments'
+    // scan does not see. First, so that nothing is listed from a journal
+    // this build cannot read (a newer format) or the machine does not let
+    // it read.
+    let opened = match JournalReader::open(dir) {
+        Err(e) if !is_damage(&e) => {
+            return Err(JournalCliError::Open {
+                dir: dir.clone(),
+                source: e,
+            })
+        }
+        other => other,
+    };
     let mut io_result = Ok(());
     let mut shown = 0u64;
     writeln!(
@@ -365,16 +379,7 @@ fn inspect_cmd(
             _ => {}
         }
     }
-    // Opened as a recovery opens it (checkpoint, indexes, snapshot table),
-    // once: for the asked id's snapshot, and to fail on what the segments'
-    // scan does not see.
-    match JournalReader::open(dir) {
-        Err(e) if !is_damage(&e) => {
-            return Err(JournalCliError::Open {
-                dir: dir.clone(),
-                source: e,
-            })
-        }
+    match opened {
         Err(e) => {
             usable = false;
             writeln!(out, "# CORRUPT: the journal does not open read-only: {e}")?;
@@ -508,6 +513,7 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(e, JournalCliError::Open { .. }), "{e}");
+        assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
         // The same file with a flipped version bit (the checksum fails):
         // damage, reported as corruption.
         let mut b = std::fs::read(&state).unwrap();

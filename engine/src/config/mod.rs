@@ -272,9 +272,9 @@ fn default_durability() -> Durability {
 /// (not 0, which the OS assigns apart) and the same address, or either one
 /// a wildcard (`0.0.0.0`, `::`).
 fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
-    a.port() == b.port()
-        && a.port() != 0
-        && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+    // `::ffff:127.0.0.1` is 127.0.0.1.
+    let (x, y) = (a.ip().to_canonical(), b.ip().to_canonical());
+    a.port() == b.port() && a.port() != 0 && (x == y || x.is_unspecified() || y.is_unspecified())
 }
 
 /// What [`NodeConfig::fit_connection_limits`] lowered: the per-core
@@ -1225,6 +1225,17 @@ active_entity_limit = 0
         );
         let text = format!("http_address = \"0.0.0.0:1\"\n{GOOD}");
         NodeConfig::from_toml(&text, Path::new("x.toml")).expect("another port");
+        // An IPv4-mapped IPv6 address is its IPv4 address.
+        let text = format!("http_address = \"[::ffff:{client}\"\n{GOOD}").replacen(
+            &format!("[::ffff:{client}"),
+            &format!(
+                "[::ffff:{}]:{port}",
+                client.rsplit_once(':').expect("host:port").0
+            ),
+            1,
+        );
+        let e = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap_err();
+        assert!(e.to_string().contains("overlaps"), "{text}: {e}");
         let wild = GOOD.replace(&format!("\"{client}\""), &format!("\"[::]:{port}\""));
         assert_ne!(wild, GOOD);
         let cluster = GOOD

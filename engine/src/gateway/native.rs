@@ -45,6 +45,13 @@ const LINGER_MAX_BYTES: usize = 64 << 20;
 /// discarded after its `Unavailable` frame (shorter than [`LINGER`]: a
 /// storm of refused connections should not pile up).
 const REFUSE_LINGER: Duration = Duration::from_millis(500);
+/// Most refused connections of one core discarding their input at once
+/// (count): each holds a descriptor for up to [`REFUSE_LINGER`], which the
+/// connection limit does not count, so a flood of refused connections
+/// would otherwise use up the descriptors the limit was fitted to leave
+/// (`NodeConfig::fit_connection_limits`). Past it, a refused connection
+/// gets its frame and is closed at once.
+const MAX_LINGERING_REFUSALS: usize = 32;
 /// Most bytes discarded from a refused connection: a whole request frame
 /// (a client that wrote one before reading gets the frame, not a reset).
 const REFUSE_LINGER_MAX_BYTES: usize = MAX_FRAME_SIZE_BYTES;
@@ -73,6 +80,9 @@ pub(in crate::gateway) struct NativeState {
     /// The type names seen, for the latency labels (at most
     /// [`MAX_NATIVE_TYPE_NAMES`]).
     types: Vec<String>,
+    /// Refused connections discarding their input now (count, at most
+    /// [`MAX_LINGERING_REFUSALS`]).
+    refusing: usize,
 }
 
 impl NativeState {
@@ -188,19 +198,25 @@ fn write_frame(outbox: &Outbox, request_id: u64, status: Status, payload: Vec<u8
 pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: TcpStream) {
     let peer = stream.peer_addr().ok();
     let limit = port.max_native_connections();
-    let full = {
+    // `Some(linger)` when the connection is refused.
+    let refused = {
         let mut h = fronts.state();
         h.dirty = true;
         if h.native.conns.len() >= limit {
             h.native.counters.accepted += 1;
             h.native.counters.refused += 1;
-            true
+            let linger = h.native.refusing < MAX_LINGERING_REFUSALS;
+            h.native.refusing += usize::from(linger);
+            Some(linger)
         } else {
-            false
+            None
         }
     };
-    if full {
-        refuse(stream, limit).await;
+    if let Some(linger) = refused {
+        refuse(stream, limit, linger).await;
+        if linger {
+            fronts.state().native.refusing -= 1;
+        }
         return;
     }
     let outbox = Rc::new(Outbox::default());
@@ -358,10 +374,10 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
 
 /// Answers a connection over the core's limit of `limit` native
 /// connections: one frame with request id 0 and status `Unavailable`, then
-/// the write side is shut down and the input discarded for at most
-/// [`REFUSE_LINGER`] (so that the client reads the frame, not a reset),
-/// then the connection is closed.
-async fn refuse(mut stream: TcpStream, limit: usize) {
+/// the write side is shut down and, with `linger`, the input discarded for
+/// at most [`REFUSE_LINGER`] (so that the client reads the frame, not a
+/// reset), then the connection is closed.
+async fn refuse(mut stream: TcpStream, limit: usize, linger: bool) {
     use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt};
     let f = ServerFrame {
         request_id: 0,
@@ -380,6 +396,9 @@ async fn refuse(mut stream: TcpStream, limit: usize) {
         return;
     }
     let _ = stream.shutdown().await;
+    if !linger {
+        return;
+    }
     let until = Instant::now() + REFUSE_LINGER;
     let mut drained = 0usize;
     let mut buf = vec![0u8; 16 * 1024];

@@ -22,7 +22,7 @@ use std::net::SocketAddr;
 use std::ops::Range;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::rc::Rc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use monoio::io::{AsyncReadRent, AsyncWriteRent, AsyncWriteRentExt};
@@ -295,8 +295,12 @@ fn unacknowledged_bytes(fd: std::os::fd::RawFd) -> Option<i64> {
 /// closed or a write fails. With a `send_timeout`, the connection fails
 /// with `ErrorKind::TimedOut` once a write has waited and the peer
 /// acknowledged no byte of the socket's send queue for `after` (it stopped
-/// reading, and its receive window closed; the queue is first looked at
-/// `after` into the wait, so this takes between `after` and twice it):
+/// reading, and its receive window closed; the queue is looked at every
+/// quarter of `after` from a quarter into the wait, so this takes `after`
+/// to 1.5 times it). A peer's kernel that acknowledges less often than
+/// `after` is closed too: on loopback, a client whose receive buffer is
+/// smaller than the 64 KiB segment size may acknowledge only the sender's
+/// zero-window probes, whose interval doubles up to 2 minutes. Akin to
 /// nginx's
 /// `send_timeout`, counted in the peer's progress rather than in our
 /// write calls, because a write on a full socket waits until a third of
@@ -359,19 +363,25 @@ async fn write_all_within<W: AsyncWriteRent>(
     let mut written = 0;
     while written < len {
         let mut write = std::pin::pin!(w.write(buf.slice(written..len)));
-        // The send queue at the last look; none before the first tick, so
-        // that a write that does not wait costs no system call.
-        let mut queued: Option<i64> = None;
+        // The send queue at the last look and when it last went down; none
+        // before the first look, a quarter of the timeout into the wait, so
+        // that a write that does not wait costs no system call. Looking
+        // every quarter catches acknowledgements that come in bursts.
+        let tick = (t.after / 4).max(Duration::from_millis(10));
+        let mut queued: Option<(i64, Instant)> = None;
         let (res, slice) = loop {
             monoio::select! {
                 done = &mut write => break done,
-                _ = monoio::time::sleep(t.after) => {
+                _ = monoio::time::sleep(tick) => {
                     let now = unacknowledged_bytes(t.fd);
                     match (queued, now) {
                         // First look, or the peer took bytes since the
                         // last one: wait on.
-                        (None, Some(first)) => queued = Some(first),
-                        (Some(before), Some(after)) if after < before => queued = Some(after),
+                        (None, Some(first)) => queued = Some((first, Instant::now())),
+                        (Some((before, _)), Some(after)) if after < before => {
+                            queued = Some((after, Instant::now()));
+                        }
+                        (Some((_, since)), Some(_)) if since.elapsed() < t.after => {}
                         _ => {
                             return Err(std::io::Error::new(
                                 std::io::ErrorKind::TimedOut,
