@@ -19,7 +19,6 @@
 //! open gets one `Unavailable` frame with request id 0 and is closed.
 
 use crate::runtime::limited;
-use crate::runtime::log_limit::{LogLimit, LOG_WINDOW_MS};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -231,10 +230,15 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
     let wb = outbox.clone();
     let send_timeout = port.send_timeout();
     monoio::spawn(async move {
-        static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
-        let after = send_timeout;
-        let t = transport::SendTimeout { after, fd };
-        transport::client_writer(&mut w, wb, t, "native", peer, &LIMIT).await;
+        let t = transport::SendTimeout {
+            after: send_timeout,
+            fd,
+        };
+        if let Err(e) = transport::client_writer(&mut w, wb, t).await {
+            if e.kind() == std::io::ErrorKind::TimedOut {
+                limited!(info, front = "native", ?peer, error = %e, "client takes no responses (requests.send_timeout_ms); closing the connection");
+            }
+        }
     });
     let max_frame = port.max_request_frame_bytes();
     let mut reader = FrameReader::new(max_frame.min(MAX_FRAME_SIZE_BYTES));
@@ -272,10 +276,7 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
                 match monoio::time::timeout(left, reader.fill(&mut r)).await {
                     Ok(res) => res,
                     Err(_) => {
-                        static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
-                        limited!(
-                            LIMIT,
-                            info,
+                        limited!(info,
                             ?peer,
                             pending_bytes = pending,
                             timeout_ms = frame_timeout.as_millis() as u64,
@@ -322,8 +323,7 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
         if let Some(e) = bad {
             if let FrameError::TooLarge { .. } = e {
                 // Also what an HTTP request sent to this port looks like.
-                static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
-                limited!(LIMIT, info, ?peer, error = %e, "request frame too large; answered TooLarge, closing the connection");
+                limited!(info, ?peer, error = %e, "request frame too large; answered TooLarge, closing the connection");
                 let f = ServerFrame {
                     request_id: 0,
                     status: Status::TooLarge as u8,
@@ -338,8 +338,7 @@ pub(crate) async fn serve_client<P: DataPort>(port: P, fronts: Fronts, stream: T
                 linger = true;
             } else {
                 // Garbage from any client: one line per window.
-                static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
-                limited!(LIMIT, warn, ?peer, error = %e, "protocol error from client; closing the connection");
+                limited!(warn, ?peer, error = %e, "protocol error from client; closing the connection");
             }
             break;
         }

@@ -7,7 +7,6 @@
 //! the plane asks for, and decides nothing about sharding or membership.
 
 use crate::runtime::limited;
-use crate::runtime::log_limit::{LogLimit, LOG_WINDOW_MS};
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::os::fd::IntoRawFd;
@@ -169,8 +168,7 @@ pub(crate) async fn run(init: ControlInit) {
                     monoio::spawn(inbound(actl.clone(), s));
                 }
                 Err(e) => {
-                    static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
-                    limited!(LIMIT, warn, error = %e, "cluster accept failed");
+                    limited!(warn, error = %e, "cluster accept failed");
                     monoio::time::sleep(Duration::from_millis(10)).await;
                 }
             }
@@ -878,15 +876,13 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
         Ok(h) => h,
         Err(TransportError::Refused(reason)) => {
             // A misconfigured node retries its join: one line per window.
-            static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
-            limited!(LIMIT, error, ?peer, reason, "refused a node connection");
+            limited!(error, ?peer, reason, "refused a node connection");
             return;
         }
         Err(e) => {
             // A health check or scanner on this port may cause one per
             // connection.
-            static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
-            limited!(LIMIT, warn, ?peer, error = %e, "bad handshake on the cluster port; closing");
+            limited!(warn, ?peer, error = %e, "bad handshake on the cluster port; closing");
             return;
         }
     };
@@ -897,9 +893,7 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
     if hello.lane == Lane::Data as u8 {
         let core = usize::from(hello.target_core);
         if core >= cores {
-            static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
             limited!(
-                LIMIT,
                 warn,
                 ?peer,
                 core,
@@ -921,14 +915,7 @@ async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
         return;
     }
     if hello.lane != Lane::Control as u8 {
-        static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
-        limited!(
-            LIMIT,
-            warn,
-            ?peer,
-            lane = hello.lane,
-            "unknown lane; closing"
-        );
+        limited!(warn, ?peer, lane = hello.lane, "unknown lane; closing");
         return;
     }
     let (mut r, _w) = s.into_split();

@@ -16,7 +16,6 @@
 //! borrow.
 
 use crate::runtime::limited;
-use crate::runtime::log_limit::{LogLimit, LOG_WINDOW_MS};
 use std::cell::RefCell;
 use std::collections::{BinaryHeap, HashMap};
 use std::os::fd::FromRawFd;
@@ -269,8 +268,7 @@ pub(crate) async fn run(init: DataExecutorInit) {
                 }
                 Err(e) => {
                     // EMFILE would repeat every 10 ms.
-                    static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
-                    limited!(LIMIT, warn, error = %e, "accept failed");
+                    limited!(warn, error = %e, "accept failed");
                     monoio::time::sleep(Duration::from_millis(10)).await;
                 }
             }

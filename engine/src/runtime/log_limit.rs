@@ -75,19 +75,22 @@ impl LogLimit {
     }
 }
 
-/// Writes a `tracing` event at `level` through the [`LogLimit`] `limit`
-/// (a `static`), adding `held_back = n` when lines were held back since
+/// Writes a `tracing` event at `level`, at most one per
+/// [`LOG_WINDOW_MS`] for this call site (each use declares its own
+/// [`LogLimit`]), adding `held_back = n` when lines were held back since
 /// the last one written. The fields and message are `tracing`'s.
 macro_rules! limited {
-    ($limit:expr, $level:ident, $($rest:tt)+) => {
-        if let Some(held_back) = $limit.allow() {
+    ($level:ident, $($rest:tt)+) => {{
+        static LIMIT: $crate::runtime::log_limit::LogLimit =
+            $crate::runtime::log_limit::LogLimit::new($crate::runtime::log_limit::LOG_WINDOW_MS);
+        if let Some(held_back) = LIMIT.allow() {
             if held_back == 0 {
                 tracing::$level!($($rest)+);
             } else {
                 tracing::$level!(held_back, $($rest)+);
             }
         }
-    };
+    }};
 }
 pub(crate) use limited;
 

@@ -300,10 +300,9 @@ fn unacknowledged_bytes(fd: std::os::fd::RawFd) -> Option<i64> {
 /// to 1.5 times it). A peer's kernel that acknowledges less often than
 /// `after` is closed too: on loopback, a client whose receive buffer is
 /// smaller than the 64 KiB segment size may acknowledge only the sender's
-/// zero-window probes, whose interval doubles up to 2 minutes. Akin to
-/// nginx's
-/// `send_timeout`, counted in the peer's progress rather than in our
-/// write calls, because a write on a full socket waits until a third of
+/// zero-window probes, whose interval doubles up to 2 minutes. This is
+/// nginx's `send_timeout`, counted in the peer's progress rather than in
+/// our write calls, because a write on a full socket waits until a third of
 /// the kernel's send buffer (2 MiB here) drained, which a slow reader that
 /// keeps taking bytes may need longer than `after` for. The pending write
 /// is cancelled. [`Outbox::finished`] is set when it returns.
@@ -407,24 +406,22 @@ async fn write_all_within<W: AsyncWriteRent>(
 }
 
 /// Runs a client connection's writer (either front): [`write_loop`] with
-/// `send_timeout`. When it fails, a timeout is logged through `limit` (one
-/// line per window for `front`'s clients, naming `peer`), and the socket is
-/// shut down so that the connection's reader, which may be waiting for
-/// bytes that never come, ends too. Returns when the writer is done.
+/// `send_timeout`. When it fails, the socket is shut down so that the
+/// connection's reader, which may be waiting for bytes that never come,
+/// ends too.
+///
+/// # Errors
+/// As [`write_loop`]: `ErrorKind::TimedOut` for the send timeout.
 pub async fn client_writer<W: AsyncWriteRent>(
     w: &mut W,
     outbox: Rc<Outbox>,
     send_timeout: SendTimeout,
-    front: &'static str,
-    peer: Option<SocketAddr>,
-    limit: &'static crate::runtime::log_limit::LogLimit,
-) {
-    if let Err(e) = write_loop(w, outbox, Some(send_timeout)).await {
-        if e.kind() == std::io::ErrorKind::TimedOut {
-            crate::runtime::limited!(limit, info, front, ?peer, error = %e, "client takes no responses (requests.send_timeout_ms); closing the connection");
-        }
+) -> std::io::Result<()> {
+    let res = write_loop(w, outbox, Some(send_timeout)).await;
+    if res.is_err() {
         shutdown_both(send_timeout.fd);
     }
+    res
 }
 
 /// Shuts both directions of the socket `fd` down (`shutdown(2)`,

@@ -53,7 +53,6 @@
 //! that the client receives the response instead of a reset.
 
 use crate::runtime::limited;
-use crate::runtime::log_limit::{LogLimit, LOG_WINDOW_MS};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::future::Future;
@@ -324,8 +323,7 @@ pub(crate) fn start<P: DataPort>(
                     }
                 }
                 Err(e) => {
-                    static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
-                    limited!(LIMIT, warn, error = %e, "http accept failed");
+                    limited!(warn, error = %e, "http accept failed");
                     monoio::time::sleep(Duration::from_millis(10)).await;
                 }
             }
@@ -626,10 +624,15 @@ async fn serve_http<P: DataPort>(port: P, front: Rc<HttpFront>, stream: TcpStrea
         let writer_flag = writer_flag.clone();
         let send_timeout = front.send_timeout;
         monoio::spawn(async move {
-            static LIMIT: LogLimit = LogLimit::new(LOG_WINDOW_MS);
-            let after = send_timeout;
-            let t = transport::SendTimeout { after, fd };
-            transport::client_writer(&mut w, wb, t, "http", peer, &LIMIT).await;
+            let t = transport::SendTimeout {
+                after: send_timeout,
+                fd,
+            };
+            if let Err(e) = transport::client_writer(&mut w, wb, t).await {
+                if e.kind() == std::io::ErrorKind::TimedOut {
+                    limited!(info, front = "http", ?peer, error = %e, "client takes no responses (requests.send_timeout_ms); closing the connection");
+                }
+            }
             let _ = w.shutdown().await;
             writer_flag.set(true);
             writer_done.notify();
