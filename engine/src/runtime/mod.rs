@@ -74,14 +74,7 @@ pub fn disable_transparent_huge_pages() -> std::io::Result<bool> {
 /// # Errors
 /// The `getrlimit`/`setrlimit` error.
 pub fn raise_open_file_limit() -> std::io::Result<(u64, u64)> {
-    let mut l = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: `l` is a valid rlimit for the call to fill.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    let mut l = nofile_limit()?;
     if l.rlim_cur < l.rlim_max {
         let raised = libc::rlimit {
             rlim_cur: l.rlim_max,
@@ -99,17 +92,23 @@ pub fn raise_open_file_limit() -> std::io::Result<(u64, u64)> {
 /// This process's soft limit of open files (`RLIMIT_NOFILE`), or `None`
 /// when it cannot be read or is unlimited.
 pub fn open_file_limit() -> Option<u64> {
+    nofile_limit()
+        .ok()
+        .map(|l| l.rlim_cur)
+        .filter(|&soft| soft != libc::RLIM_INFINITY)
+}
+
+/// This process's `RLIMIT_NOFILE` (`getrlimit`).
+fn nofile_limit() -> std::io::Result<libc::rlimit> {
     let mut l = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: `l` is a valid rlimit for the call to fill.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } != 0
-        || l.rlim_cur == libc::RLIM_INFINITY
-    {
-        return None;
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } != 0 {
+        return Err(std::io::Error::last_os_error());
     }
-    Some(l.rlim_cur)
+    Ok(l)
 }
 
 /// The concrete monoio runtime type every executor uses.
