@@ -166,25 +166,13 @@ fn verify_cmd(dir: &PathBuf, out: &mut impl Write) -> Result<bool, JournalCliErr
         dir: dir.clone(),
         source,
     })?;
-    let mut open_problem = None;
-    // First, so that nothing is printed for a journal this build cannot
-    // read (a newer format) or the machine does not let it read. What the
-    // segments' scan does not cover: the state checkpoint, the
+    // What the segments' scan does not cover: the state checkpoint, the
     // segment indexes and the snapshot table, read as a recovery reads
     // them (a damaged journal.state fails every durable entity of a core).
-    let opened = match shardline_journal::JournalReader::open(dir) {
-        Ok(_) => true,
-        Err(e) if !is_damage(&e) => {
-            return Err(JournalCliError::Open {
-                dir: dir.clone(),
-                source: e,
-            })
-        }
-        Err(e) => {
-            open_problem = Some(format!("opening it read-only: {e}"));
-            false
-        }
-    };
+    let open_problem = open_read_only(dir)?
+        .err()
+        .map(|e| format!("opening it read-only: {e}"));
+    let opened = open_problem.is_none();
     writeln!(out, "journal {}", dir.display())?;
     let mut torn = Vec::new();
     let mut corrupt = Vec::new();
@@ -260,6 +248,23 @@ fn verify_cmd(dir: &PathBuf, out: &mut impl Write) -> Result<bool, JournalCliErr
     Ok(usable)
 }
 
+/// Opens `dir` read-only, as a recovery opens it (checkpoint, indexes,
+/// snapshot table). Called before anything is printed, so that nothing is
+/// reported of a journal this build cannot read or the machine does not
+/// let it read: those failures are [`JournalCliError::Open`]; damage is
+/// the inner `Err`, for the caller to report.
+fn open_read_only(
+    dir: &PathBuf,
+) -> Result<Result<JournalReader, shardline_journal::OpenError>, JournalCliError> {
+    match JournalReader::open(dir) {
+        Err(e) if !is_damage(&e) => Err(JournalCliError::Open {
+            dir: dir.clone(),
+            source: e,
+        }),
+        other => Ok(other),
+    }
+}
+
 /// Whether a read-only open failed because of what the files hold
 /// (corruption, a stale or overlapping segment, a damaged checkpoint,
 /// index or table), as opposed to the machine (an I/O error: a
@@ -300,20 +305,9 @@ fn inspect_cmd(
             source,
         }
     })?;
-    // Opened as a recovery opens it (checkpoint, indexes, snapshot table),
-    // once: for the asked id's snapshot, and to fail on what the segments'
-    // scan does not see. First, so that nothing is listed from a journal
-    // this build cannot read (a newer format) or the machine does not let
-    // it read.
-    let opened = match JournalReader::open(dir) {
-        Err(e) if !is_damage(&e) => {
-            return Err(JournalCliError::Open {
-                dir: dir.clone(),
-                source: e,
-            })
-        }
-        other => other,
-    };
+    // Opened once: for the asked id's snapshot, and to fail on what the
+    // segments' scan does not see.
+    let opened = open_read_only(dir)?;
     let mut io_result = Ok(());
     let mut shown = 0u64;
     writeln!(
