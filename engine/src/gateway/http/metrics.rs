@@ -139,6 +139,15 @@ pub struct MetricsSnapshot {
     pub ready: bool,
 }
 
+/// One metric family of the connection counts: name, type, help, and the
+/// field of [`ConnectionCount`] it shows.
+type ConnectionFamily = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&ConnectionCount) -> u64,
+);
+
 /// Escapes a label value: backslash, double quote and line feed
 /// (exposition format, "Text format details").
 fn escape_label(v: &str, out: &mut String) {
@@ -376,50 +385,38 @@ pub fn write_prometheus(m: &MetricsSnapshot) -> String {
             h,
         );
     }
-    header(
-        &mut out,
-        "shardline_connections",
-        "gauge",
-        "Open client connections, by front and core.",
-    );
-    for c in &m.connections {
-        let core = c.core.to_string();
-        sample(
-            &mut out,
+    // The connection families, one per field of `ConnectionCount`.
+    let families: [ConnectionFamily; 3] = [
+        (
             "shardline_connections",
-            &[("front", c.front), ("core", &core)],
-            c.open,
-        );
-    }
-    header(
-        &mut out,
-        "shardline_connections_accepted_total",
-        "counter",
-        "Client connections accepted, by front and core.",
-    );
-    for c in &m.connections {
-        let core = c.core.to_string();
-        sample(
-            &mut out,
+            "gauge",
+            "Open client connections, by front and core.",
+            |c| c.open,
+        ),
+        (
             "shardline_connections_accepted_total",
-            &[("front", c.front), ("core", &core)],
-            c.accepted,
-        );
-    }
-    header(
-        &mut out,
-        "shardline_connections_refused_total",
-        "counter",
-        "Client connections closed at once because the core had its front's most open connections (counted in accepted too), by front and core.",
-    );
-    for c in &m.connections {
-        let core = c.core.to_string();
-        sample(
-            &mut out,
+            "counter",
+            "Client connections accepted, by front and core.",
+            |c| c.accepted,
+        ),
+        (
             "shardline_connections_refused_total",
-            &[("front", c.front), ("core", &core)],
-            c.refused,
-        );
+            "counter",
+            "Client connections closed at once because the core had its front's most open connections (counted in accepted too), by front and core.",
+            |c| c.refused,
+        ),
+    ];
+    for (name, kind, help, value) in families {
+        header(&mut out, name, kind, help);
+        for c in &m.connections {
+            let core = c.core.to_string();
+            sample(
+                &mut out,
+                name,
+                &[("front", c.front), ("core", &core)],
+                value(c),
+            );
+        }
     }
     header(
         &mut out,
