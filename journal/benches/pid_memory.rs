@@ -7,11 +7,16 @@
 //! figure does not count: what is left is the journal's index of the ids
 //! (the catalog, the segment indexes, the shared ids).
 //!
-//! Two rows: 16 MiB segments (a core journal's size: about 250,000 such
+//! Three rows: 16 MiB segments (a core journal's size: about 250,000 such
 //! events each, so the ids spread over several sealed segments and the
-//! active one) and one segment large enough for every event. Beside them,
-//! measured in the same run, a reference: the same ids as `String` keys of
-//! a `std::collections::HashMap<String, u64>`.
+//! active one); one segment large enough for every event; and 4 MiB
+//! segments with 16 events per id, appended round-robin (a sixteenth of
+//! the ids, so the same number of events, and about one event per id in
+//! each of 16 segments): a sealed segment keeps 8 bytes per id once its
+//! index file is durable (it is read in place from then on), so this row
+//! must stay near the first instead of growing with the segments. Beside
+//! them, measured in the same run, a reference: the same ids as `String`
+//! keys of a `std::collections::HashMap<String, u64>`.
 //!
 //! Run: `cargo bench -p shardline-journal --bench pid_memory`.
 
@@ -55,10 +60,10 @@ fn live() -> i64 {
     LIVE.load(Ordering::Relaxed)
 }
 
-/// Heap bytes per id of a journal holding one event of each of `n` ids,
-/// in segments of `segment_bytes`; and the number of segments it ended
-/// with and the time the appends took.
-fn journal_row(n: usize, segment_bytes: u64) -> (f64, u64, f64) {
+/// Heap bytes per id of a journal holding `rounds` events of each of `n`
+/// ids (appended round-robin), in segments of `segment_bytes`; and the
+/// number of segments it ended with and the time the appends took.
+fn journal_row(n: usize, rounds: u64, segment_bytes: u64) -> (f64, u64, f64) {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let options = JournalOptions {
         segment_size_bytes: segment_bytes,
@@ -70,19 +75,38 @@ fn journal_row(n: usize, segment_bytes: u64) -> (f64, u64, f64) {
     let before = live();
     let start = Instant::now();
     let payload = 1u64.to_le_bytes();
-    for i in 0..n {
-        let pid = PersistenceId::new(&format!("counter|{i}")).expect("a valid id");
-        journal
-            .append(&pid, SequenceNr(1), WriterEpoch(0), &payload)
-            .expect("append");
+    let mut pids: Vec<PersistenceId> = Vec::with_capacity(if rounds > 1 { n } else { 0 });
+    for round in 1..=rounds {
+        for i in 0..n {
+            let pid = if round == 1 {
+                PersistenceId::new(&format!("counter|{i}")).expect("a valid id")
+            } else {
+                pids[i].clone()
+            };
+            journal
+                .append(&pid, SequenceNr(round), WriterEpoch(0), &payload)
+                .expect("append");
+            if rounds > 1 && round == 1 {
+                pids.push(pid);
+            }
+        }
     }
+    drop(pids);
     let secs = start.elapsed().as_secs_f64();
     // Let the sync and meta threads finish what the rolls sent them (the
-    // index files), so that their buffers are not counted.
+    // index files), so that their buffers are not counted; then one more
+    // append, with which the writer takes up the durable index files (as
+    // any append does), and the meta thread frees the indexes they
+    // replace.
     let last = journal.next_lsn();
     journal
         .wait_durable(shardline_journal::Lsn(last.0 - 1))
         .expect("durable");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let extra = PersistenceId::new("counter|extra").expect("a valid id");
+    journal
+        .append(&extra, SequenceNr(1), WriterEpoch(0), &payload)
+        .expect("append");
     std::thread::sleep(std::time::Duration::from_millis(500));
     let per_id = (live() - before) as f64 / n as f64;
     let segments = std::fs::read_dir(dir.path())
@@ -123,15 +147,21 @@ fn main() {
         "reference HashMap<String, u64>", reference, 1.0, "-"
     );
     let one = 64 * (n as u64 + 1024);
-    for (label, size) in [
-        ("journal, 16 MiB segments", 16u64 << 20),
-        ("journal, one segment", one.max(1 << 20)),
+    for (label, ids, rounds, size) in [
+        ("journal, 16 MiB segments", n, 1, 16u64 << 20),
+        ("journal, one segment", n, 1, one.max(1 << 20)),
+        (
+            "journal, 4 MiB segments, 16 events per id",
+            n / 16,
+            16,
+            4u64 << 20,
+        ),
     ] {
-        let (per_id, segments, secs) = journal_row(n, size);
+        let (per_id, segments, secs) = journal_row(ids, rounds, size);
         println!(
             "{label:<44} {per_id:>12.0} {:>9.2} {segments:>9}   ({:.0} k appends/s)",
             per_id / reference,
-            n as f64 / secs / 1e3
+            (ids as u64 * rounds) as f64 / secs / 1e3
         );
     }
 }

@@ -40,6 +40,11 @@ pub enum CorruptionKind {
     /// An index entry does not point at the record it names.
     #[error("index entry points at a record that does not match it")]
     IndexMismatch,
+    /// The segment's index file, read in place, no longer holds whole
+    /// entries (it changed on disk after it was checked); the offset is
+    /// in the index file.
+    #[error("its index file is damaged: {0}")]
+    IndexFile(FileDecodeError),
 }
 
 /// Why recovery refused a journal directory.

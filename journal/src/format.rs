@@ -773,6 +773,122 @@ impl SegmentIndexFile {
     }
 }
 
+/// Offset of an index file's first entry, in bytes: the 16-byte preamble,
+/// five `u64` summary fields and the entry count.
+pub(crate) const INDEX_ENTRIES_AT: usize = 16 + 5 * 8 + 4;
+
+/// One entry of an index file read in place (FORMAT.md, "Index file"),
+/// without allocating: what a sealed segment's index keeps in memory once
+/// its file is durable is only where each entry starts.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IndexEntryView<'a> {
+    /// The persistence id's bytes.
+    pub(crate) pid: &'a [u8],
+    /// Highest writer epoch among the id's records in the segment.
+    pub(crate) max_epoch: WriterEpoch,
+    /// Highest event sequence number in the segment (0 when none).
+    pub(crate) last_event_seq: SequenceNr,
+    /// Highest deletion marker in the segment (0 when none).
+    pub(crate) deleted_to: SequenceNr,
+    /// The events, 12 bytes each: sequence number `u64`, offset `u32`.
+    events: &'a [u8],
+}
+
+/// Bytes of one event in an index entry: sequence number and offset.
+const INDEX_EVENT_BYTES: usize = 12;
+
+impl IndexEntryView<'_> {
+    /// Number of events.
+    pub(crate) fn event_count(&self) -> usize {
+        self.events.len() / INDEX_EVENT_BYTES
+    }
+
+    /// Event `i` (sequence number, offset in the segment); `i` below
+    /// [`IndexEntryView::event_count`].
+    pub(crate) fn event(&self, i: usize) -> (SequenceNr, u32) {
+        let at = i * INDEX_EVENT_BYTES;
+        (
+            SequenceNr(u64_at(self.events, at).unwrap_or(0)),
+            u32_at(self.events, at + 8).unwrap_or(0),
+        )
+    }
+
+    /// The events with a sequence number at least `from`, in order (an
+    /// entry lists them in increasing order: checked when the file is
+    /// opened, see `recovery::events_in_order`).
+    pub(crate) fn since(&self, from: SequenceNr) -> impl Iterator<Item = (SequenceNr, u32)> + '_ {
+        let n = self.event_count();
+        let (mut lo, mut hi) = (0, n);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if self.event(mid).0 < from {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        (lo..n).map(move |i| self.event(i))
+    }
+}
+
+/// The entry count of index file `bytes` and where its entries end (the
+/// trailing CRC's offset). Only the lengths are checked: the file's
+/// checksum was checked when it was written or opened.
+///
+/// # Errors
+/// [`FileDecodeError::Malformed`] when the file is shorter than its fixed
+/// fields.
+pub(crate) fn index_entries(bytes: &[u8]) -> Result<(u32, usize), FileDecodeError> {
+    let end = bytes
+        .len()
+        .checked_sub(4)
+        .filter(|&e| e >= INDEX_ENTRIES_AT)
+        .ok_or(FileDecodeError::Malformed(bytes.len() as u64))?;
+    let n = u32_at(bytes, INDEX_ENTRIES_AT - 4).ok_or(FileDecodeError::Malformed(0))?;
+    Ok((n, end))
+}
+
+/// Reads the index entry at byte `at` of index file `bytes` whose entries
+/// end at `end` (from [`index_entries`]); returns it and where the next
+/// one starts. Every length is checked against `end`.
+///
+/// # Errors
+/// [`FileDecodeError::Malformed`] when a length runs past `end` or the id
+/// is empty.
+pub(crate) fn index_entry_at(
+    bytes: &[u8],
+    at: usize,
+    end: usize,
+) -> Result<(IndexEntryView<'_>, usize), FileDecodeError> {
+    let body = bytes
+        .get(..end)
+        .ok_or(FileDecodeError::Malformed(at as u64))?;
+    let mut c = Cursor { b: body, at };
+    let n = c.u16()? as usize;
+    if n == 0 {
+        return Err(FileDecodeError::Malformed(at as u64));
+    }
+    let pid = c.take(n)?;
+    let max_epoch = WriterEpoch(c.u64()?);
+    let last_event_seq = SequenceNr(c.u64()?);
+    let deleted_to = SequenceNr(c.u64()?);
+    let k = c.u32()? as usize;
+    let len = k
+        .checked_mul(INDEX_EVENT_BYTES)
+        .ok_or(FileDecodeError::Malformed(c.at as u64))?;
+    let events = c.take(len)?;
+    Ok((
+        IndexEntryView {
+            pid,
+            max_epoch,
+            last_event_seq,
+            deleted_to,
+            events,
+        },
+        c.at,
+    ))
+}
+
 /// Per persistence id state kept in the checkpoint (survives removal of the
 /// segments that held it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

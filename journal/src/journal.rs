@@ -20,8 +20,8 @@ use crate::format::{
 };
 use crate::ids::{Lsn, PersistenceId, SequenceNr, WriterEpoch};
 use crate::recovery::{
-    deleted_to, pid_hash, raise_deleted, recover, PidMap, PidState, RecoveryReport, SealedSegment,
-    SegmentIndex,
+    deleted_to, pid_hash, raise_deleted, recover, EntryRef, FileIndex, PidMap, PidState,
+    RecoveryReport, SealedSegment, SegmentIndex,
 };
 use crate::storage::{MmapStorage, SegmentFile, Storage};
 use crate::sync::{self, DurabilityError, DurabilityWatcher, PendingSnapshots, Shared, SyncMsg};
@@ -237,24 +237,24 @@ impl Catalog {
         })
     }
 
+    /// Replays `pid`'s events from `from` in one segment (`segment`, file
+    /// `name`, its bytes `bytes`) whose index entry for the id is `e`.
     fn replay_segment(
         name: &str,
-        index: &SegmentIndex,
+        segment: Lsn,
+        e: EntryRef<'_>,
         bytes: &[u8],
         pid: &PersistenceId,
         from: SequenceNr,
         f: &mut dyn FnMut(&RecordView<'_>),
     ) -> Result<u64, ReplayError> {
-        let Some(e) = index.pids.get(pid.as_str()) else {
-            return Ok(0);
-        };
         if e.last_event_seq() < from {
             return Ok(0);
         }
         let mut n = 0;
-        for (seq, off) in e.events.since(from) {
+        for (seq, off) in e.since(from) {
             let corrupt = |kind| ReplayError::Corrupt {
-                segment: index.id,
+                segment,
                 file: name.to_string(),
                 offset: off as u64,
                 kind,
@@ -289,15 +289,18 @@ impl Catalog {
     ) -> Result<u64, ReplayError> {
         let mut n = 0;
         for s in self.sealed.values() {
-            let Some(e) = s.index.pids.get(pid.as_str()) else {
+            let e = s
+                .entry(pid.as_str())
+                .map_err(|reason| index_damage(s, reason))?;
+            let Some(e) = e else {
                 continue;
             };
-            if e.last_event_seq() < from || e.events.is_empty() {
+            if e.last_event_seq() < from || e.has_no_events() {
                 continue;
             }
             let file = self.segment_file(s)?;
             let view = file.view();
-            n += Self::replay_segment(&s.name, &s.index, &view, pid, from, f)?;
+            n += Self::replay_segment(&s.name, s.index.id, e, &view, pid, from, f)?;
         }
         Ok(n)
     }
@@ -534,9 +537,9 @@ pub struct Journal {
     /// Per id, its state in the sealed segments merged so far (what a
     /// checkpoint records); segments sealed since are in `unmerged`.
     checkpoint_state: PidMap<PidCheckpoint>,
-    /// Indexes of segments sealed since `checkpoint_state` was last
-    /// brought up to date (it is, before each checkpoint is written).
-    unmerged: Vec<Arc<SegmentIndex>>,
+    /// Segments sealed since `checkpoint_state` was last brought up to
+    /// date (it is, before each checkpoint is written).
+    unmerged: Vec<Lsn>,
     snapshot_seqs: PidMap<SequenceNr>,
     shared: Arc<Shared>,
     tx: Sender<SyncMsg>,
@@ -662,10 +665,16 @@ impl Journal {
                     .truncate(&s.name, s.index.end_offset)
                     .map_err(open_io(format!("trimming {}", s.name)))?;
             }
+            let idx = index_name(s.index.id);
             storage
-                .write_file_durable(&index_name(s.index.id), &s.index.to_file().encode())
+                .write_file_durable(&idx, &s.index.to_file().encode())
                 .map_err(open_io(format!("writing the index of {}", s.name)))?;
             s.has_index_file = true;
+            // Read in place from now on, as every durable index (kept in
+            // memory when the file cannot be read that way).
+            if let Ok(Ok(Some(f))) = storage.map_file(&idx).map(FileIndex::new) {
+                drop(s.use_file_index(f));
+            }
             sealed.insert(s.index.id, s);
         }
         // The snapshot table, created when missing (its entry is made
@@ -980,6 +989,9 @@ impl Journal {
             RecordKind::Deletion => raise_deleted(&mut self.catalog.deleted, pid, seq),
         }
         self.next_lsn = Lsn(lsn.0 + 1);
+        if self.shared.file_indexes_ready.load(Ordering::Relaxed) {
+            self.adopt_file_indexes();
+        }
         // Release: the record's bytes (and a roll sent before them) are
         // visible to the sync thread once it loads this LSN; a SeqCst store
         // is a full fence per record on x86 and orders nothing more here
@@ -991,7 +1003,24 @@ impl Journal {
         Ok(lsn)
     }
 
+    /// Reads the indexes of sealed segments whose index file the meta
+    /// thread made durable (and offered) from those files from now on; the
+    /// in-memory indexes they replace are freed on the meta thread.
+    fn adopt_file_indexes(&mut self) {
+        for (id, f) in self.shared.take_file_indexes() {
+            let Some(s) = self.catalog.sealed.get_mut(&id) else {
+                continue;
+            };
+            if s.file_index.is_none() {
+                let old = s.use_file_index(f);
+                // The sync thread gone, the index is freed here instead.
+                let _ = self.tx.send(SyncMsg::Release(old));
+            }
+        }
+    }
+
     fn roll(&mut self) -> Result<(), AppendError> {
+        self.adopt_file_indexes();
         let spare = match self.spare.take() {
             Some(job) => job
                 .join()
@@ -1038,10 +1067,11 @@ impl Journal {
         // Merged into `checkpoint_state` only when a checkpoint is written
         // (a loop over every id of the segment, too long for a roll on
         // the appending core).
-        self.unmerged.push(index.clone());
+        self.unmerged.push(index.id);
         let sealed = SealedSegment {
             name: old.name,
             index,
+            file_index: None,
             has_index_file: true,
             file: OnceLock::from(old.file),
         };
@@ -1053,26 +1083,43 @@ impl Journal {
 
     /// Merges the indexes of the segments sealed since the last
     /// checkpoint into `checkpoint_state` (one step per id they hold).
-    fn merge_sealed_indexes(&mut self) {
-        for index in std::mem::take(&mut self.unmerged) {
-            for (p, e) in index.pids.iter() {
-                let c = self.checkpoint_state.entry_or_default(p);
-                c.last_seq = c.last_seq.max(e.last_event_seq());
-                c.max_epoch = c.max_epoch.max(e.max_epoch);
-                c.deleted_to = c.deleted_to.max(index.deleted_to(p.as_str()));
+    /// Returns false, leaving the segments to merge again, when an index
+    /// file read in place turned out damaged: no checkpoint may then be
+    /// written (it would miss that segment's ids).
+    fn merge_sealed_indexes(&mut self) -> bool {
+        let unmerged = std::mem::take(&mut self.unmerged);
+        for (i, id) in unmerged.iter().enumerate() {
+            let Some(s) = self.catalog.sealed.get(id) else {
+                continue;
+            };
+            let (state, pids) = (&mut self.checkpoint_state, &self.catalog.pids);
+            let merged = s.for_each_entry(|p, e| {
+                if let Some(c) = state.entry_or_default_str(p, pids) {
+                    c.last_seq = c.last_seq.max(e.last_event_seq());
+                    c.max_epoch = c.max_epoch.max(e.max_epoch());
+                    c.deleted_to = c.deleted_to.max(e.deleted_to());
+                }
+                true
+            });
+            if merged.is_err() {
+                // Merging is idempotent (maxima): all of it again later.
+                self.unmerged = unmerged[i..].to_vec();
+                return false;
             }
         }
+        true
     }
 
     /// Removes sealed segments whose every event is deleted or covered by
     /// a snapshot (considering only segments holding `only` when given).
+    /// A segment whose index file turned out damaged is kept.
     fn remove_obsolete_segments(
         &mut self,
         only: Option<&PersistenceId>,
     ) -> Result<(), AppendError> {
         let mut doomed = Vec::new();
-        let covered = |p: &str, e: &crate::recovery::PidEntry| {
-            if e.events.is_empty() {
+        let covered = |p: &str, e: &EntryRef<'_>| {
+            if e.has_no_events() {
                 return true;
             }
             let snap = self.snapshot_seqs.get(p).copied().unwrap_or_default();
@@ -1080,7 +1127,7 @@ impl Journal {
         };
         for (id, s) in &self.catalog.sealed {
             if let Some(p) = only {
-                if !s.index.pids.contains_key(p.as_str()) {
+                if !matches!(s.entry(p.as_str()), Ok(Some(_))) {
                     continue;
                 }
             }
@@ -1091,30 +1138,48 @@ impl Journal {
                     // The list of all of them is kept only for a check
                     // after a snapshot (they repeat); a roll's check of
                     // every segment keeps nothing (8 bytes per id).
-                    let mut open = s.index.pids.iter().filter(|(p, e)| !covered(p.as_str(), e));
-                    let Some((first, _)) = open.next() else {
-                        doomed.push(*id);
-                        continue;
-                    };
-                    if only.is_none() {
+                    let mut uncovered: Vec<PersistenceId> = Vec::new();
+                    let mut any = false;
+                    let mut bad_id = false;
+                    let walked = s.for_each_entry(|p, e| {
+                        if covered(p, &e) {
+                            return true;
+                        }
+                        any = true;
+                        if only.is_none() {
+                            return false;
+                        }
+                        match self.catalog.pids.get_key_value(p) {
+                            Some((k, _)) => uncovered.push(k.clone()),
+                            None => match PersistenceId::new(p) {
+                                Ok(k) => uncovered.push(k),
+                                Err(_) => {
+                                    bad_id = true;
+                                    return false;
+                                }
+                            },
+                        }
+                        true
+                    });
+                    if walked.is_err() || bad_id {
                         continue;
                     }
-                    let uncovered = std::iter::once(first)
-                        .chain(open.map(|(p, _)| p))
-                        .cloned()
-                        .collect();
+                    if !any {
+                        doomed.push(*id);
+                        continue;
+                    }
+                    if only.is_none() || uncovered.is_empty() {
+                        continue;
+                    }
                     v.insert(ObsoleteScan { uncovered, next: 0 })
                 }
             };
             while let Some(p) = scan.uncovered.get(scan.next) {
-                if s.index
-                    .pids
-                    .get(p.as_str())
-                    .is_some_and(|e| !covered(p.as_str(), e))
-                {
-                    break;
+                match s.entry(p.as_str()) {
+                    Ok(Some(e)) if !covered(p.as_str(), &e) => break,
+                    Err(_) => break,
+                    Ok(_) => scan.next += 1,
                 }
-                scan.next += 1;
             }
             if scan.next == scan.uncovered.len() {
                 doomed.push(*id);
@@ -1131,6 +1196,11 @@ impl Journal {
         if doomed.is_empty() {
             return Ok(());
         }
+        // The checkpoint covers the doomed segments' ids: merged while
+        // they are still here to read.
+        if !self.merge_sealed_indexes() {
+            return Ok(());
+        }
         let mut names = Vec::new();
         for id in doomed {
             if let Some(s) = self.catalog.sealed.remove(&id) {
@@ -1139,7 +1209,6 @@ impl Journal {
                 names.push(index_name(id));
             }
         }
-        self.merge_sealed_indexes();
         let mut pids: Vec<(PersistenceId, PidCheckpoint)> = self
             .checkpoint_state
             .iter()
@@ -1182,15 +1251,12 @@ impl Journal {
             return Ok(0);
         };
         let mut n = self.catalog.replay_sealed(pid, from, &mut f)?;
-        let view = self.active.file.view();
-        n += Catalog::replay_segment(
-            &self.active.name,
-            &self.active.index,
-            &view,
-            pid,
-            from,
-            &mut f,
-        )?;
+        if let Some(e) = self.active.index.pids.get(pid.as_str()) {
+            let view = self.active.file.view();
+            let e = EntryRef::Memory(e, SequenceNr(0));
+            let id = self.active.index.id;
+            n += Catalog::replay_segment(&self.active.name, id, e, &view, pid, from, &mut f)?;
+        }
         Ok(n)
     }
 
@@ -1420,6 +1486,21 @@ impl Journal {
 impl Drop for Journal {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// The replay error for sealed segment `s` whose index file, read in
+/// place, failed with `reason`.
+fn index_damage(s: &SealedSegment, reason: format::FileDecodeError) -> ReplayError {
+    let offset = match reason {
+        format::FileDecodeError::Malformed(at) => at,
+        _ => 0,
+    };
+    ReplayError::Corrupt {
+        segment: s.index.id,
+        file: index_name(s.index.id),
+        offset,
+        kind: CorruptionKind::IndexFile(reason),
     }
 }
 

@@ -241,6 +241,28 @@ impl<V: Default> PidMap<V> {
     pub(crate) fn entry_or_default(&mut self, pid: &PersistenceId) -> &mut V {
         self.get_or_insert_with(pid_hash(pid.as_str()), pid, V::default)
     }
+
+    /// The value of `pid` given as a string, inserted as `V::default()`
+    /// under a new id (or `shared`'s copy, when it has one) when absent;
+    /// `None` when `pid` is not a valid persistence id.
+    pub(crate) fn entry_or_default_str<W>(
+        &mut self,
+        pid: &str,
+        shared: &PidMap<W>,
+    ) -> Option<&mut V> {
+        let hash = pid_hash(pid);
+        if self.get_hashed(hash, pid).is_none() {
+            let p = match shared.get_hashed(hash, pid) {
+                Some((k, _)) => k.clone(),
+                None => PersistenceId::new(pid).ok()?,
+            };
+            self.get_or_insert_with(hash, &p, V::default);
+        }
+        let n = self.parts.len();
+        self.parts[partition(hash, n)]
+            .find_mut(hash, |(k, _)| k.as_str() == pid)
+            .map(|(_, v)| v)
+    }
 }
 
 impl<V> FromIterator<(PersistenceId, V)> for PidMap<V> {

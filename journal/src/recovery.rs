@@ -45,6 +45,19 @@ impl SegmentIndex {
         }
     }
 
+    /// The summary fields alone, without the per-id entries.
+    pub(crate) fn summary(&self) -> SegmentIndex {
+        SegmentIndex {
+            id: self.id,
+            epoch: self.epoch,
+            end_offset: self.end_offset,
+            last_lsn: self.last_lsn,
+            records: self.records,
+            pids: PidMap::default(),
+            deleted: PidMap::default(),
+        }
+    }
+
     /// The highest deletion marker of `pid` in the segment (0 when none).
     pub(crate) fn deleted_to(&self, pid: &str) -> SequenceNr {
         self.deleted.get(pid).copied().unwrap_or_default()
@@ -413,11 +426,228 @@ fn events_in_order(f: &SegmentIndexFile) -> bool {
 }
 
 /// A segment that is no longer appended to (by this process).
+///
+/// Its index is in memory ([`SealedSegment::index`]) until its index file
+/// is durable; from then on the file is read in place
+/// ([`SealedSegment::file_index`]) and `index` keeps only the summary
+/// fields. An id costs a sealed segment 8 bytes of heap instead of the
+/// 50-70 of a [`PidMap`] entry, so the heap no longer grows with the
+/// number of segments an id has events in.
 pub(crate) struct SealedSegment {
     pub(crate) name: String,
     pub(crate) index: std::sync::Arc<SegmentIndex>,
+    pub(crate) file_index: Option<FileIndex>,
     pub(crate) has_index_file: bool,
     pub(crate) file: OnceLock<Box<dyn SegmentFile>>,
+}
+
+/// One persistence id's records in one sealed segment, from either form
+/// of its index.
+#[derive(Clone, Copy)]
+pub(crate) enum EntryRef<'a> {
+    /// From the in-memory index, with the id's deletion marker.
+    Memory(&'a PidEntry, SequenceNr),
+    /// Read in place from the index file.
+    File(format::IndexEntryView<'a>),
+}
+
+impl EntryRef<'_> {
+    /// Highest writer epoch among the id's records in the segment.
+    pub(crate) fn max_epoch(&self) -> WriterEpoch {
+        match self {
+            EntryRef::Memory(e, _) => e.max_epoch,
+            EntryRef::File(v) => v.max_epoch,
+        }
+    }
+
+    /// Highest event sequence number in the segment (0 when none).
+    pub(crate) fn last_event_seq(&self) -> SequenceNr {
+        match self {
+            EntryRef::Memory(e, _) => e.last_event_seq(),
+            EntryRef::File(v) => v.last_event_seq,
+        }
+    }
+
+    /// Highest deletion marker in the segment (0 when none).
+    pub(crate) fn deleted_to(&self) -> SequenceNr {
+        match self {
+            EntryRef::Memory(_, d) => *d,
+            EntryRef::File(v) => v.deleted_to,
+        }
+    }
+
+    /// Whether the id has no event in the segment (only deletion markers).
+    pub(crate) fn has_no_events(&self) -> bool {
+        match self {
+            EntryRef::Memory(e, _) => e.events.is_empty(),
+            EntryRef::File(v) => v.event_count() == 0,
+        }
+    }
+
+    /// The events with a sequence number at least `from`, in order:
+    /// (sequence number, offset in the segment).
+    pub(crate) fn since(&self, from: SequenceNr) -> impl Iterator<Item = (SequenceNr, u32)> + '_ {
+        let (memory, file) = match self {
+            EntryRef::Memory(e, _) => (Some(e.events.since(from)), None),
+            EntryRef::File(v) => (None, Some(v.since(from))),
+        };
+        memory
+            .into_iter()
+            .flatten()
+            .chain(file.into_iter().flatten())
+    }
+}
+
+/// A sealed segment's index read in place from its durable index file:
+/// the file's bytes (mapped, with [`crate::storage::MmapStorage`]) and,
+/// per entry, the low 32 bits of its id's [`pid_hash`] and the entry's
+/// offset, sorted: 8 bytes of heap per id.
+pub(crate) struct FileIndex {
+    bytes: crate::storage::MappedFile,
+    /// Where the entries end (the trailing CRC's offset).
+    end: usize,
+    /// (hash, entry offset), sorted.
+    table: Box<[(u32, u32)]>,
+}
+
+impl FileIndex {
+    /// Reads the entries of index file `bytes`, whose checksum was checked
+    /// (the meta thread wrote these bytes; recovery decoded the file).
+    /// `None` when the file is too large for 32-bit entry offsets (over
+    /// 4 GiB: the segment then keeps its index in memory).
+    ///
+    /// # Errors
+    /// [`format::FileDecodeError::Malformed`] when an entry runs past the
+    /// end, or the file's bytes are not whole entries.
+    pub(crate) fn new(
+        bytes: crate::storage::MappedFile,
+    ) -> Result<Option<FileIndex>, format::FileDecodeError> {
+        if u32::try_from(bytes.len()).is_err() {
+            return Ok(None);
+        }
+        let (n, end) = format::index_entries(&bytes)?;
+        // Each entry takes at least 31 bytes: the count is checked before
+        // it sizes anything.
+        if n as usize > (end - format::INDEX_ENTRIES_AT) / 31 {
+            return Err(format::FileDecodeError::Malformed(
+                format::INDEX_ENTRIES_AT as u64,
+            ));
+        }
+        let mut table = Vec::with_capacity(n as usize);
+        let mut at = format::INDEX_ENTRIES_AT;
+        for _ in 0..n {
+            let (v, next) = format::index_entry_at(&bytes, at, end)?;
+            let pid = std::str::from_utf8(v.pid)
+                .map_err(|_| format::FileDecodeError::Malformed(at as u64))?;
+            table.push((pid_hash(pid) as u32, at as u32));
+            at = next;
+        }
+        if at != end {
+            return Err(format::FileDecodeError::Malformed(at as u64));
+        }
+        table.sort_unstable();
+        Ok(Some(FileIndex {
+            bytes,
+            end,
+            table: table.into_boxed_slice(),
+        }))
+    }
+
+    /// `pid`'s entry, if the segment holds it.
+    ///
+    /// # Errors
+    /// [`format::FileDecodeError::Malformed`] when an entry the table
+    /// points at cannot be read (the file changed on disk).
+    fn get(
+        &self,
+        pid: &str,
+    ) -> Result<Option<format::IndexEntryView<'_>>, format::FileDecodeError> {
+        let h = pid_hash(pid) as u32;
+        let start = self.table.partition_point(|&(x, _)| x < h);
+        for &(x, at) in &self.table[start..] {
+            if x != h {
+                break;
+            }
+            let (v, _) = format::index_entry_at(&self.bytes, at as usize, self.end)?;
+            if v.pid == pid.as_bytes() {
+                return Ok(Some(v));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Calls `f` with each entry, in the file's order (by id), until it
+    /// returns false.
+    ///
+    /// # Errors
+    /// As [`FileIndex::get`].
+    fn for_each(
+        &self,
+        mut f: impl FnMut(&str, format::IndexEntryView<'_>) -> bool,
+    ) -> Result<(), format::FileDecodeError> {
+        let mut at = format::INDEX_ENTRIES_AT;
+        while at < self.end {
+            let (v, next) = format::index_entry_at(&self.bytes, at, self.end)?;
+            let pid = std::str::from_utf8(v.pid)
+                .map_err(|_| format::FileDecodeError::Malformed(at as u64))?;
+            if !f(pid, v) {
+                break;
+            }
+            at = next;
+        }
+        Ok(())
+    }
+}
+
+impl SealedSegment {
+    /// `pid`'s entry in the segment's index, if it has one.
+    ///
+    /// # Errors
+    /// As [`FileIndex::get`].
+    pub(crate) fn entry(&self, pid: &str) -> Result<Option<EntryRef<'_>>, format::FileDecodeError> {
+        match &self.file_index {
+            Some(f) => Ok(f.get(pid)?.map(EntryRef::File)),
+            None => Ok(self
+                .index
+                .pids
+                .get(pid)
+                .map(|e| EntryRef::Memory(e, self.index.deleted_to(pid)))),
+        }
+    }
+
+    /// Calls `f` with each id of the segment and its entry, until it
+    /// returns false.
+    ///
+    /// # Errors
+    /// As [`FileIndex::get`].
+    pub(crate) fn for_each_entry(
+        &self,
+        mut f: impl FnMut(&str, EntryRef<'_>) -> bool,
+    ) -> Result<(), format::FileDecodeError> {
+        match &self.file_index {
+            Some(fi) => fi.for_each(|p, v| f(p, EntryRef::File(v))),
+            None => {
+                for (p, e) in self.index.pids.iter() {
+                    if !f(
+                        p.as_str(),
+                        EntryRef::Memory(e, self.index.deleted_to(p.as_str())),
+                    ) {
+                        break;
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Reads the index from `file` from now on: the in-memory index is
+    /// replaced by its summary and returned (the caller may drop it on
+    /// another thread: freeing a large index takes milliseconds).
+    pub(crate) fn use_file_index(&mut self, file: FileIndex) -> std::sync::Arc<SegmentIndex> {
+        let summary = std::sync::Arc::new(self.index.summary());
+        self.file_index = Some(file);
+        std::mem::replace(&mut self.index, summary)
+    }
 }
 
 /// Per persistence id state (16 bytes: every id the journal holds has
@@ -437,9 +667,9 @@ impl PidState {
         self.max_epoch = self.max_epoch.max(c.max_epoch);
     }
     /// Merges an id's entry `e` of a segment.
-    pub(crate) fn merge_entry(&mut self, e: &PidEntry) {
+    pub(crate) fn merge_entry(&mut self, e: &EntryRef<'_>) {
         self.last_seq = self.last_seq.max(e.last_event_seq());
-        self.max_epoch = self.max_epoch.max(e.max_epoch);
+        self.max_epoch = self.max_epoch.max(e.max_epoch());
     }
     /// The id's checkpoint entry, with its events deleted up to
     /// `deleted_to`.
@@ -633,10 +863,10 @@ pub(crate) fn recover(
 
         // Trusted path: a segment with a valid index file is not scanned.
         if idx_exists && !full_scan {
-            let decoded = storage
-                .read_file(&index_name(id))
-                .ok()
-                .and_then(|b| SegmentIndexFile::decode(&b).ok());
+            let mapped = storage.map_file(&index_name(id)).ok();
+            let decoded = mapped
+                .as_ref()
+                .and_then(|b| SegmentIndexFile::decode(b).ok());
             // The header is still checked (64 bytes): a damaged header
             // sends the segment down the scanning path, which names it.
             let header_ok = SegmentHeader::decode(&file.view()).is_ok_and(|h| {
@@ -665,10 +895,21 @@ pub(crate) fn recover(
                     if len >= f.end_offset {
                         prev_epoch = prev_epoch.max(f.writer_epoch);
                         next_expected = Lsn(f.last_lsn.0 + 1);
-                        let index = SegmentIndex::from_file(f);
+                        // Read in place from now on (the decoded copy
+                        // only checked it), or kept in memory when the
+                        // file cannot be read that way.
+                        let file_index = mapped.and_then(|b| FileIndex::new(b).ok().flatten());
+                        let index = match file_index {
+                            Some(_) => SegmentIndex::from_file(SegmentIndexFile {
+                                entries: Vec::new(),
+                                ..f
+                            }),
+                            None => SegmentIndex::from_file(f),
+                        };
                         out.push(SealedSegment {
                             name,
                             index: std::sync::Arc::new(index),
+                            file_index,
                             has_index_file: true,
                             file: OnceLock::from(file),
                         });
@@ -819,6 +1060,7 @@ pub(crate) fn recover(
             out.push(SealedSegment {
                 name,
                 index: std::sync::Arc::new(index),
+                file_index: None,
                 has_index_file: false,
                 file: OnceLock::from(file),
             });
@@ -873,6 +1115,7 @@ pub(crate) fn recover(
         out.push(SealedSegment {
             name,
             index: std::sync::Arc::new(index),
+            file_index: None,
             has_index_file: false,
             file: OnceLock::from(file),
         });
@@ -887,13 +1130,33 @@ pub(crate) fn recover(
         raise_deleted(&mut deleted, p, c.deleted_to);
     }
     let mut next_lsn = next_expected.max(Lsn(checkpoint.removed_up_to_lsn.0 + 1));
+    let no_ids: PidMap<()> = PidMap::default();
     for s in &out {
-        for (p, e) in s.index.pids.iter() {
-            pids.entry_or_default(p).merge_entry(e);
-        }
-        for (p, d) in s.index.deleted.iter() {
-            raise_deleted(&mut deleted, p, *d);
-        }
+        // An id that is not a valid persistence id can only be in an index
+        // file that changed on disk after recovery decoded it.
+        let mut valid = true;
+        s.for_each_entry(|p, e| {
+            let Some(st) = pids.entry_or_default_str(p, &no_ids) else {
+                valid = false;
+                return false;
+            };
+            st.merge_entry(&e);
+            if e.deleted_to() > SequenceNr(0) {
+                if let Some(d) = deleted.entry_or_default_str(p, &pids) {
+                    *d = (*d).max(e.deleted_to());
+                }
+            }
+            true
+        })
+        .and_then(|()| {
+            valid
+                .then_some(())
+                .ok_or(format::FileDecodeError::Malformed(0))
+        })
+        .map_err(|reason| RecoveryError::BadFile {
+            file: index_name(s.index.id),
+            reason,
+        })?;
         next_lsn = next_lsn.max(Lsn(s.index.last_lsn.0 + 1));
         report.records += s.index.records;
         report.record_bytes += s

@@ -38,6 +38,9 @@ pub trait SegmentSync: Send + Sync {
 /// A borrowed read view of a segment's bytes.
 pub type SegmentView<'a> = Box<dyn Deref<Target = [u8]> + 'a>;
 
+/// The bytes of a whole file, owned (see [`Storage::map_file`]).
+pub type MappedFile = Box<dyn Deref<Target = [u8]> + Send + Sync>;
+
 /// One segment file, open for reading, or for reading and writing.
 pub trait SegmentFile: Send + Sync {
     /// The file's length, in bytes.
@@ -114,6 +117,18 @@ pub trait Storage: Send + Sync + std::fmt::Debug {
     /// # Errors
     /// `NotFound`, or another I/O error.
     fn read_file(&self, name: &str) -> io::Result<Vec<u8>>;
+
+    /// The whole of small file `name` (an index file), readable for as long
+    /// as the returned value lives, even after the file is removed. The
+    /// default reads it into memory ([`Storage::read_file`]);
+    /// [`MmapStorage`] maps it read-only instead, so that its bytes are page
+    /// cache the kernel may drop, not heap.
+    ///
+    /// # Errors
+    /// The I/O error of opening, reading or mapping it.
+    fn map_file(&self, name: &str) -> io::Result<MappedFile> {
+        Ok(Box::new(self.read_file(name)?))
+    }
     /// Replaces `name` with `bytes` atomically and durably (write a
     /// temporary file, sync it, rename it, sync the directory).
     ///
@@ -489,6 +504,19 @@ impl Storage for MmapStorage {
 
     fn read_file(&self, name: &str) -> io::Result<Vec<u8>> {
         std::fs::read(self.path(name))
+    }
+    fn map_file(&self, name: &str) -> io::Result<MappedFile> {
+        let file = File::open(self.path(name))?;
+        if file.metadata()?.len() == 0 {
+            return Ok(Box::new(Vec::new()));
+        }
+        // SAFETY: index files are written whole under a temporary name and
+        // renamed into place, never written or truncated afterwards; a
+        // removal while mapped leaves the mapping valid. The map outlives
+        // the descriptor, which is closed here (no descriptor per sealed
+        // segment's index).
+        let map = unsafe { Mmap::map(&file)? };
+        Ok(Box::new(map))
     }
 
     fn write_file_durable(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
@@ -926,6 +954,9 @@ impl<S: Storage> Storage for FaultyStorage<S> {
     }
     fn read_file(&self, name: &str) -> io::Result<Vec<u8>> {
         self.inner.read_file(name)
+    }
+    fn map_file(&self, name: &str) -> io::Result<MappedFile> {
+        self.inner.map_file(name)
     }
     fn write_file_durable(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
         if self.faults.fail_sync.load(Ordering::SeqCst) {

@@ -67,6 +67,12 @@ pub(crate) struct Shared {
     cond: Condvar,
     /// Latency of every segment `fdatasync`, in microseconds.
     flush_micros: Mutex<hdrhistogram::Histogram<u64>>,
+    /// Indexes of sealed segments whose index file is durable, read in
+    /// place ([`crate::recovery::FileIndex`]), for the writer to take up
+    /// in place of their in-memory index (see `Journal::adopt_file_indexes`).
+    file_indexes: Mutex<Vec<(Lsn, crate::recovery::FileIndex)>>,
+    /// Whether `file_indexes` has any (one load per append tells).
+    pub(crate) file_indexes_ready: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -83,7 +89,22 @@ impl Shared {
             state: Mutex::new(WaitState::default()),
             cond: Condvar::new(),
             flush_micros: Mutex::new(new_flush_histogram()),
+            file_indexes: Mutex::new(Vec::new()),
+            file_indexes_ready: AtomicBool::new(false),
         }
+    }
+
+    /// Offers the index of sealed segment `segment`, read in place from its
+    /// durable index file, to the writer.
+    fn offer_file_index(&self, segment: Lsn, index: crate::recovery::FileIndex) {
+        lock(&self.file_indexes).push((segment, index));
+        self.file_indexes_ready.store(true, Ordering::Release);
+    }
+
+    /// The indexes offered since the last call.
+    pub(crate) fn take_file_indexes(&self) -> Vec<(Lsn, crate::recovery::FileIndex)> {
+        self.file_indexes_ready.store(false, Ordering::Relaxed);
+        std::mem::take(&mut *lock(&self.file_indexes))
     }
 
     /// A copy of the `fdatasync` latency histogram, in microseconds.
@@ -177,6 +198,10 @@ pub(crate) enum SyncMsg {
         checkpoint: Vec<u8>,
         names: Vec<String>,
     },
+    /// An in-memory index the writer replaced by its index file: freed on
+    /// the meta thread (a segment's index of a quarter of a million ids
+    /// takes milliseconds to free, too long for a data core).
+    Release(Arc<crate::recovery::SegmentIndex>),
     /// The writer saved a snapshot (readable from `pending` until then):
     /// write `bytes` to `tmp`, make it durable as `name`, then drop `bytes`
     /// from `pending`; with `table`, write it to the id's pair of the
@@ -201,9 +226,11 @@ pub(crate) type PendingSnapshots = Arc<Mutex<std::collections::HashMap<String, A
 /// Work of the meta thread.
 enum MetaJob {
     Index {
+        segment: Lsn,
         name: String,
         bytes: Vec<u8>,
     },
+    Release(Arc<crate::recovery::SegmentIndex>),
     Remove {
         checkpoint: Vec<u8>,
         names: Vec<String>,
@@ -456,6 +483,10 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
                 }
             }
         };
+        if let Some(MetaJob::Release(index)) = job {
+            drop(index);
+            continue;
+        }
         if failed || shared.poisoned.load(Ordering::SeqCst) {
             failed = true;
             if job.is_none() {
@@ -499,9 +530,26 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
         }
         let r = match job {
             None => Ok(()),
-            Some(MetaJob::Index { name, bytes }) => storage
+            Some(MetaJob::Index {
+                segment,
+                name,
+                bytes,
+            }) => storage
                 .write_file_durable(&name, &bytes)
-                .map_err(|e| format!("writing index {name} failed: {e}")),
+                .map_err(|e| format!("writing index {name} failed: {e}"))
+                .map(|()| {
+                    drop(bytes);
+                    // Read in place from now on; a file that cannot be
+                    // mapped leaves the index in memory (nothing is lost).
+                    let file = storage.map_file(&name).ok();
+                    if let Some(Ok(Some(index))) = file.map(crate::recovery::FileIndex::new) {
+                        shared.offer_file_index(segment, index);
+                    }
+                }),
+            Some(MetaJob::Release(index)) => {
+                drop(index);
+                Ok(())
+            }
             Some(MetaJob::Remove { checkpoint, names }) => storage
                 .write_file_durable(crate::format::CHECKPOINT_NAME, &checkpoint)
                 .map_err(|e| format!("writing the checkpoint failed: {e}"))
@@ -789,6 +837,7 @@ pub(crate) fn run(
                         .map_err(|e| format!("fdatasync of a sealed segment failed: {e}"))
                         .map(|()| {
                             let _ = meta_tx.send(MetaJob::Index {
+                                segment: index.id,
                                 name: index_name,
                                 bytes: index.to_file().encode(),
                             });
@@ -799,6 +848,10 @@ pub(crate) fn run(
                 }
                 SyncMsg::Remove { checkpoint, names } => {
                     let _ = meta_tx.send(MetaJob::Remove { checkpoint, names });
+                    Ok(())
+                }
+                SyncMsg::Release(index) => {
+                    let _ = meta_tx.send(MetaJob::Release(index));
                     Ok(())
                 }
                 SyncMsg::Snapshot {

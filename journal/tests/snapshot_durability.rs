@@ -84,6 +84,9 @@ impl Storage for Gated {
     fn read_file(&self, name: &str) -> io::Result<Vec<u8>> {
         self.inner.read_file(name)
     }
+    fn map_file(&self, name: &str) -> io::Result<shardline_journal::storage::MappedFile> {
+        self.inner.map_file(name)
+    }
     fn write_file_durable(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
         self.inner.write_file_durable(name, bytes)
     }
