@@ -558,10 +558,22 @@ impl FileIndex {
     /// # Errors
     /// [`format::FileDecodeError::Malformed`] when an entry the table
     /// points at cannot be read (the file changed on disk).
-    fn get(
+    pub(crate) fn get(
         &self,
         pid: &str,
     ) -> Result<Option<format::IndexEntryView<'_>>, format::FileDecodeError> {
+        Ok(self.get_at(pid)?.map(|(_, v)| v))
+    }
+
+    /// `pid`'s entry and its byte offset in the file, if the segment holds
+    /// it.
+    ///
+    /// # Errors
+    /// As [`FileIndex::get`].
+    pub(crate) fn get_at(
+        &self,
+        pid: &str,
+    ) -> Result<Option<(u32, format::IndexEntryView<'_>)>, format::FileDecodeError> {
         let h = pid_hash(pid) as u32;
         let start = self.table.partition_point(|&(x, _)| x < h);
         for &(x, at) in &self.table[start..] {
@@ -570,10 +582,46 @@ impl FileIndex {
             }
             let (v, _) = format::index_entry_at(&self.bytes, at as usize, self.end)?;
             if v.pid == pid.as_bytes() {
-                return Ok(Some(v));
+                return Ok(Some((at, v)));
             }
         }
         Ok(None)
+    }
+
+    /// Where the entries end: the byte offset of the trailing CRC.
+    pub(crate) fn entries_end(&self) -> u32 {
+        // Below the file's length, below 4 GiB (`FileIndex::new`).
+        self.end as u32
+    }
+
+    /// Counts the entries from byte `at` (an entry's start) that `covered`
+    /// says no to, reading at most `budget` of them: where the count
+    /// stopped ([`FileIndex::entries_end`] once every entry was read) and
+    /// how many.
+    ///
+    /// # Errors
+    /// As [`FileIndex::get`], and when `at` is not an entry's start.
+    pub(crate) fn count_uncovered(
+        &self,
+        mut at: usize,
+        budget: usize,
+        mut covered: impl FnMut(&str, EntryRef<'_>) -> bool,
+    ) -> Result<(u32, u32), format::FileDecodeError> {
+        let mut n = 0;
+        for _ in 0..budget {
+            if at >= self.end {
+                break;
+            }
+            let (v, next) = format::index_entry_at(&self.bytes, at, self.end)?;
+            let pid = std::str::from_utf8(v.pid)
+                .map_err(|_| format::FileDecodeError::Malformed(at as u64))?;
+            if !covered(pid, EntryRef::File(v)) {
+                n += 1;
+            }
+            at = next;
+        }
+        // Below the file's length, below 4 GiB (`FileIndex::new`).
+        Ok((at.min(self.end) as u32, n))
     }
 
     /// Calls `f` with each entry, in the file's order (by id), until it
@@ -671,15 +719,6 @@ impl PidState {
         self.last_seq = self.last_seq.max(e.last_event_seq());
         self.max_epoch = self.max_epoch.max(e.max_epoch());
     }
-    /// The id's checkpoint entry, with its events deleted up to
-    /// `deleted_to`.
-    pub(crate) fn to_checkpoint(self, deleted_to: SequenceNr) -> PidCheckpoint {
-        PidCheckpoint {
-            last_seq: self.last_seq,
-            max_epoch: self.max_epoch,
-            deleted_to,
-        }
-    }
 }
 
 /// How far `pid`'s events are deleted in `deleted` (0: none).
@@ -752,9 +791,6 @@ pub(crate) struct Recovered {
     pub(crate) pids: PidMap<PidState>,
     /// How far each id with a deletion marker has its events deleted.
     pub(crate) deleted: PidMap<SequenceNr>,
-    /// Merge of the checkpoint and every sealed segment (no deletions
-    /// beyond those).
-    pub(crate) checkpoint_state: PidMap<PidCheckpoint>,
     pub(crate) next_lsn: Lsn,
     pub(crate) max_segment_epoch: WriterEpoch,
     pub(crate) removed_up_to: Lsn,
@@ -1166,15 +1202,10 @@ pub(crate) fn recover(
     }
     report.segments = out.len() as u64;
     report.persistence_ids = pids.len() as u64;
-    let checkpoint_state = pids
-        .iter()
-        .map(|(p, s)| (p.clone(), s.to_checkpoint(deleted_to(&deleted, p.as_str()))))
-        .collect();
     Ok(Recovered {
         segments: out,
         pids,
         deleted,
-        checkpoint_state,
         next_lsn,
         max_segment_epoch: prev_epoch.max(checkpoint.max_segment_epoch),
         removed_up_to: checkpoint.removed_up_to_lsn,
