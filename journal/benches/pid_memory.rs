@@ -14,7 +14,9 @@
 //! the ids, so the same number of events, and about one event per id in
 //! each of 16 segments): a sealed segment keeps 8 bytes per id once its
 //! index file is durable (it is read in place from then on), so this row
-//! must stay near the first instead of growing with the segments. Beside
+//! must stay near the first instead of growing with the segments. A
+//! fourth row opens the first row's journal again after a close and counts
+//! what the open left on the heap (a restarted node's journal). Beside
 //! them, measured in the same run, a reference: the same ids as `String`
 //! keys of a `std::collections::HashMap<String, u64>`.
 //!
@@ -120,6 +122,34 @@ fn journal_row(n: usize, rounds: u64, segment_bytes: u64) -> (f64, u64, f64) {
     (per_id, segments, secs)
 }
 
+/// Heap bytes per id of a journal of `n` ids (one event each, 16 MiB
+/// segments) opened again after a close: what a restarted node's journal
+/// holds before any append.
+fn reopen_row(n: usize) -> f64 {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let options = JournalOptions {
+        segment_size_bytes: 16 << 20,
+        durability: Durability::None,
+        zero_fill_segments: false,
+        ..JournalOptions::default()
+    };
+    let (mut journal, _) = Journal::open(dir.path(), options.clone()).expect("journal opens");
+    let payload = 1u64.to_le_bytes();
+    for i in 0..n {
+        let pid = PersistenceId::new(&format!("counter|{i}")).expect("a valid id");
+        journal
+            .append(&pid, SequenceNr(1), WriterEpoch(0), &payload)
+            .expect("append");
+    }
+    journal.close().expect("close");
+    let before = live();
+    let (journal, _) = Journal::open(dir.path(), options).expect("journal opens again");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let per_id = (live() - before) as f64 / n as f64;
+    drop(journal);
+    per_id
+}
+
 fn reference_row(n: usize) -> f64 {
     let before = live();
     let mut m: HashMap<String, u64> = HashMap::new();
@@ -164,4 +194,11 @@ fn main() {
             (ids as u64 * rounds) as f64 / secs / 1e3
         );
     }
+    let per_id = reopen_row(n);
+    println!(
+        "{:<44} {per_id:>12.0} {:>9.2} {:>9}",
+        "journal, 16 MiB segments, opened again",
+        per_id / reference,
+        "-"
+    );
 }
