@@ -1025,6 +1025,16 @@ impl Journal {
             RecordKind::Deletion => raise_deleted(&mut self.catalog.deleted, pid, seq),
         }
         self.next_lsn = Lsn(lsn.0 + 1);
+        // Release: the record's bytes (and a roll sent before them) are
+        // visible to the sync thread once it loads this LSN; a SeqCst store
+        // is a full fence per record on x86 and orders nothing more here
+        // (the doorbell's swap orders the `Always` ring).
+        self.shared.written_lsn.store(lsn.0, Ordering::Release);
+        if self.options.durability == Durability::Always {
+            sync::ring(&self.shared, &self.tx);
+        }
+        // After the store: a removal queued here waits for this LSN to be
+        // durable, which the sync thread learns from `written_lsn`.
         if self.shared.file_indexes_ready.load(Ordering::Relaxed) {
             self.adopt_file_indexes();
         }
@@ -1035,14 +1045,6 @@ impl Journal {
             // id's entries would be counted covered and then taken off
             // again as just covered.)
             let _ = self.remove_obsolete_segments(Check::Step(OBSOLETE_STEP_ENTRIES));
-        }
-        // Release: the record's bytes (and a roll sent before them) are
-        // visible to the sync thread once it loads this LSN; a SeqCst store
-        // is a full fence per record on x86 and orders nothing more here
-        // (the doorbell's swap orders the `Always` ring).
-        self.shared.written_lsn.store(lsn.0, Ordering::Release);
-        if self.options.durability == Durability::Always {
-            sync::ring(&self.shared, &self.tx);
         }
         Ok(lsn)
     }
