@@ -4,6 +4,8 @@
 //! - two single-node clusters started on one `data_dir`: the second is
 //!   refused at start, naming the first one's pid; after the first stopped,
 //!   a node of another `cluster_name` refuses to start on its data;
+//! - a new node with a wrong `cluster_name`, refused at its first join,
+//!   starts with the corrected name on the same `data_dir` and serves;
 //! - two fresh single-node clusters whose `data_dir`s are siblings under one
 //!   parent (the shipped configs' layout): nothing is read across them;
 //! - two nodes whose `data_dir`s are under different parents (as on two
@@ -149,6 +151,39 @@ fn a_second_node_on_one_data_dir_is_refused_and_another_cluster_cannot_use_it() 
     ready(&d, dir, "d");
     ask_all(client_addr(28_030), "get", "7");
     eprintln!("data_dir lock and cluster name: {:?}", t0.elapsed());
+}
+
+#[test]
+fn a_node_refused_for_a_wrong_cluster_name_joins_once_it_is_corrected() {
+    let _one_at_a_time = serial();
+    let t0 = Instant::now();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let a = start(
+        dir,
+        "a",
+        &config(28_040, &[28_040], &dir.join("data").join("node-1"), ""),
+    );
+    ready(&a, dir, "a");
+    ask_all(client_addr(28_040), "add 3", "3");
+    // A new node with a mistyped cluster_name: refused at its first join.
+    let data = dir.join("data").join("node-2");
+    let mut b = start(
+        dir,
+        "b",
+        &config(28_060, &[28_040], &data, "cluster_name = \"shardlin\""),
+    );
+    exits_failing(&mut b, Duration::from_secs(20), dir, "b");
+    let lb = log(dir, "b");
+    assert!(lb.contains("refused to join"), "{lb}");
+    // Corrected, it starts on the same data_dir (which never joined a
+    // cluster and holds no event) and serves.
+    let c = start(dir, "c", &config(28_060, &[28_040], &data, ""));
+    ready(&c, dir, "c");
+    ask_all(client_addr(28_060), "get", "3");
+    let id = std::fs::read_to_string(data.join("identity.toml")).expect("identity");
+    assert!(id.contains("cluster_name = \"shardline\""), "{id}");
+    eprintln!("corrected cluster name: {:?}", t0.elapsed());
 }
 
 #[test]

@@ -21,7 +21,9 @@
 //!   cluster's oldest Up member without having learned one, or taken from
 //!   the id that member's data records (a whole-cluster restart keeps it).
 //!   Every other member learns it at the handshake and records it. A node
-//!   refuses to start on a `data_dir` recorded for another `cluster_name`,
+//!   refuses to start on a `data_dir` recorded for another `cluster_name`
+//!   (unless that node never learned a cluster id and its journals hold no
+//!   event: it was refused at its first join, and the name is corrected),
 //!   and stops when the cluster it joins has another id than the one its
 //!   data records. The journals of a sibling `data_dir` are read only when
 //!   its `identity.toml` records this node's cluster name and (known) id.
@@ -362,15 +364,40 @@ pub struct DataScope {
     shared_journal: Option<String>,
 }
 
+/// Whether the local journals of `data_dir` (the coordinator's `control`
+/// journal and every data core's `journal/core-<n>`) hold no event: each is
+/// absent or opens read-only with no record. A journal that cannot be read
+/// counts as holding events.
+fn holds_no_events(data_dir: &Path) -> bool {
+    let empty = |dir: &Path| {
+        !dir.exists()
+            || shardline_journal::JournalReader::open(dir)
+                .is_ok_and(|r| r.report().records == 0 && r.persistence_ids().is_empty())
+    };
+    if !empty(&data_dir.join("control")) {
+        return false;
+    }
+    match std::fs::read_dir(data_dir.join("journal")) {
+        Ok(cores) => cores.flatten().all(|c| empty(&c.path())),
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    }
+}
+
 impl DataScope {
     /// Checks and records the identity of `data_dir` for a node of
     /// `cluster_name`: the data root's identity is read or created, and
     /// `{data_dir}/identity.toml` is read (written with the name when
     /// absent). The caller holds the [`DataDirLock`].
     ///
+    /// A `data_dir` recorded for another cluster name is taken over (its
+    /// identity written again with `cluster_name`) only when its node never
+    /// learned a cluster id and its journals hold no event: then it never
+    /// joined that cluster.
+    ///
     /// # Errors
     /// [`IdentityError::OtherCluster`] when the `data_dir` records another
-    /// cluster name; I/O and corruption errors of the files.
+    /// cluster name and an id, or events; I/O and corruption errors of the
+    /// files.
     pub fn open(data_dir: &Path, cluster_name: &str) -> Result<DataScope, IdentityError> {
         std::fs::create_dir_all(data_dir).map_err(io(data_dir))?;
         let data_dir = std::fs::canonicalize(data_dir).map_err(io(data_dir))?;
@@ -378,6 +405,25 @@ impl DataScope {
         let root_id = root_identity(&root)?;
         let recorded = read_identity(&data_dir)?;
         let recorded_id = match recorded {
+            // A data_dir whose node never learned a cluster id never joined
+            // a cluster (the id is recorded before it serves: the oldest Up
+            // member establishes it, the others learn it at the handshake),
+            // so it holds nobody's data: a node refused at its first join
+            // (a wrong cluster_name) starts again with the corrected one.
+            Some(r)
+                if r.cluster_name != cluster_name
+                    && r.cluster_id.is_none()
+                    && holds_no_events(&data_dir) =>
+            {
+                write_identity(
+                    &data_dir,
+                    &RecordedIdentity {
+                        cluster_name: cluster_name.to_string(),
+                        cluster_id: None,
+                    },
+                )?;
+                None
+            }
             Some(r) if r.cluster_name != cluster_name => {
                 return Err(IdentityError::OtherCluster {
                     file: data_dir.join(IDENTITY_FILE),
@@ -668,15 +714,52 @@ mod tests {
     }
 
     #[test]
+    fn a_data_dir_with_events_but_no_cluster_id_keeps_its_name() {
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path().join("n");
+        DataScope::open(&d, "alpha").unwrap();
+        // An event in a core's journal (its node crashed before it could
+        // record the id, say): the data is alpha's, whatever the id.
+        let core = d.join("journal").join("core-0");
+        let (mut j, _) =
+            shardline_journal::Journal::open(&core, shardline_journal::JournalOptions::default())
+                .unwrap();
+        let pid = shardline_journal::PersistenceId::new("counter|a").unwrap();
+        j.append(
+            &pid,
+            shardline_journal::SequenceNr(1),
+            shardline_journal::WriterEpoch(1),
+            b"1",
+        )
+        .unwrap();
+        j.close().unwrap();
+        let e = DataScope::open(&d, "beta").unwrap_err();
+        assert!(matches!(e, IdentityError::OtherCluster { .. }), "{e}");
+        // Empty journals (a node that started and was refused) do not.
+        std::fs::remove_dir_all(&core).unwrap();
+        let (j, _) = shardline_journal::Journal::open(
+            d.join("control"),
+            shardline_journal::JournalOptions::default(),
+        )
+        .unwrap();
+        j.close().unwrap();
+        assert_eq!(DataScope::open(&d, "beta").unwrap().cluster_name(), "beta");
+    }
+
+    #[test]
     fn another_cluster_name_is_refused_and_ids_are_learned_once() {
         let t = tempfile::tempdir().unwrap();
         let d = t.path().join("n");
+        // A data_dir that never learned a cluster id and holds no event
+        // (a node refused at its first join) takes the name it is given.
+        assert_eq!(DataScope::open(&d, "beta").unwrap().cluster_name(), "beta");
         let s = DataScope::open(&d, "alpha").unwrap();
         assert_eq!(s.cluster_id(), None);
         assert!(s.journal_identity().starts_with("local:"));
+        assert_eq!(s.learn_cluster_id("x1", "peer").unwrap(), Learned::Adopted);
+        // Once it learned an id, another name is refused.
         let e = DataScope::open(&d, "beta").unwrap_err();
         assert!(e.to_string().contains("\"alpha\""), "{e}");
-        assert_eq!(s.learn_cluster_id("x1", "peer").unwrap(), Learned::Adopted);
         assert_eq!(s.learn_cluster_id("x1", "peer").unwrap(), Learned::Same);
         assert!(matches!(
             s.learn_cluster_id("x2", "peer").unwrap(),
