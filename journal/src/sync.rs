@@ -262,6 +262,16 @@ pub(crate) struct RemoveJob {
     pub(crate) written: Lsn,
 }
 
+impl RemoveJob {
+    /// Takes `later`'s segments into this job: one checkpoint for both.
+    fn merge(&mut self, later: RemoveJob) {
+        self.segments.extend(later.segments);
+        self.max_segment_epoch = self.max_segment_epoch.max(later.max_segment_epoch);
+        self.removed_up_to = self.removed_up_to.max(later.removed_up_to);
+        self.written = self.written.max(later.written);
+    }
+}
+
 /// The checkpoint after removing `job`'s segments: the previous one (if
 /// any) with, per id, the maxima of its entries in their index files (last
 /// event sequence number, epoch, deletion marker); and the files to remove
@@ -537,8 +547,12 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
     let mut owed = Owed::default();
     // Snapshot table writes waiting for their sync.
     let mut batch = TableBatch::default();
+    // A job taken from the queue while gathering removals, next in line.
+    let mut held: Option<MetaJob> = None;
     loop {
-        let job = if dir_dirty || batch.dirty() {
+        let job = if let Some(j) = held.take() {
+            Some(j)
+        } else if dir_dirty || batch.dirty() {
             // Table writes wait out their window for more saves to share
             // the sync; a directory sync alone waits for nothing.
             let wait = batch.deadline().map_or(Duration::ZERO, |d| {
@@ -567,6 +581,23 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
         if let Some(MetaJob::Release(index)) = job {
             drop(index);
             continue;
+        }
+        // Removals queued one after another share one checkpoint (each
+        // costs a durable write of it: with small segments under load,
+        // one per segment kept this thread from catching up).
+        let mut job = job;
+        if let Some(MetaJob::Remove(first)) = &mut job {
+            loop {
+                match rx.try_recv() {
+                    Ok(MetaJob::Remove(next)) => first.merge(next),
+                    Ok(MetaJob::Release(index)) => drop(index),
+                    Ok(other) => {
+                        held = Some(other);
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
         }
         if failed || shared.poisoned.load(Ordering::SeqCst) {
             failed = true;
@@ -1011,7 +1042,12 @@ pub(crate) fn run(
         let durable = Lsn(shared.durable_lsn.load(Ordering::SeqCst));
         let (ready, waiting): (Vec<_>, Vec<_>) =
             removals.drain(..).partition(|j| j.written <= durable);
-        for job in ready {
+        // One job for all that are ready: one checkpoint.
+        let mut ready = ready.into_iter();
+        if let Some(mut job) = ready.next() {
+            for later in ready {
+                job.merge(later);
+            }
             let _ = meta_tx.send(MetaJob::Remove(job));
         }
         removals = waiting;
