@@ -34,6 +34,33 @@ fn index_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     v
 }
 
+/// Appends rounds `rounds` (one event of each of the `IDS` ids each) and
+/// returns the last LSN.
+fn append_rounds(j: &mut Journal, rounds: std::ops::RangeInclusive<u64>) -> Lsn {
+    let mut last = Lsn(0);
+    for round in rounds {
+        for i in 0..IDS {
+            let id = name(i);
+            last = j
+                .append(
+                    &pid(&id),
+                    SequenceNr(round),
+                    WriterEpoch(1),
+                    &payload(&id, round),
+                )
+                .unwrap();
+        }
+    }
+    last
+}
+
+/// (sequence number, payload) of each record.
+fn pairs(v: Vec<shardline_journal::Record>) -> Vec<(u64, Vec<u8>)> {
+    v.into_iter()
+        .map(|r| (r.sequence_nr.0, r.payload))
+        .collect()
+}
+
 /// Checks that every id replays exactly `expected` (its sequence numbers
 /// and payloads from `from`).
 fn check_replay(
@@ -58,24 +85,12 @@ fn replay_deletion_and_removal_read_sealed_segments_through_their_index_files() 
     let ids: Vec<_> = (0..IDS).map(|i| pid(&name(i))).collect();
     // (first kept, last) sequence number per id.
     let mut expected: BTreeMap<String, (u64, u64)> = BTreeMap::new();
-    let mut last = Lsn(0);
-    for round in 1..=ROUNDS {
-        for p in &ids {
-            last = j
-                .append(
-                    p,
-                    SequenceNr(round),
-                    WriterEpoch(1),
-                    &payload(p.as_str(), round),
-                )
-                .unwrap();
-        }
+    for first in (1..=ROUNDS).step_by(5) {
+        let last = append_rounds(&mut j, first..=first + 4);
         // Let the index files of the segments sealed so far be written,
         // so that later appends take them up in place of memory.
-        if round % 5 == 0 {
-            j.wait_durable(last).unwrap();
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        j.wait_durable(last).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
     }
     for p in &ids {
         expected.insert(p.as_str().to_string(), (1, ROUNDS));
@@ -88,30 +103,14 @@ fn replay_deletion_and_removal_read_sealed_segments_through_their_index_files() 
         expected.get_mut(p.as_str()).unwrap().0 = 11;
     }
     for round in ROUNDS + 1..=ROUNDS + 10 {
-        for p in &ids {
-            last = j
-                .append(
-                    p,
-                    SequenceNr(round),
-                    WriterEpoch(1),
-                    &payload(p.as_str(), round),
-                )
-                .unwrap();
-        }
+        let last = append_rounds(&mut j, round..=round);
         j.wait_durable(last).unwrap();
         std::thread::sleep(Duration::from_millis(10));
     }
     for v in expected.values_mut() {
         v.1 = ROUNDS + 10;
     }
-    let replay = |j: &Journal, id: &str, from| {
-        j.replay(&pid(id), from).map(|v| {
-            v.into_iter()
-                .map(|r| (r.sequence_nr.0, r.payload))
-                .collect()
-        })
-    };
-    check_replay(|id, from| replay(&j, id, from), &expected);
+    check_replay(|id, from| j.replay(&pid(id), from).map(pairs), &expected);
 
     // Snapshots of every id at its last event make every sealed segment
     // obsolete: each is found covered through its index (whichever form it
@@ -156,45 +155,18 @@ fn replay_deletion_and_removal_read_sealed_segments_through_their_index_files() 
 fn reopened_and_read_only_journals_replay_through_index_files() {
     let dir = tempfile::tempdir().unwrap();
     let (mut j, _) = Journal::open(dir.path(), opts(4096, Durability::Always, 1)).unwrap();
-    let mut expected = BTreeMap::new();
-    for round in 1..=ROUNDS {
-        for i in 0..IDS {
-            let id = name(i);
-            j.append(
-                &pid(&id),
-                SequenceNr(round),
-                WriterEpoch(1),
-                &payload(&id, round),
-            )
-            .unwrap();
-            expected.insert(id, (1, round));
-        }
-    }
+    append_rounds(&mut j, 1..=ROUNDS);
+    let expected: BTreeMap<_, _> = (0..IDS).map(|i| (name(i), (1, ROUNDS))).collect();
     j.close().unwrap();
     assert!(index_files(dir.path()).len() > 20);
 
     let (j, rep) = Journal::open(dir.path(), opts(4096, Durability::Always, 1)).unwrap();
     assert_eq!(rep.scanned_segments, 1, "only the segment that was open");
-    check_replay(
-        |id, from| {
-            j.replay(&pid(id), from).map(|v| {
-                v.into_iter()
-                    .map(|r| (r.sequence_nr.0, r.payload))
-                    .collect()
-            })
-        },
-        &expected,
-    );
+    check_replay(|id, from| j.replay(&pid(id), from).map(pairs), &expected);
     let reader = JournalReader::open(dir.path()).unwrap();
     assert_eq!(reader.persistence_ids().len(), IDS);
     check_replay(
-        |id, from| {
-            reader.replay(&pid(id), from).map(|v| {
-                v.into_iter()
-                    .map(|r| (r.sequence_nr.0, r.payload))
-                    .collect()
-            })
-        },
+        |id, from| reader.replay(&pid(id), from).map(pairs),
         &expected,
     );
 }
@@ -203,18 +175,7 @@ fn reopened_and_read_only_journals_replay_through_index_files() {
 fn an_index_file_damaged_after_it_was_checked_fails_replay_with_a_typed_error() {
     let dir = tempfile::tempdir().unwrap();
     let (mut j, _) = Journal::open(dir.path(), opts(4096, Durability::Always, 1)).unwrap();
-    for round in 1..=ROUNDS {
-        for i in 0..IDS {
-            let id = name(i);
-            j.append(
-                &pid(&id),
-                SequenceNr(round),
-                WriterEpoch(1),
-                &payload(&id, round),
-            )
-            .unwrap();
-        }
-    }
+    append_rounds(&mut j, 1..=ROUNDS);
     j.close().unwrap();
     // Opened: every sealed segment's index file was checked (checksum,
     // order) and is read in place from now on.

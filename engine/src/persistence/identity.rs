@@ -405,26 +405,13 @@ impl DataScope {
         let root_id = root_identity(&root)?;
         let recorded = read_identity(&data_dir)?;
         let recorded_id = match recorded {
+            Some(r) if r.cluster_name == cluster_name => r.cluster_id,
             // A data_dir whose node never learned a cluster id never joined
             // a cluster (the id is recorded before it serves: the oldest Up
             // member establishes it, the others learn it at the handshake),
             // so it holds nobody's data: a node refused at its first join
             // (a wrong cluster_name) starts again with the corrected one.
-            Some(r)
-                if r.cluster_name != cluster_name
-                    && r.cluster_id.is_none()
-                    && holds_no_events(&data_dir) =>
-            {
-                write_identity(
-                    &data_dir,
-                    &RecordedIdentity {
-                        cluster_name: cluster_name.to_string(),
-                        cluster_id: None,
-                    },
-                )?;
-                None
-            }
-            Some(r) if r.cluster_name != cluster_name => {
+            Some(r) if r.cluster_id.is_some() || !holds_no_events(&data_dir) => {
                 return Err(IdentityError::OtherCluster {
                     file: data_dir.join(IDENTITY_FILE),
                     dir: data_dir,
@@ -432,8 +419,7 @@ impl DataScope {
                     configured: cluster_name.to_string(),
                 })
             }
-            Some(r) => r.cluster_id,
-            None => {
+            _ => {
                 write_identity(
                     &data_dir,
                     &RecordedIdentity {
