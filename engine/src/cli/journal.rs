@@ -4,6 +4,15 @@
 //! nothing. `shardline journal repair DIR --yes` cuts a corrupt journal at
 //! its first corruption so that a node can open it again (records after the
 //! cut are lost; run it only on a stopped node's journal).
+//!
+//! A node's journals are `{data_dir}/control` and `{data_dir}/journal/core-<n>`;
+//! while a node runs it holds `{data_dir}/lock` (see
+//! `persistence::identity`). `verify` and `repair` take that lock for as
+//! long as they run and refuse a journal whose node is running: a live
+//! journal's record in progress reads as a torn tail or corruption, its
+//! segments go while they are read, and a repair removed the running
+//! node's next segment and poisoned its journal. `inspect` reads a live
+//! journal, and says so first.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -84,6 +93,19 @@ pub enum JournalCliError {
         /// The journal's error.
         source: shardline_journal::OpenError,
     },
+    /// The journal belongs to a node that is running (it holds the
+    /// `data_dir`'s lock): `verify` and `repair` read a stopped node's
+    /// journal.
+    #[error(
+        "journal {dir} is open by a running node: {source}; stop the node first (verify and \
+         repair read a stopped node's journal)"
+    )]
+    InUse {
+        /// The journal directory.
+        dir: PathBuf,
+        /// The lock's error, naming the node's pid.
+        source: Box<crate::persistence::IdentityError>,
+    },
     /// The journal could not be opened even in repair mode.
     #[error("cannot repair journal {dir}: {source}")]
     Repair {
@@ -104,13 +126,72 @@ pub enum JournalCliError {
 /// a newer format version); [`JournalCliError::Io`] when writing fails.
 pub fn run(args: &JournalArgs, out: &mut impl Write) -> Result<bool, JournalCliError> {
     match &args.command {
-        JournalCommand::Verify { dir } => verify_cmd(dir, out),
-        JournalCommand::Repair { dir, yes } => repair_cmd(dir, *yes, out).map(|()| true),
+        JournalCommand::Verify { dir } => {
+            let _lock = stopped_node(dir)?;
+            verify_cmd(dir, out)
+        }
+        JournalCommand::Repair { dir, yes } => {
+            if !yes {
+                return Err(JournalCliError::NotConfirmed);
+            }
+            let _lock = stopped_node(dir)?;
+            repair_cmd(dir, *yes, out).map(|()| true)
+        }
         JournalCommand::Inspect {
             dir,
             persistence_id,
-        } => inspect_cmd(dir, persistence_id.as_deref(), out),
+        } => {
+            if let Some(data_dir) = node_data_dir(dir) {
+                if let Err(e) = crate::persistence::DataDirLock::probe(&data_dir) {
+                    writeln!(
+                        out,
+                        "# note: {e}; its newest record may be in progress and its segments \
+                         may go while they are read"
+                    )?;
+                }
+            }
+            inspect_cmd(dir, persistence_id.as_deref(), out)
+        }
     }
+}
+
+/// The node `data_dir` that journal directory `dir` belongs to, by the
+/// layout (`{data_dir}/control`, `{data_dir}/journal/core-<n>`), when that
+/// directory has a lock file: `None` for a journal elsewhere (a copy).
+fn node_data_dir(dir: &std::path::Path) -> Option<PathBuf> {
+    let name = dir.file_name()?.to_str()?;
+    let parent = dir.parent()?;
+    let data_dir = if name == "control" {
+        parent.to_path_buf()
+    } else if name.starts_with("core-") && parent.file_name()? == "journal" {
+        parent.parent()?.to_path_buf()
+    } else {
+        return None;
+    };
+    data_dir
+        .join(crate::persistence::LOCK_FILE)
+        .is_file()
+        .then_some(data_dir)
+}
+
+/// Takes the lock of the node `dir` belongs to (see [`node_data_dir`]), so
+/// that no node starts on the journal meanwhile; `None` for a journal of
+/// no node.
+///
+/// # Errors
+/// [`JournalCliError::InUse`] when the node is running.
+fn stopped_node(
+    dir: &std::path::Path,
+) -> Result<Option<crate::persistence::DataDirLock>, JournalCliError> {
+    let Some(data_dir) = node_data_dir(dir) else {
+        return Ok(None);
+    };
+    crate::persistence::DataDirLock::acquire(&data_dir)
+        .map(Some)
+        .map_err(|source| JournalCliError::InUse {
+            dir: dir.to_path_buf(),
+            source: Box::new(source),
+        })
 }
 
 fn repair_cmd(dir: &PathBuf, yes: bool, out: &mut impl Write) -> Result<(), JournalCliError> {
@@ -424,6 +505,45 @@ mod tests {
         let mut out = Vec::new();
         let ok = run(&JournalArgs { command }, &mut out).unwrap();
         (ok, String::from_utf8(out).unwrap())
+    }
+
+    #[test]
+    fn verify_and_repair_refuse_a_running_nodes_journal_and_inspect_says_so() {
+        let root = tempfile::tempdir().unwrap();
+        let data_dir = root.path().join("node-1");
+        let core = data_dir.join("journal").join("core-0");
+        std::fs::create_dir_all(&core).unwrap();
+        sample(&core);
+        // A running node holds its data_dir's lock.
+        let lock = crate::persistence::DataDirLock::acquire(&data_dir).unwrap();
+        let pid = format!("process {}", std::process::id());
+        for command in [
+            JournalCommand::Verify { dir: core.clone() },
+            JournalCommand::Repair {
+                dir: core.clone(),
+                yes: true,
+            },
+        ] {
+            let mut out = Vec::new();
+            let err = run(&JournalArgs { command }, &mut out).unwrap_err();
+            assert!(matches!(err, JournalCliError::InUse { .. }), "{err}");
+            assert!(err.to_string().contains(&pid), "{err}");
+            assert!(out.is_empty());
+        }
+        let inspect = || JournalCommand::Inspect {
+            dir: core.clone(),
+            persistence_id: None,
+        };
+        let (ok, text) = run_to_string(inspect());
+        assert!(ok, "{text}");
+        assert!(text.starts_with("# note: data_dir"), "{text}");
+        assert!(text.contains(&pid), "{text}");
+        // The node stopped: verify gives its verdict, inspect no note.
+        drop(lock);
+        let (ok, text) = run_to_string(JournalCommand::Verify { dir: core.clone() });
+        assert!(ok && text.contains("result: usable"), "{text}");
+        let (_, text) = run_to_string(inspect());
+        assert!(!text.contains("# note"), "{text}");
     }
 
     #[test]

@@ -198,6 +198,35 @@ impl DataDirLock {
         Ok(DataDirLock { _file: file, path })
     }
 
+    /// Whether a node holds `{data_dir}/lock`, without taking it or
+    /// writing to it: `Ok` when no process holds it (or there is no lock
+    /// file).
+    ///
+    /// # Errors
+    /// [`IdentityError::Locked`] naming the holder's pid when one holds it;
+    /// [`IdentityError::Io`] when the file cannot be opened.
+    pub fn probe(data_dir: &Path) -> Result<(), IdentityError> {
+        let path = data_dir.join(LOCK_FILE);
+        let mut file = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(source) => return Err(IdentityError::Io { path, source }),
+        };
+        // SAFETY: flock on a file descriptor we own; a shared lock taken
+        // here is dropped with the descriptor.
+        let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) };
+        if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK) {
+            let mut s = String::new();
+            let _ = file.read_to_string(&mut s);
+            return Err(IdentityError::Locked {
+                dir: data_dir.to_path_buf(),
+                lock: path,
+                holder: s.trim().parse().ok(),
+            });
+        }
+        Ok(())
+    }
+
     /// The lock file's path.
     pub fn path(&self) -> &Path {
         &self.path

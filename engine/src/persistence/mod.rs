@@ -30,7 +30,7 @@ pub mod pg;
 pub mod pg_control;
 pub mod remember;
 
-pub use identity::{DataDirLock, DataScope, IdentityError};
+pub use identity::{DataDirLock, DataScope, IdentityError, LOCK_FILE};
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
