@@ -31,7 +31,8 @@ enum Command {
     /// Run one rebalance round of the coordinator now:
     /// `shardline rebalance --node ADDR [--type T]`.
     Rebalance(super::rebalance::RebalanceArgs),
-    /// Journal tools: `shardline journal verify DIR`, `shardline journal inspect DIR`.
+    /// Journal tools for a stopped node's journal: `verify DIR`, `inspect
+    /// DIR`, `repair DIR --yes`.
     Journal(super::journal::JournalArgs),
 }
 

@@ -7,8 +7,10 @@
 //!
 //! A node's journals are `{data_dir}/control` and `{data_dir}/journal/core-<n>`;
 //! while a node runs it holds `{data_dir}/lock` (see
-//! `persistence::identity`). `verify` and `repair` take that lock for as
-//! long as they run and refuse a journal whose node is running: a live
+//! `persistence::identity`). `verify` (shared, read-only) and `repair`
+//! (exclusive) take that lock for as long as they run and refuse a journal
+//! whose node is running, however the path is written (it is resolved
+//! first: `.`, `..`, links): a live
 //! journal's record in progress reads as a torn tail or corruption, its
 //! segments go while they are read, and a repair removed the running
 //! node's next segment and poisoned its journal. `inspect` reads a live
@@ -35,14 +37,17 @@ pub enum JournalCommand {
     /// Check every segment, then open the journal read-only as a node's
     /// recovery would (its state checkpoint, indexes and snapshot table);
     /// exit 0 when the journal is usable (a torn tail is usable: opening
-    /// cuts it), 1 when it is corrupt or does not open.
+    /// cuts it), 1 when it is corrupt or does not open. Refuses the
+    /// journal of a running node (`DATA_DIR/control`,
+    /// `DATA_DIR/journal/core-N` while the node holds `DATA_DIR/lock`).
     Verify {
         /// The journal directory.
         dir: PathBuf,
     },
     /// Cut the journal at its first corruption (repair mode of the journal's
     /// recovery): every record after it is lost, stale segments are
-    /// removed. Only for a journal no node has open. Needs `--yes`.
+    /// removed. Only for a journal no node has open (refuses a running
+    /// node's, as `verify` does). Needs `--yes`.
     Repair {
         /// The journal directory.
         dir: PathBuf,
@@ -106,6 +111,15 @@ pub enum JournalCliError {
         /// The lock's error, naming the node's pid.
         source: Box<crate::persistence::IdentityError>,
     },
+    /// The lock of the node the journal belongs to could not be taken for
+    /// another reason than a running node (a permission, an I/O error).
+    #[error("cannot lock the data_dir of journal {dir}: {source}")]
+    Lock {
+        /// The journal directory.
+        dir: PathBuf,
+        /// The lock's error.
+        source: Box<crate::persistence::IdentityError>,
+    },
     /// The journal could not be opened even in repair mode.
     #[error("cannot repair journal {dir}: {source}")]
     Repair {
@@ -127,14 +141,14 @@ pub enum JournalCliError {
 pub fn run(args: &JournalArgs, out: &mut impl Write) -> Result<bool, JournalCliError> {
     match &args.command {
         JournalCommand::Verify { dir } => {
-            let _lock = stopped_node(dir)?;
+            let _lock = stopped_node(dir, false)?;
             verify_cmd(dir, out)
         }
         JournalCommand::Repair { dir, yes } => {
             if !yes {
                 return Err(JournalCliError::NotConfirmed);
             }
-            let _lock = stopped_node(dir)?;
+            let _lock = stopped_node(dir, true)?;
             repair_cmd(dir, *yes, out).map(|()| true)
         }
         JournalCommand::Inspect {
@@ -142,7 +156,9 @@ pub fn run(args: &JournalArgs, out: &mut impl Write) -> Result<bool, JournalCliE
             persistence_id,
         } => {
             if let Some(data_dir) = node_data_dir(dir) {
-                if let Err(e) = crate::persistence::DataDirLock::probe(&data_dir) {
+                if let Err(e @ crate::persistence::IdentityError::Locked { .. }) =
+                    crate::persistence::DataDirLock::acquire_shared(&data_dir)
+                {
                     writeln!(
                         out,
                         "# note: {e}; its newest record may be in progress and its segments \
@@ -156,9 +172,12 @@ pub fn run(args: &JournalArgs, out: &mut impl Write) -> Result<bool, JournalCliE
 }
 
 /// The node `data_dir` that journal directory `dir` belongs to, by the
-/// layout (`{data_dir}/control`, `{data_dir}/journal/core-<n>`), when that
-/// directory has a lock file: `None` for a journal elsewhere (a copy).
+/// layout (`{data_dir}/control`, `{data_dir}/journal/core-<n>`) of its
+/// resolved path (`.`, `..` and links followed), when that directory has a
+/// lock file: `None` for a journal elsewhere (a copy), or a directory that
+/// does not exist.
 fn node_data_dir(dir: &std::path::Path) -> Option<PathBuf> {
+    let dir = std::fs::canonicalize(dir).ok()?;
     let name = dir.file_name()?.to_str()?;
     let parent = dir.parent()?;
     let data_dir = if name == "control" {
@@ -174,24 +193,33 @@ fn node_data_dir(dir: &std::path::Path) -> Option<PathBuf> {
         .then_some(data_dir)
 }
 
-/// Takes the lock of the node `dir` belongs to (see [`node_data_dir`]), so
-/// that no node starts on the journal meanwhile; `None` for a journal of
-/// no node.
+/// Takes the lock of the node `dir` belongs to (see [`node_data_dir`]),
+/// `exclusive` or shared (read-only), so that no node starts on the
+/// journal meanwhile; `None` for a journal of no node.
 ///
 /// # Errors
-/// [`JournalCliError::InUse`] when the node is running.
+/// [`JournalCliError::InUse`] when the node is running;
+/// [`JournalCliError::Lock`] when the lock cannot be taken otherwise.
 fn stopped_node(
     dir: &std::path::Path,
+    exclusive: bool,
 ) -> Result<Option<crate::persistence::DataDirLock>, JournalCliError> {
+    use crate::persistence::{DataDirLock, IdentityError};
     let Some(data_dir) = node_data_dir(dir) else {
         return Ok(None);
     };
-    crate::persistence::DataDirLock::acquire(&data_dir)
-        .map(Some)
-        .map_err(|source| JournalCliError::InUse {
-            dir: dir.to_path_buf(),
-            source: Box::new(source),
-        })
+    let lock = if exclusive {
+        DataDirLock::acquire(&data_dir)
+    } else {
+        DataDirLock::acquire_shared(&data_dir)
+    };
+    lock.map(Some).map_err(|source| {
+        let (dir, source) = (dir.to_path_buf(), Box::new(source));
+        match *source {
+            IdentityError::Locked { .. } => JournalCliError::InUse { dir, source },
+            _ => JournalCliError::Lock { dir, source },
+        }
+    })
 }
 
 fn repair_cmd(dir: &PathBuf, yes: bool, out: &mut impl Write) -> Result<(), JournalCliError> {
@@ -513,12 +541,26 @@ mod tests {
         let data_dir = root.path().join("node-1");
         let core = data_dir.join("journal").join("core-0");
         std::fs::create_dir_all(&core).unwrap();
+        std::fs::create_dir_all(data_dir.join("control")).unwrap();
         sample(&core);
         // A running node holds its data_dir's lock.
         let lock = crate::persistence::DataDirLock::acquire(&data_dir).unwrap();
         let pid = format!("process {}", std::process::id());
+        // However the path is written: `..`, a link.
+        let dotted = data_dir
+            .join("journal")
+            .join("..")
+            .join("journal")
+            .join("core-0");
+        let link = root.path().join("link");
+        std::os::unix::fs::symlink(&core, &link).unwrap();
         for command in [
             JournalCommand::Verify { dir: core.clone() },
+            JournalCommand::Verify { dir: dotted },
+            JournalCommand::Verify { dir: link },
+            JournalCommand::Verify {
+                dir: data_dir.join("control"),
+            },
             JournalCommand::Repair {
                 dir: core.clone(),
                 yes: true,

@@ -198,33 +198,34 @@ impl DataDirLock {
         Ok(DataDirLock { _file: file, path })
     }
 
-    /// Whether a node holds `{data_dir}/lock`, without taking it or
-    /// writing to it: `Ok` when no process holds it (or there is no lock
-    /// file).
+    /// Takes a shared lock on `{data_dir}/lock`, opened read-only (a
+    /// reader of a stopped node's data needs no write access), held until
+    /// dropped: a node cannot start meanwhile (its exclusive lock is
+    /// refused), other shared holders can. Writes nothing.
     ///
     /// # Errors
-    /// [`IdentityError::Locked`] naming the holder's pid when one holds it;
-    /// [`IdentityError::Io`] when the file cannot be opened.
-    pub fn probe(data_dir: &Path) -> Result<(), IdentityError> {
+    /// [`IdentityError::Locked`] naming the holder's pid when a node (an
+    /// exclusive holder) runs; [`IdentityError::Io`] when the file cannot
+    /// be opened or locked.
+    pub fn acquire_shared(data_dir: &Path) -> Result<DataDirLock, IdentityError> {
         let path = data_dir.join(LOCK_FILE);
-        let mut file = match File::open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(source) => return Err(IdentityError::Io { path, source }),
-        };
-        // SAFETY: flock on a file descriptor we own; a shared lock taken
-        // here is dropped with the descriptor.
+        let mut file = File::open(&path).map_err(io(&path))?;
+        // SAFETY: flock on a file descriptor we own.
         let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) };
-        if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK) {
-            let mut s = String::new();
-            let _ = file.read_to_string(&mut s);
-            return Err(IdentityError::Locked {
-                dir: data_dir.to_path_buf(),
-                lock: path,
-                holder: s.trim().parse().ok(),
-            });
+        if r != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                let mut s = String::new();
+                let _ = file.read_to_string(&mut s);
+                return Err(IdentityError::Locked {
+                    dir: data_dir.to_path_buf(),
+                    lock: path,
+                    holder: s.trim().parse().ok(),
+                });
+            }
+            return Err(IdentityError::Io { path, source: err });
         }
-        Ok(())
+        Ok(DataDirLock { _file: file, path })
     }
 
     /// The lock file's path.
@@ -726,6 +727,28 @@ mod tests {
             root_identity(t.path()),
             Err(IdentityError::Corrupt { .. })
         ));
+    }
+
+    #[test]
+    fn a_shared_lock_keeps_a_node_out_and_a_node_keeps_it_out() {
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path().join("n");
+        drop(DataDirLock::acquire(&d).unwrap());
+        let a = DataDirLock::acquire_shared(&d).unwrap();
+        let b = DataDirLock::acquire_shared(&d).unwrap();
+        assert!(matches!(
+            DataDirLock::acquire(&d),
+            Err(IdentityError::Locked { .. })
+        ));
+        drop((a, b));
+        let node = DataDirLock::acquire(&d).unwrap();
+        let e = DataDirLock::acquire_shared(&d).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains(&format!("process {}", std::process::id())),
+            "{e}"
+        );
+        drop(node);
     }
 
     #[test]
