@@ -176,21 +176,7 @@ impl DataDirLock {
             .truncate(false)
             .open(&path)
             .map_err(io(&path))?;
-        // SAFETY: flock on a file descriptor we own.
-        let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if r != 0 {
-            let err = std::io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                let mut s = String::new();
-                let _ = file.read_to_string(&mut s);
-                return Err(IdentityError::Locked {
-                    dir: data_dir.to_path_buf(),
-                    lock: path,
-                    holder: s.trim().parse().ok(),
-                });
-            }
-            return Err(IdentityError::Io { path, source: err });
-        }
+        flock(&mut file, libc::LOCK_EX, data_dir, &path)?;
         file.set_len(0).map_err(io(&path))?;
         file.rewind().map_err(io(&path))?;
         writeln!(file, "{}", std::process::id()).map_err(io(&path))?;
@@ -210,21 +196,7 @@ impl DataDirLock {
     pub fn acquire_shared(data_dir: &Path) -> Result<DataDirLock, IdentityError> {
         let path = data_dir.join(LOCK_FILE);
         let mut file = File::open(&path).map_err(io(&path))?;
-        // SAFETY: flock on a file descriptor we own.
-        let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) };
-        if r != 0 {
-            let err = std::io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                let mut s = String::new();
-                let _ = file.read_to_string(&mut s);
-                return Err(IdentityError::Locked {
-                    dir: data_dir.to_path_buf(),
-                    lock: path,
-                    holder: s.trim().parse().ok(),
-                });
-            }
-            return Err(IdentityError::Io { path, source: err });
-        }
+        flock(&mut file, libc::LOCK_SH, data_dir, &path)?;
         Ok(DataDirLock { _file: file, path })
     }
 
@@ -232,6 +204,39 @@ impl DataDirLock {
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
+
+/// Takes `flock` `kind` (`LOCK_EX` or `LOCK_SH`) on `file`, the lock file
+/// `path` of `data_dir`, without waiting.
+///
+/// # Errors
+/// [`IdentityError::Locked`] naming the holder's pid (as the file records
+/// it) when another holder's lock conflicts; [`IdentityError::Io`] else.
+fn flock(
+    file: &mut File,
+    kind: libc::c_int,
+    data_dir: &Path,
+    path: &Path,
+) -> Result<(), IdentityError> {
+    // SAFETY: flock on a file descriptor the caller owns.
+    let r = unsafe { libc::flock(file.as_raw_fd(), kind | libc::LOCK_NB) };
+    if r == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        let mut s = String::new();
+        let _ = file.read_to_string(&mut s);
+        return Err(IdentityError::Locked {
+            dir: data_dir.to_path_buf(),
+            lock: path.to_path_buf(),
+            holder: s.trim().parse().ok(),
+        });
+    }
+    Err(IdentityError::Io {
+        path: path.to_path_buf(),
+        source: err,
+    })
 }
 
 /// The data root of a `data_dir`: its parent (`.` for a bare relative
