@@ -1035,9 +1035,7 @@ impl Journal {
         }
         // After the store: a removal queued here waits for this LSN to be
         // durable, which the sync thread learns from `written_lsn`.
-        if self.shared.file_indexes_ready.load(Ordering::Relaxed) {
-            self.adopt_file_indexes();
-        }
+        self.adopt_file_indexes();
         if self.obsolete_pending && kind == RecordKind::Event {
             // This record is written: a failure to queue a removal
             // poisons the journal for the next call, not this one. (A
@@ -1051,8 +1049,12 @@ impl Journal {
 
     /// Reads the indexes of sealed segments whose index file the meta
     /// thread made durable (and offered) from those files from now on; the
-    /// in-memory indexes they replace are freed on the meta thread.
+    /// in-memory indexes they replace are freed on the meta thread. One
+    /// load of a flag when there are none (on every append).
     fn adopt_file_indexes(&mut self) {
+        if !self.shared.file_indexes_ready.load(Ordering::Relaxed) {
+            return;
+        }
         for (id, f) in self.shared.take_file_indexes() {
             let Some(s) = self.catalog.sealed.get_mut(&id) else {
                 continue;
@@ -1068,7 +1070,6 @@ impl Journal {
     }
 
     fn roll(&mut self) -> Result<(), AppendError> {
-        self.adopt_file_indexes();
         let spare = match self.spare.take() {
             Some(job) => job
                 .join()
@@ -1131,9 +1132,7 @@ impl Journal {
     /// read in place (until then it is the newest sealed segment or close
     /// to it); one whose index file turned out damaged is kept.
     fn remove_obsolete_segments(&mut self, check: Check<'_>) -> Result<(), AppendError> {
-        if self.shared.file_indexes_ready.load(Ordering::Relaxed) {
-            self.adopt_file_indexes();
-        }
+        self.adopt_file_indexes();
         let covered = |p: &str, e: &EntryRef<'_>| {
             if e.has_no_events() {
                 return true;

@@ -536,9 +536,7 @@ impl FileIndex {
         let mut table = Vec::with_capacity(n as usize);
         let mut at = format::INDEX_ENTRIES_AT;
         for _ in 0..n {
-            let (v, next) = format::index_entry_at(&bytes, at, end)?;
-            let pid = std::str::from_utf8(v.pid)
-                .map_err(|_| format::FileDecodeError::Malformed(at as u64))?;
+            let (pid, _, next) = entry_with_id(&bytes, at, end)?;
             table.push((pid_hash(pid) as u32, at as u32));
             at = next;
         }
@@ -603,25 +601,23 @@ impl FileIndex {
     /// As [`FileIndex::get`], and when `at` is not an entry's start.
     pub(crate) fn count_uncovered(
         &self,
-        mut at: usize,
+        at: usize,
         budget: usize,
         mut covered: impl FnMut(&str, EntryRef<'_>) -> bool,
     ) -> Result<(u32, u32), format::FileDecodeError> {
-        let mut n = 0;
-        for _ in 0..budget {
-            if at >= self.end {
-                break;
+        let (mut read, mut n) = (0, 0);
+        let stopped = self.walk(at, |pid, v| {
+            if read == budget {
+                return false;
             }
-            let (v, next) = format::index_entry_at(&self.bytes, at, self.end)?;
-            let pid = std::str::from_utf8(v.pid)
-                .map_err(|_| format::FileDecodeError::Malformed(at as u64))?;
+            read += 1;
             if !covered(pid, EntryRef::File(v)) {
                 n += 1;
             }
-            at = next;
-        }
+            true
+        })?;
         // Below the file's length, below 4 GiB (`FileIndex::new`).
-        Ok((at.min(self.end) as u32, n))
+        Ok((stopped as u32, n))
     }
 
     /// Calls `f` with each entry, in the file's order (by id), until it
@@ -631,20 +627,48 @@ impl FileIndex {
     /// As [`FileIndex::get`].
     fn for_each(
         &self,
-        mut f: impl FnMut(&str, format::IndexEntryView<'_>) -> bool,
+        f: impl FnMut(&str, format::IndexEntryView<'_>) -> bool,
     ) -> Result<(), format::FileDecodeError> {
-        let mut at = format::INDEX_ENTRIES_AT;
+        self.walk(format::INDEX_ENTRIES_AT, f).map(drop)
+    }
+
+    /// Calls `f` with each entry from byte `at` (an entry's start), in the
+    /// file's order, until it returns false; returns the offset of the
+    /// entry it returned false for, or the entries' end.
+    ///
+    /// # Errors
+    /// As [`FileIndex::get`], and when `at` is not an entry's start.
+    fn walk(
+        &self,
+        mut at: usize,
+        mut f: impl FnMut(&str, format::IndexEntryView<'_>) -> bool,
+    ) -> Result<usize, format::FileDecodeError> {
         while at < self.end {
-            let (v, next) = format::index_entry_at(&self.bytes, at, self.end)?;
-            let pid = std::str::from_utf8(v.pid)
-                .map_err(|_| format::FileDecodeError::Malformed(at as u64))?;
+            let (pid, v, next) = entry_with_id(&self.bytes, at, self.end)?;
             if !f(pid, v) {
-                break;
+                return Ok(at);
             }
             at = next;
         }
-        Ok(())
+        Ok(self.end)
     }
+}
+
+/// The index entry at byte `at` of index file `bytes` (entries ending at
+/// `end`), its id as a string, and where the next entry starts.
+///
+/// # Errors
+/// As [`format::index_entry_at`], and [`format::FileDecodeError::Malformed`]
+/// when the id is not UTF-8.
+fn entry_with_id(
+    bytes: &[u8],
+    at: usize,
+    end: usize,
+) -> Result<(&str, format::IndexEntryView<'_>, usize), format::FileDecodeError> {
+    let (v, next) = format::index_entry_at(bytes, at, end)?;
+    let pid =
+        std::str::from_utf8(v.pid).map_err(|_| format::FileDecodeError::Malformed(at as u64))?;
+    Ok((pid, v, next))
 }
 
 impl SealedSegment {

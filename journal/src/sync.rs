@@ -658,10 +658,8 @@ fn run_meta(rx: Receiver<MetaJob>, shared: Arc<Shared>, storage: Arc<dyn Storage
                         shared.offer_file_index(segment, index);
                     }
                 }),
-            Some(MetaJob::Release(index)) => {
-                drop(index);
-                Ok(())
-            }
+            // Freed as soon as taken from the queue, above.
+            Some(MetaJob::Release(_)) => Ok(()),
             Some(MetaJob::Remove(job)) => removal_checkpoint(&*storage, &job)
                 .and_then(|(checkpoint, names)| {
                     storage
