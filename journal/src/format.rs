@@ -692,28 +692,98 @@ fn put_pid(out: &mut Vec<u8>, pid: &PersistenceId) {
     out.extend_from_slice(pid.as_bytes());
 }
 
+/// Writes an index file (FORMAT.md, "Index file") entry by entry, so that
+/// a sealed segment's in-memory index is encoded straight from its
+/// entries (see `SegmentIndex::encode_file`) with the same bytes as
+/// [`SegmentIndexFile::encode`], which uses it too.
+pub(crate) struct IndexFileWriter {
+    out: Vec<u8>,
+}
+
+/// Bytes of an index entry apart from its id and its events: the id's
+/// length (2), max epoch, last event and deletion sequence numbers (8
+/// each) and the event count (4).
+pub(crate) const INDEX_ENTRY_FIXED_BYTES: usize = 2 + 8 + 8 + 8 + 4;
+
+/// Bytes of one event of an index entry: sequence number (8), offset (4).
+pub(crate) const INDEX_EVENT_BYTES: usize = 12;
+
+impl IndexFileWriter {
+    /// Starts a file of `entries` entries (count) with these header fields;
+    /// `capacity_bytes` is the whole file's size when known (0 otherwise),
+    /// allocated at once.
+    pub(crate) fn new(
+        header: (Lsn, WriterEpoch, u64, Lsn, u64),
+        entries: u32,
+        capacity_bytes: usize,
+    ) -> Self {
+        let (segment_id, writer_epoch, end_offset, last_lsn, records) = header;
+        let mut out = preamble(&INDEX_MAGIC);
+        out.reserve(capacity_bytes.saturating_sub(out.len()));
+        out.extend_from_slice(&segment_id.0.to_le_bytes());
+        out.extend_from_slice(&writer_epoch.0.to_le_bytes());
+        out.extend_from_slice(&end_offset.to_le_bytes());
+        out.extend_from_slice(&last_lsn.0.to_le_bytes());
+        out.extend_from_slice(&records.to_le_bytes());
+        out.extend_from_slice(&entries.to_le_bytes());
+        IndexFileWriter { out }
+    }
+
+    /// Bytes before the first entry, with the trailing checksum (4): what
+    /// a file takes apart from its entries.
+    pub(crate) const FRAME_BYTES: usize = 16 + 8 * 5 + 4 + 4;
+
+    /// Appends the entry of `pid` (entries go in id order): `n` events,
+    /// `events` in order.
+    pub(crate) fn entry(
+        &mut self,
+        pid: &str,
+        (max_epoch, last_event_seq, deleted_to): (WriterEpoch, SequenceNr, SequenceNr),
+        n: u32,
+        events: impl Iterator<Item = (SequenceNr, u32)>,
+    ) {
+        let out = &mut self.out;
+        out.extend_from_slice(&(pid.len() as u16).to_le_bytes());
+        out.extend_from_slice(pid.as_bytes());
+        out.extend_from_slice(&max_epoch.0.to_le_bytes());
+        out.extend_from_slice(&last_event_seq.0.to_le_bytes());
+        out.extend_from_slice(&deleted_to.0.to_le_bytes());
+        out.extend_from_slice(&n.to_le_bytes());
+        for (seq, off) in events {
+            out.extend_from_slice(&seq.0.to_le_bytes());
+            out.extend_from_slice(&off.to_le_bytes());
+        }
+    }
+
+    /// The file's bytes, checksum appended.
+    pub(crate) fn finish(self) -> Vec<u8> {
+        seal(self.out)
+    }
+}
+
 impl SegmentIndexFile {
     /// Encodes the index file (FORMAT.md, "Index file").
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = preamble(&INDEX_MAGIC);
-        out.extend_from_slice(&self.segment_id.0.to_le_bytes());
-        out.extend_from_slice(&self.writer_epoch.0.to_le_bytes());
-        out.extend_from_slice(&self.end_offset.to_le_bytes());
-        out.extend_from_slice(&self.last_lsn.0.to_le_bytes());
-        out.extend_from_slice(&self.records.to_le_bytes());
-        out.extend_from_slice(&(self.entries.len() as u32).to_le_bytes());
+        let mut w = IndexFileWriter::new(
+            (
+                self.segment_id,
+                self.writer_epoch,
+                self.end_offset,
+                self.last_lsn,
+                self.records,
+            ),
+            self.entries.len() as u32,
+            0,
+        );
         for (pid, e) in &self.entries {
-            put_pid(&mut out, pid);
-            out.extend_from_slice(&e.max_epoch.0.to_le_bytes());
-            out.extend_from_slice(&e.last_event_seq.0.to_le_bytes());
-            out.extend_from_slice(&e.deleted_to.0.to_le_bytes());
-            out.extend_from_slice(&(e.events.len() as u32).to_le_bytes());
-            for (seq, off) in &e.events {
-                out.extend_from_slice(&seq.0.to_le_bytes());
-                out.extend_from_slice(&off.to_le_bytes());
-            }
+            w.entry(
+                pid.as_str(),
+                (e.max_epoch, e.last_event_seq, e.deleted_to),
+                e.events.len() as u32,
+                e.events.iter().copied(),
+            );
         }
-        seal(out)
+        w.finish()
     }
 
     /// Decodes an index file.
@@ -793,9 +863,6 @@ pub(crate) struct IndexEntryView<'a> {
     /// The events, 12 bytes each: sequence number `u64`, offset `u32`.
     events: &'a [u8],
 }
-
-/// Bytes of one event in an index entry: sequence number and offset.
-const INDEX_EVENT_BYTES: usize = 12;
 
 impl IndexEntryView<'_> {
     /// Number of events.

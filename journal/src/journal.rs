@@ -24,7 +24,7 @@ use crate::recovery::{
 };
 use crate::storage::{MmapStorage, SegmentFile, Storage};
 use crate::sync::{
-    self, DurabilityError, DurabilityWatcher, PendingSnapshots, RemoveJob, Shared, SyncMsg,
+    self, DurabilityError, DurabilityWatcher, MetaJob, PendingSnapshots, RemoveJob, Shared, SyncMsg,
 };
 use crate::table::SnapshotTable;
 
@@ -577,6 +577,11 @@ pub struct Journal {
     snapshot_seqs: PidMap<SequenceNr>,
     shared: Arc<Shared>,
     tx: Sender<SyncMsg>,
+    /// The meta thread's queue, for snapshots and index releases (never
+    /// full: the appending thread never waits on it). Dropped at shutdown
+    /// before the sync thread is told to stop, so that the meta thread
+    /// ends once its queue is done.
+    meta_tx: Option<Sender<MetaJob>>,
     sync_thread: Option<JoinHandle<()>>,
     spare: Option<SpareJob>,
     /// Saves so far, for unique temporary snapshot names.
@@ -694,7 +699,7 @@ impl Journal {
             }
             let idx = index_name(s.index.id);
             storage
-                .write_file_durable(&idx, &s.index.to_file().encode())
+                .write_file_durable(&idx, &s.index.encode_file())
                 .map_err(open_io(format!("writing the index of {}", s.name)))?;
             s.has_index_file = true;
             // Read in place from now on, as every durable index (kept in
@@ -728,14 +733,16 @@ impl Journal {
         let durable = Lsn(next_lsn.0 - 1);
         let shared = Arc::new(Shared::new(durable));
         let (tx, rx) = crossbeam_channel::bounded(64);
+        let (meta_tx, meta_rx) = crossbeam_channel::unbounded();
         let thread = {
             let shared = shared.clone();
             let storage = storage.clone();
             let policy = options.durability;
             let current = active.file.syncer();
+            let meta = (meta_tx.clone(), meta_rx);
             std::thread::Builder::new()
                 .name("journal-sync".into())
-                .spawn(move || sync::run(rx, shared, storage, policy, current))
+                .spawn(move || sync::run(rx, shared, storage, policy, current, meta))
                 .map_err(open_io("starting the sync thread"))?
         };
         let mut journal = Journal {
@@ -758,6 +765,7 @@ impl Journal {
             snapshot_seqs: PidMap::default(),
             shared,
             tx,
+            meta_tx: Some(meta_tx),
             sync_thread: Some(thread),
             spare: None,
             snapshot_serial: 0,
@@ -923,7 +931,7 @@ impl Journal {
     /// Deletes `pid`'s events up to `to` (capped at its last sequence
     /// number) by appending a deletion marker. Returns the marker's LSN, or
     /// `None` when nothing new is deleted. Segments whose records are all
-    /// deleted or covered by snapshots are removed by the sync thread.
+    /// deleted or covered by snapshots are removed by the journal's meta thread.
     ///
     /// # Errors
     /// As [`Journal::append`] (except `SequenceNotIncreasing`).
@@ -1061,8 +1069,10 @@ impl Journal {
             };
             if s.file_index.is_none() {
                 let old = s.use_file_index(f);
-                // The sync thread gone, the index is freed here instead.
-                let _ = self.tx.send(SyncMsg::Release(old));
+                // The meta thread gone, the index is freed here instead.
+                if let Some(meta) = &self.meta_tx {
+                    let _ = meta.send(MetaJob::Release(old));
+                }
                 // Its ids are counted from now on (appends carry it on).
                 self.obsolete_pending = true;
             }
@@ -1410,15 +1420,16 @@ impl Journal {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(name.clone(), bytes.clone());
-        let msg = SyncMsg::Snapshot {
+        let msg = MetaJob::Snapshot {
             tmp,
             name,
             bytes,
             pending: self.catalog.pending_snapshots.clone(),
             table: table.map(|t| (t, pid.clone())),
         };
-        if self.tx.send(msg).is_err() {
-            let reason = "sync thread stopped".to_string();
+        let sent = self.meta_tx.as_ref().is_some_and(|m| m.send(msg).is_ok());
+        if !sent {
+            let reason = "the journal's meta thread stopped".to_string();
             self.poison(reason.clone());
             return Err(SnapshotError::Poisoned { reason });
         }
@@ -1466,6 +1477,7 @@ impl Journal {
 
     fn shutdown(&mut self) {
         if let Some(t) = self.sync_thread.take() {
+            drop(self.meta_tx.take());
             let _ = self.tx.send(SyncMsg::Shutdown);
             let _ = t.join();
         }
