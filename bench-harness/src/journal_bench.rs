@@ -76,6 +76,12 @@ pub struct JournalArgs {
     /// latency then measures the backlog of a producer faster than the disk.
     #[arg(long)]
     pub rate: Option<f64>,
+    /// Persistence ids the records go to, round-robin (count; at least
+    /// 1). Many ids (a data core's hundreds of thousands of entities) make
+    /// each segment's index large: its sort and encoding at every roll is
+    /// then part of what the run measures.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    pub ids: u64,
 }
 
 /// Sleeps until record `i`'s intended time under an open-loop `rate`
@@ -219,8 +225,6 @@ impl Policy {
     }
 }
 
-const IDS: usize = 16;
-
 /// Runs the benchmark, printing as it goes.
 ///
 /// # Errors
@@ -332,9 +336,12 @@ fn git_revision() -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
-fn ids() -> Vec<PersistenceId> {
-    (0..IDS)
-        .map(|i| PersistenceId::new(&format!("bench|{i:02}")).expect("valid id"))
+/// `n` ids, `bench|` and a number zero-padded to one width (at least 2
+/// digits), so that every record has the same size.
+fn ids(n: u64) -> Vec<PersistenceId> {
+    let width = n.saturating_sub(1).max(10).ilog10() as usize + 1;
+    (0..n)
+        .map(|i| PersistenceId::new(&format!("bench|{i:0width$}")).expect("valid id"))
         .collect()
 }
 
@@ -360,7 +367,7 @@ fn durable_latencies(append_ns: &[u64], first: u64, events: &[(u64, u64)]) -> Hi
 
 fn run_one(dir: &Path, args: &JournalArgs, policy: Policy, size: usize) -> Result<JournalResult> {
     let n = args.records;
-    let ids = ids();
+    let ids = ids(args.ids);
     let data = payload(size);
     let record_bytes = format::record_len_bytes(ids[0].as_bytes().len(), size);
     let (j_elapsed, j_hist, j_calls) = run_journal(dir, args, policy, &ids, &data)?;
