@@ -214,3 +214,141 @@ fn an_index_file_damaged_after_it_was_checked_fails_replay_with_a_typed_error() 
         assert_eq!(got.len() as u64, ROUNDS);
     }
 }
+
+/// A memory storage whose index-file writes wait while its gate is closed.
+#[derive(Clone, Debug)]
+struct IndexGate {
+    inner: shardline_journal::storage::MemoryStorage,
+    open: std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl IndexGate {
+    fn set_open(&self, open: bool) {
+        *self.open.0.lock().unwrap() = open;
+        self.open.1.notify_all();
+    }
+
+    fn count(&self, ext: &str) -> usize {
+        use shardline_journal::storage::Storage;
+        let list = self.inner.list().unwrap();
+        list.iter().filter(|n| n.ends_with(ext)).count()
+    }
+}
+
+impl shardline_journal::storage::Storage for IndexGate {
+    fn list(&self) -> std::io::Result<Vec<String>> {
+        self.inner.list()
+    }
+    fn create_segment(
+        &self,
+        name: &str,
+        size_bytes: u64,
+    ) -> std::io::Result<Box<dyn shardline_journal::storage::SegmentFile>> {
+        self.inner.create_segment(name, size_bytes)
+    }
+    fn open_segment(
+        &self,
+        name: &str,
+        writable: bool,
+    ) -> std::io::Result<Box<dyn shardline_journal::storage::SegmentFile>> {
+        self.inner.open_segment(name, writable)
+    }
+    fn truncate(&self, name: &str, len_bytes: u64) -> std::io::Result<()> {
+        self.inner.truncate(name, len_bytes)
+    }
+    fn read_file(&self, name: &str) -> std::io::Result<Vec<u8>> {
+        self.inner.read_file(name)
+    }
+    fn map_file(&self, name: &str) -> std::io::Result<shardline_journal::storage::MappedFile> {
+        self.inner.map_file(name)
+    }
+    fn write_file_durable(&self, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+        if name.ends_with(".idx") {
+            let (open, cond) = &*self.open;
+            let mut g = open.lock().unwrap();
+            while !*g {
+                g = cond.wait(g).unwrap();
+            }
+        }
+        self.inner.write_file_durable(name, bytes)
+    }
+    fn write_file(&self, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+        self.inner.write_file(name, bytes)
+    }
+    fn sync_file(&self, name: &str) -> std::io::Result<()> {
+        self.inner.sync_file(name)
+    }
+    fn rename(&self, from: &str, to: &str) -> std::io::Result<()> {
+        self.inner.rename(from, to)
+    }
+    fn remove(&self, name: &str) -> std::io::Result<()> {
+        self.inner.remove(name)
+    }
+    fn sync_dir(&self) -> std::io::Result<()> {
+        self.inner.sync_dir()
+    }
+}
+
+#[test]
+fn an_idle_journal_takes_up_index_files_and_removes_covered_segments_when_maintained() {
+    let gate = IndexGate {
+        inner: shardline_journal::storage::MemoryStorage::new(),
+        open: Default::default(),
+    };
+    let (mut j, _) = Journal::open_with_storage(
+        std::sync::Arc::new(gate.clone()),
+        opts(4096, Durability::None, 1),
+    )
+    .unwrap();
+    let ids: Vec<_> = (0..IDS).map(|i| pid(&name(i))).collect();
+    // No index file can be written: every sealed segment keeps its index
+    // in memory, where snapshots do not count its ids covered.
+    let last = append_rounds(&mut j, 1..=ROUNDS);
+    j.wait_durable(last).unwrap();
+    for p in &ids {
+        j.save_snapshot(p, SequenceNr(ROUNDS), WriterEpoch(1), b"s")
+            .unwrap();
+    }
+    let sealed = j.segment_count() - 1;
+    assert!(sealed > 20, "{sealed} sealed segments");
+    // Then the index files are written, and the journal is left idle.
+    gate.set_open(true);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while gate.count(".idx") < sealed {
+        assert!(std::time::Instant::now() < deadline, "index files");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(j.segment_count(), sealed + 1, "nothing changes by itself");
+    // What a data core's timer does: each call takes up what is offered and
+    // counts a step; every sealed segment is found covered and removed.
+    while j.segment_count() > 1 || gate.count(".seg") > 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} segments left",
+            j.segment_count()
+        );
+        j.maintain();
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for p in &ids {
+        let r = j.recover(p).unwrap();
+        assert_eq!(r.snapshot.unwrap().sequence_nr, SequenceNr(ROUNDS));
+        assert!(r.events.is_empty());
+        assert_eq!(j.highest_sequence_nr(p), SequenceNr(ROUNDS));
+    }
+    // Appends go on after the removals; a reopen sees the same.
+    append_rounds(&mut j, ROUNDS + 1..=ROUNDS + 1);
+    j.close().unwrap();
+    let (j, rep) = Journal::open_with_storage(
+        std::sync::Arc::new(gate.inner.clone()),
+        opts(4096, Durability::None, 1),
+    )
+    .unwrap();
+    assert_eq!(rep.persistence_ids, IDS as u64);
+    for p in &ids {
+        let r = j.recover(p).unwrap();
+        assert_eq!(r.snapshot.unwrap().sequence_nr, SequenceNr(ROUNDS));
+        assert_eq!(r.events.len(), 1);
+    }
+}

@@ -678,6 +678,10 @@ impl DataExecutor {
         if self.host.has_workers() || self.host.poll_timeout().is_some_and(|d| d <= now) {
             self.host.handle_timeout(now, &mut self.plane);
         }
+        // The journal's housekeeping, which appends also do on the way.
+        if let Ok(l) = self.host.journal_mut().log() {
+            l.maintain();
+        }
         // Embedding-API asks past their wait: answered `None` (timed out).
         while self
             .api_expiry

@@ -213,6 +213,13 @@ pub trait EventLog {
     /// backend's group commit; the local journal needs nothing).
     fn flush(&mut self) {}
 
+    /// Housekeeping on the core's timer (every 5 ms), whether or not
+    /// anything was appended: the local journal takes up the index files
+    /// made durable since and carries on its segments' obsolescence counts
+    /// ([`shardline_journal::Journal::maintain`]), which otherwise waited
+    /// for the next append. Default: nothing.
+    fn maintain(&mut self) {}
+
     /// Whether the log wakes the core itself when its durable LSN moves
     /// (no [`shardline_journal::DurabilityWatcher`] to register with).
     fn self_notifying(&self) -> bool {
@@ -638,6 +645,10 @@ impl EventLog for CoreLog {
 
     fn durable_on_append(&self) -> bool {
         self.none
+    }
+
+    fn maintain(&mut self) {
+        self.journal.maintain();
     }
 
     fn wait_durable(&mut self, lsn: Lsn) -> Result<(), String> {
