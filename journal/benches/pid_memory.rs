@@ -16,7 +16,8 @@
 //! index file is durable (it is read in place from then on), so this row
 //! must stay near the first instead of growing with the segments. A
 //! fourth row opens the first row's journal again after a close and counts
-//! what the open left on the heap (a restarted node's journal). Beside
+//! what the open left on the heap (a restarted node's journal), the
+//! highest heap during the open and the time it took. Beside
 //! them, measured in the same run, a reference: the same ids as `String`
 //! keys of a `std::collections::HashMap<String, u64>`.
 //!
@@ -35,11 +36,14 @@ use shardline_journal::{
 struct Counting;
 
 static LIVE: AtomicI64 = AtomicI64::new(0);
+/// The highest `LIVE` since it was last reset (see [`reset_peak`]).
+static PEAK: AtomicI64 = AtomicI64::new(0);
 
 // SAFETY: forwards to the system allocator; only counts.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
+        let now = LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed) + layout.size() as i64;
+        PEAK.fetch_max(now, Ordering::Relaxed);
         // SAFETY: the caller's contract is passed on unchanged.
         unsafe { System.alloc(layout) }
     }
@@ -49,7 +53,9 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(new_size as i64 - layout.size() as i64, Ordering::Relaxed);
+        let grow = new_size as i64 - layout.size() as i64;
+        let now = LIVE.fetch_add(grow, Ordering::Relaxed) + grow;
+        PEAK.fetch_max(now, Ordering::Relaxed);
         // SAFETY: as above.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
@@ -60,6 +66,11 @@ static GLOBAL: Counting = Counting;
 
 fn live() -> i64 {
     LIVE.load(Ordering::Relaxed)
+}
+
+/// Starts a new peak from the live bytes now.
+fn reset_peak() {
+    PEAK.store(live(), Ordering::Relaxed);
 }
 
 /// Heap bytes per id of a journal holding `rounds` events of each of `n`
@@ -124,8 +135,9 @@ fn journal_row(n: usize, rounds: u64, segment_bytes: u64) -> (f64, u64, f64) {
 
 /// Heap bytes per id of a journal of `n` ids (one event each, 16 MiB
 /// segments) opened again after a close: what a restarted node's journal
-/// holds before any append.
-fn reopen_row(n: usize) -> f64 {
+/// holds before any append; the highest heap per id during the open; and
+/// how long the open took (s).
+fn reopen_row(n: usize) -> (f64, f64, f64, f64) {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let options = JournalOptions {
         segment_size_bytes: 16 << 20,
@@ -143,11 +155,22 @@ fn reopen_row(n: usize) -> f64 {
     }
     journal.close().expect("close");
     let before = live();
+    reset_peak();
+    let began = Instant::now();
     let (journal, _) = Journal::open(dir.path(), options).expect("journal opens again");
+    let secs = began.elapsed().as_secs_f64();
+    let peak = (PEAK.load(Ordering::Relaxed) - before) as f64 / n as f64;
     std::thread::sleep(std::time::Duration::from_millis(500));
     let per_id = (live() - before) as f64 / n as f64;
+    // A read-only view of it while it is open: what a data core opens for
+    // each sibling journal when a shard of a type comes with a newer
+    // generation (`CoreLog::refresh_foreign` in the engine).
+    let began = Instant::now();
+    let reader = shardline_journal::JournalReader::open(dir.path()).expect("reader opens");
+    let reader_secs = began.elapsed().as_secs_f64();
+    drop(reader);
     drop(journal);
-    per_id
+    (per_id, peak, secs, reader_secs)
 }
 
 fn reference_row(n: usize) -> f64 {
@@ -194,11 +217,13 @@ fn main() {
             (ids as u64 * rounds) as f64 / secs / 1e3
         );
     }
-    let per_id = reopen_row(n);
+    let (per_id, peak, secs, reader_secs) = reopen_row(n);
     println!(
-        "{:<44} {per_id:>12.0} {:>9.2} {:>9}",
+        "{:<44} {per_id:>12.0} {:>9.2} {:>9}   (open {:.2} s, heap peak {peak:.0} B/id; a reader opened beside it {:.2} s)",
         "journal, 16 MiB segments, opened again",
         per_id / reference,
-        "-"
+        "-",
+        secs,
+        reader_secs
     );
 }
