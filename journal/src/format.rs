@@ -995,6 +995,23 @@ impl Checkpoint {
         seal(out)
     }
 
+    /// Decodes the checkpoint's summary fields alone (checksum checked),
+    /// its per-id state left out (`pids` empty): what a read-only view
+    /// brought up to date needs when it read every segment the checkpoint
+    /// covers.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::decode`] for the preamble, checksum and fields.
+    pub(crate) fn decode_summary(bytes: &[u8]) -> Result<Self, FileDecodeError> {
+        let body = open_checked(bytes, &CHECKPOINT_MAGIC)?;
+        let mut c = Cursor { b: body, at: 0 };
+        Ok(Checkpoint {
+            max_segment_epoch: WriterEpoch(c.u64()?),
+            removed_up_to_lsn: Lsn(c.u64()?),
+            pids: Vec::new(),
+        })
+    }
+
     /// Decodes the checkpoint.
     ///
     /// # Errors

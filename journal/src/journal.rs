@@ -19,8 +19,8 @@ use crate::format::{
 };
 use crate::ids::{Lsn, PersistenceId, SequenceNr, WriterEpoch};
 use crate::recovery::{
-    deleted_to, pid_hash, raise_deleted, recover, EntryRef, FileIndex, PidMap, PidState,
-    RecoveryReport, SealedSegment, SegmentIndex,
+    deleted_to, pid_hash, raise_deleted, recover, recover_with, Earlier, EntryRef, FileIndex,
+    PidMap, PidState, RecoveryReport, SealedSegment, SegmentIndex,
 };
 use crate::storage::{MmapStorage, SegmentFile, Storage};
 use crate::sync::{
@@ -1570,6 +1570,8 @@ fn write_header(active: &mut Active, epoch: WriterEpoch) -> io::Result<()> {
 pub struct JournalReader {
     catalog: Catalog,
     report: RecoveryReport,
+    /// The LSN after the last record it read (see [`Earlier::seen_up_to`]).
+    next_lsn: Lsn,
 }
 
 impl std::fmt::Debug for JournalReader {
@@ -1599,9 +1601,18 @@ impl JournalReader {
     /// As [`JournalReader::open`].
     pub fn open_with_storage(storage: Arc<dyn Storage>) -> Result<JournalReader, OpenError> {
         let rec = recover(&*storage, RecoveryMode::Strict, false, false, true)?;
-        let sealed = rec.segments.into_iter().map(|s| (s.index.id, s)).collect();
         let (table, table_suspect) = open_snapshot_table(&*storage, false, &rec.pids)?;
-        Ok(JournalReader {
+        Ok(Self::from_recovered(storage, rec, table, table_suspect))
+    }
+
+    fn from_recovered(
+        storage: Arc<dyn Storage>,
+        rec: crate::recovery::Recovered,
+        table: Option<Arc<SnapshotTable>>,
+        table_suspect: bool,
+    ) -> JournalReader {
+        let sealed = rec.segments.into_iter().map(|s| (s.index.id, s)).collect();
+        JournalReader {
             catalog: Catalog {
                 storage,
                 sealed,
@@ -1614,7 +1625,72 @@ impl JournalReader {
                 table_suspect,
             },
             report: rec.report,
-        })
+            next_lsn: rec.next_lsn,
+        }
+    }
+
+    /// This view brought up to what the directory holds now, reading only
+    /// what changed since it was opened or last refreshed: the sealed
+    /// segments it read through their index files are kept as they are
+    /// (those still there), and only newer segments, the ones it had to
+    /// scan (the live writer's newest among them) and the snapshot table's
+    /// pairs from its first unfinished one on are read; the checkpoint's
+    /// per-id state only when a segment it never read was removed. What it
+    /// answers afterwards is what [`JournalReader::open`] of the directory
+    /// would answer now (a directory that holds fewer records than it read
+    /// before was replaced: it is then read afresh). Opening again read
+    /// everything: 0.35-0.75 s for a million ids, on the data core that
+    /// recovers an entity whose shard came from another core.
+    ///
+    /// # Errors
+    /// As [`JournalReader::open`]; the view is gone then (open a new one).
+    pub fn refresh(self) -> Result<JournalReader, OpenError> {
+        let JournalReader {
+            catalog, next_lsn, ..
+        } = self;
+        let Catalog {
+            storage,
+            sealed,
+            pids,
+            deleted,
+            table,
+            table_suspect,
+            ..
+        } = catalog;
+        let earlier = Earlier {
+            segments: sealed,
+            pids,
+            deleted,
+            seen_up_to: Lsn(next_lsn.0.saturating_sub(1)),
+        };
+        let rec = recover_with(
+            &*storage,
+            RecoveryMode::Strict,
+            false,
+            false,
+            true,
+            Some(earlier),
+        )?;
+        let (table, suspect) = match table {
+            Some(t) => {
+                let scan = t
+                    .scan_new_pairs(|p| rec.pids.get_key_value(p.as_str()).map(|(k, _)| k.clone()))
+                    .map_err(open_io("reading the snapshot table"))?;
+                (Some(t), scan.unreadable_slots > 0)
+            }
+            None => open_snapshot_table(&*storage, false, &rec.pids)?,
+        };
+        if rec.next_lsn < next_lsn {
+            // Fewer records than it read before: not the journal it read
+            // (replaced in place), nothing of before can be kept.
+            return JournalReader::open_with_storage(storage);
+        }
+        Ok(Self::from_recovered(
+            storage,
+            rec,
+            table,
+            table_suspect || suspect,
+        ))
     }
 
     /// What recovery found.

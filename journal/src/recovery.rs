@@ -912,6 +912,87 @@ pub(crate) fn recover(
     writable: bool,
     live_writer: bool,
 ) -> Result<Recovered, RecoveryError> {
+    recover_with(storage, mode, full_scan, writable, live_writer, None)
+}
+
+/// What an earlier recovery of the same directory read, for
+/// [`recover_with`] to reuse instead of reading it again (a read-only view
+/// brought up to date: `JournalReader::refresh`).
+pub(crate) struct Earlier {
+    /// The sealed segments it read through their index files: a durable
+    /// index file does not change, nor does its segment, so each is reused
+    /// as it is while it is still there, its entries already in `pids`.
+    pub(crate) segments: std::collections::BTreeMap<Lsn, SealedSegment>,
+    /// The per-id state it built (the state of an id only ever rises, so
+    /// what is read again is merged into it).
+    pub(crate) pids: PidMap<PidState>,
+    /// How far each id's events were deleted.
+    pub(crate) deleted: PidMap<SequenceNr>,
+    /// Every record at or below this LSN was read then (its `next_lsn` less
+    /// one): a segment removed since that it never read holds records
+    /// above it, so the checkpoint is read again only when it covers a
+    /// removal above it.
+    pub(crate) seen_up_to: Lsn,
+}
+
+/// As [`recover`], reusing what `earlier` read of the same directory (see
+/// [`Earlier`]): its sealed segments read through index files are not read
+/// again, only checked against their neighbours, and only the segments it
+/// did not read through an index file (the live writer's newest among them)
+/// are read and merged into its per-id state; the checkpoint is merged
+/// only when it covers a segment removed after `earlier.seen_up_to`.
+/// Without `earlier`, everything is read.
+///
+/// A read-only view of a live writer's directory (`live_writer`, not
+/// `writable`) reads it again from its listing when a segment it listed is
+/// gone when it opens it (the writer removed it meanwhile, after writing the
+/// checkpoint that covers it), up to 8 times; before, a view opened then
+/// failed, and the engine refused to start the entity whose recovery opened
+/// it.
+pub(crate) fn recover_with(
+    storage: &dyn Storage,
+    mode: RecoveryMode,
+    full_scan: bool,
+    writable: bool,
+    live_writer: bool,
+    earlier: Option<Earlier>,
+) -> Result<Recovered, RecoveryError> {
+    let (mut reuse, mut base) = match earlier {
+        Some(e) => (e.segments, Some((e.pids, e.deleted, e.seen_up_to))),
+        None => (Default::default(), None),
+    };
+    let mut attempts = 0;
+    loop {
+        let r = recover_once(
+            storage,
+            (mode, full_scan, writable, live_writer),
+            &mut reuse,
+            &mut base,
+        );
+        match r {
+            Err(RecoveryError::Io { source, .. })
+                if live_writer
+                    && !writable
+                    && source.kind() == std::io::ErrorKind::NotFound
+                    && attempts < 8 =>
+            {
+                attempts += 1;
+            }
+            r => return r,
+        }
+    }
+}
+
+/// One reading of [`recover_with`]. What it takes from `reuse` and `base`
+/// is gone if it fails (a segment taken from `reuse` is then read again
+/// through its index file, and merged again into `base`, which only rises).
+#[allow(clippy::type_complexity)]
+fn recover_once(
+    storage: &dyn Storage,
+    (mode, full_scan, writable, live_writer): (RecoveryMode, bool, bool, bool),
+    reuse: &mut std::collections::BTreeMap<Lsn, SealedSegment>,
+    base: &mut Option<(PidMap<PidState>, PidMap<SequenceNr>, Lsn)>,
+) -> Result<Recovered, RecoveryError> {
     let names = storage
         .list()
         .map_err(io_err("listing the journal directory"))?;
@@ -938,7 +1019,14 @@ pub(crate) fn recover(
         let b = storage
             .read_file(CHECKPOINT_NAME)
             .map_err(io_err("reading the checkpoint"))?;
-        match Checkpoint::decode(&b) {
+        let seen_up_to = base.as_ref().map(|b| b.2);
+        let decoded = match (Checkpoint::decode_summary(&b), seen_up_to) {
+            // Every segment it covers was read before: its summary is
+            // enough (its per-id state is in the earlier state already).
+            (Ok(c), Some(seen)) if c.removed_up_to_lsn <= seen => Ok(c),
+            _ => Checkpoint::decode(&b),
+        };
+        match decoded {
             Ok(c) => c,
             Err(format::FileDecodeError::UnsupportedVersion(version)) => {
                 return Err(RecoveryError::UnsupportedVersion {
@@ -966,6 +1054,8 @@ pub(crate) fn recover(
     // next LSN; overlaps are checked between the segments present.
     let mut next_expected = Lsn(1);
     let mut out: Vec<SealedSegment> = Vec::new();
+    // Segments reused from `earlier`: their entries are in its state.
+    let mut reused: BTreeSet<Lsn> = BTreeSet::new();
     let mut i = 0;
     while i < segs.len() {
         let (id, name) = segs[i].clone();
@@ -975,6 +1065,23 @@ pub(crate) fn recover(
             .open_segment(&name, false)
             .map_err(io_err(format!("opening {name}")))?;
         let len = file.len_bytes();
+
+        // Read before through its index file: reused as it is, after the
+        // same checks of its place among its neighbours.
+        if let Some(earlier) = reuse
+            .remove(&id)
+            .filter(|s| idx_exists && !full_scan && s.file_index.is_some() && s.name == name)
+        {
+            let ix = &earlier.index;
+            if ix.epoch >= prev_epoch && id >= next_expected && len >= ix.end_offset {
+                prev_epoch = prev_epoch.max(ix.epoch);
+                next_expected = Lsn(ix.last_lsn.0 + 1);
+                reused.insert(id);
+                out.push(earlier);
+                i += 1;
+                continue;
+            }
+        }
 
         // Trusted path: a segment with a valid index file is not scanned.
         if idx_exists && !full_scan {
@@ -1238,8 +1345,10 @@ pub(crate) fn recover(
         break;
     }
 
-    let mut pids: PidMap<PidState> = PidMap::default();
-    let mut deleted: PidMap<SequenceNr> = PidMap::default();
+    let (mut pids, mut deleted) = match base.take() {
+        Some((pids, deleted, _)) => (pids, deleted),
+        None => (PidMap::default(), PidMap::default()),
+    };
     for (p, c) in &checkpoint.pids {
         pids.entry_or_default(p).merge_checkpoint(c);
         raise_deleted(&mut deleted, p, c.deleted_to);
@@ -1247,6 +1356,15 @@ pub(crate) fn recover(
     let mut next_lsn = next_expected.max(Lsn(checkpoint.removed_up_to_lsn.0 + 1));
     let no_ids: PidMap<()> = PidMap::default();
     for s in &out {
+        next_lsn = next_lsn.max(Lsn(s.index.last_lsn.0 + 1));
+        report.records += s.index.records;
+        report.record_bytes += s
+            .index
+            .end_offset
+            .saturating_sub(format::SEGMENT_HEADER_LEN_BYTES as u64);
+        if reused.contains(&s.index.id) {
+            continue;
+        }
         // An id that is not a valid persistence id can only be in an index
         // file that changed on disk after recovery decoded it.
         let mut valid = true;
@@ -1272,12 +1390,6 @@ pub(crate) fn recover(
             file: index_name(s.index.id),
             reason,
         })?;
-        next_lsn = next_lsn.max(Lsn(s.index.last_lsn.0 + 1));
-        report.records += s.index.records;
-        report.record_bytes += s
-            .index
-            .end_offset
-            .saturating_sub(format::SEGMENT_HEADER_LEN_BYTES as u64);
     }
     report.segments = out.len() as u64;
     report.persistence_ids = pids.len() as u64;

@@ -29,6 +29,78 @@ use crate::storage::{Storage, TableFile};
 /// Pairs read per call while the table is scanned at open (512 KiB).
 const SCAN_PAIRS: usize = 1024;
 
+/// The pairs a table of `len` bytes holds (a last one cut short counts).
+///
+/// # Errors
+/// When there are more than 2^32.
+fn pairs_in(len: u64) -> io::Result<u32> {
+    u32::try_from(len.div_ceil(TABLE_PAIR_BYTES as u64))
+        .map_err(|_| io::Error::other("the snapshot table has more than 2^32 pairs"))
+}
+
+/// Reads the pairs of `file` from pair `from` to byte `len`, keeping in
+/// `best` each id's pair with its newest write (its serial), raising
+/// `next_serial` above every serial read and counting unreadable slots in
+/// `scan`; `intern` gives the journal's own copy of an id. Returns the
+/// first pair of the last run of pairs without a valid slot (the pair
+/// after the last when the last has one).
+///
+/// # Errors
+/// The I/O error of reading the file.
+fn scan_pairs(
+    file: &dyn TableFile,
+    from: u32,
+    len: u64,
+    intern: &impl Fn(&PersistenceId) -> Option<PersistenceId>,
+    best: &mut PidMap<(Pair, u64)>,
+    next_serial: &mut u64,
+    scan: &mut TableScan,
+) -> io::Result<u32> {
+    let mut buf = vec![0u8; TABLE_PAIR_BYTES * SCAN_PAIRS];
+    let mut index: u32 = from;
+    let mut offset = u64::from(from) * TABLE_PAIR_BYTES as u64;
+    let mut rescan_from = from;
+    while offset < len {
+        let n = file.read_at(offset, &mut buf)?;
+        if n == 0 {
+            break;
+        }
+        for pair in buf[..n].chunks(TABLE_PAIR_BYTES) {
+            let mut valid = false;
+            for (slot, bytes) in pair.chunks(TABLE_SLOT_BYTES).enumerate() {
+                match decode_table_slot(bytes) {
+                    TableSlot::Empty => {}
+                    TableSlot::Unreadable => scan.unreadable_slots += 1,
+                    TableSlot::Valid(s, serial) => {
+                        valid = true;
+                        *next_serial = (*next_serial).max(serial.saturating_add(1));
+                        let pid = intern(&s.persistence_id).unwrap_or(s.persistence_id);
+                        let hash = pid_hash(pid.as_str());
+                        let found = Pair {
+                            index,
+                            latest: slot as u8,
+                            synced: true,
+                        };
+                        let e = best.get_or_insert_with(hash, &pid, || (found, serial));
+                        // The newest write wins, within a pair and (an
+                        // id is given one pair, but a damaged table may
+                        // show two) across pairs.
+                        if serial > e.1 {
+                            *e = (found, serial);
+                        }
+                    }
+                }
+            }
+            index = index.saturating_add(1);
+            if valid {
+                rescan_from = index;
+            }
+        }
+        offset += n as u64;
+    }
+    Ok(rescan_from)
+}
+
 /// An id's pair: its index, the slot written last, and whether that write
 /// is synced.
 #[derive(Debug, Clone, Copy)]
@@ -46,6 +118,10 @@ struct State {
     next_serial: u64,
     /// Ids written since the last sync.
     unsynced: Vec<PersistenceId>,
+    /// The first pair of the file's last run of pairs with no valid slot
+    /// when it was last scanned (pairs being written then): a read-only
+    /// table reads again from there ([`SnapshotTable::scan_new_pairs`]).
+    rescan_from: u32,
 }
 
 /// What reading an id's pair found.
@@ -104,48 +180,19 @@ impl SnapshotTable {
             Err(e) => return Err(e),
         };
         let len = file.len_bytes()?;
-        let pairs_in_file = len.div_ceil(TABLE_PAIR_BYTES as u64);
-        let next_pair = u32::try_from(pairs_in_file)
-            .map_err(|_| io::Error::other("the snapshot table has more than 2^32 pairs"))?;
+        let next_pair = pairs_in(len)?;
         let mut best: PidMap<(Pair, u64)> = PidMap::default();
         let mut next_serial = 1u64;
         let mut scan = TableScan::default();
-        let mut buf = vec![0u8; TABLE_PAIR_BYTES * SCAN_PAIRS];
-        let mut index: u32 = 0;
-        let mut offset = 0u64;
-        while offset < len {
-            let n = file.read_at(offset, &mut buf)?;
-            if n == 0 {
-                break;
-            }
-            for pair in buf[..n].chunks(TABLE_PAIR_BYTES) {
-                for (slot, bytes) in pair.chunks(TABLE_SLOT_BYTES).enumerate() {
-                    match decode_table_slot(bytes) {
-                        TableSlot::Empty => {}
-                        TableSlot::Unreadable => scan.unreadable_slots += 1,
-                        TableSlot::Valid(s, serial) => {
-                            next_serial = next_serial.max(serial.saturating_add(1));
-                            let pid = intern(&s.persistence_id).unwrap_or(s.persistence_id);
-                            let hash = pid_hash(pid.as_str());
-                            let found = Pair {
-                                index,
-                                latest: slot as u8,
-                                synced: true,
-                            };
-                            let e = best.get_or_insert_with(hash, &pid, || (found, serial));
-                            // The newest write wins, within a pair and (an
-                            // id is given one pair, but a damaged table may
-                            // show two) across pairs.
-                            if serial > e.1 {
-                                *e = (found, serial);
-                            }
-                        }
-                    }
-                }
-                index = index.saturating_add(1);
-            }
-            offset += n as u64;
-        }
+        let rescan_from = scan_pairs(
+            &*file,
+            0,
+            len,
+            &intern,
+            &mut best,
+            &mut next_serial,
+            &mut scan,
+        )?;
         if writable {
             // What the scan found counts as synced from here on (the next
             // write of an id goes to its other slot): make it so. A write of
@@ -163,9 +210,77 @@ impl SnapshotTable {
                 next_pair,
                 next_serial,
                 unsynced: Vec::new(),
+                rescan_from,
             }),
         };
         Ok(Some((table, scan)))
+    }
+
+    /// Reads the pairs a live writer added since this (read-only) table was
+    /// opened or last read this way, from its first pair that had no valid
+    /// slot then (a pair being written) to the file's end now, and takes up
+    /// their ids (`intern` as for [`SnapshotTable::open`]). An id's pair
+    /// never moves and a read decodes both its slots, so the pairs read
+    /// before stay right.
+    ///
+    /// # Errors
+    /// The I/O error of reading the file.
+    pub(crate) fn scan_new_pairs(
+        &self,
+        intern: impl Fn(&PersistenceId) -> Option<PersistenceId>,
+    ) -> io::Result<TableScan> {
+        let len = self.file.len_bytes()?;
+        let next_pair = pairs_in(len)?;
+        let from = self.lock().rescan_from;
+        let mut best: PidMap<(Pair, u64)> = PidMap::default();
+        let mut next_serial = 1u64;
+        let mut scan = TableScan::default();
+        let rescan_from = scan_pairs(
+            &*self.file,
+            from,
+            len,
+            &intern,
+            &mut best,
+            &mut next_serial,
+            &mut scan,
+        )?;
+        let mut st = self.lock();
+        for (pid, (pair, serial)) in best.into_entries() {
+            let hash = pid_hash(pid.as_str());
+            match st.pairs.get_mut_pid(hash, &pid) {
+                // A damaged table may show an id in two pairs: the newest
+                // write wins, as at open.
+                Some(known) if known.index != pair.index => {
+                    if serial > self.newest_serial(known.index, &pid)? {
+                        *known = pair;
+                    }
+                }
+                Some(_) => {}
+                None => {
+                    st.pairs.insert(pid, pair);
+                }
+            }
+        }
+        st.next_pair = st.next_pair.max(next_pair);
+        st.next_serial = st.next_serial.max(next_serial);
+        st.rescan_from = rescan_from;
+        Ok(scan)
+    }
+
+    /// The highest write serial of `pid` in pair `index` (0: none).
+    fn newest_serial(&self, index: u32, pid: &PersistenceId) -> io::Result<u64> {
+        let mut buf = [0u8; TABLE_PAIR_BYTES];
+        let n = self
+            .file
+            .read_at(u64::from(index) * TABLE_PAIR_BYTES as u64, &mut buf)?;
+        Ok(buf[..n]
+            .chunks(TABLE_SLOT_BYTES)
+            .filter_map(|b| match decode_table_slot(b) {
+                TableSlot::Valid(s, serial) if s.persistence_id == *pid => Some(serial),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0))
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -233,6 +348,7 @@ impl SnapshotTable {
             next_pair,
             next_serial,
             unsynced,
+            ..
         } = &mut *guard;
         let hash = pid_hash(pid.as_str());
         let existing = pairs.get_pid(hash, pid).copied();
