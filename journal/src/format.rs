@@ -786,6 +786,26 @@ impl SegmentIndexFile {
         w.finish()
     }
 
+    /// Decodes an index file's summary fields alone (magic, version and
+    /// checksum checked), its entries left out (`entries` empty): what
+    /// recovery keeps of a file it reads in place.
+    ///
+    /// # Errors
+    /// As [`SegmentIndexFile::decode`] for the preamble, checksum and
+    /// fields.
+    pub(crate) fn decode_summary(bytes: &[u8]) -> Result<Self, FileDecodeError> {
+        let body = open_checked(bytes, &INDEX_MAGIC)?;
+        let mut c = Cursor { b: body, at: 0 };
+        Ok(SegmentIndexFile {
+            segment_id: Lsn(c.u64()?),
+            writer_epoch: WriterEpoch(c.u64()?),
+            end_offset: c.u64()?,
+            last_lsn: Lsn(c.u64()?),
+            records: c.u64()?,
+            entries: Vec::new(),
+        })
+    }
+
     /// Decodes an index file.
     ///
     /// # Errors

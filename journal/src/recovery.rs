@@ -606,6 +606,68 @@ impl FileIndex {
         }))
     }
 
+    /// Checks index file `bytes` as [`SegmentIndexFile::decode`] and
+    /// [`events_in_order`] do (magic, version, checksum, every length, each
+    /// id a valid persistence id, each entry's events in increasing
+    /// sequence order ending at its last event's number) while it reads
+    /// its entries in place: returns the file's summary fields (`entries`
+    /// empty) and the index, with nothing allocated per entry but the
+    /// table's 8 bytes. Recovery decoded each trusted file whole before
+    /// (an id and an event list allocated per entry, then dropped) and
+    /// read it a second time for the table. `None` when the file is too
+    /// large for 32-bit entry offsets (the caller decodes it whole).
+    ///
+    /// # Errors
+    /// The [`format::FileDecodeError`] that decoding it would give.
+    pub(crate) fn checked(
+        bytes: crate::storage::MappedFile,
+    ) -> Result<Option<(SegmentIndexFile, FileIndex)>, format::FileDecodeError> {
+        if u32::try_from(bytes.len()).is_err() {
+            return Ok(None);
+        }
+        let summary = SegmentIndexFile::decode_summary(&bytes)?;
+        let (n, end) = format::index_entries(&bytes)?;
+        if n as usize > (end - format::INDEX_ENTRIES_AT) / 31 {
+            return Err(format::FileDecodeError::Malformed(
+                format::INDEX_ENTRIES_AT as u64,
+            ));
+        }
+        let mut table = Vec::with_capacity(n as usize);
+        let mut at = format::INDEX_ENTRIES_AT;
+        for _ in 0..n {
+            let (pid, v, next) = entry_with_id(&bytes, at, end)?;
+            let malformed = || format::FileDecodeError::Malformed(at as u64);
+            if pid.len() > crate::ids::MAX_PERSISTENCE_ID_LEN_BYTES {
+                return Err(malformed());
+            }
+            let mut last = SequenceNr(0);
+            for i in 0..v.event_count() {
+                let (seq, _) = v.event(i);
+                if i > 0 && seq <= last {
+                    return Err(malformed());
+                }
+                last = seq;
+            }
+            if v.last_event_seq != last {
+                return Err(malformed());
+            }
+            table.push((pid_hash(pid) as u32, at as u32));
+            at = next;
+        }
+        if at != end {
+            return Err(format::FileDecodeError::Malformed(at as u64));
+        }
+        table.sort_unstable();
+        Ok(Some((
+            summary,
+            FileIndex {
+                bytes,
+                end,
+                table: table.into_boxed_slice(),
+            },
+        )))
+    }
+
     /// `pid`'s entry, if the segment holds it.
     ///
     /// # Errors
@@ -1086,9 +1148,16 @@ fn recover_once(
         // Trusted path: a segment with a valid index file is not scanned.
         if idx_exists && !full_scan {
             let mapped = storage.map_file(&index_name(id)).ok();
-            let decoded = mapped
-                .as_ref()
-                .and_then(|b| SegmentIndexFile::decode(b).ok());
+            // Checked in place into its table, with nothing allocated per
+            // entry; a file over 4 GiB is decoded whole and kept in memory.
+            let (decoded, in_place) = match mapped {
+                Some(b) if u32::try_from(b.len()).is_ok() => match FileIndex::checked(b) {
+                    Ok(Some((summary, index))) => (Some(summary), Some(index)),
+                    _ => (None, None),
+                },
+                Some(b) => (SegmentIndexFile::decode(&b).ok(), None),
+                None => (None, None),
+            };
             // The header is still checked (64 bytes): a damaged header
             // sends the segment down the scanning path, which names it.
             let header_ok = SegmentHeader::decode(&file.view()).is_ok_and(|h| {
@@ -1117,21 +1186,13 @@ fn recover_once(
                     if len >= f.end_offset {
                         prev_epoch = prev_epoch.max(f.writer_epoch);
                         next_expected = Lsn(f.last_lsn.0 + 1);
-                        // Read in place from now on (the decoded copy
-                        // only checked it), or kept in memory when the
-                        // file cannot be read that way.
-                        let file_index = mapped.and_then(|b| FileIndex::new(b).ok().flatten());
-                        let index = match file_index {
-                            Some(_) => SegmentIndex::from_file(SegmentIndexFile {
-                                entries: Vec::new(),
-                                ..f
-                            }),
-                            None => SegmentIndex::from_file(f),
-                        };
+                        // Read in place from now on, or kept in memory
+                        // when the file cannot be read that way.
+                        let index = SegmentIndex::from_file(f);
                         out.push(SealedSegment {
                             name,
                             index: std::sync::Arc::new(index),
-                            file_index,
+                            file_index: in_place,
                             has_index_file: true,
                             file: OnceLock::from(file),
                         });
@@ -1433,6 +1494,102 @@ fn drop_from(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `bytes` with its trailing checksum made right again.
+    fn resealed(mut bytes: Vec<u8>) -> Vec<u8> {
+        let at = bytes.len() - 4;
+        let crc = crc32c::crc32c(&bytes[..at]);
+        bytes[at..].copy_from_slice(&crc.to_le_bytes());
+        bytes
+    }
+
+    #[test]
+    fn an_index_file_checked_in_place_is_refused_exactly_when_decoding_refuses_it() {
+        use rand::{Rng, SeedableRng};
+        let mut index = SegmentIndex::new(Lsn(1), WriterEpoch(2));
+        let mut lsn = 1;
+        for i in 0..40u64 {
+            let pid = PersistenceId::new(&format!("t|{i}")).unwrap();
+            let hash = pid_hash(pid.as_str());
+            for s in 1..=(1 + i % 3) {
+                index.add(
+                    &pid,
+                    hash,
+                    RecordKind::Event,
+                    SequenceNr(s + i),
+                    WriterEpoch(2),
+                    Lsn(lsn),
+                    64 + lsn * 40,
+                    40,
+                );
+                lsn += 1;
+            }
+        }
+        let good = index.encode_file();
+        let accepts = |b: &[u8]| -> Option<SegmentIndexFile> {
+            SegmentIndexFile::decode(b).ok().filter(events_in_order)
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let (mut refused, mut accepted) = (0, 0);
+        for round in 0..4000 {
+            let mut b = good.clone();
+            // Bytes changed in the entries (and, for some, the checksum
+            // left wrong), or the file cut or lengthened.
+            match round % 4 {
+                0 => {
+                    let at = rng.gen_range(format::INDEX_ENTRIES_AT..b.len() - 4);
+                    b[at] = rng.gen();
+                    b = resealed(b);
+                }
+                1 => {
+                    let at = rng.gen_range(0..b.len());
+                    b[at] ^= 1 << rng.gen_range(0..8);
+                }
+                2 => {
+                    let cut = rng.gen_range(20..b.len());
+                    b.truncate(cut);
+                    b = resealed(b);
+                }
+                _ => {
+                    let at = rng.gen_range(format::INDEX_ENTRIES_AT..b.len() - 12);
+                    // An event's sequence number (or whatever is there)
+                    // set to a small value: out of order, or a last event
+                    // that no longer matches.
+                    b[at..at + 8].copy_from_slice(&rng.gen_range(0u64..4).to_le_bytes());
+                    b = resealed(b);
+                }
+            }
+            let want = accepts(&b);
+            let got = FileIndex::checked(Box::new(b.clone())).ok().flatten();
+            assert_eq!(want.is_some(), got.is_some(), "round {round}");
+            if let (Some(want), Some((summary, file))) = (want, got) {
+                accepted += 1;
+                assert_eq!(
+                    summary,
+                    SegmentIndexFile {
+                        entries: Vec::new(),
+                        ..want.clone()
+                    }
+                );
+                for (pid, e) in &want.entries {
+                    // A changed id may repeat another (neither check looks
+                    // for repeats); only an id's single entry is compared.
+                    if want.entries.iter().filter(|(p, _)| p == pid).count() > 1 {
+                        continue;
+                    }
+                    let v = file.get(pid.as_str()).unwrap().unwrap();
+                    assert_eq!(v.last_event_seq, e.last_event_seq);
+                    assert_eq!(v.since(SequenceNr(0)).collect::<Vec<_>>(), e.events);
+                }
+            } else {
+                refused += 1;
+            }
+        }
+        assert!(
+            refused > 1000 && accepted > 100,
+            "{refused} refused, {accepted} accepted"
+        );
+    }
 
     #[test]
     fn an_index_encoded_straight_from_memory_has_the_bytes_of_its_file_form() {
