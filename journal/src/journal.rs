@@ -1074,7 +1074,7 @@ impl Journal {
     /// check when there is nothing to do. A failure to queue a removal
     /// poisons the journal for the next call, as after an append.
     pub fn maintain(&mut self) {
-        if self.poisoned.is_some() {
+        if self.check_poison().is_err() {
             return;
         }
         self.adopt_file_indexes();

@@ -1048,10 +1048,20 @@ pub(crate) fn run(
         }
         again = shared.doorbell_pending.load(Ordering::SeqCst) || !removals.is_empty();
     }
+    // Nothing more is taken from the channel: the writer's sends fail from
+    // here on instead of filling it while this thread waits for the meta
+    // thread (which, after a poisoning, ends only once the writer dropped
+    // its own sender: a writer that kept sending to a full channel would
+    // wait forever).
+    drop(rx);
     // The meta thread finishes its queued work (it sees the channel close),
-    // so that a closed journal leaves every file in place.
+    // so that a closed journal leaves every file in place. If it panicked,
+    // work queued behind the job it failed in was dropped: a snapshot saved
+    // before a close may not be durable, so the close must not say it is.
     drop(meta_tx);
-    let _ = meta.join();
+    if meta.join().is_err() {
+        shared.poison("the journal's meta thread panicked".to_string());
+    }
     shared.close();
 }
 
