@@ -724,8 +724,13 @@ impl Journal {
 
         let next_lsn = rec.next_lsn;
         let name = segment_name(next_lsn);
+        // Made under a temporary name and put in place with its header
+        // written, as a roll puts the spare in place: a view of this
+        // directory (another core recovering a moved shard) never lists a
+        // segment without its header, which it could not tell from damage.
+        let tmp = format!("{name}{TMP_SUFFIX}");
         let file = storage
-            .create_segment(&name, options.segment_size_bytes)
+            .create_segment(&tmp, options.segment_size_bytes)
             .map_err(open_io(format!("creating segment {name}")))?;
         let mut active = Active {
             name,
@@ -735,6 +740,9 @@ impl Journal {
         };
         write_header(&mut active, options.writer_epoch)
             .map_err(open_io(format!("writing the header of {}", active.name)))?;
+        storage
+            .rename(&tmp, &active.name)
+            .map_err(open_io(format!("putting segment {} in place", active.name)))?;
 
         let durable = Lsn(next_lsn.0 - 1);
         let shared = Arc::new(Shared::new(durable));
@@ -1572,6 +1580,10 @@ pub struct JournalReader {
     report: RecoveryReport,
     /// The LSN after the last record it read (see [`Earlier::seen_up_to`]).
     next_lsn: Lsn,
+    /// See [`Earlier::tails`].
+    tails: BTreeMap<Lsn, (u64, u32)>,
+    /// See [`Earlier::removed_up_to`].
+    removed_up_to: Lsn,
 }
 
 impl std::fmt::Debug for JournalReader {
@@ -1611,8 +1623,21 @@ impl JournalReader {
         table: Option<Arc<SnapshotTable>>,
         table_suspect: bool,
     ) -> JournalReader {
+        let tails = rec
+            .segments
+            .iter()
+            .filter(|s| s.file_index.is_none() && s.index.records > 0)
+            .filter_map(|s| {
+                let f = s.file.get()?;
+                let crc = crate::recovery::tail_crc(&f.view(), s.index.end_offset)?;
+                Some((s.index.id, (s.index.end_offset, crc)))
+            })
+            .collect();
+        let removed_up_to = rec.removed_up_to;
         let sealed = rec.segments.into_iter().map(|s| (s.index.id, s)).collect();
         JournalReader {
+            tails,
+            removed_up_to,
             catalog: Catalog {
                 storage,
                 sealed,
@@ -1637,8 +1662,12 @@ impl JournalReader {
     /// pairs from its first unfinished one on are read; the checkpoint's
     /// per-id state only when a segment it never read was removed. What it
     /// answers afterwards is what [`JournalReader::open`] of the directory
-    /// would answer now (a directory that holds fewer records than it read
-    /// before was replaced: it is then read afresh). Opening again read
+    /// would answer now. It reads the directory afresh when it no longer
+    /// holds what this view read: a segment read before with another
+    /// header (made again), the last bytes of the records it scanned
+    /// changed (cut, or written over), a segment gone that the checkpoint
+    /// does not cover, a checkpoint gone back, or fewer records. Opening
+    /// again read
     /// everything: 0.35-0.75 s for a million ids, on the data core that
     /// recovers an entity whose shard came from another core.
     ///
@@ -1646,7 +1675,11 @@ impl JournalReader {
     /// As [`JournalReader::open`]; the view is gone then (open a new one).
     pub fn refresh(self) -> Result<JournalReader, OpenError> {
         let JournalReader {
-            catalog, next_lsn, ..
+            catalog,
+            next_lsn,
+            tails,
+            removed_up_to,
+            ..
         } = self;
         let Catalog {
             storage,
@@ -1654,7 +1687,7 @@ impl JournalReader {
             pids,
             deleted,
             table,
-            table_suspect,
+            table_suspect: _,
             ..
         } = catalog;
         let earlier = Earlier {
@@ -1662,6 +1695,8 @@ impl JournalReader {
             pids,
             deleted,
             seen_up_to: Lsn(next_lsn.0.saturating_sub(1)),
+            tails,
+            removed_up_to,
         };
         let rec = recover_with(
             &*storage,
@@ -1680,17 +1715,15 @@ impl JournalReader {
             }
             None => open_snapshot_table(&*storage, false, &rec.pids)?,
         };
-        if rec.next_lsn < next_lsn {
-            // Fewer records than it read before: not the journal it read
-            // (replaced in place), nothing of before can be kept.
+        if rec.replaced || rec.next_lsn < next_lsn {
+            // Not what it read before (replaced, or cut): nothing of before
+            // can be kept.
             return JournalReader::open_with_storage(storage);
         }
-        Ok(Self::from_recovered(
-            storage,
-            rec,
-            table,
-            table_suspect || suspect,
-        ))
+        // The scan read again every pair with an unreadable slot: what it
+        // found is the table's state now (a write seen half done before
+        // no longer counts).
+        Ok(Self::from_recovered(storage, rec, table, suspect))
     }
 
     /// What recovery found.

@@ -937,6 +937,8 @@ pub(crate) struct Recovered {
     pub(crate) removed_up_to: Lsn,
     pub(crate) report: RecoveryReport,
     pub(crate) snapshot_files: Vec<String>,
+    /// See [`recover_with`]: what an earlier reading read is not all there.
+    pub(crate) replaced: bool,
 }
 
 fn io_err(op: impl Into<String>) -> impl FnOnce(std::io::Error) -> RecoveryError {
@@ -995,6 +997,19 @@ pub(crate) struct Earlier {
     /// above it, so the checkpoint is read again only when it covers a
     /// removal above it.
     pub(crate) seen_up_to: Lsn,
+    /// Per segment it scanned: where its records ended and the CRC32C of
+    /// the 64 bytes before (records it read must still be there).
+    pub(crate) tails: std::collections::BTreeMap<Lsn, (u64, u32)>,
+    /// The checkpoint's `removed_up_to_lsn` then (it never decreases).
+    pub(crate) removed_up_to: Lsn,
+}
+
+/// The fingerprint [`Earlier::tails`] keeps of a segment's records ending
+/// at `end`.
+pub(crate) fn tail_crc(bytes: &[u8], end: u64) -> Option<u32> {
+    let end = usize::try_from(end).ok()?;
+    let start = end.saturating_sub(64).max(format::SEGMENT_HEADER_LEN_BYTES);
+    bytes.get(start..end).map(crc32c::crc32c)
 }
 
 /// As [`recover`], reusing what `earlier` read of the same directory (see
@@ -1019,9 +1034,13 @@ pub(crate) fn recover_with(
     live_writer: bool,
     earlier: Option<Earlier>,
 ) -> Result<Recovered, RecoveryError> {
-    let (mut reuse, mut base) = match earlier {
-        Some(e) => (e.segments, Some((e.pids, e.deleted, e.seen_up_to))),
-        None => (Default::default(), None),
+    let (mut reuse, mut base, check) = match earlier {
+        Some(e) => (
+            e.segments,
+            Some((e.pids, e.deleted, e.seen_up_to)),
+            Some((e.tails, e.removed_up_to)),
+        ),
+        None => (Default::default(), None, None),
     };
     let mut attempts = 0;
     loop {
@@ -1030,6 +1049,7 @@ pub(crate) fn recover_with(
             (mode, full_scan, writable, live_writer),
             &mut reuse,
             &mut base,
+            check.as_ref(),
         );
         match r {
             Err(RecoveryError::Io { source, .. })
@@ -1054,7 +1074,11 @@ fn recover_once(
     (mode, full_scan, writable, live_writer): (RecoveryMode, bool, bool, bool),
     reuse: &mut std::collections::BTreeMap<Lsn, SealedSegment>,
     base: &mut Option<(PidMap<PidState>, PidMap<SequenceNr>, Lsn)>,
+    check: Option<&(std::collections::BTreeMap<Lsn, (u64, u32)>, Lsn)>,
 ) -> Result<Recovered, RecoveryError> {
+    // Whether the directory no longer holds what `earlier` read (replaced,
+    // or records it read cut): the caller then reads it afresh.
+    let mut replaced = false;
     let names = storage
         .list()
         .map_err(io_err("listing the journal directory"))?;
@@ -1128,11 +1152,30 @@ fn recover_once(
             .map_err(io_err(format!("opening {name}")))?;
         let len = file.len_bytes();
 
+        let prev = reuse.remove(&id);
+        // A segment read before (with records) must be the same file, and
+        // hold still the records read from it.
+        if let (Some(p), Some((tails, _))) = (&prev, check) {
+            if p.index.records > 0 {
+                let old = p.file.get().and_then(|f| {
+                    f.view()
+                        .get(..format::SEGMENT_HEADER_LEN_BYTES)
+                        .map(<[u8]>::to_vec)
+                });
+                let v = file.view();
+                let same_header = old.as_deref() == v.get(..format::SEGMENT_HEADER_LEN_BYTES);
+                let same_tail = tails
+                    .get(&id)
+                    .is_none_or(|&(end, crc)| tail_crc(&v, end) == Some(crc));
+                if !same_header || !same_tail {
+                    replaced = true;
+                }
+            }
+        }
         // Read before through its index file: reused as it is, after the
         // same checks of its place among its neighbours.
-        if let Some(earlier) = reuse
-            .remove(&id)
-            .filter(|s| idx_exists && !full_scan && s.file_index.is_some() && s.name == name)
+        if let Some(earlier) =
+            prev.filter(|s| idx_exists && !full_scan && s.file_index.is_some() && s.name == name)
         {
             let ix = &earlier.index;
             if ix.epoch >= prev_epoch && id >= next_expected && len >= ix.end_offset {
@@ -1217,7 +1260,11 @@ fn recover_once(
                 let all_zero = view.iter().all(|&b| b == 0);
                 drop(view);
                 drop(file);
-                if e == HeaderError::Zeroed && all_zero && !later_has_records(storage, later) {
+                // (Or shorter than a header, all zero: created under its
+                // name, not yet sized, when its writer stopped or as a
+                // view lists it.)
+                let unwritten = matches!(e, HeaderError::Zeroed | HeaderError::TooShort { .. });
+                if unwritten && all_zero && !later_has_records(storage, later) {
                     // A segment created just before a crash whose header
                     // never reached the disk: nothing in it was ever
                     // acknowledged. Drop it and everything after it.
@@ -1406,6 +1453,18 @@ fn recover_once(
         break;
     }
 
+    if let Some((_, removed_before)) = check {
+        // A segment read before that is gone was removed by the writer
+        // only once the checkpoint covered it.
+        let gone = reuse.values().any(|p| {
+            p.index.records > 0
+                && !segs.iter().any(|(id, _)| *id == p.index.id)
+                && p.index.last_lsn > checkpoint.removed_up_to_lsn
+        });
+        if gone || checkpoint.removed_up_to_lsn < *removed_before {
+            replaced = true;
+        }
+    }
     let (mut pids, mut deleted) = match base.take() {
         Some((pids, deleted, _)) => (pids, deleted),
         None => (PidMap::default(), PidMap::default()),
@@ -1463,6 +1522,7 @@ fn recover_once(
         removed_up_to: checkpoint.removed_up_to_lsn,
         report,
         snapshot_files,
+        replaced,
     })
 }
 

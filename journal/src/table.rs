@@ -49,28 +49,35 @@ fn pairs_in(len: u64) -> io::Result<u32> {
 /// The I/O error of reading the file.
 fn scan_pairs(
     file: &dyn TableFile,
-    from: u32,
-    len: u64,
+    (from, len): (u32, u64),
     intern: &impl Fn(&PersistenceId) -> Option<PersistenceId>,
     best: &mut PidMap<(Pair, u64)>,
     next_serial: &mut u64,
     scan: &mut TableScan,
+    bad: &mut Vec<u32>,
 ) -> io::Result<u32> {
     let mut buf = vec![0u8; TABLE_PAIR_BYTES * SCAN_PAIRS];
     let mut index: u32 = from;
     let mut offset = u64::from(from) * TABLE_PAIR_BYTES as u64;
     let mut rescan_from = from;
     while offset < len {
-        let n = file.read_at(offset, &mut buf)?;
+        let want = buf
+            .len()
+            .min(usize::try_from(len - offset).unwrap_or(usize::MAX));
+        let n = file.read_at(offset, &mut buf[..want])?;
         if n == 0 {
             break;
         }
         for pair in buf[..n].chunks(TABLE_PAIR_BYTES) {
             let mut valid = false;
+            let mut unreadable = false;
             for (slot, bytes) in pair.chunks(TABLE_SLOT_BYTES).enumerate() {
                 match decode_table_slot(bytes) {
                     TableSlot::Empty => {}
-                    TableSlot::Unreadable => scan.unreadable_slots += 1,
+                    TableSlot::Unreadable => {
+                        scan.unreadable_slots += 1;
+                        unreadable = true;
+                    }
                     TableSlot::Valid(s, serial) => {
                         valid = true;
                         *next_serial = (*next_serial).max(serial.saturating_add(1));
@@ -90,6 +97,9 @@ fn scan_pairs(
                         }
                     }
                 }
+            }
+            if !valid || unreadable {
+                bad.push(index);
             }
             index = index.saturating_add(1);
             if valid {
@@ -122,6 +132,10 @@ struct State {
     /// when it was last scanned (pairs being written then): a read-only
     /// table reads again from there ([`SnapshotTable::scan_new_pairs`]).
     rescan_from: u32,
+    /// The pairs before `rescan_from` that had no valid slot or an
+    /// unreadable one at the last scan (a write seen half done, or
+    /// damage): read again by [`SnapshotTable::scan_new_pairs`].
+    recheck: Vec<u32>,
 }
 
 /// What reading an id's pair found.
@@ -184,15 +198,17 @@ impl SnapshotTable {
         let mut best: PidMap<(Pair, u64)> = PidMap::default();
         let mut next_serial = 1u64;
         let mut scan = TableScan::default();
+        let mut recheck = Vec::new();
         let rescan_from = scan_pairs(
             &*file,
-            0,
-            len,
+            (0, len),
             &intern,
             &mut best,
             &mut next_serial,
             &mut scan,
+            &mut recheck,
         )?;
+        recheck.retain(|&i| i < rescan_from);
         if writable {
             // What the scan found counts as synced from here on (the next
             // write of an id goes to its other slot): make it so. A write of
@@ -211,6 +227,7 @@ impl SnapshotTable {
                 next_serial,
                 unsynced: Vec::new(),
                 rescan_from,
+                recheck,
             }),
         };
         Ok(Some((table, scan)))
@@ -231,19 +248,36 @@ impl SnapshotTable {
     ) -> io::Result<TableScan> {
         let len = self.file.len_bytes()?;
         let next_pair = pairs_in(len)?;
-        let from = self.lock().rescan_from;
+        let (from, old_recheck) = {
+            let st = self.lock();
+            (st.rescan_from, st.recheck.clone())
+        };
         let mut best: PidMap<(Pair, u64)> = PidMap::default();
         let mut next_serial = 1u64;
         let mut scan = TableScan::default();
+        let mut recheck = Vec::new();
+        let pair = TABLE_PAIR_BYTES as u64;
+        for i in old_recheck {
+            scan_pairs(
+                &*self.file,
+                (i, (u64::from(i) + 1) * pair),
+                &intern,
+                &mut best,
+                &mut next_serial,
+                &mut scan,
+                &mut recheck,
+            )?;
+        }
         let rescan_from = scan_pairs(
             &*self.file,
-            from,
-            len,
+            (from, len),
             &intern,
             &mut best,
             &mut next_serial,
             &mut scan,
+            &mut recheck,
         )?;
+        recheck.retain(|&i| i < rescan_from);
         let mut st = self.lock();
         for (pid, (pair, serial)) in best.into_entries() {
             let hash = pid_hash(pid.as_str());
@@ -264,6 +298,7 @@ impl SnapshotTable {
         st.next_pair = st.next_pair.max(next_pair);
         st.next_serial = st.next_serial.max(next_serial);
         st.rescan_from = rescan_from;
+        st.recheck = recheck;
         Ok(scan)
     }
 

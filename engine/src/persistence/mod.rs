@@ -570,8 +570,10 @@ pub fn journal_durability(d: &crate::config::Durability) -> Durability {
 
 /// A sibling journal's directory as a reader of it is kept by: its
 /// resolved path and the directory's inode, so that a link moved to
-/// another journal, or a directory removed and made again, is opened
-/// afresh instead of brought up to date from what another journal held.
+/// another journal, or a directory removed and made again under a new
+/// inode, is opened afresh at once. (A refresh also reads afresh a
+/// directory that no longer holds the records it read: ext4 may give a
+/// directory made again the old inode.)
 type ForeignKey = (PathBuf, u64);
 
 /// The [`ForeignKey`] of `dir` (inode 0 when it cannot be read: the open
@@ -1104,6 +1106,31 @@ mod core_journal_tests {
         let r = log.recover(&a, WriterEpoch(6)).expect("recovered");
         assert!(r.events.is_empty() && r.snapshot.is_none());
         assert_eq!(log.highest_sequence_nr(&a), 0);
+        // Its files removed, the directory kept (same path, same inode),
+        // and written again past the old journal's length: read afresh
+        // too (the view finds the records it read gone).
+        drop(core1);
+        for f in std::fs::read_dir(core_dir(dir.path(), 1))
+            .expect("list")
+            .flatten()
+        {
+            std::fs::remove_file(f.path()).expect("remove");
+        }
+        let c = PersistenceId::new("counter|c").expect("pid");
+        let mut core1 = CoreJournal::open_local(dir.path(), 1, &none, None).expect("open");
+        for seq in 1..=5 {
+            core1
+                .log()
+                .expect("log")
+                .append(&c, SequenceNr(seq), WriterEpoch(7), b"seven")
+                .expect("append");
+        }
+        let log = core0.log().expect("log");
+        let r = log.recover(&c, WriterEpoch(8)).expect("recovered");
+        assert_eq!(events(r), vec![1, 2, 3, 4, 5]);
+        let r = log.recover(&b, WriterEpoch(8)).expect("recovered");
+        assert!(r.events.is_empty() && r.snapshot.is_none());
+        assert_eq!(log.highest_sequence_nr(&b), 0);
     }
 
     #[test]
