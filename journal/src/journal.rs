@@ -1580,8 +1580,8 @@ pub struct JournalReader {
     report: RecoveryReport,
     /// The LSN after the last record it read (see [`Earlier::seen_up_to`]).
     next_lsn: Lsn,
-    /// See [`Earlier::tails`].
-    tails: BTreeMap<Lsn, (u64, u32)>,
+    /// See [`Earlier::read`].
+    read: BTreeMap<Lsn, crate::recovery::Seen>,
     /// See [`Earlier::removed_up_to`].
     removed_up_to: Lsn,
 }
@@ -1623,20 +1623,15 @@ impl JournalReader {
         table: Option<Arc<SnapshotTable>>,
         table_suspect: bool,
     ) -> JournalReader {
-        let tails = rec
+        let read = rec
             .segments
             .iter()
-            .filter(|s| s.file_index.is_none() && s.index.records > 0)
-            .filter_map(|s| {
-                let f = s.file.get()?;
-                let crc = crate::recovery::tail_crc(&f.view(), s.index.end_offset)?;
-                Some((s.index.id, (s.index.end_offset, crc)))
-            })
+            .map(|s| (s.index.id, crate::recovery::Seen::of(s)))
             .collect();
         let removed_up_to = rec.removed_up_to;
         let sealed = rec.segments.into_iter().map(|s| (s.index.id, s)).collect();
         JournalReader {
-            tails,
+            read,
             removed_up_to,
             catalog: Catalog {
                 storage,
@@ -1677,7 +1672,7 @@ impl JournalReader {
         let JournalReader {
             catalog,
             next_lsn,
-            tails,
+            read,
             removed_up_to,
             ..
         } = self;
@@ -1695,7 +1690,7 @@ impl JournalReader {
             pids,
             deleted,
             seen_up_to: Lsn(next_lsn.0.saturating_sub(1)),
-            tails,
+            read,
             removed_up_to,
         };
         let rec = recover_with(
