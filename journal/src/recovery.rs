@@ -580,30 +580,7 @@ impl FileIndex {
         if u32::try_from(bytes.len()).is_err() {
             return Ok(None);
         }
-        let (n, end) = format::index_entries(&bytes)?;
-        // Each entry takes at least 31 bytes: the count is checked before
-        // it sizes anything.
-        if n as usize > (end - format::INDEX_ENTRIES_AT) / 31 {
-            return Err(format::FileDecodeError::Malformed(
-                format::INDEX_ENTRIES_AT as u64,
-            ));
-        }
-        let mut table = Vec::with_capacity(n as usize);
-        let mut at = format::INDEX_ENTRIES_AT;
-        for _ in 0..n {
-            let (pid, _, next) = entry_with_id(&bytes, at, end)?;
-            table.push((pid_hash(pid) as u32, at as u32));
-            at = next;
-        }
-        if at != end {
-            return Err(format::FileDecodeError::Malformed(at as u64));
-        }
-        table.sort_unstable();
-        Ok(Some(FileIndex {
-            bytes,
-            end,
-            table: table.into_boxed_slice(),
-        }))
+        Self::build(bytes, |_, _| true).map(Some)
     }
 
     /// Checks index file `bytes` as [`SegmentIndexFile::decode`] and
@@ -626,7 +603,33 @@ impl FileIndex {
             return Ok(None);
         }
         let summary = SegmentIndexFile::decode_summary(&bytes)?;
+        let index = Self::build(bytes, |pid, v| {
+            if pid.len() > crate::ids::MAX_PERSISTENCE_ID_LEN_BYTES {
+                return false;
+            }
+            let mut last = SequenceNr(0);
+            for i in 0..v.event_count() {
+                let (seq, _) = v.event(i);
+                if i > 0 && seq <= last {
+                    return false;
+                }
+                last = seq;
+            }
+            v.last_event_seq == last
+        })?;
+        Ok(Some((summary, index)))
+    }
+
+    /// The one walk over a file below 4 GiB that builds its table: every
+    /// entry read in place, `valid` asked of each (false: the entry is
+    /// malformed), the entries required to end where the file's do.
+    fn build(
+        bytes: crate::storage::MappedFile,
+        valid: impl Fn(&str, &format::IndexEntryView<'_>) -> bool,
+    ) -> Result<FileIndex, format::FileDecodeError> {
         let (n, end) = format::index_entries(&bytes)?;
+        // Each entry takes at least 31 bytes: the count is checked before
+        // it sizes anything.
         if n as usize > (end - format::INDEX_ENTRIES_AT) / 31 {
             return Err(format::FileDecodeError::Malformed(
                 format::INDEX_ENTRIES_AT as u64,
@@ -636,20 +639,8 @@ impl FileIndex {
         let mut at = format::INDEX_ENTRIES_AT;
         for _ in 0..n {
             let (pid, v, next) = entry_with_id(&bytes, at, end)?;
-            let malformed = || format::FileDecodeError::Malformed(at as u64);
-            if pid.len() > crate::ids::MAX_PERSISTENCE_ID_LEN_BYTES {
-                return Err(malformed());
-            }
-            let mut last = SequenceNr(0);
-            for i in 0..v.event_count() {
-                let (seq, _) = v.event(i);
-                if i > 0 && seq <= last {
-                    return Err(malformed());
-                }
-                last = seq;
-            }
-            if v.last_event_seq != last {
-                return Err(malformed());
+            if !valid(pid, &v) {
+                return Err(format::FileDecodeError::Malformed(at as u64));
             }
             table.push((pid_hash(pid) as u32, at as u32));
             at = next;
@@ -658,14 +649,11 @@ impl FileIndex {
             return Err(format::FileDecodeError::Malformed(at as u64));
         }
         table.sort_unstable();
-        Ok(Some((
-            summary,
-            FileIndex {
-                bytes,
-                end,
-                table: table.into_boxed_slice(),
-            },
-        )))
+        Ok(FileIndex {
+            bytes,
+            end,
+            table: table.into_boxed_slice(),
+        })
     }
 
     /// `pid`'s entry, if the segment holds it.
