@@ -8,11 +8,14 @@
 //!   counted by a wrapper around mimalloc, the binaries' allocator) after
 //!   the activations less before, per entity;
 //! - `rss`: resident set size after less before (`/proc/self/statm`), per
-//!   entity: what the operating system sees, allocator slack included.
+//!   entity: what the operating system sees, allocator slack included;
+//! - `anon`: the anonymous part of it (`RssAnon` of `/proc/self/status`),
+//!   per entity: the resident set without file-backed pages, so without
+//!   the journal's mapped segments and index files.
 //!
 //! Two more rows do the same for the built-in durable `counter` (journal
 //! durability `none`), activated by a `get` (which appends nothing) and by
-//! an `add 1` (one event each, then idle): its own state is 16 bytes;
+//! an `add 1` (one event each, then idle): its own state is 8 bytes;
 //! supervision and persistence are the engine's. The journal's records
 //! are in its mapped segments, which the heap figure does not count.
 //!
@@ -20,7 +23,10 @@
 //! `String` keys of a `std::collections::HashMap` with a boxed empty
 //! entity each (`Box<dyn Any>`), the least a map of entities by id costs;
 //! each figure is also printed as a ratio of it. The issue's goal is at
-//! most 256 bytes per entity of engine overhead.
+//! most 256 bytes per active counter of engine overhead (idle, in memory,
+//! excluding the entity's own state and the journal's mapped pages): the
+//! last lines judge each counter row's heap and anonymous resident set
+//! less the counter's 8-byte state against it.
 //!
 //! Run: `cargo bench -p shardline --bench entity_memory`
 //! (`ENTITY_BENCH_N` entities, `ENTITY_BENCH_PORT` its first port, default
@@ -85,22 +91,36 @@ fn rss_bytes() -> i64 {
     pages * 4096
 }
 
+/// The anonymous resident set (`RssAnon`, reported in kB), in bytes: 0
+/// where `/proc/self/status` does not say.
+fn anon_bytes() -> i64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("RssAnon:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|kb| kb.parse::<i64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
 fn id(i: usize) -> String {
     format!("entity-{i}")
 }
 
-/// Heap and RSS after less before, in bytes.
+/// Heap, RSS and anonymous RSS after less before, in bytes.
 struct Delta {
     heap: i64,
     rss: i64,
+    anon: i64,
 }
 
 fn measure(f: impl FnOnce()) -> Delta {
-    let (h0, r0) = (LIVE.load(Ordering::Relaxed), rss_bytes());
+    let (h0, r0, a0) = (LIVE.load(Ordering::Relaxed), rss_bytes(), anon_bytes());
     f();
     Delta {
         heap: LIVE.load(Ordering::Relaxed) - h0,
         rss: rss_bytes() - r0,
+        anon: anon_bytes() - a0,
     }
 }
 
@@ -188,49 +208,62 @@ fn main() {
         "entity_memory: {n} active entities (empty state, not durable) on one data core, activated in {:.1} s",
         took.as_secs_f64()
     );
-    println!("{:<34} {:>12} {:>12}", "", "heap B/ent", "rss B/ent");
     println!(
-        "{:<34} {:>12.0} {:>12.0}",
+        "{:<34} {:>12} {:>12} {:>12}",
+        "", "heap B/ent", "rss B/ent", "anon B/ent"
+    );
+    let row = |name: &str, d: &Delta, note: String| {
+        println!(
+            "{:<34} {:>12.0} {:>12.0} {:>12.0}{note}",
+            name,
+            per(d.heap),
+            per(d.rss),
+            per(d.anon)
+        );
+    };
+    row(
         "reference HashMap<String, Box<_>>",
-        per(reference.heap),
-        per(reference.rss)
+        &reference,
+        String::new(),
     );
+    row("engine (region + core + shard)", &engine, String::new());
     println!(
-        "{:<34} {:>12.0} {:>12.0}",
-        "engine (region + core + shard)",
-        per(engine.heap),
-        per(engine.rss)
-    );
-    println!(
-        "{:<34} {:>12.2} {:>12.2}",
+        "{:<34} {:>12.2} {:>12.2} {:>12.2}",
         "ratio engine / reference",
         ratio(engine.heap, reference.heap),
-        ratio(engine.rss, reference.rss)
+        ratio(engine.rss, reference.rss),
+        ratio(engine.anon, reference.anon)
     );
-    // The counter's own state is an i64 (8 bytes) and its snapshot
-    // counters; the rest is the engine's (supervision, persistence).
-    println!(
-        "{:<34} {:>12.0} {:>12.0}   (activated in {:.1} s)",
+    let took_note = |t: Duration| format!("   (activated in {:.1} s)", t.as_secs_f64());
+    row(
         "durable counter (built-in, get)",
-        per(counter.heap),
-        per(counter.rss),
-        took_counter.as_secs_f64()
+        &counter,
+        took_note(took_counter),
     );
-    println!(
-        "{:<34} {:>12.0} {:>12.0}   (activated in {:.1} s)",
+    row(
         "durable counter (built-in, add 1)",
-        per(added.heap),
-        per(added.rss),
-        took_added.as_secs_f64()
+        &added,
+        took_note(took_added),
     );
+    // The goal, as the issue states it: engine overhead per active
+    // counter, idle, without its own state (`Counter` is one `i64`; the
+    // host's sequence number beside it counts as the engine's) and
+    // without the journal's mapped pages (the anonymous resident set
+    // leaves file-backed pages out).
+    const STATE_BYTES: f64 = 8.0;
+    const GOAL_BYTES: f64 = 256.0;
+    let verdict = |b: f64| if b <= GOAL_BYTES { "met" } else { "missed" };
     println!(
-        "goal: <= 256 B per entity of engine overhead: heap {}",
-        if per(engine.heap) <= 256.0 {
-            "met"
-        } else {
-            "missed"
-        }
+        "goal: <= {GOAL_BYTES:.0} B of engine overhead per active counter (its own {STATE_BYTES:.0} B state and the journal's mapped pages excluded):"
     );
+    for (name, d) in [("activated by get", &counter), ("after add 1", &added)] {
+        let (heap, anon) = (per(d.heap) - STATE_BYTES, per(d.anon) - STATE_BYTES);
+        println!(
+            "  counter {name:<17} heap {heap:>5.0} B {:<6}  anon rss {anon:>5.0} B {}",
+            verdict(heap),
+            verdict(anon)
+        );
+    }
     drop(map);
     drop(node);
 }
