@@ -48,6 +48,10 @@ pub struct DemoArgs {
     /// No live progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Start the load as soon as the nodes report ready instead of once
+    /// the shards are balanced (see `run --load-at-ready`).
+    #[arg(long)]
+    pub load_at_ready: bool,
 }
 
 #[derive(Parser)]
@@ -95,6 +99,9 @@ pub fn run_args(demo: &DemoArgs) -> Result<RunArgs> {
     if demo.no_progress {
         line.push("--no-progress".into());
     }
+    if demo.load_at_ready {
+        line.push("--load-at-ready".into());
+    }
     Ok(RunOnly::try_parse_from(line)?.args)
 }
 
@@ -121,7 +128,7 @@ pub fn demo(args: DemoArgs, connector: Arc<dyn Connector>) -> Result<RunReport> 
     println!(
         "demo: a {}-node local cluster; replaying the OLTP trace (ARC paper, Megiddo & Modha, FAST '03: \
          914,145 references to 186,880 pages) as counter adds, one per reference, entity = page number; \
-         {pace}; stopping after {}{}; then every counter is read back and checked.",
+         {pace}; stopping at the trace's end or after {}{}, whichever comes first; then every counter is read back and checked.",
         args.nodes,
         args.max_duration,
         args.max_requests.map(|m| format!(" or {m} references")).unwrap_or_default()
@@ -137,7 +144,7 @@ pub fn demo(args: DemoArgs, connector: Arc<dyn Connector>) -> Result<RunReport> 
     let replayed = report.sent;
     println!();
     println!(
-        "demo: replayed {replayed} of 914,145 trace references{} in {:.1} s wall time",
+        "demo: replayed {replayed} of 914145 trace references{} in {:.1} s wall time",
         if replayed < 914_145 {
             " (capped to keep the demo short)"
         } else {
@@ -169,6 +176,7 @@ mod tests {
             out_dir: PathBuf::from("/tmp/out"),
             trace: PathBuf::from(OLTP_TRACE),
             no_progress: true,
+            load_at_ready: false,
         };
         let a = run_args(&demo).unwrap();
         assert_eq!(a.spawn, Some(3));
@@ -178,5 +186,12 @@ mod tests {
         assert_eq!(a.rate, Some(1000.0));
         assert_eq!(a.json, Some(PathBuf::from("/tmp/out/demo.json")));
         assert_eq!(a.duration, Some(std::time::Duration::from_secs(60)));
+        assert!(!a.load_at_ready);
+        let a = run_args(&DemoArgs {
+            load_at_ready: true,
+            ..demo
+        })
+        .unwrap();
+        assert!(a.load_at_ready);
     }
 }

@@ -18,7 +18,9 @@ use crate::report::{LatencySummary, Machine};
 use crate::transport::{sum_field, Connector};
 use crate::units::{format_latency_us, parse_duration};
 use crate::verify::{judge, Verdict};
-use crate::workload::{partition_share, KeyDist, OpKind, OpMix, Request, RequestSource, Workload};
+use crate::workload::{
+    partition_shares, split_by_shares, KeyDist, OpKind, OpMix, Request, RequestSource, Workload,
+};
 
 /// A disturbance during the run (needs `--spawn`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -131,6 +133,12 @@ pub struct RunArgs {
     /// No live progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Start the load as soon as every spawned node reports ready, without
+    /// first waiting until the joiners' share of the shards was handed to
+    /// them (the first seed starts alone and gets every shard): the first
+    /// seconds then include those rebalance hand-offs.
+    #[arg(long)]
+    pub load_at_ready: bool,
 }
 
 /// Set by the SIGINT handler.
@@ -461,13 +469,17 @@ pub fn run(args: RunArgs, connector: Arc<dyn Connector>, command: &str) -> Resul
         eprintln!("cluster ready in {:.1} s", started.elapsed().as_secs_f64());
         // The first seed started alone and got every shard: the joiners'
         // share moves by rebalance hand-offs, which must not fall into the
-        // measured load.
-        match c.wait_balanced(connector.as_ref(), CLUSTER_FORMATION_TIMEOUT) {
-            Ok(took) => eprintln!("shards balanced after {:.1} s more", took.as_secs_f64()),
-            Err(error) => {
-                let mut c = c;
-                c.keep_files();
-                return Err(error);
+        // measured load (unless asked for: `--load-at-ready`).
+        if args.load_at_ready {
+            eprintln!("load starts now, at ready (the joiners' shards may still be handed off)");
+        } else {
+            match c.wait_balanced(connector.as_ref(), CLUSTER_FORMATION_TIMEOUT) {
+                Ok(took) => eprintln!("shards balanced after {:.1} s more", took.as_secs_f64()),
+                Err(error) => {
+                    let mut c = c;
+                    c.keep_files();
+                    return Err(error);
+                }
             }
         }
         for node in &c.nodes[..nodes] {
@@ -509,11 +521,13 @@ pub fn run(args: RunArgs, connector: Arc<dyn Connector>, command: &str) -> Resul
             &workload, &args.op, args.seed, c, n,
         )?));
     }
+    let shares = partition_shares(&workload, n)?;
     let (mode, rates, windows) = match args.rate {
         Some(rate) => (
             LoopMode::Open,
-            (0..n)
-                .map(|c| (rate * partition_share(&workload, c, n)).max(1e-3))
+            shares
+                .iter()
+                .map(|share| (rate * share).max(1e-3))
                 .collect::<Vec<_>>(),
             vec![args.pipeline.max(1); connections],
         ),
@@ -529,7 +543,7 @@ pub fn run(args: RunArgs, connector: Arc<dyn Connector>, command: &str) -> Resul
         }
     };
     let quotas: Vec<u64> = match args.max_requests {
-        Some(max) => (0..n).map(|c| max / n + u64::from(c < max % n)).collect(),
+        Some(max) => split_by_shares(max, &shares),
         None => vec![u64::MAX; connections],
     };
     let applied = match mode {

@@ -217,7 +217,8 @@ fn zipf_partition(entities: u64, s: f64, partition: u64, partitions: u64) -> Zip
 /// Share (0..=1) of all requests that fall into partition `partition` of
 /// `partitions` for a synthetic workload: the open-loop rate of that
 /// connection is this share of the total rate, so the aggregate follows the
-/// distribution exactly. For traces the share is `1/partitions`.
+/// distribution exactly. For a trace this says `1/partitions`; its true
+/// shares need a pass over the file ([`partition_shares`]).
 pub fn partition_share(workload: &Workload, partition: u64, partitions: u64) -> f64 {
     match workload {
         Workload::Synthetic {
@@ -230,6 +231,74 @@ pub fn partition_share(workload: &Workload, partition: u64, partitions: u64) -> 
         } => zipf_partition(*entities, *s, partition, partitions).mass,
         Workload::Trace { .. } => 1.0 / partitions as f64,
     }
+}
+
+/// The share (0..=1) of each of `partitions` partitions: as
+/// [`partition_share`] for a synthetic workload; for a trace, the
+/// fraction of its references whose page falls into the partition
+/// (`page % partitions`), counted in one pass over the file. Rates and
+/// request quotas split by these shares make every connection replay its
+/// part over the same time, so the aggregate rate holds to the end (an
+/// even split left the connections with fewer references idle while the
+/// others still ran, and the last seconds at a fraction of the rate).
+///
+/// # Errors
+/// When the trace cannot be read or has a malformed line.
+pub fn partition_shares(workload: &Workload, partitions: u64) -> Result<Vec<f64>> {
+    let Workload::Trace { path } = workload else {
+        return Ok((0..partitions)
+            .map(|p| partition_share(workload, p, partitions))
+            .collect());
+    };
+    let mut counts = vec![0u64; partitions as usize];
+    for page in TraceReader::open(path)? {
+        counts[(page? % partitions) as usize] += 1;
+    }
+    let total: u64 = counts.iter().sum();
+    Ok(counts
+        .iter()
+        .map(|&c| {
+            if total == 0 {
+                1.0 / partitions as f64
+            } else {
+                c as f64 / total as f64
+            }
+        })
+        .collect())
+}
+
+/// Splits `total` requests between partitions in proportion to `shares`
+/// (largest remainder: the parts sum to `total` exactly, and equal shares
+/// give parts that differ by at most one).
+pub fn split_by_shares(total: u64, shares: &[f64]) -> Vec<u64> {
+    let sum: f64 = shares.iter().sum();
+    if shares.is_empty() {
+        return Vec::new();
+    }
+    if sum <= 0.0 {
+        let n = shares.len() as u64;
+        return (0..n)
+            .map(|c| total / n + u64::from(c < total % n))
+            .collect();
+    }
+    let exact: Vec<f64> = shares.iter().map(|s| total as f64 * s / sum).collect();
+    let mut parts: Vec<u64> = exact.iter().map(|e| e.floor() as u64).collect();
+    let given: u64 = parts.iter().sum();
+    let mut order: Vec<usize> = (0..shares.len()).collect();
+    // Largest fractional part first; ties to the lower partition.
+    order.sort_by(|&a, &b| {
+        let fa = exact[a] - exact[a].floor();
+        let fb = exact[b] - exact[b].floor();
+        fb.total_cmp(&fa).then(a.cmp(&b))
+    });
+    for &i in order
+        .iter()
+        .cycle()
+        .take(total.saturating_sub(given) as usize)
+    {
+        parts[i] += 1;
+    }
+    parts
 }
 
 /// Number of entities `e < entities` with `e % partitions == partition`.
@@ -440,6 +509,37 @@ mod tests {
         assert!(partition_share(&w, 0, 4) > partition_share(&w, 3, 4));
         let u = synthetic(10, KeyDist::Uniform);
         assert!((partition_share(&u, 0, 3) - 0.4).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_traces_shares_are_its_references_per_partition() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.lis");
+        // References to pages 3, 4, 5, 6, 7 (the line `6 2 ...` is two
+        // pages), 9 and 12: by page % 3, partition 0 has 3, 6, 9, 12,
+        // partition 1 has 4, 7 and partition 2 has 5.
+        std::fs::write(
+            &path,
+            "3 1 0 0\n4 1 0 1\n5 1 0 2\n6 2 0 3\n9 1 0 4\n12 1 0 5\n",
+        )
+        .unwrap();
+        let shares = partition_shares(&Workload::Trace { path }, 3).unwrap();
+        for (share, expected) in shares.iter().zip([4.0 / 7.0, 2.0 / 7.0, 1.0 / 7.0]) {
+            assert!((share - expected).abs() < 1e-12, "{shares:?}");
+        }
+        let synthetic = partition_shares(&synthetic(10, KeyDist::Uniform), 3).unwrap();
+        assert!((synthetic[0] - 0.4).abs() < 1e-12);
+    }
+
+    #[test]
+    fn quotas_split_by_shares_sum_to_the_total() {
+        assert_eq!(split_by_shares(10, &[0.5, 0.3, 0.2]), vec![5, 3, 2]);
+        assert_eq!(split_by_shares(10, &[1.0, 1.0, 1.0]), vec![4, 3, 3]);
+        assert_eq!(split_by_shares(7, &[0.0, 0.0]), vec![4, 3]);
+        let parts = split_by_shares(1_000_003, &[0.61, 0.27, 0.12]);
+        assert_eq!(parts.iter().sum::<u64>(), 1_000_003);
+        assert_eq!(parts[1], 270_001, "{parts:?}");
+        assert!(split_by_shares(5, &[]).is_empty());
     }
 
     #[test]
