@@ -90,9 +90,37 @@ struct Control {
     scope: Arc<crate::persistence::DataScope>,
     /// This driver (for the tasks it spawns).
     this: Weak<RefCell<Control>>,
+    /// The sockets of the inbound connections on the cluster port whose
+    /// tasks still run (in their handshake, or reading a control lane):
+    /// shut down when the node stops, so that their reads end and the
+    /// tasks close them. A read waits for the peer for ever, and a task
+    /// still waiting when the executor returns is never polled again: its
+    /// socket stayed open for the rest of the process (a node stopped in
+    /// process kept its peers' connections up, so they went on sending to
+    /// it and never saw it go, and a node started again at its address was
+    /// never heard).
+    inbound: std::collections::HashSet<std::os::fd::RawFd>,
 }
 
 type ControlRef = Rc<RefCell<Control>>;
+
+/// Takes an inbound connection's socket out of [`Control::inbound`] when
+/// its task ends (declared after the stream, so dropped before it: the
+/// number leaves the set before the socket's close lets it be reused).
+struct InboundEntry {
+    ctl: ControlRef,
+    fd: std::os::fd::RawFd,
+}
+
+impl Drop for InboundEntry {
+    fn drop(&mut self) {
+        self.ctl.borrow_mut().inbound.remove(&self.fd);
+    }
+}
+
+/// How long a stopping node waits for its inbound connections' tasks to
+/// end once their sockets are shut down (they end at their next turn).
+const INBOUND_CLOSE_WAIT: Duration = Duration::from_millis(500);
 
 /// Milliseconds since the Unix epoch (the writer epochs' floor).
 fn wall_clock_ms() -> u64 {
@@ -154,6 +182,7 @@ pub(crate) async fn run(init: ControlInit) {
             armed_lsn: 0,
             scope: init.scope,
             this: this.clone(),
+            inbound: std::collections::HashSet::new(),
         })
     });
     ctl.borrow_mut().drive();
@@ -216,6 +245,19 @@ pub(crate) async fn run(init: ControlInit) {
     }
     for p in ctl.borrow().peers.values() {
         p.close();
+    }
+    // The inbound connections: end their reads, then let their tasks run
+    // to close them (bounded) while this executor still turns.
+    let inbound: Vec<std::os::fd::RawFd> = ctl.borrow().inbound.iter().copied().collect();
+    for fd in inbound {
+        // SAFETY: `fd` is the socket of a task that has not ended (it is
+        // taken out of the set before its socket is closed); shutdown
+        // takes no pointer and leaves the descriptor open.
+        unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+    }
+    let until = Instant::now() + INBOUND_CLOSE_WAIT;
+    while !ctl.borrow().inbound.is_empty() && Instant::now() < until {
+        monoio::time::sleep(Duration::from_millis(1)).await;
     }
     crate::runtime::stop_accepting(&stop_accept, accept).await;
 }
@@ -819,6 +861,12 @@ async fn run_peer(ctl: ControlRef, addr: String, outbox: Rc<Outbox>) {
 /// An accepted node-to-node connection: handshake, then a control lane is
 /// served here and a data lane is handed to its data executor.
 async fn inbound(ctl: ControlRef, mut s: monoio::net::TcpStream) {
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
+    ctl.borrow_mut().inbound.insert(fd);
+    let _entry = InboundEntry {
+        ctl: ctl.clone(),
+        fd,
+    };
     let (fp, me, cores) = {
         let c = ctl.borrow();
         (
