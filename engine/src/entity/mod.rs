@@ -37,6 +37,44 @@ pub enum EntityError {
     Failed(String),
 }
 
+/// Runs `f`, a call of an entity's code, catching a panic: `Err` with the
+/// panic's message (its `&str` or `String` payload, else `"panic"`) when
+/// it panicked. The payload is dropped under its own `catch_unwind`, and
+/// forgotten if dropping it panics again, so a panic never leaves the
+/// call. With `panic = "abort"` nothing is caught: the process aborts.
+pub(crate) fn catch_panic<R>(f: impl FnOnce() -> R) -> Result<R, String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => Ok(r),
+        Err(payload) => {
+            let text = panic_text(payload.as_ref());
+            drop_panic_payload(payload);
+            Err(text)
+        }
+    }
+}
+
+/// The message of a panic payload: its `&str` or `String`, else `"panic"`.
+pub(crate) fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic".to_string()
+    }
+}
+
+/// Drops a panic payload, which is user code too (its `Drop`): a panic
+/// there is caught, and that second payload is forgotten (leaked) rather
+/// than dropped, which could panic again.
+pub(crate) fn drop_panic_payload(payload: Box<dyn std::any::Any + Send>) {
+    if let Err(again) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+        drop(payload);
+    })) {
+        std::mem::forget(again);
+    }
+}
+
 /// Why a watched entity's incarnation is gone (the reason of a
 /// `Terminated` notice, [`Entity::on_terminated`]).
 ///
@@ -585,6 +623,15 @@ pub trait Entity: 'static {
     /// # Errors
     /// [`EntityError`]: the sender gets `EntityFailed` and the incarnation is
     /// stopped (the next message starts a fresh one).
+    ///
+    /// # Panics
+    /// A panic here (or in another call of this entity's) is caught by the
+    /// data core and treated as an `Err`: the sender gets `EntityFailed`
+    /// (`handler panicked: <message>`) at once, the incarnation is stopped
+    /// and the core's other entities are not affected; a WARN is logged.
+    /// Under a [`supervision::Supervisor`] the supervisor catches it first
+    /// and restarts the entity. Nothing is caught if the binary is built
+    /// with `panic = "abort"`: the process aborts.
     fn handle(&mut self, ctx: &mut EntityContext<'_>, message: &[u8]) -> Result<(), EntityError>;
 
     /// Called when timer `key` fires.

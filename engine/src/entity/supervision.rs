@@ -166,14 +166,12 @@ impl History {
     }
 }
 
-fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "panic".to_string()
-    }
+/// The message of panic payload `p`, which is then dropped (a panic while
+/// dropping it is caught, see [`super::drop_panic_payload`]).
+fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
+    let text = super::panic_text(p.as_ref());
+    super::drop_panic_payload(p);
+    text
 }
 
 impl<C: Entity> Supervisor<C> {
@@ -197,7 +195,7 @@ impl<C: Entity> Supervisor<C> {
     /// The child failed: drop it, then schedule a restart or stop.
     fn failed(&mut self, ctx: &mut EntityContext<'_>, why: &str) {
         if let Some(mut c) = self.child.take() {
-            if catch_unwind(AssertUnwindSafe(|| c.on_stop(ctx))).is_err() {
+            if super::catch_panic(|| c.on_stop(ctx)).is_err() {
                 tracing::warn!(entity = %ctx.self_id(), "on_stop panicked");
             }
         }
@@ -251,7 +249,7 @@ impl<C: Entity> Supervisor<C> {
         })) {
             Ok(c) => self.child = Some(c),
             Err(p) => {
-                let why = format!("start panicked: {}", panic_text(p.as_ref()));
+                let why = format!("start panicked: {}", panic_text(p));
                 self.failed(ctx, &why);
             }
         }
@@ -268,7 +266,7 @@ impl<C: Entity> Entity for Supervisor<C> {
     fn on_start(&mut self, ctx: &mut EntityContext<'_>) {
         let Some(c) = self.child.as_mut() else { return };
         if let Err(p) = catch_unwind(AssertUnwindSafe(|| c.on_start(ctx))) {
-            let why = format!("start panicked: {}", panic_text(p.as_ref()));
+            let why = format!("start panicked: {}", panic_text(p));
             self.failed(ctx, &why);
         }
     }
@@ -293,7 +291,7 @@ impl<C: Entity> Entity for Supervisor<C> {
         let why = match catch_unwind(AssertUnwindSafe(|| c.handle(ctx, message))) {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(e)) => e.to_string(),
-            Err(p) => format!("handler panicked: {}", panic_text(p.as_ref())),
+            Err(p) => format!("handler panicked: {}", panic_text(p)),
         };
         Self::reject(ctx, &why);
         self.failed(ctx, &why);
@@ -309,7 +307,7 @@ impl<C: Entity> Entity for Supervisor<C> {
         }
         let Some(c) = self.child.as_mut() else { return };
         if let Err(p) = catch_unwind(AssertUnwindSafe(|| c.on_timer(ctx, key))) {
-            let why = format!("timer panicked: {}", panic_text(p.as_ref()));
+            let why = format!("timer panicked: {}", panic_text(p));
             self.failed(ctx, &why);
         }
     }
@@ -325,7 +323,7 @@ impl<C: Entity> Entity for Supervisor<C> {
         let why = match catch_unwind(AssertUnwindSafe(|| c.on_durable(ctx, durable_lsn))) {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(e)) => e.to_string(),
-            Err(p) => format!("event handler panicked: {}", panic_text(p.as_ref())),
+            Err(p) => format!("event handler panicked: {}", panic_text(p)),
         };
         self.failed(ctx, &why);
         Ok(())
@@ -342,7 +340,7 @@ impl<C: Entity> Entity for Supervisor<C> {
         if let Err(p) = catch_unwind(AssertUnwindSafe(|| {
             c.on_terminated(ctx, type_name, entity_id, reason)
         })) {
-            let why = format!("terminated handler panicked: {}", panic_text(p.as_ref()));
+            let why = format!("terminated handler panicked: {}", panic_text(p));
             self.failed(ctx, &why);
         }
     }
@@ -360,7 +358,7 @@ impl<C: Entity> Entity for Supervisor<C> {
         let why = match catch_unwind(AssertUnwindSafe(|| c.on_ask_reply(ctx, ask, reply))) {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(e)) => e.to_string(),
-            Err(p) => format!("ask reply handler panicked: {}", panic_text(p.as_ref())),
+            Err(p) => format!("ask reply handler panicked: {}", panic_text(p)),
         };
         self.failed(ctx, &why);
         Ok(())
@@ -370,19 +368,19 @@ impl<C: Entity> Entity for Supervisor<C> {
         let Some(c) = self.child.as_mut() else {
             return false;
         };
-        catch_unwind(AssertUnwindSafe(|| c.on_stopping())).unwrap_or(false)
+        super::catch_panic(|| c.on_stopping()).unwrap_or(false)
     }
 
     fn may_stop_waiting(&mut self) -> bool {
         let Some(c) = self.child.as_mut() else {
             return true;
         };
-        catch_unwind(AssertUnwindSafe(|| c.may_stop_waiting())).unwrap_or(true)
+        super::catch_panic(|| c.may_stop_waiting()).unwrap_or(true)
     }
 
     fn on_stop(&mut self, ctx: &mut EntityContext<'_>) {
         if let Some(mut c) = self.child.take() {
-            let _ = catch_unwind(AssertUnwindSafe(|| c.on_stop(ctx)));
+            let _ = super::catch_panic(|| c.on_stop(ctx));
         }
     }
 }

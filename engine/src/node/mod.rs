@@ -573,6 +573,21 @@ impl Sharding<'_> {
     /// Starts a region for `type_name` on every data core of this node,
     /// hosting entities made by `factory`.
     ///
+    /// The entities run as `factory` makes them, without a supervisor
+    /// (wrap the factory with [`crate::entity::supervision::supervised`]
+    /// for restarts with backoff). A failure of one is confined to its
+    /// incarnation: a handler's `Err`, and a panic in any of its calls on
+    /// the data core (the factory, `on_start`, `handle`, `on_timer`,
+    /// `on_durable`, `on_ask_reply`, `on_terminated`), which the core
+    /// catches (`catch_unwind`) and logs at WARN (rate-limited), answer the
+    /// message's sender `EntityFailed` at once and stop the incarnation
+    /// (its state dropped, watchers told `Failed`); the next message starts
+    /// a fresh one, and the core's other entities go on. A panic in
+    /// `on_stop`, `on_stopping`, `may_stop_waiting` or the entity's `Drop`
+    /// is caught and logged. In a binary built with `panic = "abort"`
+    /// (not the engine's profiles) nothing can be caught: a panic aborts
+    /// the process.
+    ///
     /// # Errors
     /// [`NodeError::Stopped`]; an invalid type name is reported as
     /// [`NodeError::Config`].

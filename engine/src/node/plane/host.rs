@@ -54,8 +54,8 @@ use shardline_core::sharding::{shard_id_of, Envelope, StopReason};
 use super::data::{DataOutput, DataPlane, TypeIdx};
 use crate::entity::worker::WorkerSettings;
 use crate::entity::{
-    AskId, Entity, EntityAskError, EntityContext, EntityError, EntityFactory, EntityServices,
-    Outgoing, TerminatedReason, WatchCommand,
+    catch_panic, AskId, Entity, EntityAskError, EntityContext, EntityError, EntityFactory,
+    EntityServices, Outgoing, TerminatedReason, WatchCommand,
 };
 use crate::envelope::Status;
 use crate::node::msg::{ReplyTo, UserEnvelope};
@@ -165,11 +165,51 @@ struct TypeHost {
 /// entity table ([`super::data::EntitySlot`]), beside the region's state
 /// of it, under the one copy of its id (32 bytes).
 pub struct Live {
-    entity: Box<dyn Entity>,
+    /// Dropped by [`Live`]'s `Drop`, which catches a panic of the
+    /// entity's own `Drop`.
+    entity: std::mem::ManuallyDrop<Box<dyn Entity>>,
     incarnation: u64,
     /// The shard's allocation generation when the entity started (the
     /// writer epoch of its journal appends).
     epoch: u64,
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        // SAFETY: `entity` is taken once, here, and `self` is not used
+        // afterwards.
+        let entity = unsafe { std::mem::ManuallyDrop::take(&mut self.entity) };
+        if let Err(why) = catch_panic(move || drop(entity)) {
+            entity_panicked("", None, "drop", &why);
+        }
+    }
+}
+
+/// Logs (WARN, at most one line per [`crate::runtime::log_limit::LOG_WINDOW_MS`]
+/// for every entity of the process) that `callback` of entity `id` of
+/// type `type_name` panicked with message `why`: the data core caught it
+/// and goes on (see [`crate::entity::Entity::handle`]).
+pub(crate) fn entity_panicked(type_name: &str, id: Option<&EntityId>, callback: &str, why: &str) {
+    let entity = id.map_or("", EntityId::as_str);
+    crate::runtime::limited!(
+        warn,
+        entity_type = type_name,
+        entity,
+        callback,
+        panic = why,
+        "entity code panicked; the data core caught it and failed the incarnation"
+    );
+}
+
+/// The incarnation of an entity whose factory or `on_start` panicked: it
+/// is installed only to be failed at once like any failed incarnation
+/// (its sender answered `EntityFailed`, its region told it stopped).
+struct StartFailed;
+
+impl Entity for StartFailed {
+    fn handle(&mut self, _ctx: &mut EntityContext<'_>, _message: &[u8]) -> Result<(), EntityError> {
+        Err(EntityError::Failed("start panicked".to_string()))
+    }
 }
 
 /// Incarnation `inc` of entity `id` of `ty`, with its shard, while it runs
@@ -193,6 +233,9 @@ enum Ensured {
     NotHosted,
     /// The entity is not live and its shard does not run here (now).
     NotLive,
+    /// Its factory or `on_start` panicked: the incarnation was failed at
+    /// once (the text says why).
+    Failed(String),
 }
 
 /// An incarnation a handler ran on: what its harvest applies to.
@@ -211,6 +254,8 @@ struct Harvest {
     durable: bool,
     watches: Vec<WatchCommand>,
     failed: bool,
+    /// The call panicked (logged where it was caught, rate-limited).
+    panicked: bool,
 }
 
 impl Harvest {
@@ -223,7 +268,28 @@ impl Harvest {
             durable: ctx.wants_durable(),
             watches: ctx.take_watches(),
             failed: ctx.wants_failed_stop(),
+            panicked: false,
         }
+    }
+
+    /// Takes what the handler run with `ctx` asked; `res` is its outcome
+    /// (`Err` with the message of a panic of the call, which is logged
+    /// here and becomes the call's [`EntityError`], as if it had failed).
+    fn of_call(
+        ctx: &mut EntityContext<'_>,
+        callback: &str,
+        res: Result<Result<(), EntityError>, String>,
+    ) -> (Self, Result<(), EntityError>) {
+        let mut h = Harvest::of(ctx);
+        let res = match res {
+            Ok(r) => r,
+            Err(why) => {
+                entity_panicked(ctx.type_name(), Some(ctx.self_id()), callback, &why);
+                h.panicked = true;
+                Err(EntityError::Failed(format!("{callback} panicked: {why}")))
+            }
+        };
+        (h, res)
     }
 }
 
@@ -578,8 +644,9 @@ impl EntityHost {
             inc: live.incarnation,
         };
         let mut ctx = EntityContext::new(&who.id, &mut self.services).with_type(&name, live.epoch);
-        let res = live.entity.on_ask_reply(&mut ctx, id, reply);
-        let h = Harvest::of(&mut ctx);
+        let entity = &mut live.entity;
+        let res = catch_panic(|| entity.on_ask_reply(&mut ctx, id, reply));
+        let (h, res) = Harvest::of_call(&mut ctx, "ask reply handler", res);
         drop(ctx);
         self.settle(now, plane, &who, h, res, None);
     }
@@ -609,8 +676,9 @@ impl EntityHost {
                 continue;
             };
             let mut ctx = EntityContext::new(&id, &mut self.services).with_type(&name, live.epoch);
-            let res = live.entity.on_durable(&mut ctx, durable_lsn);
-            let h = Harvest::of(&mut ctx);
+            let entity = &mut live.entity;
+            let res = catch_panic(|| entity.on_durable(&mut ctx, durable_lsn));
+            let (h, res) = Harvest::of_call(&mut ctx, "durability handler", res);
             drop(ctx);
             let who = Incarnation { ty, shard, id, inc };
             self.settle(now, plane, &who, h, res, None);
@@ -769,7 +837,6 @@ impl EntityHost {
                 }
             }
         }
-        let mut entity = f(id);
         let mut epoch = 0;
         let mut hosted_max = 0;
         for (s, g, _) in plane.region(ty).hosted_shards() {
@@ -785,14 +852,29 @@ impl EntityHost {
         self.next_incarnation += 1;
         let name = h.name.clone();
         let mut ctx = EntityContext::new(id, &mut self.services).with_type(&name, epoch);
-        entity.on_start(&mut ctx);
-        let harvest = Harvest::of(&mut ctx);
+        // The factory and `on_start` are the user's code: a panic fails the
+        // incarnation at once, as an error of its handler would.
+        let mut made: Option<Box<dyn Entity>> = None;
+        let started = catch_panic(|| made.insert(f(id)).on_start(&mut ctx));
+        let (harvest, res) = Harvest::of_call(&mut ctx, "start", started.map(Ok));
         drop(ctx);
+        let entity = match (&res, made) {
+            (Ok(()), Some(e)) => e,
+            (_, made) => {
+                if let Some(e) = made {
+                    if let Err(why) = catch_panic(move || drop(e)) {
+                        entity_panicked(&name, Some(id), "drop", &why);
+                    }
+                }
+                Box::new(StartFailed)
+            }
+        };
+        let failed = res.as_ref().err().map(ToString::to_string);
         h.activated += 1;
         h.live += 1;
         if let Some(slot) = plane.entity_slot_mut(ty, shard, id) {
             *slot = Some(Live {
-                entity,
+                entity: std::mem::ManuallyDrop::new(entity),
                 incarnation: inc,
                 epoch,
             });
@@ -803,8 +885,11 @@ impl EntityHost {
             shard,
             inc,
         };
-        self.settle(now, plane, &who, harvest, Ok(()), None);
-        Ensured::Running
+        self.settle(now, plane, &who, harvest, res, None);
+        match failed {
+            Some(why) => Ensured::Failed(why),
+            None => Ensured::Running,
+        }
     }
 
     /// Runs a message on its entity (started first if need be); a system
@@ -834,6 +919,9 @@ impl EntityHost {
                 let name = self.types[ty.0].name.clone();
                 return plane.handle_message(now, &name, env);
             }
+            Ensured::Failed(why) => {
+                return self.reply(env.sender, Status::EntityFailed, why.into_bytes());
+            }
         }
         let token = self.next_reply_token();
         let Some(h) = self.types.get_mut(ty.0) else {
@@ -847,10 +935,11 @@ impl EntityHost {
         let mut ctx = EntityContext::new(&env.entity, &mut self.services)
             .with_type(&name, live.epoch)
             .with_reply_token(token.0);
-        let res = live.entity.handle(&mut ctx, &env.payload);
+        let entity = &mut live.entity;
+        let res = catch_panic(|| entity.handle(&mut ctx, &env.payload));
         let payload = ctx.take_reply().unwrap_or_default();
         let deferred = ctx.reply_deferred();
-        let harvest = Harvest::of(&mut ctx);
+        let (harvest, res) = Harvest::of_call(&mut ctx, "handler", res);
         drop(ctx);
         let who = Incarnation {
             ty,
@@ -911,7 +1000,7 @@ impl EntityHost {
                 if let Some(s) = sender {
                     self.reply(s, Status::EntityFailed, e.to_string().into_bytes());
                 }
-            } else {
+            } else if !h.panicked {
                 tracing::warn!(entity = %who.id, error = %e, "entity failed; it stops");
             }
             self.fail_entity(now, plane, who);
@@ -986,9 +1075,12 @@ impl EntityHost {
                 };
                 let mut ctx =
                     EntityContext::new(&me.id, &mut self.services).with_type(&name, live.epoch);
-                live.entity
-                    .on_terminated(&mut ctx, &of.type_name, &of.id, reason);
-                let harvest = Harvest::of(&mut ctx);
+                let entity = &mut live.entity;
+                let res = catch_panic(|| {
+                    entity.on_terminated(&mut ctx, &of.type_name, &of.id, reason);
+                    Ok(())
+                });
+                let (harvest, res) = Harvest::of_call(&mut ctx, "terminated handler", res);
                 drop(ctx);
                 let who = Incarnation {
                     ty,
@@ -996,7 +1088,7 @@ impl EntityHost {
                     inc: live.incarnation,
                     id: me.id,
                 };
-                self.settle(now, plane, &who, harvest, Ok(()), None);
+                self.settle(now, plane, &who, harvest, res, None);
             }
         }
     }
@@ -1019,8 +1111,12 @@ impl EntityHost {
             return;
         };
         let mut ctx = EntityContext::new(id, &mut self.services).with_type(&name, live.epoch);
-        live.entity.on_timer(&mut ctx, key);
-        let harvest = Harvest::of(&mut ctx);
+        let entity = &mut live.entity;
+        let res = catch_panic(|| {
+            entity.on_timer(&mut ctx, key);
+            Ok(())
+        });
+        let (harvest, res) = Harvest::of_call(&mut ctx, "timer", res);
         drop(ctx);
         let who = Incarnation {
             ty,
@@ -1028,7 +1124,7 @@ impl EntityHost {
             shard,
             inc,
         };
-        self.settle(now, plane, &who, harvest, Ok(()), None);
+        self.settle(now, plane, &who, harvest, res, None);
     }
 
     /// The incarnation of `id` stopped: tells its watchers, drops its watches.
@@ -1157,7 +1253,15 @@ impl EntityHost {
         reason: TerminatedReason,
         tell_region: bool,
     ) {
-        let keep = l.entity.on_stopping();
+        let entity = &mut l.entity;
+        let (keep, reason) = match catch_panic(|| entity.on_stopping()) {
+            Ok(keep) => (keep, reason),
+            Err(why) => {
+                let name = self.types[ty.0].name.clone();
+                entity_panicked(&name, Some(&id), "on_stopping", &why);
+                (false, TerminatedReason::Failed)
+            }
+        };
         self.drain_completions(now, plane);
         let st = Stopping {
             ty,
@@ -1194,9 +1298,18 @@ impl EntityHost {
             let Some(st) = self.stopping.get_mut(&inc) else {
                 continue;
             };
-            if !st.live.entity.may_stop_waiting() {
-                st.wait_until = now + crate::entity::STOP_WAIT;
-                continue;
+            let entity = &mut st.live.entity;
+            match catch_panic(|| entity.may_stop_waiting()) {
+                Ok(false) => {
+                    st.wait_until = now + crate::entity::STOP_WAIT;
+                    continue;
+                }
+                Ok(true) => {}
+                Err(why) => {
+                    let name = &self.types[st.ty.0].name;
+                    entity_panicked(name, Some(&st.id), "may_stop_waiting", &why);
+                    st.reason = TerminatedReason::Failed;
+                }
             }
             if let Some(st) = self.stopping.remove(&inc) {
                 tracing::debug!(entity = %st.id, "stopping entity stops after its stop wait");
@@ -1210,7 +1323,11 @@ impl EntityHost {
     fn call_on_stop(&mut self, ty: TypeIdx, id: &EntityId, live: &mut Live) {
         let name = self.types[ty.0].name.clone();
         let mut ctx = EntityContext::new(id, &mut self.services).with_type(&name, live.epoch);
-        live.entity.on_stop(&mut ctx);
+        let entity = &mut live.entity;
+        // The incarnation stops anyway: a panic is logged, nothing more.
+        if let Err(why) = catch_panic(|| entity.on_stop(&mut ctx)) {
+            entity_panicked(&name, Some(id), "on_stop", &why);
+        }
     }
 
     /// The last step of a stop: `on_stop`, the incarnation's deferred
@@ -1235,9 +1352,19 @@ impl EntityHost {
         let name = self.types[st.ty.0].name.clone();
         let mut ctx =
             EntityContext::new(&st.id, &mut self.services).with_type(&name, st.live.epoch);
-        let res = st.live.entity.on_durable(&mut ctx, durable);
+        let entity = &mut st.live.entity;
+        let res = catch_panic(|| entity.on_durable(&mut ctx, durable));
+        let (_, mut res) = Harvest::of_call(&mut ctx, "durability handler", res);
         drop(ctx);
-        let keep = res.is_ok() && st.live.entity.on_stopping();
+        let keep = res.is_ok()
+            && match catch_panic(|| st.live.entity.on_stopping()) {
+                Ok(keep) => keep,
+                Err(why) => {
+                    entity_panicked(&name, Some(&st.id), "on_stopping", &why);
+                    res = Err(EntityError::Failed(format!("on_stopping panicked: {why}")));
+                    false
+                }
+            };
         let id = st.id.clone();
         self.drain_completions(now, plane);
         if keep {

@@ -6,16 +6,20 @@ use std::time::Duration;
 
 use shardline_core::ids::EntityId;
 
-use super::{EntityHost, FastMap, ReplyToken, UserEnvelope};
+use super::{entity_panicked, EntityHost, FastMap, ReplyToken, UserEnvelope};
 use crate::entity::worker::{core_share, Admit, WorkerPool, WorkerSettings};
-use crate::entity::{Entity, EntityContext, EntityFactory, EntityServices, Outgoing};
+use crate::entity::{
+    catch_panic, Entity, EntityContext, EntityError, EntityFactory, EntityServices, Outgoing,
+};
 use crate::envelope::Status;
 use crate::node::plane::data::{DataPlane, TypeIdx};
 use crate::status::WorkerPoolStatus;
 
 /// One activation of a worker type.
 pub(super) struct Activation {
-    entity: Box<dyn Entity>,
+    /// Dropped by [`Activation`]'s `Drop`, which catches a panic of the
+    /// entity's own `Drop`.
+    entity: std::mem::ManuallyDrop<Box<dyn Entity>>,
     /// `worker-<core>-<n>`: the id its timers and start run under (a request
     /// runs under the id it addressed).
     id: EntityId,
@@ -24,6 +28,28 @@ pub(super) struct Activation {
     timers: Vec<(u64, Duration)>,
     /// Messages sent from `on_start`, sent with its first request.
     pending_out: Vec<Outgoing>,
+}
+
+impl Drop for Activation {
+    fn drop(&mut self) {
+        // SAFETY: `entity` is taken once, here, and `self` is not used
+        // afterwards.
+        let entity = unsafe { std::mem::ManuallyDrop::take(&mut self.entity) };
+        if let Err(why) = catch_panic(move || drop(entity)) {
+            entity_panicked("", Some(&self.id), "drop", &why);
+        }
+    }
+}
+
+/// The activation of a worker type whose factory or `on_start` panicked:
+/// every request it gets fails (`EntityFailed`), which removes it from the
+/// pool as any failed activation.
+struct StartFailed(String);
+
+impl Entity for StartFailed {
+    fn handle(&mut self, _ctx: &mut EntityContext<'_>, _message: &[u8]) -> Result<(), EntityError> {
+        Err(EntityError::Failed(self.0.clone()))
+    }
 }
 
 /// The worker side of one entity type on one core.
@@ -167,7 +193,14 @@ impl EntityHost {
             let mut ctx = EntityContext::new(&env.entity, &mut self.services)
                 .with_type(&name, 0)
                 .with_reply_token(token.0);
-            let res = a.entity.handle(&mut ctx, &env.payload);
+            let entity = &mut a.entity;
+            let res = match catch_panic(|| entity.handle(&mut ctx, &env.payload)) {
+                Ok(res) => res,
+                Err(why) => {
+                    entity_panicked(&name, Some(&env.entity), "handler", &why);
+                    Err(EntityError::Failed(format!("handler panicked: {why}")))
+                }
+            };
             let inc = a.incarnation;
             apply_timers(a, now, ctx.take_timers());
             let mut out = std::mem::take(&mut a.pending_out);
@@ -345,7 +378,10 @@ impl EntityHost {
 /// in `on_stop` are sent with the host's next completions).
 fn stop_activation(services: &mut EntityServices, a: &mut Activation, t: &str) {
     let mut ctx = EntityContext::new(&a.id, services).with_type(t, 0);
-    a.entity.on_stop(&mut ctx);
+    let entity = &mut a.entity;
+    if let Err(why) = catch_panic(|| entity.on_stop(&mut ctx)) {
+        entity_panicked(t, Some(&a.id), "on_stop", &why);
+    }
 }
 
 fn fire(
@@ -357,7 +393,12 @@ fn fire(
     out: &mut Vec<Outgoing>,
 ) {
     let mut ctx = EntityContext::new(&a.id, services).with_type(t, 0);
-    a.entity.on_timer(&mut ctx, key);
+    let entity = &mut a.entity;
+    // A worker's timer has nobody to answer: a panic is logged, and the
+    // activation keeps serving (it holds no state of a sharded entity).
+    if let Err(why) = catch_panic(|| entity.on_timer(&mut ctx, key)) {
+        entity_panicked(t, Some(&a.id), "timer", &why);
+    }
     let timers = ctx.take_timers();
     out.extend(ctx.take_outgoing());
     drop(ctx);
@@ -375,14 +416,29 @@ fn make_activation(
     // A short ASCII id: valid (ids are 1..=255 bytes).
     let id = EntityId::new(format!("worker-{core}-{inc}"))
         .unwrap_or_else(|e| unreachable!("worker id is valid: {e}"));
-    let mut entity = factory(&id);
     let mut ctx = EntityContext::new(&id, services).with_type(t, 0);
-    entity.on_start(&mut ctx);
+    // The factory and `on_start` are the user's code: after a panic the
+    // activation fails its first request and is replaced.
+    let mut made: Option<Box<dyn Entity>> = None;
+    let started = catch_panic(|| made.insert(factory(&id)).on_start(&mut ctx));
     let timers = ctx.take_timers();
     let pending_out = ctx.take_outgoing();
     drop(ctx);
+    let entity = match (started, made) {
+        (Ok(()), Some(e)) => e,
+        (started, made) => {
+            let why = started.err().unwrap_or_else(|| "no entity".to_string());
+            entity_panicked(t, Some(&id), "start", &why);
+            if let Some(e) = made {
+                if let Err(w) = catch_panic(move || drop(e)) {
+                    entity_panicked(t, Some(&id), "drop", &w);
+                }
+            }
+            Box::new(StartFailed(format!("start panicked: {why}")))
+        }
+    };
     let mut a = Activation {
-        entity,
+        entity: std::mem::ManuallyDrop::new(entity),
         id,
         incarnation: inc,
         timers: Vec::new(),
