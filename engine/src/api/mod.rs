@@ -64,6 +64,17 @@ pub enum NotSent {
     /// The node has stopped.
     #[error("node stopped")]
     Stopped,
+    /// The message is longer than `requests.max_message_size_bytes`: the
+    /// limit every front applies (HTTP `413`, native `TooLarge`), checked
+    /// before sending wherever the entity lives. A retry can never
+    /// succeed.
+    #[error("message of {size} bytes exceeds requests.max_message_size_bytes ({limit})")]
+    TooLarge {
+        /// The message's length, in bytes.
+        size: u64,
+        /// The node's `requests.max_message_size_bytes`.
+        limit: u64,
+    },
 }
 
 /// A message that could not be sent, handed back with the reason.

@@ -186,8 +186,9 @@ impl NodeConfigBuilder {
     }
 
     /// `requests.max_message_size_bytes`: the largest message payload, in
-    /// bytes (1..=16 MiB less 1 KiB, at least `http.max_body_size_bytes`).
-    /// Default 16 MiB less 1 KiB.
+    /// bytes (1..=16 MiB less 1 KiB; with an HTTP front, at least
+    /// `http.max_body_size_bytes`, whose default is 1 MiB). Default 16 MiB
+    /// less 1 KiB.
     pub fn max_message_size_bytes(mut self, bytes: u64) -> Self {
         self.config.requests.max_message_size_bytes = bytes;
         self
@@ -301,5 +302,32 @@ mod tests {
                 "{key}: {msg}"
             );
         }
+    }
+
+    #[test]
+    fn a_small_message_limit_without_an_http_front_builds() {
+        let c = NodeConfig::builder(addr(1), addr(2), "d")
+            .max_message_size_bytes(1024)
+            .build()
+            .expect("no HTTP front: its body limit bounds nothing");
+        assert_eq!(c.requests.max_message_size_bytes, 1024);
+        // With an HTTP front the default 1 MiB body limit exceeds it...
+        let e = NodeConfig::builder(addr(1), addr(2), "d")
+            .http_address(addr(3))
+            .max_message_size_bytes(1024)
+            .build()
+            .unwrap_err();
+        assert!(e.to_string().contains("http.max_body_size_bytes"), "{e}");
+        // ... and one within it builds.
+        let c = NodeConfig::builder(addr(1), addr(2), "d")
+            .http_address(addr(3))
+            .max_message_size_bytes(1024)
+            .http(HttpConfig {
+                max_body_size_bytes: 1024,
+                ..HttpConfig::default()
+            })
+            .build()
+            .expect("body limit within the message limit");
+        assert_eq!(c.http.max_body_size_bytes, 1024);
     }
 }

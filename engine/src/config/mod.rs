@@ -510,8 +510,9 @@ impl JournalConfig {
 pub struct HttpConfig {
     /// Largest accepted request body (the issue's `max_body_size`), in
     /// bytes; a larger `Content-Length` is answered `413` as soon as the
-    /// headers are read. Default 1 MiB (1048576); at least 1 and at most
-    /// `requests.max_message_size_bytes` (16 MiB less 1 KiB by default).
+    /// headers are read. Default 1 MiB (1048576); at least 1 and, with an
+    /// `http_address`, at most `requests.max_message_size_bytes` (16 MiB
+    /// less 1 KiB by default; not compared without an HTTP front).
     pub max_body_size_bytes: u64,
     /// Time allowed for a request's line and headers from its first byte,
     /// in milliseconds; when it passes the client gets `408` and the
@@ -770,7 +771,9 @@ impl NodeConfig {
         }
         self.http.validate(bad)?;
         self.journal.validate(bad)?;
-        self.requests.validate(self.http.max_body_size_bytes, bad)?;
+        // The HTTP body limit bounds only a front that runs.
+        let http_max_body = self.http_address.map(|_| self.http.max_body_size_bytes);
+        self.requests.validate(http_max_body, bad)?;
         self.coordinator.validate(bad)?;
         self.cluster.validate(bad)?;
         let mut seen = std::collections::HashSet::new();
@@ -1045,12 +1048,30 @@ active_entity_limit = 0
                 "max_message_size_bytes = 16777216",
                 "requests.max_message_size_bytes",
             ),
-            // The HTTP default (1 MiB) exceeds a 1000-byte message limit.
-            ("max_message_size_bytes = 1000", "http.max_body_size_bytes"),
         ] {
             let e = NodeConfig::from_toml(&with(t), Path::new("x.toml")).unwrap_err();
             assert!(e.to_string().contains(key), "{t}: {e}");
         }
+    }
+
+    #[test]
+    fn the_http_body_limit_is_compared_with_the_message_limit_only_with_an_http_front() {
+        let small = format!("{GOOD}\n[requests]\nmax_message_size_bytes = 1000\n");
+        // No http_address: the HTTP default (1 MiB) bounds nothing.
+        let c = NodeConfig::from_toml(&small, Path::new("x.toml")).unwrap();
+        assert_eq!(c.requests.max_message_size_bytes, 1000);
+        // With an HTTP front, the default 1 MiB body exceeds the limit.
+        let with_http = format!("http_address = \"127.0.0.1:7301\"\n{small}");
+        let e = NodeConfig::from_toml(&with_http, Path::new("x.toml")).unwrap_err();
+        assert!(e.to_string().contains("http.max_body_size_bytes"), "{e}");
+        // ... and a body limit within it is accepted.
+        let fits = with_http.replacen(
+            "[requests]",
+            "[http]\nmax_body_size_bytes = 1000\n[requests]",
+            1,
+        );
+        let c = NodeConfig::from_toml(&fits, Path::new("x.toml")).unwrap();
+        assert_eq!(c.http.max_body_size_bytes, 1000);
     }
 
     #[test]

@@ -60,8 +60,11 @@ pub struct RequestsConfig {
     /// request is refused at once by the front it arrives on: HTTP `413`,
     /// native protocol a `TooLarge` answer (a request frame over the limit
     /// plus [`ENVELOPE_OVERHEAD_BYTES`] gets a `TooLarge` frame with request
-    /// id 0, then the connection is closed). `http.max_body_size_bytes`
-    /// may not exceed it. Default and maximum [`MAX_MESSAGE_SIZE_BYTES`]
+    /// id 0, then the connection is closed); the embedding API
+    /// ([`crate::EntityRef::ask`], `tell`, and the typed ones) refuses it
+    /// before sending it, wherever its entity lives. With an HTTP front
+    /// (`http_address` set), `http.max_body_size_bytes` may not exceed it
+    /// (without one, that key bounds nothing and is not compared). Default and maximum [`MAX_MESSAGE_SIZE_BYTES`]
     /// (16 MiB less 1 KiB, what a node-to-node frame carries); at least 1.
     pub max_message_size_bytes: u64,
     /// How long a request frame on the native port may take to arrive
@@ -128,11 +131,12 @@ impl RequestsConfig {
     }
 
     /// Checks value ranges and that `http_max_body` (the HTTP front's body
-    /// limit, in bytes) is within the message limit; `bad(key, reason)`
+    /// limit, in bytes; `None` without an HTTP front, whose limit then
+    /// bounds nothing) is within the message limit; `bad(key, reason)`
     /// builds the error.
     pub(super) fn validate(
         &self,
-        http_max_body: u64,
+        http_max_body: Option<u64>,
         bad: impl Fn(&str, String) -> ConfigError,
     ) -> Result<(), ConfigError> {
         if !(100..=3_600_000).contains(&self.ask_timeout_ms) {
@@ -172,7 +176,7 @@ impl RequestsConfig {
                 ),
             ));
         }
-        if http_max_body > self.max_message_size_bytes {
+        if let Some(http_max_body) = http_max_body.filter(|b| *b > self.max_message_size_bytes) {
             return Err(bad(
                 "http.max_body_size_bytes",
                 format!(

@@ -45,6 +45,8 @@ pub struct PersistContext {
     reply: Option<Vec<u8>>,
     recovering: bool,
     passivate: bool,
+    /// Set by [`Self::refuse`]: the command's `EntityFailed` answer.
+    refusal: Option<Vec<u8>>,
     /// A spare reply buffer of the core (see [`Self::reply_buffer`]).
     spare: Option<Vec<u8>>,
 }
@@ -105,6 +107,14 @@ impl PersistContext {
     /// Asks to be stopped (passivated) after this message.
     pub fn passivate(&mut self) {
         self.passivate = true;
+    }
+
+    /// Refuses the current command: it is answered `EntityFailed` with
+    /// `why`, nothing it persisted is appended, and the incarnation keeps
+    /// running (unlike a handler error, which fails it). For input that is
+    /// not a command at all (the typed host's undecodable bytes).
+    pub(crate) fn refuse(&mut self, why: Vec<u8>) {
+        self.refusal = Some(why);
     }
 }
 
@@ -550,6 +560,12 @@ impl<E: PersistentEntity> Persistent<E> {
         command: &[u8],
     ) -> Result<(), EntityError> {
         let mut pc = self.run_command_handler(ctx, command)?;
+        if let Some(why) = pc.refusal.take() {
+            if let Some(t) = ctx.defer_reply() {
+                ctx.complete(t, Status::EntityFailed, why);
+            }
+            return Ok(());
+        }
         let mut reply = pc.reply.take();
         if !pc.events.is_empty() {
             let pid = self.take_pid(ctx)?;
@@ -593,6 +609,12 @@ impl<E: PersistentEntity> Persistent<E> {
         pid: Option<&PersistenceId>,
     ) -> Result<(), EntityError> {
         let pc = self.run_command_handler(ctx, command)?;
+        if let Some(why) = pc.refusal {
+            if let Some(t) = token {
+                ctx.complete(t, Status::EntityFailed, why);
+            }
+            return Ok(());
+        }
         if pc.events.is_empty() {
             if let Some(t) = token {
                 ctx.complete(t, Status::Ok, pc.reply.unwrap_or_default());

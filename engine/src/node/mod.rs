@@ -381,6 +381,7 @@ impl Node {
             id,
             to_core: self.to_cores[core].clone(),
             ask_timeout: self.config.requests.ask_timeout(),
+            max_message: self.config.requests.max_message_size_bytes,
         })
     }
 
@@ -674,6 +675,8 @@ pub struct EntityRef {
     to_core: RingSender<ToCore>,
     /// `requests.ask_timeout_ms`.
     ask_timeout: Duration,
+    /// `requests.max_message_size_bytes`: a longer message is not sent.
+    max_message: u64,
 }
 
 impl EntityRef {
@@ -682,15 +685,37 @@ impl EntityRef {
         &self.id
     }
 
+    /// Refuses a message longer than `requests.max_message_size_bytes`,
+    /// the limit of the HTTP and native fronts and of the node-to-node
+    /// wire: checked here, before anything is sent, so that its fate does
+    /// not depend on where the entity's shard lives.
+    fn check_size(&self, len: usize) -> Result<(), crate::api::NotSent> {
+        let size = u64::try_from(len).unwrap_or(u64::MAX);
+        if size > self.max_message {
+            return Err(crate::api::NotSent::TooLarge {
+                size,
+                limit: self.max_message,
+            });
+        }
+        Ok(())
+    }
+
     /// Sends a message without waiting for a reply (at most once). Its ask
     /// deadline is `requests.ask_timeout_ms`: still buffered then (a shard
     /// home being resolved, a hand-off), it is dropped as a
     /// `deadline_passed` dead letter and never delivered later.
     ///
+    /// A message longer than `requests.max_message_size_bytes` is refused
+    /// before anything is sent, wherever the entity lives.
+    ///
     /// # Errors
     /// [`AskError::Stopped`] when the node is gone, [`AskError::Failed`] with
-    /// `BufferFull` when the core's inbox is full.
+    /// `BufferFull` when the core's inbox is full, [`AskError::Failed`] with
+    /// [`Status::TooLarge`] for a message over the limit.
     pub fn tell(&self, message: &[u8]) -> Result<(), AskError> {
+        if self.check_size(message.len()).is_err() {
+            return Err(AskError::Failed(Status::TooLarge));
+        }
         self.to_core
             .send(ToCore::Ask {
                 type_name: self.type_name.clone(),
@@ -720,16 +745,24 @@ impl EntityRef {
     /// an answer arrives first; without any answer by then it returns
     /// [`AskError::TimedOut`] (the message may have reached its entity).
     ///
+    /// A message longer than `requests.max_message_size_bytes` is refused
+    /// before anything is sent, wherever the entity lives (as the HTTP and
+    /// native fronts refuse it: `413`, `TooLarge`).
+    ///
     /// # Errors
     /// [`AskError::Failed`] with the status of a failed request (`BufferFull`
-    /// when the core's inbox is full), [`AskError::TimedOut`],
-    /// [`AskError::Stopped`].
+    /// when the core's inbox is full, `TooLarge` for a message over the
+    /// limit), [`AskError::TimedOut`], [`AskError::Stopped`].
     pub fn ask(&self, message: &[u8], timeout: Duration) -> Result<Vec<u8>, AskError> {
+        if self.check_size(message.len()).is_err() {
+            return Err(AskError::Failed(Status::TooLarge));
+        }
         let wait = self.wait_of(timeout);
         self.ask_async(message.to_vec(), timeout)
             .map_err(|e| match e.reason {
                 crate::api::NotSent::InboxFull => AskError::Failed(Status::BufferFull),
                 crate::api::NotSent::Stopped => AskError::Stopped,
+                crate::api::NotSent::TooLarge { .. } => AskError::Failed(Status::TooLarge),
             })?
             .wait(wait)
     }
@@ -745,8 +778,11 @@ impl EntityRef {
     /// its reply is discarded.
     ///
     /// # Errors
-    /// [`crate::api::SendError`] with the message when it could not be sent
-    /// (the core's inbox is full, the node stopped).
+    /// [`crate::api::SendError`] with the message when it was not sent
+    /// (the core's inbox is full, the node stopped, or
+    /// [`crate::api::NotSent::TooLarge`]: longer than
+    /// `requests.max_message_size_bytes`, refused before sending wherever
+    /// the entity lives).
     pub fn ask_async(
         &self,
         message: Vec<u8>,
@@ -774,6 +810,9 @@ impl EntityRef {
         message: Vec<u8>,
         timeout: Duration,
     ) -> Result<crate::api::oneshot::Receiver<ApiAnswer>, crate::api::SendError<Vec<u8>>> {
+        if let Err(reason) = self.check_size(message.len()) {
+            return Err(crate::api::SendError { message, reason });
+        }
         let deadline = timeout.min(self.ask_timeout);
         let (tx, rx) = crate::api::oneshot::channel();
         self.to_core
@@ -802,11 +841,16 @@ impl EntityRef {
     }
 
     /// Sends a message without waiting for a reply, handing it back when
-    /// it could not be sent (see [`Self::tell`] for the deadline).
+    /// it was not sent (see [`Self::tell`] for the deadline and the size
+    /// limit).
     ///
     /// # Errors
-    /// [`crate::api::SendError`] with the message (inbox full, node stopped).
+    /// [`crate::api::SendError`] with the message (inbox full, node stopped,
+    /// [`crate::api::NotSent::TooLarge`]).
     pub fn try_tell(&self, message: Vec<u8>) -> Result<(), crate::api::SendError<Vec<u8>>> {
+        if let Err(reason) = self.check_size(message.len()) {
+            return Err(crate::api::SendError { message, reason });
+        }
         self.to_core
             .send(ToCore::Ask {
                 type_name: self.type_name.clone(),

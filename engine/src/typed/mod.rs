@@ -153,6 +153,8 @@ impl<P: Protocol> EntityTypeKey<P> {
 #[non_exhaustive]
 pub enum AskError<C> {
     /// The command was not sent (nothing reached the engine): here it is.
+    /// [`NotSent::TooLarge`] when its encoding is longer than
+    /// `requests.max_message_size_bytes`.
     #[error("not sent: {reason}")]
     NotSent {
         /// The command, unchanged.
@@ -265,6 +267,11 @@ impl<P: Protocol> EntityRef<P> {
     /// another node whose reply that node gave up on (its forwarded-reply
     /// wait, the deadline plus 500 ms), which can come sooner.
     ///
+    /// A command whose encoding is longer than
+    /// `requests.max_message_size_bytes` is not sent, wherever the entity
+    /// lives: [`AskError::NotSent`] with [`NotSent::TooLarge`] and the
+    /// command.
+    ///
     /// Cancel safety: dropping the future does not recall the command (it
     /// is handled at most once) and discards the reply.
     pub fn ask_within(&self, command: P::Command, timeout: Duration) -> AskFuture<P> {
@@ -298,10 +305,13 @@ impl<P: Protocol> EntityRef<P> {
     }
 
     /// Sends `command` without waiting for a reply (at most once; deadline
-    /// as [`crate::EntityRef::tell`]).
+    /// as [`crate::EntityRef::tell`]). A command whose encoding is longer
+    /// than `requests.max_message_size_bytes` is not sent, wherever the
+    /// entity lives.
     ///
     /// # Errors
-    /// [`AskError::Encode`] or [`AskError::NotSent`], with the command.
+    /// [`AskError::Encode`] or [`AskError::NotSent`] (inbox full, node
+    /// stopped, [`NotSent::TooLarge`]), with the command.
     pub fn tell(&self, command: P::Command) -> Result<(), AskError<P::Command>> {
         let bytes = match P::Codec::encode(&command) {
             Ok(b) => b,
@@ -520,6 +530,13 @@ struct Host<E: Entity> {
     asks: HashMap<u64, Adapter<<E::Protocol as Protocol>::Command>>,
 }
 
+/// The `EntityFailed` answer to a message that does not decode as a
+/// command of the entity's protocol (`error`: the codec's), the same for
+/// [`Entity`] and [`PersistentEntity`]; the entity keeps running.
+pub(crate) fn undecodable_command(error: &CodecError) -> Vec<u8> {
+    format!("not a command of this type: {error}").into_bytes()
+}
+
 /// Answers the current message with `status` and `payload` and keeps the
 /// entity running.
 fn answer_failed(ctx: &mut EntityContext<'_>, status: Status, payload: Vec<u8>) {
@@ -560,11 +577,7 @@ impl<E: Entity> crate::entity::Entity for Host<E> {
         match <E::Protocol as Protocol>::Codec::decode(message) {
             Ok(command) => self.run(raw, command),
             Err(e) => {
-                answer_failed(
-                    raw,
-                    Status::EntityFailed,
-                    format!("not a command of this type: {e}").into_bytes(),
-                );
+                answer_failed(raw, Status::EntityFailed, undecodable_command(&e));
                 Ok(())
             }
         }

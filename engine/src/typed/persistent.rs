@@ -111,8 +111,15 @@ struct Host<E: PersistentEntity> {
 
 impl<E: PersistentEntity> crate::entity::persistent::PersistentEntity for Host<E> {
     fn on_command(&mut self, ctx: &mut PersistContext, command: &[u8]) -> Result<(), EntityError> {
-        let command = <E::Protocol as Protocol>::Codec::decode(command)
-            .map_err(|e| EntityError::Failed(format!("not a command of this type: {e}")))?;
+        let command = match <E::Protocol as Protocol>::Codec::decode(command) {
+            Ok(c) => c,
+            Err(e) => {
+                // Not a command at all: answered as the in-memory typed
+                // entity answers it; the incarnation keeps serving.
+                ctx.refuse(super::undecodable_command(&e));
+                return Ok(());
+            }
+        };
         let effect = self.entity.on_command(&self.state, command);
         if effect.passivate {
             ctx.passivate();
@@ -174,10 +181,14 @@ impl Sharding<'_> {
     /// at `State::default()` and is recovered from the journal). A
     /// snapshot every `snapshot_every` events (0: never).
     ///
-    /// A message that does not decode as a command, an event that does
-    /// not encode, or a reply that does not encode fails the command
-    /// ([`super::AskError::Failed`] with `EntityFailed`) and restarts the
-    /// incarnation from the journal. The entity runs under a supervisor
+    /// A message that does not decode as a command is answered
+    /// [`crate::envelope::Status::EntityFailed`] with the codec's error
+    /// (`not a command of this type: ...`), as [`Sharding::start_typed`]'s
+    /// entities answer it: nothing is appended and the entity keeps
+    /// running (no restart, no count toward the supervisor's limit). An
+    /// event that does not encode or a reply that does not encode fails
+    /// the command ([`super::AskError::Failed`] with `EntityFailed`) and
+    /// restarts the incarnation from the journal. The entity runs under a supervisor
     /// with the default settings, as [`Sharding::start_typed`]'s: a
     /// handler that panics fails its command and the entity is restarted
     /// from the journal after the backoff.

@@ -69,8 +69,8 @@ impl DataExecutor {
         }
         let encoded = encode_frame(&t.frame, &mut outbox.buf.borrow_mut());
         if let Err(e) = encoded {
-            // The fronts refuse messages over the limit; this is a message
-            // from an entity or the embedding API.
+            // The fronts and the embedding API refuse messages over the
+            // limit before sending; this is a message from an entity.
             let status = match t.frame {
                 DataFrame::System { .. } => Status::BufferFull,
                 _ => Status::TooLarge,
