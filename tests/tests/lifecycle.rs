@@ -264,6 +264,7 @@ fn configured_max_restarts_stop_a_panicking_entity_and_watchers_hear_failed() {
 cluster_address = "127.0.0.1:25210"
 client_address = "127.0.0.1:25310"
 data_dir = "/unused"
+seed_nodes = ["127.0.0.1:25210"]
 [[entity_types]]
 name = "fragile"
 kind = "echo"

@@ -56,9 +56,10 @@ pub struct NodeConfigBuilder {
 impl NodeConfig {
     /// A builder of a node listening on `cluster_address` (node-to-node)
     /// and `client_address` (native clients), keeping its files in
-    /// `data_dir`; every other key at the TOML file's default: no seeds
-    /// (set [`NodeConfigBuilder::seed_nodes`], e.g. to `[cluster_address]`
-    /// for a node that forms its own cluster), no HTTP front, 1 data core,
+    /// `data_dir`; every other key at the TOML file's default: no seeds,
+    /// which [`NodeConfigBuilder::build`] refuses (set
+    /// [`NodeConfigBuilder::seed_nodes`], e.g. to `[cluster_address]` for
+    /// a node that forms its own cluster), no HTTP front, 1 data core,
     /// pinned cores, cluster name `"shardline"`, 100 shards, durability
     /// `"none"`, no built-in entity types, `downing_stable_after` 20 s,
     /// `heartbeat_pause` 3 s, and the defaults of the `[http]`,
@@ -96,7 +97,9 @@ impl NodeConfig {
 impl NodeConfigBuilder {
     /// `seed_nodes`: the cluster addresses to join through (may include
     /// this node's own; a node whose own address is the first seed forms
-    /// the cluster when no other seed answers). Default none.
+    /// the cluster when no other seed answers). Required: the node joins
+    /// only through its seeds, so [`Self::build`] refuses an empty list
+    /// (the default).
     pub fn seed_nodes(mut self, seeds: impl IntoIterator<Item = SocketAddr>) -> Self {
         self.config.seed_nodes = seeds.into_iter().collect();
         self
@@ -249,15 +252,19 @@ mod tests {
 
     #[test]
     fn the_builders_defaults_are_the_files() {
-        let text = "cluster_address = \"127.0.0.1:1\"\nclient_address = \"127.0.0.1:2\"\ndata_dir = \"d\"\n";
+        let text = "cluster_address = \"127.0.0.1:1\"\nclient_address = \"127.0.0.1:2\"\ndata_dir = \"d\"\nseed_nodes = [\"127.0.0.1:1\"]\n";
         let file = NodeConfig::from_toml(text, Path::new("x.toml")).unwrap();
-        let built = NodeConfig::builder(addr(1), addr(2), "d").build().unwrap();
+        let built = NodeConfig::builder(addr(1), addr(2), "d")
+            .seed_nodes([addr(1)])
+            .build()
+            .unwrap();
         assert_eq!(built, file);
     }
 
     #[test]
     fn durations_become_the_files_milliseconds() {
         let c = NodeConfig::builder(addr(1), addr(2), "d")
+            .seed_nodes([addr(1)])
             .heartbeat_pause(Duration::from_millis(1500))
             .downing_stable_after(Duration::from_secs(2))
             .ask_timeout(Duration::from_millis(300))
@@ -274,7 +281,7 @@ mod tests {
 
     #[test]
     fn build_refuses_what_the_file_refuses_naming_the_key() {
-        let b = || NodeConfig::builder(addr(1), addr(2), "d");
+        let b = || NodeConfig::builder(addr(1), addr(2), "d").seed_nodes([addr(1)]);
         for (r, key) in [
             (b().data_cores(0).build(), "data_cores"),
             (
@@ -291,8 +298,15 @@ mod tests {
             ),
             (b().cluster_name("a b").build(), "cluster_name"),
             (
-                NodeConfig::builder(addr(1), addr(1), "d").build(),
+                NodeConfig::builder(addr(1), addr(1), "d")
+                    .seed_nodes([addr(1)])
+                    .build(),
                 "client_address",
+            ),
+            // The default: no seeds, so the node would never join.
+            (
+                NodeConfig::builder(addr(1), addr(2), "d").build(),
+                "seed_nodes",
             ),
         ] {
             let e = r.unwrap_err();

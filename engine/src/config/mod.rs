@@ -309,7 +309,9 @@ pub struct NodeConfig {
     pub http_address: Option<SocketAddr>,
     /// Cluster addresses to join through; may include this node's own. A node
     /// whose own address is the first seed forms the cluster when no other
-    /// seed answers.
+    /// seed answers; a single node lists only its own cluster address.
+    /// Required: a node joins only through its seeds, so an empty list
+    /// (the default when the key is missing) is refused.
     #[serde(default)]
     pub seed_nodes: Vec<SocketAddr>,
     /// Number of data executors (regions) on this node. Default 1.
@@ -905,6 +907,19 @@ impl NodeConfig {
                 ));
             }
         }
+        // A node joins only through its seeds (there is no other way to
+        // join): without any it would never become a member.
+        if self.seed_nodes.is_empty() {
+            return Err(bad(
+                "seed_nodes",
+                format!(
+                    "is empty, so the node would never join a cluster: list the cluster addresses \
+                     to join through, or only this node's own cluster address ([\"{}\"]) for a \
+                     node that forms its own cluster",
+                    self.cluster_address
+                ),
+            ));
+        }
         Ok(())
     }
 
@@ -1191,6 +1206,21 @@ active_entity_limit = 0
         )
         .unwrap_err();
         assert!(e.to_string().contains("aggregate_to"), "{e}");
+    }
+
+    #[test]
+    fn refuses_a_config_without_seed_nodes() {
+        for text in [
+            GOOD.replace("seed_nodes       = [\"127.0.0.1:7101\"]\n", ""),
+            GOOD.replace("[\"127.0.0.1:7101\"]\ndata_cores", "[]\ndata_cores"),
+        ] {
+            let e = NodeConfig::from_toml(&text, Path::new("x.toml")).unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                msg.contains("key `seed_nodes`") && msg.contains("[\"127.0.0.1:7101\"]"),
+                "{msg}"
+            );
+        }
     }
 
     #[test]

@@ -377,6 +377,10 @@ pub struct ControlPlane {
     /// When readiness stops waiting for warm routing (armed once the node
     /// is Up with every region registered).
     warm_deadline: Option<Duration>,
+    /// The warm wait ran out while some core's regions were not
+    /// registered: the node is ready without them until they are (then a
+    /// later re-registration makes it unready again, as usual).
+    registration_waived: bool,
     handed_off: Vec<bool>,
     leave: Option<LeaveState>,
     last_oldest: Option<UniqueAddress>,
@@ -427,6 +431,7 @@ impl ControlPlane {
             warm: vec![false; n],
             warmed: false,
             warm_deadline: None,
+            registration_waived: false,
             handed_off: vec![false; n],
             leave: None,
             last_oldest: None,
@@ -494,9 +499,8 @@ impl ControlPlane {
             }
         }
         // The warm wait only ends while the rest of readiness holds (see
-        // `drive`): a deadline that passed while a core's regions were
-        // re-registering waits for their registration, not for a timer.
-        if !self.warmed && self.ready_but_warm() {
+        // `drive`).
+        if !self.warmed && !self.types.is_empty() && self.ready_but_routing() {
             at(self.warm_deadline);
         }
         at(self.stats_waiters.values().min().copied());
@@ -794,7 +798,20 @@ impl ControlPlane {
             self.remember.insert(type_name.to_string());
         }
         if self.types.insert(type_name.to_string()) && self.singleton {
-            self.new_coordinator(type_name);
+            if self.coordinators.contains_key(type_name) || self.waiting.contains_key(type_name) {
+                // Started already for the other members that run the type
+                // (`coordinator_for_a_type_not_started_here`): it goes on,
+                // with the settings it started with until it moves.
+                if remember_entities {
+                    tracing::warn!(
+                        type_name,
+                        "entity type started here after its coordinator started for other members: \
+                         the coordinator remembers no entities until it moves"
+                    );
+                }
+            } else {
+                self.new_coordinator(type_name);
+            }
         }
         self.drive(now);
     }
@@ -1157,9 +1174,18 @@ impl ControlPlane {
             self.available = avail;
             self.tell_all_cores(CoreCommand::Available(avail));
         }
-        let base = self.ready_but_warm();
-        if base && !self.warmed {
-            if self.warm.iter().all(|w| *w) {
+        // A node without entity types (a pure routing node) has nothing to
+        // register or warm: it is ready once Up. Otherwise readiness waits
+        // for every region's registration and warm routing, at most
+        // `coordinator.ready_warm_timeout_ms` after the rest holds.
+        let base = self.ready_but_routing();
+        let nothing_to_route = self.types.is_empty();
+        let registered = self.registered.iter().all(|r| *r);
+        if registered {
+            self.registration_waived = false;
+        }
+        if base && !nothing_to_route && !self.warmed {
+            if registered && self.warm.iter().all(|w| *w) {
                 self.warmed = true;
                 tracing::info!("routing is warm: every region knows every shard's home");
             } else {
@@ -1168,32 +1194,48 @@ impl ControlPlane {
                     .get_or_insert(now + self.coordinator_settings.ready_warm_timeout());
                 if now >= deadline {
                     self.warmed = true;
-                    let cold: Vec<usize> =
-                        (0..self.warm.len()).filter(|c| !self.warm[*c]).collect();
-                    tracing::warn!(
-                        cores = ?cold,
-                        timeout_ms = self.coordinator_settings.ready_warm_timeout_ms,
-                        "ready without warm routing: these cores' regions do not know every shard's home \
-                         within coordinator.ready_warm_timeout_ms (is the coordinator slow or unreachable?); \
-                         their first requests ask the coordinator"
-                    );
+                    self.registration_waived = !registered;
+                    self.warn_ready_without_warm_routing();
                 }
             }
         }
-        let ready = base && self.warmed;
+        let ready =
+            base && (nothing_to_route || (self.warmed && (registered || self.registration_waived)));
         if ready != self.ready {
             self.ready = ready;
             self.events.push_back(ControlEvent::Ready(ready));
         }
     }
 
-    /// Readiness but for warm routing: Up, every core's regions registered,
+    /// The `ready without warm routing` warning: which cores' regions are
+    /// not registered with their coordinators or do not know every
+    /// shard's home, this node's types, and where their coordinators run.
+    fn warn_ready_without_warm_routing(&self) {
+        let unregistered: Vec<usize> = (0..self.registered.len())
+            .filter(|c| !self.registered[*c])
+            .collect();
+        let cold: Vec<usize> = (0..self.warm.len()).filter(|c| !self.warm[*c]).collect();
+        let coordinator = self
+            .cluster
+            .oldest()
+            .map_or_else(|| "-".to_string(), |o| o.address.0.to_string());
+        tracing::warn!(
+            unregistered_cores = ?unregistered,
+            cold_cores = ?cold,
+            types = ?self.types,
+            coordinator,
+            timeout_ms = self.coordinator_settings.ready_warm_timeout_ms,
+            "ready without warm routing: within coordinator.ready_warm_timeout_ms the regions of \
+             unregistered_cores got no answer to their registration and those of cold_cores do not \
+             know every shard's home (is the coordinator, on the oldest member, slow or unreachable?); \
+             their first requests ask the coordinator"
+        );
+    }
+
+    /// Readiness but for the regions' registration and warm routing: Up,
     /// every core's journal open, and not stopped.
-    fn ready_but_warm(&self) -> bool {
-        self.is_up()
-            && self.registered.iter().all(|r| *r)
-            && !self.journal_failed.iter().any(|f| *f)
-            && !self.stopped
+    fn ready_but_routing(&self) -> bool {
+        self.is_up() && !self.journal_failed.iter().any(|f| *f) && !self.stopped
     }
 
     /// Reports [`ControlEvent::OldestUp`] when this member became the
@@ -1344,7 +1386,22 @@ impl ControlPlane {
 
     /// Hands `msg` to `t`'s coordinator, or keeps it while its recovery is
     /// under way (the oldest goes beyond [`WAITING_MAX`]).
+    ///
+    /// A message for a type this node never started (the type is started
+    /// on other members only, while its coordinator runs on the oldest
+    /// member, this one) starts a coordinator for it here, with this
+    /// node's coordinator settings and without `remember_entities` (the
+    /// region's messages do not carry it), once per singleton incarnation
+    /// (see [`Self::coordinator_for_a_type_not_started_here`]).
     fn coordinator_message(&mut self, now: Duration, t: &str, msg: CoordinatorMsg) {
+        if self.singleton
+            && !self.types.contains(t)
+            && !self.coord_status.contains_key(t)
+            && !self.coordinators.contains_key(t)
+            && !self.waiting.contains_key(t)
+        {
+            self.coordinator_for_a_type_not_started_here(t);
+        }
         if let Some(c) = self.coordinators.get_mut(t) {
             c.handle_message(now, msg);
         } else if let Some(q) = self.waiting.get_mut(t) {
@@ -1353,6 +1410,24 @@ impl ControlPlane {
             }
             q.push_back(msg);
         }
+    }
+
+    /// Starts `t`'s coordinator on this node, the oldest member, which
+    /// never started the type (another member's region asked for it), and
+    /// says so: in Akka the coordinator singleton of a type runs on the
+    /// oldest node where the type's sharding is started (roles say which);
+    /// here it runs on the oldest member, so that member hosts it for
+    /// types started elsewhere only.
+    fn coordinator_for_a_type_not_started_here(&mut self, t: &str) {
+        tracing::warn!(
+            type_name = t,
+            "entity type {t} is not started on this node, the oldest member, where the coordinators \
+             run: its coordinator starts here for the members that started it, with this node's \
+             [coordinator] settings and without remember_entities; this node hosts none of its \
+             shards and refuses its requests (UnknownEntityType). Start every entity type on every \
+             node (start_proxy where a node should host none of its entities)"
+        );
+        self.new_coordinator(t);
     }
 
     fn start_coordinator(&mut self, now: Duration, wall_clock_ms: u64, t: &str, rec: Recovery) {
@@ -2135,12 +2210,132 @@ mod tests {
                 .iter()
                 .any(|e| matches!(e, ControlEvent::Ready(true)))
         });
-        let waited = now - start;
+        // The wait started when the node was Up (before `start`).
         let timeout = crate::config::CoordinatorConfig::default().ready_warm_timeout();
+        let waited = now - start;
         assert!(
-            waited >= timeout && waited < timeout + Duration::from_secs(1),
-            "ready after {waited:?}"
+            now >= timeout && waited < timeout + Duration::from_secs(1),
+            "ready after {waited:?}, at {now:?}"
         );
+    }
+
+    #[test]
+    fn ready_does_not_wait_for_registration_beyond_its_timeout() {
+        // The regions never hear from their coordinator (it is slow,
+        // unreachable, or on a member that does not run the type).
+        let (mut p, mut now) = until_recover(2);
+        drain(&mut p);
+        let start = now;
+        p.handle_registered(now, 1, true, true);
+        let o = run_until(&mut p, &mut now, Duration::from_secs(30), |_, o| {
+            o.events
+                .iter()
+                .any(|e| matches!(e, ControlEvent::Ready(true)))
+        });
+        let timeout = crate::config::CoordinatorConfig::default().ready_warm_timeout();
+        let waited = now - start;
+        assert!(
+            now >= timeout && waited < timeout + Duration::from_secs(1),
+            "ready after {waited:?}, at {now:?}"
+        );
+        assert!(!o
+            .events
+            .iter()
+            .any(|e| matches!(e, ControlEvent::Ready(false))));
+        // Nothing is due any more at that instant.
+        assert!(p.poll_timeout().is_none_or(|t| t > now));
+        // The late registration keeps the node ready; a later
+        // re-registration (the coordinator moved) makes it unready as
+        // usual.
+        p.handle_registered(now, 0, true, false);
+        assert!(drain(&mut p).events.is_empty());
+        p.handle_registered(now, 0, false, false);
+        assert!(drain(&mut p)
+            .events
+            .iter()
+            .any(|e| matches!(e, ControlEvent::Ready(false))));
+    }
+
+    #[test]
+    fn a_node_without_entity_types_is_ready_once_up() {
+        let mut p = single(2);
+        let mut now = Duration::ZERO;
+        run_until(&mut p, &mut now, Duration::from_secs(5), |_, o| {
+            o.events
+                .iter()
+                .any(|e| matches!(e, ControlEvent::Ready(true)))
+        });
+        assert!(p.is_up());
+        let timeout = crate::config::CoordinatorConfig::default().ready_warm_timeout();
+        assert!(now < timeout, "ready at {now:?}: it waited for nothing");
+        // A type started later waits for its regions again.
+        p.handle_register_type(now, TYPE, false);
+        assert!(drain(&mut p)
+            .events
+            .iter()
+            .any(|e| matches!(e, ControlEvent::Ready(false))));
+    }
+
+    #[test]
+    fn the_oldest_starts_the_coordinator_of_a_type_only_other_members_run() {
+        // The oldest member never started `only2`; a region of it asks.
+        let mut p = single(1);
+        let mut now = Duration::ZERO;
+        run_until(&mut p, &mut now, Duration::from_secs(5), |p, _| p.is_up());
+        drain(&mut p);
+        let ask = |p: &mut ControlPlane, now: Duration| {
+            p.handle_to_coordinator(
+                now,
+                "only2",
+                CoordinatorMsg::Register {
+                    region: region(0),
+                    hosted: Vec::new(),
+                    stopping: Vec::new(),
+                },
+            );
+            drain(p)
+        };
+        let o = ask(&mut p, now);
+        assert!(
+            o.journal
+                .iter()
+                .any(|j| matches!(j, JournalOp::Recover { type_name } if type_name == "only2")),
+            "no coordinator started"
+        );
+        // Asking again while it recovers starts nothing more.
+        let o = ask(&mut p, now);
+        assert!(!o
+            .journal
+            .iter()
+            .any(|j| matches!(j, JournalOp::Recover { .. })));
+        p.handle_recovered(
+            now,
+            1_000,
+            "only2",
+            Recovery::Read(RecoveredCoordinator::default()),
+        );
+        let o = drain(&mut p);
+        let begin = o.begin().expect("a new incarnation").2;
+        let last = o
+            .appends()
+            .iter()
+            .map(|(_, s)| *s)
+            .fold(begin, JournalSeq::max);
+        p.handle_journal_durable(now, last);
+        let o = drain(&mut p);
+        assert!(
+            o.region_msgs()
+                .iter()
+                .any(|(c, m)| *c == 0 && *m == RegionMsg::RegisterAck),
+            "{:?}",
+            o.region_msgs()
+        );
+        // Starting the type here later keeps that coordinator.
+        p.handle_register_type(now, "only2", false);
+        assert!(!drain(&mut p)
+            .journal
+            .iter()
+            .any(|j| matches!(j, JournalOp::Recover { .. })));
     }
 
     #[test]
@@ -2161,7 +2356,8 @@ mod tests {
         now = deadline + Duration::from_millis(1);
         p.handle_timeout(now);
         let o = drain(&mut p);
-        assert!(!o
+        // The wait bounds the registration too: ready anyway.
+        assert!(o
             .events
             .iter()
             .any(|e| matches!(e, ControlEvent::Ready(true))));
@@ -2172,14 +2368,13 @@ mod tests {
             "still due: {:?} at {now:?}",
             p.poll_timeout()
         );
-        // Once the regions are registered again the wait, long over, lets
-        // the node be ready at once.
+        // The regions registered again: still ready.
         p.handle_registered(now, 0, true, false);
         let o = drain(&mut p);
-        assert!(o
+        assert!(!o
             .events
             .iter()
-            .any(|e| matches!(e, ControlEvent::Ready(true))));
+            .any(|e| matches!(e, ControlEvent::Ready(false))));
     }
 
     #[test]
