@@ -321,12 +321,14 @@ mod tests {
     #[test]
     fn a_small_message_limit_without_an_http_front_builds() {
         let c = NodeConfig::builder(addr(1), addr(2), "d")
+            .seed_nodes([addr(1)])
             .max_message_size_bytes(1024)
             .build()
             .expect("no HTTP front: its body limit bounds nothing");
         assert_eq!(c.requests.max_message_size_bytes, 1024);
         // With an HTTP front the default 1 MiB body limit exceeds it...
         let e = NodeConfig::builder(addr(1), addr(2), "d")
+            .seed_nodes([addr(1)])
             .http_address(addr(3))
             .max_message_size_bytes(1024)
             .build()
@@ -334,6 +336,7 @@ mod tests {
         assert!(e.to_string().contains("http.max_body_size_bytes"), "{e}");
         // ... and one within it builds.
         let c = NodeConfig::builder(addr(1), addr(2), "d")
+            .seed_nodes([addr(1)])
             .http_address(addr(3))
             .max_message_size_bytes(1024)
             .http(HttpConfig {
