@@ -30,6 +30,10 @@
 #   DURABILITIES="none always interval:5" (default "none") also runs the
 #   Shardline side with those durabilities (interval:N is N ms group commit).
 # Installs redis (redis-server, redis-benchmark) from Debian when missing.
+# Builds the binaries with the release profile as it is set (LTO on), under
+# CARGO_TARGET_DIR when set; several figures in docs/node.md were measured
+# with LTO off (CARGO_PROFILE_RELEASE_LTO=false
+# CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16) and say so.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${1:-3}
