@@ -1,6 +1,7 @@
 //! A node stopped in process (left, or dropped) releases its connections,
 //! and a node started again in the same process at the same addresses
-//! joins: embedded nodes in this process, ports 30100-30199.
+//! joins; a type started twice is refused; `Node::status` shows the node
+//! its own view: embedded nodes in this process, ports 30100-30199.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -166,4 +167,75 @@ fn a_node_stopped_in_process_closes_its_connections_and_joins_again_at_the_same_
         "every entity answers from the seed once the second node is gone"
     );
     first.leave(Duration::from_secs(10));
+}
+
+#[test]
+fn a_type_started_twice_is_refused_and_the_first_start_stays_as_the_status_shows() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let port = 30_120;
+    let addr = |p: u16| format!("127.0.0.1:{p}").parse().expect("addr");
+    let node = Node::start(
+        NodeConfig::builder(addr(port), addr(port + 50), dir.path().join("n"))
+            .seed_nodes([addr(port)])
+            .pin_cores(false)
+            .number_of_shards(8)
+            .build()
+            .expect("config"),
+    )
+    .expect("start");
+    node.sharding()
+        .start(
+            "where",
+            Arc::new(|_| Box::new(Where(1))),
+            EntitySettings::default(),
+        )
+        .expect("first start");
+    let again = node.sharding().start(
+        "where",
+        Arc::new(|_| Box::new(Where(2))),
+        EntitySettings::default(),
+    );
+    assert!(
+        matches!(&again, Err(shardline::NodeError::AlreadyStarted(t)) if t == "where"),
+        "{again:?}"
+    );
+    let proxy = node.sharding().start_proxy("where");
+    assert!(
+        matches!(proxy, Err(shardline::NodeError::AlreadyStarted(_))),
+        "{proxy:?}"
+    );
+    node.wait_ready(Duration::from_secs(30)).expect("ready");
+    let answer = node
+        .entity_ref("where", "a")
+        .expect("ref")
+        .ask(b"where", Duration::from_secs(5))
+        .expect("ask");
+    assert_eq!(answer, b"1", "the first start's factory serves");
+
+    // The node's own view, in process.
+    let status = node.status(Duration::from_secs(5)).expect("status");
+    assert_eq!(status.address, format!("127.0.0.1:{port}"));
+    assert_eq!(status.client_address, format!("127.0.0.1:{}", port + 50));
+    assert!(status.coordinator_here, "{status:?}");
+    assert!(
+        status
+            .members
+            .iter()
+            .any(|m| m.address == status.address && m.status == "Up" && m.reachable),
+        "{:?}",
+        status.members
+    );
+    let regions: Vec<_> = status
+        .regions
+        .iter()
+        .filter(|r| r.type_name == "where")
+        .collect();
+    assert!(!regions.is_empty(), "{:?}", status.regions);
+    assert!(
+        regions
+            .iter()
+            .all(|r| r.registered && !r.proxy && r.homes_known == 8),
+        "{regions:?}"
+    );
+    node.leave(Duration::from_secs(10));
 }

@@ -41,7 +41,10 @@ pub enum AskError {
     /// The request failed with this status.
     #[error("request failed: {0:?}")]
     Failed(Status),
-    /// No answer within the timeout (the outcome is unknown).
+    /// No answer within the timeout (the outcome is unknown): this node
+    /// gave up waiting, or the node that forwarded the message to the
+    /// entity's home did (an answer with [`Status::TimedOut`] is reported
+    /// as this variant, never as `Failed(Status::TimedOut)`).
     #[error("timed out")]
     TimedOut,
     /// The node is stopped.
@@ -122,6 +125,10 @@ impl AskFuture {
 fn answer(a: ApiAnswer) -> Result<Vec<u8>, AskError> {
     match a {
         Some((Status::Ok, payload)) => Ok(payload),
+        // A node that forwarded the ask gave up waiting for its answer:
+        // the same outcome as this node giving up (the typed API merges
+        // them too), so one variant says it wherever the entity lives.
+        Some((Status::TimedOut, _)) => Err(AskError::TimedOut),
         Some((status, _)) => Err(AskError::Failed(status)),
         None => Err(AskError::TimedOut),
     }
@@ -184,5 +191,27 @@ impl Future for AskFuture {
             Poll::Ready(Ok(a)) => Poll::Ready(answer(a)),
             Poll::Ready(Err(oneshot::Closed)) => Poll::Ready(Err(AskError::Stopped)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_forwarded_ask_that_timed_out_is_answered_as_a_local_one() {
+        assert!(matches!(
+            answer(Some((Status::TimedOut, Vec::new()))),
+            Err(AskError::TimedOut)
+        ));
+        assert!(matches!(answer(None), Err(AskError::TimedOut)));
+        assert!(matches!(
+            answer(Some((Status::Unavailable, Vec::new()))),
+            Err(AskError::Failed(Status::Unavailable))
+        ));
+        assert_eq!(
+            answer(Some((Status::Ok, b"x".to_vec()))).ok(),
+            Some(b"x".to_vec())
+        );
     }
 }

@@ -78,6 +78,17 @@ pub enum NodeError {
     /// not be reached at start to read its identity, or refused.
     #[error("journal.backend = \"postgres\": {0}")]
     Journal(crate::persistence::pg::PgError),
+    /// The entity type (named here) is already started on this node, by an
+    /// earlier start of any kind (`Sharding::start`, `start_typed`,
+    /// `start_persistent`, `start_stateless_worker`, `start_proxy`) or by
+    /// the config's `[[entity_types]]`: a type has one factory and one set
+    /// of settings per node, and the first start stays.
+    #[error("entity type `{0}` is already started on this node; its first start stays")]
+    AlreadyStarted(String),
+    /// [`Node::status`]: the control executor did not answer within the
+    /// given time.
+    #[error("no status from the node's control executor within {0:?}")]
+    StatusTimedOut(Duration),
 }
 
 /// Settings of one entity type's regions.
@@ -136,6 +147,8 @@ pub struct Node {
     threads: Vec<std::thread::JoinHandle<()>>,
     /// The `data_dir`'s lock, released after the executors stopped.
     _lock: crate::persistence::DataDirLock,
+    /// The entity types started on this node (a second start is refused).
+    started_types: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl Node {
@@ -274,6 +287,7 @@ impl Node {
             shared,
             threads,
             _lock: lock,
+            started_types: std::sync::Mutex::default(),
         };
         for t in node.config.entity_types.clone() {
             node.sharding().start(
@@ -338,6 +352,69 @@ impl Node {
             std::thread::sleep(Duration::from_millis(10));
         }
         Err(NodeError::NotReady(timeout))
+    }
+
+    /// This node's view of the cluster, as `shardline status` prints it
+    /// (the native front's status request, `GET /v1/status`): the members
+    /// and their states, the leader, where the coordinators run, the
+    /// coordinators hosted here, and this node's regions on every data
+    /// core with their shards and entities (Akka's `Cluster.state` and
+    /// each region's `GetShardRegionState`).
+    ///
+    /// Waits at most `timeout` for the control executor and each data
+    /// core; a data core that has not answered by then leaves its regions
+    /// out.
+    ///
+    /// # Errors
+    /// [`NodeError::Stopped`] when the node has stopped;
+    /// [`NodeError::StatusTimedOut`] when the control executor did not
+    /// answer within `timeout`.
+    pub fn status(&self, timeout: Duration) -> Result<NodeStatus, NodeError> {
+        let deadline = Instant::now() + timeout;
+        let (cluster_tx, cluster_rx) = crossbeam_channel::bounded(1);
+        self.to_control
+            .send(ToControl::Status { reply: cluster_tx })
+            .map_err(|_| NodeError::Stopped)?;
+        let (cores_tx, cores_rx) = crossbeam_channel::bounded(self.to_cores.len().max(1));
+        let asked = self
+            .to_cores
+            .iter()
+            .filter(|c| {
+                c.send(ToCore::Status {
+                    reply: cores_tx.clone(),
+                })
+                .is_ok()
+            })
+            .count();
+        drop(cores_tx);
+        let view = cluster_rx.recv_deadline(deadline).map_err(|e| match e {
+            crossbeam_channel::RecvTimeoutError::Timeout => NodeError::StatusTimedOut(timeout),
+            crossbeam_channel::RecvTimeoutError::Disconnected => NodeError::Stopped,
+        })?;
+        let mut regions = Vec::new();
+        for _ in 0..asked {
+            match cores_rx.recv_deadline(deadline) {
+                Ok(mut r) => regions.append(&mut r),
+                Err(_) => break,
+            }
+        }
+        regions.sort_by(|a: &RegionStatusView, b: &RegionStatusView| {
+            (a.type_name.as_str(), a.core).cmp(&(b.type_name.as_str(), b.core))
+        });
+        Ok(NodeStatus {
+            address: self.config.cluster_address.to_string(),
+            uid: self.uid.0,
+            client_address: self.config.client_address.to_string(),
+            members: view.members,
+            leader: view.leader,
+            coordinator: view.coordinator,
+            coordinator_here: view.coordinator_here,
+            regions,
+            coordinators: view.coordinators,
+            cluster_name: view.cluster_name,
+            cluster_id: view.cluster_id,
+            journal_identity: view.journal_identity,
+        })
     }
 
     /// Whether the node stopped (left, or was downed).
@@ -591,7 +668,11 @@ impl Sharding<'_> {
     ///
     /// # Errors
     /// [`NodeError::Stopped`]; an invalid type name is reported as
-    /// [`NodeError::Config`].
+    /// [`NodeError::Config`]; [`NodeError::AlreadyStarted`] when the type
+    /// is already started on this node (Akka's `ClusterSharding.start`
+    /// hands back the existing region and ignores the new factory; this
+    /// says so instead, since the new factory and settings would not be
+    /// used).
     pub fn start(
         &self,
         type_name: &str,
@@ -646,6 +727,15 @@ impl Sharding<'_> {
                 reason: e.to_string(),
             })
         })?;
+        let first = self
+            .node
+            .started_types
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(t.as_str().to_string());
+        if !first {
+            return Err(NodeError::AlreadyStarted(t.as_str().to_string()));
+        }
         self.node
             .to_control
             .send(ToControl::RegisterType {

@@ -1001,7 +1001,9 @@ impl EntityHost {
                     self.reply(s, Status::EntityFailed, e.to_string().into_bytes());
                 }
             } else if !h.panicked {
-                tracing::warn!(entity = %who.id, error = %e, "entity failed; it stops");
+                // A told message (nobody to answer) from any sender can
+                // cause one per message: one line per window.
+                crate::runtime::limited!(warn, entity = %who.id, error = %e, "entity failed; it stops");
             }
             self.fail_entity(now, plane, who);
             return;
