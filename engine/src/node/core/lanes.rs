@@ -69,8 +69,10 @@ impl DataExecutor {
         }
         let encoded = encode_frame(&t.frame, &mut outbox.buf.borrow_mut());
         if let Err(e) = encoded {
-            // The fronts and the embedding API refuse messages over the
-            // limit before sending; this is a message from an entity.
+            // The fronts, the embedding API and the entity host refuse
+            // messages over `requests.max_message_size_bytes` before they
+            // are routed; a frame still too long here (the limit's 1 KiB
+            // of room for the envelope's names exceeded) is refused too.
             let status = match t.frame {
                 DataFrame::System { .. } => Status::BufferFull,
                 _ => Status::TooLarge,

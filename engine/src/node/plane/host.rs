@@ -92,6 +92,9 @@ pub(crate) struct HostConfig {
     /// `requests.ask_timeout_ms`: the longest ask deadline of a message an
     /// entity asks with.
     pub ask_timeout: Duration,
+    /// `requests.max_message_size_bytes`: the longest message an entity
+    /// may send (tell, ask, forward), wherever its target lives.
+    pub max_message_size_bytes: u64,
 }
 
 impl HostConfig {
@@ -106,6 +109,7 @@ impl HostConfig {
             cores: cores.max(1),
             number_of_shards: config.number_of_shards,
             ask_timeout: config.requests.ask_timeout(),
+            max_message_size_bytes: config.requests.max_message_size_bytes,
         }
     }
 }
@@ -1586,6 +1590,27 @@ impl EntityHost {
             } else {
                 ReplyTo::Nobody
             };
+            if o.payload.len() as u64 > self.config.max_message_size_bytes {
+                // Refused here, as the fronts, the embedding API and a
+                // data lane to another node refuse it: the same answer
+                // whether the target is on this node or not.
+                let msg = format!(
+                    "message of {} bytes exceeds requests.max_message_size_bytes ({})",
+                    o.payload.len(),
+                    self.config.max_message_size_bytes
+                );
+                if matches!(to, ReplyTo::Nobody) {
+                    crate::runtime::limited!(
+                        warn,
+                        type_name = %o.type_name,
+                        entity = %o.entity_id,
+                        bytes = o.payload.len(),
+                        "message between entities dropped: over requests.max_message_size_bytes"
+                    );
+                }
+                self.reply(to, Status::TooLarge, msg.into_bytes());
+                continue;
+            }
             let envelope = Envelope {
                 deadline,
                 shard: shard_id_of(o.entity_id.as_str(), self.config.number_of_shards),

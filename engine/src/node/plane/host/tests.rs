@@ -70,6 +70,12 @@ impl Entity for Probe {
             ["hold"] => {
                 let _ = ctx.defer_reply();
             }
+            // 2,000 bytes, over the rig's 1,024-byte message limit.
+            ["big-ask", e] => {
+                let _ = ctx.ask(T, &id(e), vec![b'x'; 2_000], secs(5));
+            }
+            ["big-tell", e] => ctx.tell(T, &id(e), vec![b'x'; 2_000]),
+            ["big-forward", e] => ctx.forward(T, &id(e), vec![b'x'; 2_000]),
             ["watch", e] => ctx.watch(T, &id(e)),
             _ => return Err(EntityError::Failed(format!("unknown message {m}"))),
         }
@@ -149,6 +155,7 @@ impl Rig {
             cores: 1,
             number_of_shards: 1,
             ask_timeout: secs(30),
+            max_message_size_bytes: 1024,
         });
         let mut settings = RegionSettings::default();
         settings.passivation.idle_timeout = idle;
@@ -469,6 +476,32 @@ fn an_ask_to_another_entity_times_out() {
     assert!(
         rig.host.poll_timeout().is_none(),
         "nothing left to time out"
+    );
+}
+
+#[test]
+fn a_message_between_entities_over_the_size_limit_is_refused_at_its_sender() {
+    let mut rig = Rig::new(None);
+    rig.request(secs(1), 1, "b", "echo:up");
+    rig.request(secs(1), 2, "a", "big-ask:b");
+    rig.request(secs(1), 3, "a", "big-tell:b");
+    rig.request(secs(1), 4, "a", "big-forward:b");
+    let log = rig.log();
+    assert!(
+        !log.iter().any(|l| l.starts_with("b got x")),
+        "nothing over the limit reached b: {log:?}"
+    );
+    let answers: Vec<&String> = log.iter().filter(|l| l.contains("ask reply")).collect();
+    assert_eq!(answers.len(), 1, "{log:?}");
+    assert!(answers[0].contains("TooLarge"), "{answers:?}");
+    // The forwarded request's sender (the front) gets the refusal.
+    assert!(
+        rig.replies
+            .iter()
+            .any(|(to, status, _)| *status == Status::TooLarge
+                && matches!(to, ReplyTo::Client { request_id: 4, .. })),
+        "{:?}",
+        rig.replies
     );
 }
 
