@@ -740,9 +740,30 @@ impl<E: PersistentEntity> Persistent<E> {
                 else {
                     break;
                 };
-                if let Err(e) = self.run_command(ctx, &cmd, token, Some(pid)) {
-                    if let Some(t) = token {
-                        ctx.complete(t, Status::EntityFailed, e.to_string().into_bytes());
+                let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    self.run_command(ctx, &cmd, token, Some(pid))
+                }));
+                match ran {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        if let Some(t) = token {
+                            ctx.complete(t, Status::EntityFailed, e.to_string().into_bytes());
+                        }
+                    }
+                    Err(payload) => {
+                        // The command's reply token was taken off the queue
+                        // and is only here: answer it before the panic goes
+                        // on to fail the incarnation (the supervisor or the
+                        // host catches it), or its sender would wait out
+                        // its whole ask timeout for an answer nobody gives.
+                        if let Some(t) = token {
+                            let why = format!(
+                                "command handler panicked: {}",
+                                super::panic_text(payload.as_ref())
+                            );
+                            ctx.complete(t, Status::EntityFailed, why.into_bytes());
+                        }
+                        std::panic::resume_unwind(payload);
                     }
                 }
             }

@@ -246,6 +246,9 @@ pub(crate) async fn run(init: ControlInit) {
     for p in ctl.borrow().peers.values() {
         p.close();
     }
+    // No new inbound connection from here (one accepted during the sweep
+    // below would not be shut down and would stay open).
+    crate::runtime::stop_accepting(&stop_accept, accept).await;
     // The inbound connections: end their reads, then let their tasks run
     // to close them (bounded) while this executor still turns.
     let inbound: Vec<std::os::fd::RawFd> = ctl.borrow().inbound.iter().copied().collect();
@@ -259,7 +262,9 @@ pub(crate) async fn run(init: ControlInit) {
     while !ctl.borrow().inbound.is_empty() && Instant::now() < until {
         monoio::time::sleep(Duration::from_millis(1)).await;
     }
-    crate::runtime::stop_accepting(&stop_accept, accept).await;
+    // Once more, so that the last closes reach the kernel before the
+    // executor returns.
+    monoio::time::sleep(Duration::from_millis(1)).await;
 }
 
 impl Control {
