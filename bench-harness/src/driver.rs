@@ -707,7 +707,12 @@ mod tests {
         let r = d.join().unwrap().recorder;
         let refused = r.errors[&ErrorKind::BufferFull];
         assert!(refused > 50 && r.ok + refused == 400, "{refused}");
-        assert_eq!(r.longest_unreachable.unwrap().entity, 3);
+        // Entity 3 was never reached; which window is the longest is not
+        // asserted here: a success's window is its latency, and a stall of
+        // this thread on a loaded machine before entity 3's first request
+        // made entity 0's first success the longer one (CI saw it).
+        // `stats::tests` checks the choice with fixed times.
+        assert!(r.longest_unreachable.is_some());
     }
 
     #[test]
