@@ -798,7 +798,7 @@ impl ControlPlane {
             self.remember.insert(type_name.to_string());
         }
         if self.types.insert(type_name.to_string()) && self.singleton {
-            if self.coordinators.contains_key(type_name) || self.waiting.contains_key(type_name) {
+            if self.runs_coordinator(type_name) {
                 // Started already for the other members that run the type
                 // (`coordinator_for_a_type_not_started_here`): it goes on,
                 // with the settings it started with until it moves.
@@ -1397,8 +1397,7 @@ impl ControlPlane {
         if self.singleton
             && !self.types.contains(t)
             && !self.coord_status.contains_key(t)
-            && !self.coordinators.contains_key(t)
-            && !self.waiting.contains_key(t)
+            && !self.runs_coordinator(t)
         {
             self.coordinator_for_a_type_not_started_here(t);
         }
@@ -1410,6 +1409,11 @@ impl ControlPlane {
             }
             q.push_back(msg);
         }
+    }
+
+    /// Whether `t`'s coordinator runs here or is recovering its state.
+    fn runs_coordinator(&self, t: &str) -> bool {
+        self.coordinators.contains_key(t) || self.waiting.contains_key(t)
     }
 
     /// Starts `t`'s coordinator on this node, the oldest member, which

@@ -183,10 +183,31 @@ impl Drop for Live {
         // SAFETY: `entity` is taken once, here, and `self` is not used
         // afterwards.
         let entity = unsafe { std::mem::ManuallyDrop::take(&mut self.entity) };
-        if let Err(why) = catch_panic(move || drop(entity)) {
-            entity_panicked("", None, "drop", &why);
-        }
+        drop_entity(entity, "", None);
     }
+}
+
+/// Drops entity `e` of type `type_name` (id `id` when known), catching a
+/// panic of its own `Drop`, which is logged.
+pub(crate) fn drop_entity(e: Box<dyn Entity>, type_name: &str, id: Option<&EntityId>) {
+    if let Err(why) = catch_panic(move || drop(e)) {
+        entity_panicked(type_name, id, "drop", &why);
+    }
+}
+
+/// The outcome of `callback`, a call of entity `id`'s code run under
+/// [`catch_panic`]: a panic is logged and becomes the error the call
+/// fails with (`<callback> panicked: <message>`), as if it had returned it.
+pub(crate) fn panic_as_error(
+    type_name: &str,
+    id: Option<&EntityId>,
+    callback: &str,
+    res: Result<Result<(), EntityError>, String>,
+) -> Result<(), EntityError> {
+    res.unwrap_or_else(|why| {
+        entity_panicked(type_name, id, callback, &why);
+        Err(EntityError::Failed(format!("{callback} panicked: {why}")))
+    })
 }
 
 /// Logs (WARN, at most one line per [`crate::runtime::log_limit::LOG_WINDOW_MS`]
@@ -205,14 +226,16 @@ pub(crate) fn entity_panicked(type_name: &str, id: Option<&EntityId>, callback: 
     );
 }
 
-/// The incarnation of an entity whose factory or `on_start` panicked: it
-/// is installed only to be failed at once like any failed incarnation
-/// (its sender answered `EntityFailed`, its region told it stopped).
-struct StartFailed;
+/// The incarnation (or worker activation) of an entity whose factory or
+/// `on_start` panicked: every message it gets fails with the text it
+/// holds. An incarnation is failed at once like any failed incarnation
+/// (its sender answered `EntityFailed`, its region told it stopped); a
+/// worker activation fails its first request and is replaced.
+pub(super) struct StartFailed(pub(super) String);
 
 impl Entity for StartFailed {
     fn handle(&mut self, _ctx: &mut EntityContext<'_>, _message: &[u8]) -> Result<(), EntityError> {
-        Err(EntityError::Failed("start panicked".to_string()))
+        Err(EntityError::Failed(self.0.clone()))
     }
 }
 
@@ -285,14 +308,8 @@ impl Harvest {
         res: Result<Result<(), EntityError>, String>,
     ) -> (Self, Result<(), EntityError>) {
         let mut h = Harvest::of(ctx);
-        let res = match res {
-            Ok(r) => r,
-            Err(why) => {
-                entity_panicked(ctx.type_name(), Some(ctx.self_id()), callback, &why);
-                h.panicked = true;
-                Err(EntityError::Failed(format!("{callback} panicked: {why}")))
-            }
-        };
+        h.panicked = res.is_err();
+        let res = panic_as_error(ctx.type_name(), Some(ctx.self_id()), callback, res);
         (h, res)
     }
 }
@@ -866,11 +883,9 @@ impl EntityHost {
             (Ok(()), Some(e)) => e,
             (_, made) => {
                 if let Some(e) = made {
-                    if let Err(why) = catch_panic(move || drop(e)) {
-                        entity_panicked(&name, Some(id), "drop", &why);
-                    }
+                    drop_entity(e, &name, Some(id));
                 }
-                Box::new(StartFailed)
+                Box::new(StartFailed("start panicked".to_string()))
             }
         };
         let failed = res.as_ref().err().map(ToString::to_string);

@@ -6,11 +6,12 @@ use std::time::Duration;
 
 use shardline_core::ids::EntityId;
 
-use super::{entity_panicked, EntityHost, FastMap, ReplyToken, UserEnvelope};
-use crate::entity::worker::{core_share, Admit, WorkerPool, WorkerSettings};
-use crate::entity::{
-    catch_panic, Entity, EntityContext, EntityError, EntityFactory, EntityServices, Outgoing,
+use super::{
+    drop_entity, entity_panicked, panic_as_error, EntityHost, FastMap, ReplyToken, StartFailed,
+    UserEnvelope,
 };
+use crate::entity::worker::{core_share, Admit, WorkerPool, WorkerSettings};
+use crate::entity::{catch_panic, Entity, EntityContext, EntityFactory, EntityServices, Outgoing};
 use crate::envelope::Status;
 use crate::node::plane::data::{DataPlane, TypeIdx};
 use crate::status::WorkerPoolStatus;
@@ -35,20 +36,7 @@ impl Drop for Activation {
         // SAFETY: `entity` is taken once, here, and `self` is not used
         // afterwards.
         let entity = unsafe { std::mem::ManuallyDrop::take(&mut self.entity) };
-        if let Err(why) = catch_panic(move || drop(entity)) {
-            entity_panicked("", Some(&self.id), "drop", &why);
-        }
-    }
-}
-
-/// The activation of a worker type whose factory or `on_start` panicked:
-/// every request it gets fails (`EntityFailed`), which removes it from the
-/// pool as any failed activation.
-struct StartFailed(String);
-
-impl Entity for StartFailed {
-    fn handle(&mut self, _ctx: &mut EntityContext<'_>, _message: &[u8]) -> Result<(), EntityError> {
-        Err(EntityError::Failed(self.0.clone()))
+        drop_entity(entity, "", Some(&self.id));
     }
 }
 
@@ -194,13 +182,12 @@ impl EntityHost {
                 .with_type(&name, 0)
                 .with_reply_token(token.0);
             let entity = &mut a.entity;
-            let res = match catch_panic(|| entity.handle(&mut ctx, &env.payload)) {
-                Ok(res) => res,
-                Err(why) => {
-                    entity_panicked(&name, Some(&env.entity), "handler", &why);
-                    Err(EntityError::Failed(format!("handler panicked: {why}")))
-                }
-            };
+            let res = panic_as_error(
+                &name,
+                Some(&env.entity),
+                "handler",
+                catch_panic(|| entity.handle(&mut ctx, &env.payload)),
+            );
             let inc = a.incarnation;
             apply_timers(a, now, ctx.take_timers());
             let mut out = std::mem::take(&mut a.pending_out);
@@ -430,9 +417,7 @@ fn make_activation(
             let why = started.err().unwrap_or_else(|| "no entity".to_string());
             entity_panicked(t, Some(&id), "start", &why);
             if let Some(e) = made {
-                if let Err(w) = catch_panic(move || drop(e)) {
-                    entity_panicked(t, Some(&id), "drop", &w);
-                }
+                drop_entity(e, t, Some(&id));
             }
             Box::new(StartFailed(format!("start panicked: {why}")))
         }
