@@ -10,7 +10,8 @@ use shardline_core::ids::{RegionId, UniqueAddress};
 use shardline_core::sharding::{HandOffPhase, ShardCoordinator};
 
 use super::core::DataExecutorRef;
-use super::{NodeStatus, StatsEvent, ToControl, ToCore};
+use super::msg::ClusterView;
+use super::{NodeStatus, RegionStatusView, StatsEvent, ToControl, ToCore};
 use crate::envelope::Status;
 use crate::status::{
     AllocationTable, HandOffStatus, RebalanceAnswer, RebalanceMove, RegionLoad, RegionRef,
@@ -222,7 +223,7 @@ pub(crate) async fn coordinator_admin(
 pub(crate) async fn collect_status(core: &DataExecutorRef) -> Option<NodeStatus> {
     let (ctx, crx) = crossbeam_channel::bounded(1);
     let (rtx, rrx) = crossbeam_channel::bounded(64);
-    let (mut status, others) = {
+    let (me, client_address, mut regions, others) = {
         let c = core.borrow();
         let _ = c.to_control().send(ToControl::Status { reply: ctx });
         let mut others = 0;
@@ -232,47 +233,48 @@ pub(crate) async fn collect_status(core: &DataExecutorRef) -> Option<NodeStatus>
                 others += 1;
             }
         }
-        let st = NodeStatus {
-            address: c.me().address.0.to_string(),
-            uid: c.me().uid.0,
-            client_address: c.client_address(),
-            members: Vec::new(),
-            leader: None,
-            coordinator: None,
-            coordinator_here: false,
-            regions: c.status(),
-            coordinators: Vec::new(),
-            cluster_name: String::new(),
-            cluster_id: None,
-            journal_identity: String::new(),
-        };
-        (st, others)
+        (c.me().clone(), c.client_address(), c.status(), others)
     };
     let deadline = Instant::now() + STATUS_TIMEOUT;
-    let mut got_cluster = false;
+    let mut view = None;
     let mut got_cores = 0;
-    while Instant::now() < deadline && (!got_cluster || got_cores < others) {
-        if let Ok(v) = crx.try_recv() {
-            status.members = v.members;
-            status.leader = v.leader;
-            status.coordinator = v.coordinator;
-            status.coordinator_here = v.coordinator_here;
-            status.coordinators = v.coordinators;
-            status.cluster_name = v.cluster_name;
-            status.cluster_id = v.cluster_id;
-            status.journal_identity = v.journal_identity;
-            got_cluster = true;
+    while Instant::now() < deadline && (view.is_none() || got_cores < others) {
+        if view.is_none() {
+            view = crx.try_recv().ok();
         }
         while let Ok(mut r) = rrx.try_recv() {
-            status.regions.append(&mut r);
+            regions.append(&mut r);
             got_cores += 1;
         }
         monoio::time::sleep(Duration::from_millis(1)).await;
     }
-    status
-        .regions
-        .sort_by(|a, b| (a.type_name.as_str(), a.core).cmp(&(b.type_name.as_str(), b.core)));
-    got_cluster.then_some(status)
+    Some(node_status(&me, client_address, view?, regions))
+}
+
+/// The status of the node `me` (client address `client_address`) from the
+/// control executor's cluster view and its data cores' regions (sorted by
+/// type, then core): what [`collect_status`] and `Node::status` answer.
+pub(crate) fn node_status(
+    me: &UniqueAddress,
+    client_address: String,
+    view: ClusterView,
+    mut regions: Vec<RegionStatusView>,
+) -> NodeStatus {
+    regions.sort_by(|a, b| (a.type_name.as_str(), a.core).cmp(&(b.type_name.as_str(), b.core)));
+    NodeStatus {
+        address: me.address.0.to_string(),
+        uid: me.uid.0,
+        client_address,
+        members: view.members,
+        leader: view.leader,
+        coordinator: view.coordinator,
+        coordinator_here: view.coordinator_here,
+        regions,
+        coordinators: view.coordinators,
+        cluster_name: view.cluster_name,
+        cluster_id: view.cluster_id,
+        journal_identity: view.journal_identity,
+    }
 }
 
 /// Gathers the cluster-wide sharding stats of `type_name` (Akka's

@@ -398,23 +398,16 @@ impl Node {
                 Err(_) => break,
             }
         }
-        regions.sort_by(|a: &RegionStatusView, b: &RegionStatusView| {
-            (a.type_name.as_str(), a.core).cmp(&(b.type_name.as_str(), b.core))
-        });
-        Ok(NodeStatus {
-            address: self.config.cluster_address.to_string(),
-            uid: self.uid.0,
-            client_address: self.config.client_address.to_string(),
-            members: view.members,
-            leader: view.leader,
-            coordinator: view.coordinator,
-            coordinator_here: view.coordinator_here,
+        let me = shardline_core::ids::UniqueAddress {
+            address: shardline_core::ids::Address(self.config.cluster_address.to_string().into()),
+            uid: self.uid,
+        };
+        Ok(admin::node_status(
+            &me,
+            self.config.client_address.to_string(),
+            view,
             regions,
-            coordinators: view.coordinators,
-            cluster_name: view.cluster_name,
-            cluster_id: view.cluster_id,
-            journal_identity: view.journal_identity,
-        })
+        ))
     }
 
     /// Whether the node stopped (left, or was downed).
